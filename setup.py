@@ -1,0 +1,52 @@
+"""Builds csrc/ as torch custom ops (TORCH_LIBRARY, abi3) when nvcc and a CUDA torch are present.
+
+Without them the package installs as pure Python and runs its Triton kernels.
+MIXPREC_BUILD_CUDA=0 skips the build, =1 makes a missing toolchain an error.
+MIXPREC_CUDA_ARCHS overrides the targets (default "80;90a").
+"""
+import glob
+import os
+import shutil
+
+from setuptools import setup
+
+
+def _cuda_extensions():
+    want = os.environ.get("MIXPREC_BUILD_CUDA", "auto")
+    if want == "0":
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CUDAExtension, CUDA_HOME
+    except ImportError:
+        if want == "1":
+            raise
+        return [], {}
+    have = torch.version.cuda is not None and CUDA_HOME is not None and shutil.which("nvcc")
+    if not have:
+        if want == "1":
+            raise RuntimeError("MIXPREC_BUILD_CUDA=1 but nvcc or a CUDA build of torch is missing")
+        print("vllm_mixprec: no nvcc/CUDA torch; installing without csrc/ (Triton kernels only)")
+        return [], {}
+    archs = os.environ.get("MIXPREC_CUDA_ARCHS", "80;90a").split(";")
+    gencode = []
+    for a in archs:
+        gencode += [f"-gencode=arch=compute_{a},code=sm_{a}"]
+    sources = sorted(glob.glob("csrc/**/*.cu", recursive=True) + glob.glob("csrc/**/*.cpp", recursive=True))
+    ext = CUDAExtension(
+        name="vllm_mixprec._C",
+        sources=sources,
+        include_dirs=[os.path.abspath("csrc")],
+        extra_compile_args={
+            "cxx": ["-O3", "-std=c++17", "-DPy_LIMITED_API=0x03090000"],
+            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
+                     "-DPy_LIMITED_API=0x03090000"] + gencode,
+        },
+        py_limited_api=True,
+    )
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _cuda_extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass,
+      options={"bdist_wheel": {"py_limited_api": "cp39"}} if ext_modules else {})

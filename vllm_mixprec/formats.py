@@ -1,0 +1,237 @@
+"""The single definition of every packed layout in vllm_mixprec.
+
+Everything that reads or writes packed bits (the quantizer, the checkpoint loader, the
+Triton and CUDA kernels, the attention backend) follows the layouts defined here.
+docs/FORMAT.md is the prose version of this file; keep the two in step.
+
+Layouts
+-------
+W4 (LiquidQuant, "lqq") weights of a linear layer with W of shape [N, K] (out, in):
+  * level 1: w8 = clamp(round(W / s1[n]), -119, 119), symmetric per output channel;
+  * level 2: per group of G input channels, q = clamp(round((w8 - min) / s2), 0, 15)
+    with an integer step s2 in [1, 16] and an offset a = 128 + min in [9, 247];
+  * dequantisation is exact in 8-bit lanes: w8_hat = (q * s2 + a) ^ 0x80 (as int8).
+  Tensors: qweight uint8 [N, K/2] (k even in the low nibble), group_scale uint8 [N, K/G],
+  group_offset uint8 [N, K/G], channel_scale float32 [N].
+
+A8: per-token symmetric int8 activations, scale = amax / 127.
+A4 (W4Ax): per-token symmetric int4 in [-7, 7], two per byte (k even in the low nibble,
+  two's complement nibbles), scale = amax / 7.
+
+KV pages: see KVPageLayout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import torch
+
+# --- weights ---------------------------------------------------------------------------
+
+W8_PROTECT = 119  # QoQ protective range: (q*s + a) never leaves a byte lane (see FORMAT.md)
+W4_MAX = 15
+MAX_GROUP_STEP = 16  # ceil(2 * 119 / 15)
+SUPPORTED_GROUP_SIZES = (64, 128)
+ACT_BLOCK = 128  # W4Ax precision block along K (COMET)
+A8_MAX = 127
+A4_MAX = 7
+
+WEIGHT_SCHEMES = ("w4a8", "w4ax")
+KV_SCHEMES = ("none", "kv8", "kv4")
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[..., K] values in [0, 15] (any int dtype) -> uint8 [..., K/2]; even k in the low nibble."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"pack_nibbles: last dim {q.shape[-1]} is odd")
+    q = q.to(torch.uint8)
+    return (q[..., 0::2] & 0xF) | ((q[..., 1::2] & 0xF) << 4)
+
+
+def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> uint8 [..., K] in [0, 15]; inverse of pack_nibbles."""
+    p = p.to(torch.uint8)
+    return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
+
+
+def pack_int4(v: torch.Tensor) -> torch.Tensor:
+    """Signed values in [-8, 7] -> uint8 [..., K/2] of two's complement nibbles."""
+    return pack_nibbles(v.to(torch.int16) & 0xF)
+
+
+def unpack_int4(p: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> int8 [..., K] in [-8, 7]; inverse of pack_int4."""
+    u = unpack_nibbles(p).to(torch.int16)
+    return torch.where(u >= 8, u - 16, u).to(torch.int8)
+
+
+def lqq_dequant_lanes(q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """LiquidQuant level-2 dequantisation in uint8 arithmetic: ((q*step + offset) ^ 0x80) as int8.
+
+    q, step, offset broadcast together; every intermediate must fit a byte, which
+    `lqq_lanes_fit` checks. This is the exact bit recipe the kernels use (IMAD + XOR).
+    """
+    s = q.to(torch.int32) * step.to(torch.int32) + offset.to(torch.int32)
+    return (s ^ 0x80).to(torch.uint8).view(torch.int8)
+
+
+def lqq_dequant_packed_word(word: int, step: int, offset: int) -> int:
+    """The 32-bit register recipe: 4 byte lanes q0..q3 -> 4 int8 lanes (as a uint32).
+
+    r = word * step + offset * 0x01010101 ; r ^= 0x80808080. Correct only when no lane carries.
+    """
+    r = (word * step + offset * 0x01010101) & 0xFFFFFFFF
+    return r ^ 0x80808080
+
+
+@dataclasses.dataclass(frozen=True)
+class W4Layout:
+    """Shapes and dtypes of one linear layer's packed W4 tensors (checkpoint layout)."""
+
+    out_features: int  # N
+    in_features: int  # K
+    group_size: int
+
+    def __post_init__(self):
+        if self.group_size not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(f"group_size={self.group_size} is not one of {SUPPORTED_GROUP_SIZES}")
+        if self.in_features % self.group_size:
+            raise ValueError(
+                f"in_features={self.in_features} is not divisible by group_size={self.group_size}")
+
+    @property
+    def num_groups(self) -> int:
+        return self.in_features // self.group_size
+
+    def tensor_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        n, k, g = self.out_features, self.in_features, self.num_groups
+        return {
+            "qweight": ((n, k // 2), torch.uint8),
+            "group_scale": ((n, g), torch.uint8),
+            "group_offset": ((n, g), torch.uint8),
+            "channel_scale": ((n,), torch.float32),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class W4ActLayout:
+    """W4Ax activation split: the first k8 (permuted) channels are 8-bit, the rest 4-bit."""
+
+    in_features: int
+    num_a8_blocks: int
+
+    def __post_init__(self):
+        if self.in_features % ACT_BLOCK:
+            raise ValueError(f"in_features={self.in_features} is not a multiple of {ACT_BLOCK} (W4Ax)")
+        if not 0 <= self.num_a8_blocks <= self.in_features // ACT_BLOCK:
+            raise ValueError(f"num_a8_blocks={self.num_a8_blocks} out of range for K={self.in_features}")
+
+    @property
+    def k8(self) -> int:
+        return self.num_a8_blocks * ACT_BLOCK
+
+    @property
+    def k4(self) -> int:
+        return self.in_features - self.k8
+
+
+# --- KV cache pages --------------------------------------------------------------------
+
+# vLLM 0.26 sizes pages from --kv-cache-dtype; these carriers give us the byte budget.
+KV_CARRIER_DTYPE = {"kv4": "int4_per_token_head", "kv8": "int8_per_token_head"}
+KV_SCHEME_OF_CARRIER = {v: k for k, v in KV_CARRIER_DTYPE.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPageLayout:
+    """Byte layout of one (block, kv_head) slab of the paged cache.
+
+    vLLM hands the backend a cache of shape (num_blocks, H, B, row_bytes) with
+    row_bytes = 2*(D/2 + 4) for int4_per_token_head and 2*(D + 4) for int8_per_token_head.
+    We do not use rows: each (block, head) slab of B*row_bytes contiguous bytes holds planes,
+    so that every plane is contiguous and 16-byte aligned for vector loads:
+
+      kv4: [K codes B x D/2][V codes B x D/2][K scale f16 B][K zero f16 B][V scale f16 B][V zero f16 B]
+           codes are unsigned nibbles (even d low), x_hat = code * scale + zero (per token, per head)
+      kv8: [K codes B x D][V codes B x D][K scale f32 B][V scale f32 B]
+           codes are int8, x_hat = code * scale (symmetric, per token, per head)
+    """
+
+    scheme: str
+    head_dim: int
+    block_size: int
+
+    def __post_init__(self):
+        if self.scheme not in ("kv4", "kv8"):
+            raise ValueError(f"kv scheme {self.scheme!r} is not one of ('kv4', 'kv8')")
+        if self.head_dim % 16:
+            raise ValueError(f"head_dim={self.head_dim} is not a multiple of 16")
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.scheme == "kv4" else 8
+
+    @property
+    def code_bytes_per_token(self) -> int:
+        return self.head_dim * self.bits // 8
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per (token, head) that vLLM allots: K+V codes plus 8 bytes of metadata."""
+        return 2 * self.code_bytes_per_token + 8
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.block_size * self.row_bytes
+
+    def plane_offsets(self) -> dict[str, int]:
+        b, c = self.block_size, self.code_bytes_per_token
+        off = {"k_codes": 0, "v_codes": b * c}
+        base = 2 * b * c
+        if self.scheme == "kv4":
+            off.update(k_scale=base, k_zero=base + 2 * b, v_scale=base + 4 * b, v_zero=base + 6 * b)
+        else:
+            off.update(k_scale=base, v_scale=base + 4 * b)
+        return off
+
+    def cache_shape(self, num_blocks: int, num_kv_heads: int) -> tuple[int, int, int, int]:
+        return (num_blocks, num_kv_heads, self.block_size, self.row_bytes)
+
+    def storage_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.scheme == "kv4" else torch.int8
+
+
+def kv_planes(cache: torch.Tensor, layout: KVPageLayout) -> dict[str, torch.Tensor]:
+    """Views of the planes of a (num_blocks, H, B, row_bytes) cache; no copies.
+
+    Returns k_codes/v_codes [nb, H, B, code_bytes] (uint8 for kv4, int8 for kv8) and
+    scale/zero planes [nb, H, B] (float16 for kv4, float32 for kv8).
+    """
+    nb, h, b, row = cache.shape
+    if b != layout.block_size or row != layout.row_bytes:
+        raise ValueError(f"cache shape {tuple(cache.shape)} does not match {layout}")
+    raw = cache.view(torch.uint8).reshape(nb, h, layout.slab_bytes)
+    off, c = layout.plane_offsets(), layout.code_bytes_per_token
+    code_dtype = torch.uint8 if layout.scheme == "kv4" else torch.int8
+    meta_dtype = torch.float16 if layout.scheme == "kv4" else torch.float32
+    meta_bytes = 2 if layout.scheme == "kv4" else 4
+    out = {}
+    for name in ("k_codes", "v_codes"):
+        out[name] = raw[:, :, off[name]: off[name] + b * c].view(code_dtype).view(nb, h, b, c)
+    for name in [n for n in off if n.endswith(("scale", "zero"))]:
+        out[name] = raw[:, :, off[name]: off[name] + b * meta_bytes].view(meta_dtype)
+    return out
+
+
+def kv_capacity_ratio(scheme: str, head_dim: int) -> float:
+    """Tokens per byte relative to a 16-bit cache."""
+    row = KVPageLayout(scheme, head_dim, 16).row_bytes
+    return (2 * 2 * head_dim) / row
+
+
+def check_divisible(name: str, value: int, divisor: int) -> None:
+    if value % divisor:
+        raise ValueError(f"{name}={value} is not divisible by {divisor}")
+
+
+assert math.ceil(2 * W8_PROTECT / W4_MAX) == MAX_GROUP_STEP

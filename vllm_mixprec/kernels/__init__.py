@@ -1,0 +1,142 @@
+"""Python entry points of the ops, and the choice of kernel behind them.
+
+Three implementations of every linear op share one signature:
+  * "cuda":      csrc/ ops (TORCH_LIBRARY namespace `mixprec_C`), when the extension is built;
+  * "triton":    kernels/triton, on any CUDA GPU of sm80+;
+  * "reference": reference.py, pure torch (CPU, and the oracle of the tests).
+The choice is made per layer, once, in prepare_linear (after weight loading), and is
+logged at debug level. The ops are torch custom ops with fake implementations, so that
+torch.compile and CUDA graphs in vLLM see opaque, shape-known calls.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from .. import formats as F
+from .. import reference as ref
+from . import cuda as _cuda
+
+logger = logging.getLogger("vllm_mixprec")
+
+IMPLS = ("cuda", "triton", "reference")
+_FORCED = os.environ.get("MIXPREC_KERNEL")  # tests and A/B runs: force one implementation
+if _FORCED is not None and _FORCED not in IMPLS:
+    raise ValueError(f"MIXPREC_KERNEL={_FORCED!r} is not one of {IMPLS}")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def describe() -> str:
+    cuda = "csrc ops loaded" if _cuda.available() else f"csrc ops not built ({_cuda.load_error()})"
+    tri = "triton available" if _triton_available() else "triton missing"
+    forced = f"; forced by MIXPREC_KERNEL={_FORCED}" if _FORCED else ""
+    return f"{cuda}; {tri}; CPU tensors use the torch reference{forced}"
+
+
+logger.info("vllm_mixprec kernels: %s", describe())
+
+
+def select_impl(device: torch.device) -> str:
+    """The implementation a layer on `device` will use."""
+    if _FORCED is not None:
+        if _FORCED == "cuda" and not _cuda.available():
+            raise RuntimeError(f"MIXPREC_KERNEL=cuda but the csrc ops are not built: {_cuda.load_error()}")
+        return _FORCED
+    if device.type != "cuda":
+        return "reference"
+    if _cuda.available() and _cuda.supports_device(device):
+        return "cuda"
+    if _triton_available():
+        return "triton"
+    raise RuntimeError("vllm_mixprec: a CUDA tensor but neither the csrc ops nor Triton are available")
+
+
+def _triton():
+    from .triton import gemm
+    return gemm
+
+
+# --- custom ops -------------------------------------------------------------------------
+
+@torch.library.custom_op("mixprec::w4a8_linear", mutates_args=())
+def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, group_scale: torch.Tensor,
+                group_offset: torch.Tensor, channel_scale: torch.Tensor,
+                bias: torch.Tensor | None, smooth: torch.Tensor | None, impl: str) -> torch.Tensor:
+    """x [M, K] (fp16/bf16) -> [M, N] in x's dtype: quantize_act then w4a8_gemm."""
+    if impl == "reference":
+        xq, xs = ref.quantize_act(x, smooth)
+        return ref.w4a8_gemm(xq, xs, qweight, group_scale, group_offset, channel_scale, bias, x.dtype)
+    mod = _cuda if impl == "cuda" else _triton()
+    xq, xs = mod.quantize_act(x, smooth)
+    return mod.w4a8_gemm(xq, xs, qweight, group_scale, group_offset, channel_scale, bias, x.dtype)
+
+
+@w4a8_linear.register_fake
+def _(x, qweight, group_scale, group_offset, channel_scale, bias, smooth, impl):
+    return x.new_empty((x.shape[0], channel_scale.shape[0]))
+
+
+@torch.library.custom_op("mixprec::w4ax_linear", mutates_args=())
+def w4ax_linear(x: torch.Tensor, qweight: torch.Tensor, group_scale: torch.Tensor,
+                group_offset: torch.Tensor, channel_scale: torch.Tensor, act_perm: torch.Tensor,
+                k8: int, bias: torch.Tensor | None, smooth: torch.Tensor | None, impl: str
+                ) -> torch.Tensor:
+    """W4Ax: permute, split 8/4-bit activations, two integer GEMMs, one epilogue."""
+    mod = ref if impl == "reference" else (_cuda if impl == "cuda" else _triton())
+    x8, s8, x4, s4 = mod.quantize_act_w4ax(x, act_perm, k8, smooth)
+    return mod.w4ax_gemm(x8, s8, x4, s4, qweight, group_scale, group_offset, channel_scale,
+                         bias, x.dtype)
+
+
+@w4ax_linear.register_fake
+def _(x, qweight, group_scale, group_offset, channel_scale, act_perm, k8, bias, smooth, impl):
+    return x.new_empty((x.shape[0], channel_scale.shape[0]))
+
+
+# --- what the linear method calls -------------------------------------------------------
+
+_PARAMS = ("qweight", "group_scale", "group_offset", "channel_scale", "input_smooth", "act_perm")
+
+
+def prepare_linear(layer: torch.nn.Module, weight_scheme: str, prefix: str) -> None:
+    """After loading: pick the kernel, repack for it, and swap vLLM parameters for plain ones."""
+    impl = select_impl(layer.qweight.device)
+    if weight_scheme == "w4ax" and impl == "cuda" and not _cuda.has_w4ax():
+        impl = "triton"
+    for name in _PARAMS:
+        if hasattr(layer, name):
+            data = getattr(layer, name).data
+            delattr(layer, name)
+            layer.register_parameter(name, torch.nn.Parameter(data, requires_grad=False))
+    if weight_scheme == "w4ax":
+        layer.mixprec_k8 = int(layer.a8_blocks.data[0]) * F.ACT_BLOCK
+        del layer.a8_blocks
+    if impl == "cuda":
+        _cuda.prepare_weights(layer)
+    layer.mixprec_impl = impl
+    layer.mixprec_scheme = weight_scheme
+    logger.debug("vllm_mixprec: %s -> %s %s kernel (N=%d, K=%d)", prefix, impl, weight_scheme,
+                 layer.mixprec_out_features, layer.mixprec_in_features)
+
+
+def apply_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    smooth = getattr(layer, "input_smooth", None)
+    if layer.mixprec_scheme == "w4a8":
+        y = torch.ops.mixprec.w4a8_linear(x2, layer.qweight, layer.group_scale, layer.group_offset,
+                                          layer.channel_scale, bias, smooth, layer.mixprec_impl)
+    else:
+        y = torch.ops.mixprec.w4ax_linear(x2, layer.qweight, layer.group_scale, layer.group_offset,
+                                          layer.channel_scale, layer.act_perm, layer.mixprec_k8,
+                                          bias, smooth, layer.mixprec_impl)
+    return y.reshape(*shape[:-1], y.shape[-1])

@@ -1,0 +1,1 @@
+"""Triton kernels: the portable path (sm80+), and what the CPU interpreter tests."""

@@ -1,0 +1,1 @@
+"""The `mixprec` quantization method: config, linear method and KV-cache method."""

@@ -1,0 +1,274 @@
+"""Pure-torch references. Every fast kernel in vllm_mixprec matches one function here,
+with the same signature, and the tests compare them.
+
+The integer parts are exact: an int8 x int8 product summed over K <= 2**17 fits float64's
+mantissa, so the float64 matmul below is an exact int32 GEMM.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import formats as F
+
+_EPS = 1e-8
+
+
+# --- weights: LiquidQuant two-level quantisation ---------------------------------------
+
+def quantize_w8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Level 1: W [N, K] float -> (w8 int8 in [-119, 119], channel_scale float32 [N])."""
+    w = w.detach().to(torch.float64)
+    scale = (w.abs().amax(dim=1) / F.W8_PROTECT).clamp_min(_EPS)
+    w8 = torch.round(w / scale[:, None]).clamp_(-F.W8_PROTECT, F.W8_PROTECT)
+    return w8.to(torch.int8), scale.to(torch.float32)
+
+
+def lqq_group_params(w8: torch.Tensor, group_size: int, step_candidates: int = 2
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Level 2 parameters per group: (step uint8 in [1, 16], offset uint8 = 128 + min).
+
+    The step is the one of {floor, ceil}(range / 15) (step_candidates=2) or ceil alone
+    (step_candidates=1) that gives the smaller squared error. Any step in [1, 16] keeps
+    q*step + offset <= 255 (FORMAT.md), so the choice is free.
+    """
+    n, k = w8.shape
+    g = w8.view(n, k // group_size, group_size).to(torch.int32)
+    mn, mx = g.amin(-1), g.amax(-1)
+    rng = (mx - mn).to(torch.float64)
+    hi = torch.ceil(rng / F.W4_MAX).clamp_(1, F.MAX_GROUP_STEP)
+    if step_candidates == 1:
+        return hi.to(torch.uint8), (128 + mn).to(torch.uint8)
+    lo = torch.floor(rng / F.W4_MAX).clamp_(1, F.MAX_GROUP_STEP)
+    best_err, best = None, None
+    for step in (hi, lo):
+        q = torch.round((g - mn[..., None]) / step[..., None]).clamp_(0, F.W4_MAX)
+        err = ((q * step[..., None] + mn[..., None] - g) ** 2).sum(-1)
+        if best is None:
+            best_err, best = err, step.clone()
+        else:
+            better = err < best_err
+            best = torch.where(better, step, best)
+            best_err = torch.where(better, err, best_err)
+    return best.to(torch.uint8), (128 + mn).to(torch.uint8)
+
+
+def lqq_encode(w8: torch.Tensor, group_step: torch.Tensor, group_offset: torch.Tensor,
+               group_size: int) -> torch.Tensor:
+    """Level 2 codes: int8 w8 [N, K] -> uint8 q [N, K] in [0, 15] for the given group params."""
+    n, k = w8.shape
+    g = w8.view(n, k // group_size, group_size).to(torch.float64)
+    mn = group_offset.to(torch.float64)[..., None] - 128
+    q = torch.round((g - mn) / group_step.to(torch.float64)[..., None]).clamp_(0, F.W4_MAX)
+    return q.to(torch.uint8).view(n, k)
+
+
+def quantize_weight_lqq(w: torch.Tensor, group_size: int = 64) -> dict[str, torch.Tensor]:
+    """W [N, K] float -> the four checkpoint tensors of formats.W4Layout (round to nearest)."""
+    F.W4Layout(w.shape[0], w.shape[1], group_size)  # validates
+    w8, channel_scale = quantize_w8_per_channel(w)
+    step, offset = lqq_group_params(w8, group_size)
+    q = lqq_encode(w8, step, offset, group_size)
+    return {"qweight": F.pack_nibbles(q), "group_scale": step, "group_offset": offset,
+            "channel_scale": channel_scale}
+
+
+def dequantize_weight_w8(qweight: torch.Tensor, group_scale: torch.Tensor,
+                         group_offset: torch.Tensor) -> torch.Tensor:
+    """Packed W4 -> the exact int8 weights [N, K] the GEMM multiplies, via the lane recipe."""
+    q = F.unpack_nibbles(qweight)
+    n, k = q.shape
+    gs = k // group_scale.shape[1]
+    step = group_scale.repeat_interleave(gs, dim=1)
+    off = group_offset.repeat_interleave(gs, dim=1)
+    return F.lqq_dequant_lanes(q, step, off)
+
+
+def dequantize_weight(qweight, group_scale, group_offset, channel_scale,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    w8 = dequantize_weight_w8(qweight, group_scale, group_offset)
+    return (w8.to(torch.float64) * channel_scale.to(torch.float64)[:, None]).to(dtype)
+
+
+# --- activations ------------------------------------------------------------------------
+
+def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8: x [M, K] -> (int8 [M, K], float32 scale [M]).
+
+    `smooth` [K], when given, divides x first (SmoothQuant scale not folded offline).
+    """
+    xf = x.to(torch.float32)
+    if smooth is not None:
+        xf = xf / smooth.to(torch.float32)
+    scale = xf.abs().amax(dim=-1).clamp_min(_EPS) / F.A8_MAX
+    q = torch.round(xf / scale[:, None]).clamp_(-F.A8_MAX, F.A8_MAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
+                      smooth: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W4Ax activations: permute channels, first k8 to int8, the rest to packed int4.
+
+    Returns (x8 int8 [M, k8], s8 float32 [M], x4 uint8 [M, (K-k8)/2], s4 float32 [M]).
+    """
+    xf = x.to(torch.float32)
+    if smooth is not None:
+        xf = xf / smooth.to(torch.float32)
+    xf = xf[:, perm.long()]
+    x8, s8 = quantize_act(xf[:, :k8]) if k8 else (xf.new_zeros(xf.shape[0], 0, dtype=torch.int8),
+                                                   xf.new_ones(xf.shape[0]))
+    rest = xf[:, k8:]
+    s4 = rest.abs().amax(dim=-1).clamp_min(_EPS) / F.A4_MAX if rest.shape[1] else xf.new_ones(xf.shape[0])
+    q4 = torch.round(rest / s4[:, None]).clamp_(-F.A4_MAX, F.A4_MAX)
+    return x8, s8, F.pack_int4(q4), s4
+
+
+# --- GEMM -------------------------------------------------------------------------------
+
+def _int_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Exact integer A [M, K] @ B[N, K]^T in float64."""
+    return a.to(torch.float64) @ b.to(torch.float64).T
+
+
+def w4a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
+              group_scale: torch.Tensor, group_offset: torch.Tensor, channel_scale: torch.Tensor,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """y[m, n] = x_scale[m] * channel_scale[n] * sum_k xq[m, k] * w8[n, k] + bias[n]."""
+    acc = _int_gemm(xq, dequantize_weight_w8(qweight, group_scale, group_offset))
+    y = acc * x_scale.to(torch.float64)[:, None] * channel_scale.to(torch.float64)[None, :]
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y.to(out_dtype)
+
+
+def w4ax_gemm(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Tensor,
+              qweight: torch.Tensor, group_scale: torch.Tensor, group_offset: torch.Tensor,
+              channel_scale: torch.Tensor, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """W4Ax: the 8-bit and 4-bit K ranges accumulate separately, then combine in the epilogue."""
+    w8 = dequantize_weight_w8(qweight, group_scale, group_offset)
+    k8 = x8.shape[1]
+    y = _int_gemm(x8, w8[:, :k8]) * s8.to(torch.float64)[:, None]
+    y = y + _int_gemm(F.unpack_int4(x4), w8[:, k8:]) * s4.to(torch.float64)[:, None]
+    y = y * channel_scale.to(torch.float64)[None, :]
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y.to(out_dtype)
+
+
+def w4a8_linear(x: torch.Tensor, qweight, group_scale, group_offset, channel_scale,
+                bias=None, smooth=None) -> torch.Tensor:
+    """The whole linear layer: quantize_act then w4a8_gemm, output in x's dtype."""
+    shape = x.shape
+    xq, xs = quantize_act(x.reshape(-1, shape[-1]), smooth)
+    y = w4a8_gemm(xq, xs, qweight, group_scale, group_offset, channel_scale, bias, x.dtype)
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
+# --- KV cache ---------------------------------------------------------------------------
+
+def quantize_kv(x: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per (token, head) quantisation of K or V, x [T, H, D].
+
+    kv4: asymmetric, returns (codes uint8 [T, H, D/2] packed, scale f16 [T, H], zero f16 [T, H]).
+    kv8: symmetric, returns (codes int8 [T, H, D], scale f32 [T, H], None).
+    Codes are computed from the stored (rounded) scale and zero, so that dequantisation
+    reproduces exactly what the kernels see.
+    """
+    xf = x.to(torch.float32)
+    if scheme == "kv4":
+        mn, mx = xf.amin(-1), xf.amax(-1)
+        scale = ((mx - mn) / 15).clamp_min(1e-4).to(torch.float16)
+        zero = mn.to(torch.float16)
+        q = torch.round((xf - zero.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15)
+        return F.pack_nibbles(q.to(torch.uint8)), scale, zero
+    if scheme == "kv8":
+        scale = (xf.abs().amax(-1) / 127).clamp_min(1e-8)
+        q = torch.round(xf / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+        return q, scale, None
+    raise ValueError(f"kv scheme {scheme!r} is not one of ('kv4', 'kv8')")
+
+
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                  scheme: str) -> torch.Tensor:
+    """Inverse of quantize_kv, in float32."""
+    if scheme == "kv4":
+        return F.unpack_nibbles(codes).float() * scale.float()[..., None] + zero.float()[..., None]
+    return codes.float() * scale.float()[..., None]
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, layout: F.KVPageLayout,
+                      k_smooth: torch.Tensor | None = None) -> None:
+    """Quantise key/value [T, H, D] and store them at slot_mapping (block*B + offset).
+
+    Slots < 0 (vLLM's PAD_SLOT_ID) are skipped. `k_smooth` [H, D] divides K first
+    (SmoothAttention, when it was not folded into k_proj offline).
+    """
+    if k_smooth is not None:
+        key = key.float() / k_smooth.float()
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blk, off = slots // layout.block_size, slots % layout.block_size
+    planes = F.kv_planes(cache, layout)
+    for name, x in (("k", key[keep]), ("v", value[keep])):
+        codes, scale, zero = quantize_kv(x, layout.scheme)
+        # codes [T, H, C] -> plane [nb, H, B, C] at (blk, :, off)
+        planes[f"{name}_codes"][blk, :, off] = codes
+        planes[f"{name}_scale"][blk, :, off] = scale
+        if zero is not None:
+            planes[f"{name}_zero"][blk, :, off] = zero
+
+
+def gather_kv(cache: torch.Tensor, layout: F.KVPageLayout, block_table: torch.Tensor,
+              seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantised K and V [seq_len, H, D] (float32) of one sequence."""
+    planes = F.kv_planes(cache, layout)
+    pos = torch.arange(seq_len)
+    blk = block_table[pos // layout.block_size].long()
+    off = pos % layout.block_size
+    out = []
+    for name in ("k", "v"):
+        codes = planes[f"{name}_codes"][blk, :, off]
+        scale = planes[f"{name}_scale"][blk, :, off]
+        zero = planes[f"{name}_zero"][blk, :, off] if layout.scheme == "kv4" else None
+        out.append(dequantize_kv(codes, scale, zero, layout.scheme))
+    return out[0], out[1]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+              causal: bool = True) -> torch.Tensor:
+    """Dense attention of one sequence in float64: q [Tq, Hq, D], k/v [Tk, Hkv, D].
+
+    With causal=True the queries are the last Tq positions of the Tk keys.
+    """
+    tq, hq, _ = q.shape
+    tk, hkv, _ = k.shape
+    rep = hq // hkv
+    qd, kd, vd = (t.to(torch.float64) for t in (q, k, v))
+    kd, vd = kd.repeat_interleave(rep, dim=1), vd.repeat_interleave(rep, dim=1)
+    s = torch.einsum("qhd,khd->hqk", qd, kd) * scale
+    if causal:
+        qpos = torch.arange(tk - tq, tk)[:, None]
+        s = s.masked_fill(torch.arange(tk)[None, :] > qpos, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hqk,khd->qhd", p, vd)
+
+
+def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a ragged batch over the quantised paged cache.
+
+    q [T, Hq, D] with sequence i's queries at query_start_loc[i]:query_start_loc[i+1],
+    which are the last positions of its seq_lens[i] tokens (all already in the cache).
+    """
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i in range(seq_lens.shape[0]):
+        s, e = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        if e == s:
+            continue
+        k, v = gather_kv(cache, layout, block_table[i], int(seq_lens[i]))
+        out[s:e] = attention(q[s:e], k, v, scale, causal=True)
+    return out
