@@ -10,7 +10,7 @@ import logging
 
 __version__ = "0.1.0"
 
-logger = logging.getLogger("vllm_mixprec")
+logger = logging.getLogger("vllm.mixprec")  # a child of vLLM's logger: its handler prints us
 
 BACKEND_CLASS_PATH = "vllm_mixprec.attention_backend.backend.MixPrecAttentionBackend"
 _registered = False

@@ -19,7 +19,7 @@ from .. import formats as F
 from .. import reference as ref
 from . import cuda as _cuda
 
-logger = logging.getLogger("vllm_mixprec")
+logger = logging.getLogger("vllm.mixprec")  # a child of vLLM's logger: its handler prints us
 
 IMPLS = ("cuda", "triton", "reference")
 _FORCED = os.environ.get("MIXPREC_KERNEL")  # tests and A/B runs: force one implementation

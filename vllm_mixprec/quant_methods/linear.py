@@ -27,7 +27,7 @@ def _checked_loader(prefix: str, name: str, loader):
                 "(docs/FORMAT.md); re-export with `vllm-mixprec quantize`")
         try:
             return loader(param, loaded_weight, *args, **kwargs)
-        except AssertionError as e:
+        except (AssertionError, RuntimeError) as e:  # vLLM asserts, or narrow() overruns
             raise ValueError(
                 f"{prefix}.{name}: checkpoint shape {tuple(loaded_weight.shape)} does not fit the "
                 f"layer's parameter {tuple(param.shape)} (shard {args[0] if args else None!r}); "

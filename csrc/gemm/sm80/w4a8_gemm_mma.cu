@@ -1,0 +1,593 @@
+// W4A8 GEMM on int8 mma.sync (sm80 and sm90): y[m, n] = xs[m] * cs[n] * sum_k xq[m, k] * w8[n, k] (+ bias[n]).
+//
+// Orientation: Y^T = W X^T. The weight is the A operand (16 output channels x 32 k) of
+// mma.m16n8k32.s8, dequantised in registers from LiquidQuant nibbles with
+// w8 = (q * s + a) ^ 0x80 (exact in byte lanes); tokens are the B operand (n = 8).
+// Integer accumulation runs over all of K: the group parameters give exact int8 weights,
+// so no float math happens before the epilogue.
+//
+// Packed weight layout (repacked offline by vllm_mixprec/kernels/cuda.py:repack_w4a8):
+//   qweight [N/16, K/64, 32 lanes, 16 bytes]: one 16-byte word per lane holds the A
+//   fragments of two consecutive k32 steps (LDG.128 / LDS.128, no ldmatrix). Inside a
+//   16-channel tile, MMA row r is channel 2*(r%8) + r/8, so that accumulator registers
+//   c0/c2 are adjacent channels (one 32-bit store of a half2). Inside a 64-k chunk, lane
+//   t's two k32 steps cover actual k in [16t, 16t+16), so its B fragments are one
+//   contiguous 16-byte load of the activations (the k permutation is shared by A and B).
+//   u32 word j of a lane (g = lane/4, t = lane%4): channel 2g + (j&1), step s = j>>1,
+//   byte b = nibble(k = 16t + 8s + b) | nibble(k + 4) << 4.
+//   gparams [N/16, K/G, 8 (g)] u32 = (s[2g], a[2g], s[2g+1], a[2g+1]) bytes.
+// See csrc/gemm/NOTES.md for the derivation and the performance model.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "gemm/w4a8_gemm.h"
+
+namespace mixprec {
+namespace {
+
+constexpr int kChunkK = 64;        // k per packed chunk (two mma k32 steps)
+constexpr int kChunkBytes = 512;   // one 16-channel x 64-k chunk = 32 lanes x 16 B
+constexpr int kDecodeWarps = 8;    // intra-CTA split-K for the decode kernels
+constexpr int kDecodeThreads = kDecodeWarps * 32;
+
+struct Params {
+  const int8_t* __restrict__ xq;
+  const float* __restrict__ x_scale;
+  const uint8_t* __restrict__ qweight;
+  const uint32_t* __restrict__ gparams;
+  const float* __restrict__ channel_scale;
+  const void* __restrict__ bias;
+  void* __restrict__ out;
+  int32_t* __restrict__ workspace;
+  int32_t* __restrict__ counters;
+  int bias_kind;
+  int M, N, K;
+  int group_shift;  // log2(group_size / 64): chunk c uses group c >> group_shift
+};
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ---- memory ------------------------------------------------------------------------------
+
+// Weights are read once: skip L1 so the activations stay there.
+__device__ __forceinline__ uint4 ldg_stream_v4(const void* ptr) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(ptr));
+  return v;
+}
+
+__device__ __forceinline__ uint4 ldg_v4(const void* ptr) {
+  return __ldg(reinterpret_cast<const uint4*>(ptr));
+}
+
+// 16-byte async copy; ok == false fills the destination with zeros (src is not read).
+__device__ __forceinline__ void cp_async16(void* smem_ptr, const void* gmem_ptr, bool ok) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_ptr),
+               "r"(ok ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// ---- dequantisation and MMA ---------------------------------------------------------------
+
+// One packed 16-byte word -> the A fragments of two k32 steps: a[step][reg].
+// Per u32: 8 nibbles -> two registers of 4 byte lanes (AND, SHF+AND), then IMAD + XOR each.
+// No lane carries: q * s + a <= 255 by construction of LiquidQuant (formats.py).
+__device__ __forceinline__ void dequant_chunk(const uint4 w, const uint32_t params,
+                                              uint32_t (&a)[2][4]) {
+  const uint32_t s_even = __byte_perm(params, 0, 0x4440);  // scale of channel 2g in lane 0
+  const uint32_t a_even = __byte_perm(params, 0, 0x1111);  // offset of 2g in all 4 lanes
+  const uint32_t s_odd = __byte_perm(params, 0, 0x4442);
+  const uint32_t a_odd = __byte_perm(params, 0, 0x3333);
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t s = (j & 1) ? s_odd : s_even;
+    const uint32_t off = (j & 1) ? a_odd : a_even;
+    const uint32_t lo = words[j] & 0x0F0F0F0Fu;         // k = 16t + 8s + 0..3
+    const uint32_t hi = (words[j] >> 4) & 0x0F0F0F0Fu;  // k = 16t + 8s + 4..7
+    // step j>>1; reg 0/1 = rows g / g+8 (k 0..15 of the step), reg 2/3 = k 16..31
+    a[j >> 1][(j & 1)] = (lo * s + off) ^ 0x80808080u;
+    a[j >> 1][2 + (j & 1)] = (hi * s + off) ^ 0x80808080u;
+  }
+}
+
+__device__ __forceinline__ void mma_s8_16x8x32(int32_t (&c)[4], const uint32_t (&a)[4],
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Both k32 steps of a chunk; x holds the lane's 16 activations k = 16t .. 16t+15.
+__device__ __forceinline__ void mma_chunk(int32_t (&c)[4], const uint32_t (&a)[2][4], const uint4 x) {
+  mma_s8_16x8x32(c, a[0], x.x, x.y);
+  mma_s8_16x8x32(c, a[1], x.z, x.w);
+}
+
+// ---- epilogue ------------------------------------------------------------------------------
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+__device__ __forceinline__ void store2(float* p, float y0, float y1) {
+  *reinterpret_cast<float2*>(p) = make_float2(y0, y1);
+}
+__device__ __forceinline__ void store2(__half* p, float y0, float y1) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(y0, y1);
+}
+__device__ __forceinline__ void store2(__nv_bfloat16* p, float y0, float y1) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(y0, y1);
+}
+
+// Output channels ch, ch+1 (ch even) of token tok from their int32 sums.
+template <typename OutT>
+__device__ __forceinline__ void write_pair(const Params& p, int tok, int ch, int32_t v0, int32_t v1) {
+  const float xs = p.x_scale[tok];
+  const float2 cs = *reinterpret_cast<const float2*>(p.channel_scale + ch);
+  float y0 = static_cast<float>(v0) * xs * cs.x;
+  float y1 = static_cast<float>(v1) * xs * cs.y;
+  if (p.bias_kind == static_cast<int>(BiasKind::kFloat)) {
+    const float* b = static_cast<const float*>(p.bias);
+    y0 += b[ch];
+    y1 += b[ch + 1];
+  } else if (p.bias_kind == static_cast<int>(BiasKind::kSameAsOut)) {
+    const OutT* b = static_cast<const OutT*>(p.bias);
+    y0 += to_float(b[ch]);
+    y1 += to_float(b[ch + 1]);
+  }
+  store2(static_cast<OutT*>(p.out) + static_cast<size_t>(tok) * p.N + ch, y0, y1);
+}
+
+__device__ __forceinline__ int2* workspace_at(const Params& p, int split, int tok, int ch) {
+  return reinterpret_cast<int2*>(p.workspace + (static_cast<size_t>(split) * p.M + tok) * p.N + ch);
+}
+
+// Cross-CTA split-K: every split stored its partial sums; the last CTA to arrive on this
+// tile's counter sums them (integer sums: exact, so the order does not matter).
+__device__ __forceinline__ bool arrive_last(int32_t* counter, int splits) {
+  __shared__ int s_is_last;
+  __threadfence();  // this CTA's partials are visible before the arrival is
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(counter, 1);
+    s_is_last = (prev == splits - 1);
+    if (s_is_last) *counter = 0;  // leave the counter reusable
+  }
+  __syncthreads();
+  const bool last = s_is_last;
+  if (last) __threadfence();
+  return last;
+}
+
+__device__ __forceinline__ int2 sum_splits(const Params& p, int splits, int tok, int ch) {
+  int2 acc = make_int2(0, 0);
+  for (int s = 0; s < splits; ++s) {
+    const int2 v = __ldcg(workspace_at(p, s, tok, ch));  // L2: other SMs wrote it
+    acc.x += v.x;
+    acc.y += v.y;
+  }
+  return acc;
+}
+
+// ---- decode kernel (M <= 32): stream the weight once -----------------------------------------
+//
+// CTA = kRowTiles x 16 channels, 8 warps split its K range (contiguous chunk ranges), each
+// warp reads its weight words straight from global memory with kUnroll x kRowTiles
+// independent LDG.128 in flight, activations from L1/L2. Warp partials meet in a shared
+// int32 tile (shared atomics), then the epilogue (or the split-K workspace).
+template <int kTokTiles, int kRowTiles, int kUnroll, typename OutT>
+__global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_kernel(const Params p) {
+  constexpr int kRows = kRowTiles * 16;
+  constexpr int kToks = kTokTiles * 8;
+  constexpr int kStride = kRows + 8;  // +8 ints: the 4 t-lanes' rows land 16 banks apart
+  __shared__ int32_t tile[kToks * kStride];
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int M = p.M, N = p.N, K = p.K;
+  const int num_row_tiles = N >> 4;
+  const int chunks = K / kChunkK;
+  const int groups = chunks >> p.group_shift;
+  const int row_tile0 = blockIdx.x * kRowTiles;
+  const int splits = gridDim.y;
+
+  const int per_split = ceil_div(chunks, splits);
+  const int split_lo = min(chunks, static_cast<int>(blockIdx.y) * per_split);
+  const int split_hi = min(chunks, split_lo + per_split);
+  const int per_warp = ceil_div(split_hi - split_lo, kDecodeWarps);
+  const int c_lo = min(split_hi, split_lo + warp * per_warp);
+  const int c_hi = min(split_hi, c_lo + per_warp);
+
+  const uint8_t* wptr[kRowTiles];
+  const uint32_t* pptr[kRowTiles];
+  bool row_ok[kRowTiles];
+#pragma unroll
+  for (int r = 0; r < kRowTiles; ++r) {
+    const int rt = row_tile0 + r;
+    row_ok[r] = rt < num_row_tiles;
+    const size_t rts = row_ok[r] ? rt : 0;
+    wptr[r] = p.qweight + rts * chunks * kChunkBytes + lane * 16;
+    pptr[r] = p.gparams + rts * groups * 8 + g;
+  }
+  const int8_t* xptr[kTokTiles];
+  bool tok_ok[kTokTiles];
+#pragma unroll
+  for (int tt = 0; tt < kTokTiles; ++tt) {
+    const int tok = tt * 8 + g;
+    tok_ok[tt] = tok < M;
+    xptr[tt] = p.xq + static_cast<size_t>(tok_ok[tt] ? tok : 0) * K + t * 16;
+  }
+
+  int32_t acc[kRowTiles][kTokTiles][4];
+#pragma unroll
+  for (int r = 0; r < kRowTiles; ++r)
+#pragma unroll
+    for (int tt = 0; tt < kTokTiles; ++tt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][tt][i] = 0;
+
+  for (int c = c_lo; c < c_hi; c += kUnroll) {
+    uint4 wv[kUnroll][kRowTiles];
+    uint32_t pv[kUnroll][kRowTiles];
+    uint4 xv[kUnroll][kTokTiles];
+    // All loads of the batch first: kUnroll * (kRowTiles + kTokTiles) independent requests.
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int cc = c + u;
+      const bool ok = cc < c_hi;
+#pragma unroll
+      for (int r = 0; r < kRowTiles; ++r) {
+        if (ok && row_ok[r]) {
+          wv[u][r] = ldg_stream_v4(wptr[r] + static_cast<size_t>(cc) * kChunkBytes);
+          pv[u][r] = __ldg(pptr[r] + (cc >> p.group_shift) * 8);
+        } else {
+          wv[u][r] = make_uint4(0, 0, 0, 0);
+          pv[u][r] = 0;
+        }
+      }
+#pragma unroll
+      for (int tt = 0; tt < kTokTiles; ++tt)
+        xv[u][tt] = (ok && tok_ok[tt]) ? ldg_v4(xptr[tt] + cc * kChunkK) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int r = 0; r < kRowTiles; ++r) {
+        uint32_t a[2][4];
+        dequant_chunk(wv[u][r], pv[u][r], a);
+#pragma unroll
+        for (int tt = 0; tt < kTokTiles; ++tt) mma_chunk(acc[r][tt], a, xv[u][tt]);
+      }
+    }
+  }
+
+  // Intra-CTA split-K: warps add into a shared int32 tile [token][channel].
+  for (int i = tid; i < kToks * kStride; i += kDecodeThreads) tile[i] = 0;
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < kRowTiles; ++r) {
+#pragma unroll
+    for (int tt = 0; tt < kTokTiles; ++tt) {
+      const int ch = r * 16 + 2 * g;  // MMA rows g, g+8 are channels 2g, 2g+1
+      const int tok = tt * 8 + 2 * t;
+      if (tok < M) {
+        atomicAdd(&tile[tok * kStride + ch], acc[r][tt][0]);
+        atomicAdd(&tile[tok * kStride + ch + 1], acc[r][tt][2]);
+      }
+      if (tok + 1 < M) {
+        atomicAdd(&tile[(tok + 1) * kStride + ch], acc[r][tt][1]);
+        atomicAdd(&tile[(tok + 1) * kStride + ch + 1], acc[r][tt][3]);
+      }
+    }
+  }
+  __syncthreads();
+
+  constexpr int kPairs = kRows / 2;
+  const int ch0 = row_tile0 * 16;
+  for (int i = tid; i < kToks * kPairs; i += kDecodeThreads) {
+    const int tok = i / kPairs, ch_l = (i % kPairs) * 2, ch = ch0 + ch_l;
+    if (tok >= M || ch >= N) continue;
+    const int32_t v0 = tile[tok * kStride + ch_l], v1 = tile[tok * kStride + ch_l + 1];
+    if (splits == 1)
+      write_pair<OutT>(p, tok, ch, v0, v1);
+    else
+      *workspace_at(p, blockIdx.y, tok, ch) = make_int2(v0, v1);
+  }
+  if (splits == 1) return;
+  if (!arrive_last(p.counters + blockIdx.x, splits)) return;
+  for (int i = tid; i < kToks * kPairs; i += kDecodeThreads) {
+    const int tok = i / kPairs, ch = ch0 + (i % kPairs) * 2;
+    if (tok >= M || ch >= N) continue;
+    const int2 v = sum_splits(p, splits, tok, ch);
+    write_pair<OutT>(p, tok, ch, v.x, v.y);
+  }
+}
+
+// ---- tiled kernel (any M): cp.async multistage, weight and activations in shared memory ------
+//
+// CTA tile = (kWarpsCh * kRtW * 16) channels x (kWarpsTok * kTtW * 8) tokens; a stage is one
+// 64-k chunk: the packed weight words are copied as is (1-D, lane-ordered, so LDS.128 with
+// no bank conflicts and no swizzle), activations as [token][64 B] rows (a warp's B loads
+// touch 8 tokens x 64 B = 4 conflict-free wavefronts), and the chunk's group words.
+template <int kWarpsCh, int kWarpsTok, int kRtW, int kTtW, int kStages>
+struct TiledShape {
+  static constexpr int kThreads = kWarpsCh * kWarpsTok * 32;
+  static constexpr int kCtaRowTiles = kWarpsCh * kRtW;
+  static constexpr int kCtaToks = kWarpsTok * kTtW * 8;
+  static constexpr int kStageW = kCtaRowTiles * kChunkBytes;
+  static constexpr int kStageX = kCtaToks * kChunkK;
+  static constexpr int kStageP = kCtaRowTiles * 32;
+  static constexpr int kStageBytes = kStageW + kStageX + kStageP;
+  static constexpr int kSmemBytes = kStages * kStageBytes;
+};
+
+template <int kWarpsCh, int kWarpsTok, int kRtW, int kTtW, int kStages, typename OutT>
+__global__ void __launch_bounds__(kWarpsCh* kWarpsTok * 32, 2) w4a8_tiled_kernel(const Params p) {
+  using S = TiledShape<kWarpsCh, kWarpsTok, kRtW, kTtW, kStages>;
+  extern __shared__ __align__(16) uint8_t smem[];
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int warp_ch = warp % kWarpsCh, warp_tok = warp / kWarpsCh;
+  const int M = p.M, N = p.N, K = p.K;
+  const int num_row_tiles = N >> 4;
+  const int chunks = K / kChunkK;
+  const int groups = chunks >> p.group_shift;
+  const int tok0 = blockIdx.x * S::kCtaToks;
+  const int row_tile0 = blockIdx.y * S::kCtaRowTiles;
+  const int splits = gridDim.z;
+
+  const int per_split = ceil_div(chunks, splits);
+  const int c_lo = min(chunks, static_cast<int>(blockIdx.z) * per_split);
+  const int c_hi = min(chunks, c_lo + per_split);
+
+  auto load_stage = [&](int buf, int c) {
+    uint8_t* s_w = smem + buf * S::kStageBytes;
+    uint8_t* s_x = s_w + S::kStageW;
+    uint8_t* s_p = s_x + S::kStageX;
+    for (int i = tid; i < S::kCtaRowTiles * 32; i += S::kThreads) {
+      const int rt = row_tile0 + i / 32;
+      const bool ok = rt < num_row_tiles;
+      const uint8_t* src = p.qweight + (static_cast<size_t>(rt) * chunks + c) * kChunkBytes + (i % 32) * 16;
+      cp_async16(s_w + i * 16, ok ? src : p.qweight, ok);
+    }
+    for (int i = tid; i < S::kCtaToks * 4; i += S::kThreads) {
+      const int tok = tok0 + i / 4;
+      const bool ok = tok < M;
+      const int8_t* src = p.xq + static_cast<size_t>(tok) * K + c * kChunkK + (i % 4) * 16;
+      cp_async16(s_x + i * 16, ok ? src : p.xq, ok);
+    }
+    for (int i = tid; i < S::kCtaRowTiles * 2; i += S::kThreads) {
+      const int rt = row_tile0 + i / 2;
+      const bool ok = rt < num_row_tiles;
+      const uint32_t* src = p.gparams + (static_cast<size_t>(rt) * groups + (c >> p.group_shift)) * 8 + (i % 2) * 4;
+      cp_async16(s_p + i * 16, ok ? src : p.gparams, ok);
+    }
+  };
+
+  int32_t acc[kRtW][kTtW][4];
+#pragma unroll
+  for (int r = 0; r < kRtW; ++r)
+#pragma unroll
+    for (int tt = 0; tt < kTtW; ++tt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][tt][i] = 0;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (c_lo + s < c_hi) load_stage(s, c_lo + s);
+    cp_async_commit();
+  }
+
+  int buf = 0;
+  for (int c = c_lo; c < c_hi; ++c) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage `buf` landed for all threads; stage buf-1 is free again
+    {
+      const int c_next = c + kStages - 1;
+      int buf_next = buf + kStages - 1;
+      if (buf_next >= kStages) buf_next -= kStages;
+      if (c_next < c_hi) load_stage(buf_next, c_next);
+      cp_async_commit();
+    }
+    const uint8_t* s_w = smem + buf * S::kStageBytes;
+    const uint8_t* s_x = s_w + S::kStageW;
+    const uint8_t* s_p = s_x + S::kStageX;
+    uint32_t a[kRtW][2][4];
+#pragma unroll
+    for (int r = 0; r < kRtW; ++r) {
+      const int rt_l = warp_ch * kRtW + r;
+      const uint4 wv = *reinterpret_cast<const uint4*>(s_w + rt_l * kChunkBytes + lane * 16);
+      const uint32_t pw = *reinterpret_cast<const uint32_t*>(s_p + rt_l * 32 + g * 4);
+      dequant_chunk(wv, pw, a[r]);
+    }
+#pragma unroll
+    for (int tt = 0; tt < kTtW; ++tt) {
+      const int tok_l = (warp_tok * kTtW + tt) * 8 + g;
+      const uint4 xv = *reinterpret_cast<const uint4*>(s_x + tok_l * kChunkK + t * 16);
+#pragma unroll
+      for (int r = 0; r < kRtW; ++r) mma_chunk(acc[r][tt], a[r], xv);
+    }
+    if (++buf == kStages) buf = 0;
+  }
+  cp_async_wait<0>();
+
+  // Epilogue straight from the accumulators: c0/c2 (and c1/c3) are channels 2g, 2g+1.
+#pragma unroll
+  for (int r = 0; r < kRtW; ++r) {
+    const int ch = (row_tile0 + warp_ch * kRtW + r) * 16 + 2 * g;
+#pragma unroll
+    for (int tt = 0; tt < kTtW; ++tt) {
+      const int tok = tok0 + (warp_tok * kTtW + tt) * 8 + 2 * t;
+      if (ch >= N) continue;
+      if (splits == 1) {
+        if (tok < M) write_pair<OutT>(p, tok, ch, acc[r][tt][0], acc[r][tt][2]);
+        if (tok + 1 < M) write_pair<OutT>(p, tok + 1, ch, acc[r][tt][1], acc[r][tt][3]);
+      } else {
+        if (tok < M) *workspace_at(p, blockIdx.z, tok, ch) = make_int2(acc[r][tt][0], acc[r][tt][2]);
+        if (tok + 1 < M) *workspace_at(p, blockIdx.z, tok + 1, ch) = make_int2(acc[r][tt][1], acc[r][tt][3]);
+      }
+    }
+  }
+  if (splits == 1) return;
+  if (!arrive_last(p.counters + blockIdx.y * gridDim.x + blockIdx.x, splits)) return;
+#pragma unroll
+  for (int r = 0; r < kRtW; ++r) {
+    const int ch = (row_tile0 + warp_ch * kRtW + r) * 16 + 2 * g;
+#pragma unroll
+    for (int tt = 0; tt < kTtW; ++tt) {
+      const int tok = tok0 + (warp_tok * kTtW + tt) * 8 + 2 * t;
+      if (ch >= N) continue;
+      for (int d = 0; d < 2; ++d) {
+        if (tok + d >= M) continue;
+        const int2 v = sum_splits(p, splits, tok + d, ch);
+        write_pair<OutT>(p, tok + d, ch, v.x, v.y);
+      }
+    }
+  }
+}
+
+// ---- host side -----------------------------------------------------------------------------
+
+// Tiled configurations: <warps along channels, warps along tokens, row tiles / warp, token tiles / warp, stages>.
+using Tiled64 = TiledShape<4, 2, 2, 4, 4>;   // 128 ch x 64 tok, 33.8 KB smem
+using Tiled128 = TiledShape<4, 2, 2, 8, 3>;  // 128 ch x 128 tok, 37.6 KB smem
+static_assert(Tiled64::kSmemBytes <= 48 * 1024, "tiled-64 needs no opt-in shared memory");
+static_assert(Tiled128::kSmemBytes <= 48 * 1024, "tiled-128 needs no opt-in shared memory");
+
+constexpr int kDecodeMaxM = 32;
+
+bool is_decode(W4A8Kernel k) { return k == W4A8Kernel::kDecodeRows16 || k == W4A8Kernel::kDecodeRows32; }
+
+int ctas_per_split(W4A8Kernel k, int M, int N) {
+  const int row_tiles = N / 16;
+  switch (k) {
+    case W4A8Kernel::kDecodeRows16: return row_tiles;
+    case W4A8Kernel::kDecodeRows32: return ceil_div(row_tiles, 2);
+    case W4A8Kernel::kTiledTok64:
+      return ceil_div(M, Tiled64::kCtaToks) * ceil_div(row_tiles, Tiled64::kCtaRowTiles);
+    default:
+      return ceil_div(M, Tiled128::kCtaToks) * ceil_div(row_tiles, Tiled128::kCtaRowTiles);
+  }
+}
+
+template <typename OutT>
+cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, cudaStream_t stream) {
+  const int row_tiles = p.N / 16;
+  switch (plan.kernel) {
+    case W4A8Kernel::kDecodeRows16:
+    case W4A8Kernel::kDecodeRows32: {
+      const bool two = plan.kernel == W4A8Kernel::kDecodeRows32;
+      const dim3 grid(ceil_div(row_tiles, two ? 2 : 1), plan.splits);
+      const dim3 block(kDecodeThreads);
+      // Loads in flight per lane: unroll x (row tiles + token tiles); unroll shrinks as x grows.
+      if (p.M <= 8) {
+        if (two) w4a8_decode_kernel<1, 2, 4, OutT><<<grid, block, 0, stream>>>(p);
+        else     w4a8_decode_kernel<1, 1, 4, OutT><<<grid, block, 0, stream>>>(p);
+      } else if (p.M <= 16) {
+        if (two) w4a8_decode_kernel<2, 2, 4, OutT><<<grid, block, 0, stream>>>(p);
+        else     w4a8_decode_kernel<2, 1, 4, OutT><<<grid, block, 0, stream>>>(p);
+      } else {
+        if (two) w4a8_decode_kernel<4, 2, 2, OutT><<<grid, block, 0, stream>>>(p);
+        else     w4a8_decode_kernel<4, 1, 2, OutT><<<grid, block, 0, stream>>>(p);
+      }
+      break;
+    }
+    case W4A8Kernel::kTiledTok64: {
+      const dim3 grid(ceil_div(p.M, Tiled64::kCtaToks), ceil_div(row_tiles, Tiled64::kCtaRowTiles), plan.splits);
+      w4a8_tiled_kernel<4, 2, 2, 4, 4, OutT><<<grid, Tiled64::kThreads, Tiled64::kSmemBytes, stream>>>(p);
+      break;
+    }
+    default: {
+      const dim3 grid(ceil_div(p.M, Tiled128::kCtaToks), ceil_div(row_tiles, Tiled128::kCtaRowTiles), plan.splits);
+      w4a8_tiled_kernel<4, 2, 2, 8, 3, OutT><<<grid, Tiled128::kThreads, Tiled128::kSmemBytes, stream>>>(p);
+      break;
+    }
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel, int splits,
+                           W4A8Plan* plan) {
+  if (M <= 0 || N <= 0 || K <= 0) return "w4a8_gemm: M, N and K must be positive";
+  if (N % 16) return "w4a8_gemm: N must be a multiple of 16";
+  if (group_size < kChunkK || group_size % kChunkK || ((group_size / kChunkK) & (group_size / kChunkK - 1)))
+    return "w4a8_gemm: group size must be 64 times a power of two (64, 128, ...)";
+  if (K % group_size) return "w4a8_gemm: K must be a multiple of the group size";
+  if (kernel < -1 || kernel > 3) return "w4a8_gemm: kernel must be -1 (auto) or 0..3";
+  const int row_tiles = N / 16;
+  const int chunks = K / kChunkK;
+  W4A8Kernel k = static_cast<W4A8Kernel>(kernel);
+  if (k == W4A8Kernel::kAuto) {
+    if (M <= kDecodeMaxM)
+      // Two row tiles per CTA share the activation loads; only when that still leaves
+      // at least two CTAs per SM.
+      k = ceil_div(row_tiles, 2) >= 2 * num_sms ? W4A8Kernel::kDecodeRows32 : W4A8Kernel::kDecodeRows16;
+    else
+      k = M <= 64 ? W4A8Kernel::kTiledTok64 : W4A8Kernel::kTiledTok128;
+  }
+  if (is_decode(k) && M > kDecodeMaxM) return "w4a8_gemm: the decode kernels (0, 1) need M <= 32";
+  const int ctas = ctas_per_split(k, M, N);
+  if (splits <= 0) {
+    // Fill the GPU: decode wants >= 2 CTAs per SM with >= 2 chunks per warp, tiled >= 1
+    // CTA per SM with >= 8 chunks per CTA.
+    const int want = is_decode(k) ? ceil_div(2 * num_sms, ctas) : ceil_div(num_sms, ctas);
+    const int most = is_decode(k) ? chunks / (kDecodeWarps * 2) : chunks / 8;
+    splits = want < most ? want : most;
+    if (splits > 16) splits = 16;
+    if (splits < 1) splits = 1;
+  }
+  if (splits > chunks) splits = chunks;
+  if (static_cast<long long>(ctas) * splits > 0x7FFFFFFFLL || splits > 65535)
+    return "w4a8_gemm: problem too large for the grid";
+  plan->kernel = k;
+  plan->splits = splits;
+  plan->num_counters = ctas;
+  return nullptr;
+}
+
+cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaStream_t stream) {
+  Params p;
+  p.xq = a.xq;
+  p.x_scale = a.x_scale;
+  p.qweight = a.qweight;
+  p.gparams = a.gparams;
+  p.channel_scale = a.channel_scale;
+  p.bias = a.bias;
+  p.out = a.out;
+  p.workspace = a.workspace;
+  p.counters = a.counters;
+  p.bias_kind = static_cast<int>(a.bias_kind);
+  p.M = a.M;
+  p.N = a.N;
+  p.K = a.K;
+  int shift = 0;
+  while ((kChunkK << shift) < a.group_size) ++shift;
+  p.group_shift = shift;
+  switch (a.out_kind) {
+    case OutKind::kHalf: return launch_typed<__half>(p, plan, stream);
+    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, stream);
+    default: return launch_typed<float>(p, plan, stream);
+  }
+}
+
+}  // namespace mixprec

@@ -1,0 +1,61 @@
+// Host interface of the W4A8 GEMM kernels (csrc/gemm/sm80/w4a8_gemm_mma.cu).
+// Raw pointers only, so that the .cu files compile without the torch headers; csrc/ops.cpp
+// checks the tensors and calls these.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace mixprec {
+
+// Element types of the output and of the bias.
+enum class OutKind : int { kHalf = 0, kBFloat16 = 1, kFloat = 2 };
+enum class BiasKind : int { kNone = 0, kFloat = 1, kSameAsOut = 2 };
+
+// Which kernel: decode kernels stream the weight once (M <= 32), tiled kernels stage
+// weight and activation tiles in shared memory (any M).
+enum class W4A8Kernel : int {
+  kAuto = -1,
+  kDecodeRows16 = 0,   // one 16-channel row tile per CTA
+  kDecodeRows32 = 1,   // two row tiles per CTA (x fetched once for both)
+  kTiledTok64 = 2,     // CTA tile 128 channels x 64 tokens
+  kTiledTok128 = 3,    // CTA tile 128 channels x 128 tokens
+};
+
+struct W4A8GemmArgs {
+  const int8_t* xq;             // [M, K] int8, row-major, 16-byte aligned
+  const float* x_scale;         // [M]
+  const uint8_t* qweight;       // [N/16, 8K] packed (see NOTES.md "Layout")
+  const uint32_t* gparams;      // [N/16, K/G, 8] packed (scale, offset) words
+  const float* channel_scale;   // [N]
+  const void* bias;             // [N] or nullptr
+  BiasKind bias_kind;
+  void* out;                    // [M, N]
+  OutKind out_kind;
+  int32_t* workspace;           // [splits, M, N] int32 when splits > 1
+  int32_t* counters;            // zeroed, plan.num_counters ints when splits > 1
+  int M, N, K, group_size;
+};
+
+struct W4A8Plan {
+  W4A8Kernel kernel;
+  int splits;          // K split across CTAs (1: no workspace)
+  int num_counters;    // CTAs per split (one arrival counter each)
+};
+
+// Picks kernel and K split for a problem (kernel/splits < 0 or == 0 mean "choose").
+// Returns an error string (static) when the request cannot be served, nullptr otherwise.
+const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel,
+                           int splits, W4A8Plan* plan);
+
+cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cudaStream_t stream);
+
+// Per-token symmetric int8 quantisation (csrc/quant/quantize_act_int8.cu).
+// x [M, K] (row stride x_row_stride elements) of x_kind; smooth [K] of smooth_kind or nullptr.
+cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_row_stride,
+                                     const void* smooth, OutKind smooth_kind, int8_t* q,
+                                     float* scale, int M, int K, cudaStream_t stream);
+
+}  // namespace mixprec

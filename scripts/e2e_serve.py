@@ -1,0 +1,145 @@
+"""End to end on the GPU host: a random-weight Llama checkpoint of real layout, quantized to
+mixprec W4A8, served by `vllm serve --quantization mixprec` on 127.0.0.1, asked for a
+completion. Arms: W4A8 with the default 16-bit KV cache, and W4A8 + KV4/KV8 through our
+CUSTOM backend when it is available.
+
+The host has no network: the tokenizer is trained there on local files (as in
+shared/baselines/kv_baseline.py). The parent process never touches CUDA (vLLM spawns).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import torch
+
+from vllm_mixprec import reference as ref
+from vllm_mixprec.quant_methods.config import MixPrecScheme
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_bf16_model(path: str, hidden=1024, layers=4, heads=16, kv_heads=4, inter=2816, vocab=8192):
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:200]
+    tok.train(files, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>", "<unk>"],
+                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(path)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=4096, rope_theta=500000.0, bos_token_id=0, eos_token_id=1,
+                      tie_word_embeddings=False, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return model
+
+
+def export_mixprec(model, src: str, dst: str, kv_scheme: str, group_size: int = 64):
+    """Round-to-nearest LiquidQuant export of every decoder linear (the quantizer does better)."""
+    from safetensors.torch import save_file
+
+    state = {}
+    for name, t in model.state_dict().items():
+        mod = name.rsplit(".", 2)
+        if len(mod) == 3 and mod[1] in LINEARS and mod[2] == "weight":
+            prefix = name[: -len(".weight")]
+            for k, v in ref.quantize_weight_lqq(t.float(), group_size).items():
+                state[f"{prefix}.{k}"] = v.contiguous()
+        else:
+            state[name] = t.contiguous()
+    os.makedirs(dst, exist_ok=True)
+    save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    cfg["quantization_config"] = MixPrecScheme(group_size=group_size, kv_scheme=kv_scheme).to_dict()
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=1)
+    for f in os.listdir(src):
+        if f.startswith(("tokenizer", "special_tokens", "generation_config")):
+            with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
+                b.write(a.read())
+
+
+def serve_and_ask(model_dir: str, extra: list[str], log_path: str, port: int) -> dict:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",
+           "--port", str(port), "--max-model-len", "2048", "--gpu-memory-utilization", "0.5"] + extra
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    result = {"cmd": " ".join(cmd[2:]), "ok": False}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        while time.time() - t0 < 300:
+            if proc.poll() is not None:
+                result["error"] = f"server exited with {proc.returncode}"
+                return result
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(2)
+        else:
+            result["error"] = "server not healthy in 300 s"
+            return result
+        result["startup_s"] = round(time.time() - t0, 1)
+        body = json.dumps({"model": model_dir, "prompt": "def fibonacci(n):", "max_tokens": 24,
+                           "temperature": 0, "logprobs": 1}).encode()
+        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = json.load(urllib.request.urlopen(req, timeout=60))
+        choice = resp["choices"][0]
+        lps = [x for x in choice["logprobs"]["token_logprobs"] if x is not None]
+        result.update(ok=True, text=choice["text"], n_tokens=resp["usage"]["completion_tokens"],
+                      logprobs_finite=all(abs(x) < float("inf") for x in lps))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log_text = open(log_path).read()
+    result["plugin_logged"] = "vllm_mixprec" in log_text and "registered" in log_text
+    result["kv_cache_line"] = next((l.strip() for l in log_text.splitlines() if "KV cache size" in l), None)
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--work", default="/tmp/mixprec-e2e")
+    ap.add_argument("--arms", default="w4a8,w4a8-kv8,w4a8-kv4")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    bf16 = os.path.join(args.work, "bf16")
+    model = make_bf16_model(bf16)
+    arms = {"w4a8": ("none", []),
+            "w4a8-kv8": ("kv8", ["--kv-cache-dtype", "int8_per_token_head", "--attention-backend", "CUSTOM"]),
+            "w4a8-kv4": ("kv4", ["--kv-cache-dtype", "int4_per_token_head", "--attention-backend", "CUSTOM"])}
+    results = {}
+    for i, arm in enumerate(args.arms.split(",")):
+        kv, flags = arms[arm]
+        ckpt = os.path.join(args.work, arm)
+        export_mixprec(model, bf16, ckpt, kv)
+        res = serve_and_ask(ckpt, ["--quantization", "mixprec"] + flags,
+                            os.path.join(args.out, f"serve-{arm}.log"), 8100 + i)
+        results[arm] = res
+        print(arm, json.dumps(res), flush=True)
+    json.dump(results, open(os.path.join(args.out, "e2e.json"), "w"), indent=1)
+    ok = all(r["ok"] and r.get("plugin_logged") for r in results.values())
+    print("E2E", "PASS" if ok else "FAIL")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

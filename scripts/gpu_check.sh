@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The GPU job, run on the offline GPU host after the vLLM bundle is installed:
+#   bash .gpu/part2/install-on-host.sh install .gpu/part2 && . /tmp/mixprec-site/env.sh \
+#     && bash scripts/gpu_check.sh [STAGE...]
+# Stages (default: all, in this order): env build test bench e2e
+# Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
+# device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
+# the same warm host: the built extension and /tmp/mixprec-site survive between them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT=${OUT:-$REPO/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+SITE=/tmp/mixprec-site
+status=0
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(env build test bench e2e)
+
+log() { echo "[gpu_check $(date +%H:%M:%S)] $*"; }
+
+# vLLM finds plugins through package metadata: give the source tree a dist-info on the path.
+register_plugin() {
+  local di=$SITE/vllm_mixprec-0.1.0.dist-info
+  mkdir -p "$di"
+  printf 'Metadata-Version: 2.1\nName: vllm-mixprec\nVersion: 0.1.0\n' > "$di/METADATA"
+  printf '[vllm.general_plugins]\nmixprec = vllm_mixprec:register\n\n[console_scripts]\nvllm-mixprec = vllm_mixprec.cli:main\n' > "$di/entry_points.txt"
+  : > "$di/RECORD"
+}
+
+stage_env() {
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+  python3 - <<'PY' | tee "$OUT/env.txt"
+import torch, triton, vllm
+p = torch.cuda.get_device_properties(0)
+print(f"device {p.name} sm_{p.major}{p.minor} SMs={p.multi_processor_count} mem={p.total_memory/2**30:.1f}GiB")
+print(f"torch {torch.__version__} triton {triton.__version__} vllm {vllm.__version__}")
+PY
+  register_plugin
+  python3 -c "import importlib.metadata as m; print([e.value for e in m.entry_points(group='vllm.general_plugins') if e.name=='mixprec'])"
+}
+
+stage_build() {
+  log "building csrc/ (sm90a)"
+  local t0=$SECONDS
+  MIXPREC_BUILD_CUDA=1 MIXPREC_CUDA_ARCHS="90a" MAX_JOBS=16 \
+    python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { log "BUILD FAILED"; tail -40 "$OUT/build.log"; return 1; }
+  log "built in $((SECONDS - t0)) s: $(ls vllm_mixprec/_C*.so)"
+  python3 -c "import vllm_mixprec.kernels as k; print(k.describe())"
+}
+
+stage_test() {
+  log "pytest -m gpu"
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests --junitxml="$OUT/pytest-gpu.xml" \
+    2>&1 | tee "$OUT/pytest-gpu.log" | tail -25
+  return "${PIPESTATUS[0]}"
+}
+
+stage_bench() {
+  for b in benchmarks/bench_gemm.py benchmarks/bench_attention.py; do
+    [ -f "$b" ] || { log "$b missing: skipped"; continue; }
+    log "$b --quick"
+    timeout 280 python3 "$b" --quick --out "$OUT" 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -30
+  done
+}
+
+stage_e2e() {
+  log "end to end: random-weight checkpoint -> vllm serve --quantization mixprec"
+  timeout 500 python3 scripts/e2e_serve.py --out "$OUT" 2>&1 | tee "$OUT/e2e.log" | tail -40
+  return "${PIPESTATUS[0]}"
+}
+
+for s in "${stages[@]}"; do
+  "stage_$s" || { status=1; log "stage $s FAILED"; }
+done
+log "done, status $status; files in $OUT:"; ls -la "$OUT"
+exit $status

@@ -1,0 +1,112 @@
+"""Packed layouts (formats.py) against the references (reference.py)."""
+import pytest
+import torch
+
+from vllm_mixprec import formats as F
+from vllm_mixprec import reference as ref
+
+
+@pytest.mark.parametrize("k", [2, 8, 130])
+def test_nibbles_round_trip(seeded, k):
+    q = torch.randint(0, 16, (5, k), generator=seeded)
+    p = F.pack_nibbles(q)
+    assert p.dtype == torch.uint8 and p.shape == (5, k // 2)
+    assert torch.equal(F.unpack_nibbles(p), q.to(torch.uint8))
+    # even k in the low nibble, the order every kernel relies on
+    assert int(p[0, 0]) == int(q[0, 0]) | (int(q[0, 1]) << 4)
+
+
+def test_int4_round_trip(seeded):
+    v = torch.randint(-8, 8, (3, 64), generator=seeded)
+    assert torch.equal(F.unpack_int4(F.pack_int4(v)), v.to(torch.int8))
+
+
+def test_pack_rejects_odd():
+    with pytest.raises(ValueError, match="odd"):
+        F.pack_nibbles(torch.zeros(2, 3, dtype=torch.uint8))
+
+
+def test_w4_layout_errors_name_the_field():
+    with pytest.raises(ValueError, match="group_size=32"):
+        F.W4Layout(64, 256, 32)
+    with pytest.raises(ValueError, match="in_features=100"):
+        F.W4Layout(64, 100, 64)
+    with pytest.raises(ValueError, match="in_features=200"):
+        F.W4ActLayout(200, 0)
+    with pytest.raises(ValueError, match="num_a8_blocks=3"):
+        F.W4ActLayout(256, 3)
+
+
+def test_lqq_lane_recipe_matches_formula():
+    """Exhaustive over step, min and code: (q*s + a) ^ 0x80 == q*s + min when the lane fits."""
+    q = torch.arange(16)[:, None, None]
+    s = torch.arange(1, F.MAX_GROUP_STEP + 1)[None, :, None]
+    mn = torch.arange(-F.W8_PROTECT, F.W8_PROTECT + 1)[None, None, :]
+    fits = (q * s + mn) <= 127
+    got = F.lqq_dequant_lanes(q, s, (128 + mn).to(torch.uint8)).to(torch.int32)
+    assert torch.equal(got[fits.expand_as(got)], (q * s + mn).expand_as(got)[fits.expand_as(got)])
+
+
+def test_lqq_packed_word_four_lanes(seeded):
+    for _ in range(2000):
+        qs = torch.randint(0, 16, (4,), generator=seeded).tolist()
+        s = int(torch.randint(1, 17, (1,), generator=seeded))
+        mn = int(torch.randint(-119, 120, (1,), generator=seeded))
+        if max(qs) * s + mn > 127:
+            continue
+        word = sum(v << (8 * i) for i, v in enumerate(qs))
+        out = F.lqq_dequant_packed_word(word, s, 128 + mn)
+        lanes = [((out >> (8 * i)) & 0xFF) for i in range(4)]
+        assert [b - 256 if b > 127 else b for b in lanes] == [v * s + mn for v in qs]
+
+
+@pytest.mark.parametrize("g", F.SUPPORTED_GROUP_SIZES)
+def test_quantize_weight_lqq_is_close_and_exact_in_int8(seeded, g):
+    w = torch.randn(48, 4 * g, generator=seeded, dtype=torch.float64)
+    t = ref.quantize_weight_lqq(w, g)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in t.items()} == {
+        k: v for k, v in F.W4Layout(48, 4 * g, g).tensor_specs().items()}
+    w8, _ = ref.quantize_w8_per_channel(w)
+    w8_hat = ref.dequantize_weight_w8(t["qweight"], t["group_scale"], t["group_offset"])
+    # ceil(range/15) alone moves every int8 weight by at most half a step (<= 8) ...
+    step, off = ref.lqq_group_params(w8, g, step_candidates=1)
+    w8_ceil = ref.dequantize_weight_w8(F.pack_nibbles(ref.lqq_encode(w8, step, off, g)), step, off)
+    assert (w8_ceil.int() - w8.int()).abs().max() <= F.MAX_GROUP_STEP // 2
+    # ... and the default search over {floor, ceil} never does worse in squared error
+    assert ((w8_hat.int() - w8.int()) ** 2).sum() <= ((w8_ceil.int() - w8.int()) ** 2).sum()
+    w_hat = ref.dequantize_weight(t["qweight"], t["group_scale"], t["group_offset"],
+                                  t["channel_scale"], torch.float64)
+    rel = (w_hat - w).norm() / w.norm()
+    assert rel < 0.12, rel  # 4-bit with 64/128 groups on Gaussian weights
+
+
+def test_kv_page_layout_bytes():
+    for d, want in ((128, 136), (64, 72), (256, 264)):
+        assert F.KVPageLayout("kv4", d, 16).row_bytes == want
+    assert F.KVPageLayout("kv8", 128, 16).row_bytes == 264
+    assert F.kv_capacity_ratio("kv4", 128) == pytest.approx(512 / 136)
+    with pytest.raises(ValueError, match="kv scheme"):
+        F.KVPageLayout("kv2", 128, 16)
+
+
+@pytest.mark.parametrize("scheme", ["kv4", "kv8"])
+def test_kv_planes_are_disjoint_views(scheme):
+    lay = F.KVPageLayout(scheme, 64, 16)
+    cache = torch.zeros(lay.cache_shape(3, 2), dtype=lay.storage_dtype())
+    planes = F.kv_planes(cache, lay)
+    for i, (name, p) in enumerate(planes.items()):
+        p.view(torch.uint8).fill_(i + 1)
+    counts = torch.bincount(cache.view(torch.uint8).flatten(), minlength=len(planes) + 1)
+    assert counts[0] == 0, "some bytes of the page belong to no plane"
+    sizes = {name: p.view(torch.uint8).numel() for name, p in planes.items()}
+    assert sum(sizes.values()) == cache.numel()
+
+
+@pytest.mark.parametrize("scheme", ["kv4", "kv8"])
+def test_kv_quant_error_bound(seeded, scheme):
+    x = torch.randn(7, 3, 64, generator=seeded)
+    codes, scale, zero = ref.quantize_kv(x, scheme)
+    xh = ref.dequantize_kv(codes, scale, zero, scheme)
+    step = scale.float()[..., None]
+    # within half a step (plus fp16 rounding of the scale/zero)
+    assert ((xh - x).abs() <= 0.5 * step + 2e-3 * x.abs().amax(-1, keepdim=True)).all()

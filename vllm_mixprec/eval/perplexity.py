@@ -1,0 +1,178 @@
+"""Perplexity of a checkpoint folder over the first N tokens of a text, in fixed windows.
+
+Two paths:
+  * `cpu`:  a transformers model in float32 in which every quantized linear is a
+            quantize.modules.MixPrecLinear (reference.py, bit-exact to the format) or, for a
+            GPTQ checkpoint, a dense linear with the dequantized weights; K/V are
+            fake-quantized per (token, head) with reference.quantize_kv/dequantize_kv after
+            RoPE when a KV scheme is evaluated (what the paged cache stores);
+  * `vllm`: vLLM prompt logprobs on a GPU (KV schemes through the CUSTOM backend).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from .. import formats as F
+from .. import reference as ref
+
+
+def fake_quant_kv(x: torch.Tensor, scheme: str) -> torch.Tensor:
+    """x [B, H, T, D] -> quantize_kv/dequantize_kv per (token, head), same shape and dtype."""
+    b, h, t, d = x.shape
+    flat = x.permute(0, 2, 1, 3).reshape(b * t, h, d)
+    codes, scale, zero = ref.quantize_kv(flat, scheme)
+    deq = ref.dequantize_kv(codes, scale, zero, scheme)
+    return deq.view(b, t, h, d).permute(0, 2, 1, 3).to(x.dtype)
+
+
+def register_kv_attention(scheme: str) -> str:
+    """An attention implementation that fake-quantizes K and V, then runs SDPA."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    name = f"mixprec_{scheme}"
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, fake_quant_kv(key, scheme),
+                                      fake_quant_kv(value, scheme), attention_mask, **kwargs)
+
+    AttentionInterface.register(name, attention)
+    return name
+
+
+def set_kv_scheme(model, scheme: str) -> None:
+    if scheme not in F.KV_SCHEMES:
+        raise ValueError(f"kv scheme {scheme!r} is not one of {F.KV_SCHEMES}")
+    model.config._attn_implementation = "sdpa" if scheme == "none" else register_kv_attention(scheme)
+
+
+def read_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json (not a model folder)")
+    return json.loads(path.read_text())
+
+
+def _load_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def load_model_cpu(folder: str | Path):
+    """float32 CPU model of a bf16, mixprec or GPTQ checkpoint folder; returns (model, kind)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..quantize.gptq import dequantize_gptq
+    from ..quantize.modules import MixPrecLinear, dense_linear, replace_module
+
+    folder = Path(folder)
+    qc = read_config(folder).get("quantization_config")
+    if qc is None:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+        return model.eval().requires_grad_(False), "bf16"
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in ("mixprec", "gptq"):
+        raise ValueError(f"{folder}: quant_method {method!r} is not mixprec or gptq")
+    config = AutoConfig.from_pretrained(folder)
+    del config.quantization_config  # else transformers would try to quantize on its own
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    tensors = _load_tensors(folder)
+    marker = ".qweight"
+    for prefix in sorted(k[: -len(marker)] for k in tensors if k.endswith(marker)):
+        own = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
+        bias = own.pop("bias", None)
+        if method == "gptq":
+            new = dense_linear(dequantize_gptq(own), bias)
+        else:
+            new = MixPrecLinear(own, bias, qc["weight_scheme"])
+        replace_module(model, prefix, new)
+        for k in list(tensors):
+            if k.startswith(prefix + "."):
+                del tensors[k]
+    for name, t in tensors.items():
+        mod_name, _, pname = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        mod._parameters[pname] = torch.nn.Parameter(t.float(), requires_grad=False)
+    if getattr(config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(f"{folder}: checkpoint has no tensor for {meta[:5]}")
+    return model.eval().requires_grad_(False), method
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def windows(ids: torch.Tensor, n_tokens: int, window: int) -> list[torch.Tensor]:
+    """Non-overlapping windows over the first n_tokens (the last one may be shorter)."""
+    ids = ids[:n_tokens]
+    return [ids[i:i + window] for i in range(0, ids.numel(), window) if ids[i:i + window].numel() > 1]
+
+
+@torch.no_grad()
+def perplexity_cpu(model, ids: torch.Tensor, n_tokens: int = 4096, window: int = 1024,
+                   progress: bool = False) -> dict:
+    from tqdm import tqdm
+
+    nll, count = 0.0, 0
+    for w in tqdm(windows(ids, n_tokens, window), desc="windows", disable=not progress):
+        logits = model(w[None]).logits[0].double()
+        nll += float(torch.nn.functional.cross_entropy(logits[:-1], w[1:], reduction="sum"))
+        count += w.numel() - 1
+    return {"ppl": math.exp(nll / count), "nll": nll, "tokens": count}
+
+
+def perplexity_vllm(folder: str | Path, ids: torch.Tensor, n_tokens: int = 4096, window: int = 1024,
+                    kv_scheme: str = "none", **llm_kwargs) -> dict:
+    """The same numbers from vLLM (GPU): prompt logprobs of each window."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(model=str(folder), max_model_len=window + 16, enforce_eager=True, seed=0)
+    if kv_scheme != "none":
+        kwargs.update(kv_cache_dtype=F.KV_CARRIER_DTYPE[kv_scheme], attention_backend="CUSTOM")
+    kwargs.update(llm_kwargs)
+    llm = LLM(**kwargs)
+    ws = windows(ids, n_tokens, window)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=w.tolist()) for w in ws],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))
+    nll, count = 0.0, 0
+    for w, o in zip(ws, outs):
+        for tok, lp in zip(w[1:].tolist(), o.prompt_logprobs[1:]):
+            nll -= lp[tok].logprob
+            count += 1
+    return {"ppl": math.exp(nll / count), "nll": nll, "tokens": count}
+
+
+def evaluate(folder: str | Path, texts: list[str], n_tokens: int = 4096, window: int = 1024,
+             kv_scheme: str | None = None, backend: str = "cpu", progress: bool = False,
+             tokenizer_dir: str | Path | None = None) -> dict[str, dict]:
+    """Perplexity of a folder on each text; kv_scheme None = the checkpoint's own."""
+    from transformers import AutoTokenizer
+
+    from ..quantize.models import load_text
+
+    folder = Path(folder)
+    qc = read_config(folder).get("quantization_config") or {}
+    kv = kv_scheme or qc.get("kv_scheme", "none")
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir or folder)
+    ids = {t: tokenize(tok, load_text(t)) for t in texts}
+    if backend == "vllm":
+        return {t: perplexity_vllm(folder, ids[t], n_tokens, window, kv) for t in texts}
+    if backend != "cpu":
+        raise ValueError(f"backend {backend!r} is not 'cpu' or 'vllm'")
+    model, _ = load_model_cpu(folder)
+    set_kv_scheme(model, kv)
+    return {t: perplexity_cpu(model, ids[t], n_tokens, window, progress) for t in texts}

@@ -1,0 +1,45 @@
+"""COMET FMPQ for W4Ax: outlier channels go to 8-bit blocks, the rest of K runs at 4 bits.
+
+Activations are split only along K into 128-channel blocks (formats.ACT_BLOCK). The
+channels with the largest calibration |x| are permuted to the front, so that the first
+`a8_blocks` blocks hold them and are quantized to int8; the weight's K is permuted the
+same way, so the GEMM is unchanged. Layers that share an input (q/k/v, gate/up) must share
+the permutation, because vLLM fuses them into one GEMM.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import formats as F
+from .. import reference as ref
+
+
+def num_a8_blocks(in_features: int, a8_fraction: float) -> int:
+    """Blocks kept at 8 bits: round(fraction * K/128), validated by formats.W4ActLayout."""
+    n_blocks = in_features // F.ACT_BLOCK
+    n = int(round(a8_fraction * n_blocks))
+    F.W4ActLayout(in_features, n)
+    return n
+
+
+def outlier_permutation(act_absmax: torch.Tensor) -> torch.Tensor:
+    """int32 [K]: channels by decreasing calibration max |x| (stable for ties).
+
+    The first k8 positions are the outliers; sorting the 4-bit rest as well places channels
+    of similar magnitude in the same weight group (QoQ's activation-aware reorder).
+    """
+    return torch.argsort(act_absmax.to(torch.float64), descending=True, stable=True).to(torch.int32)
+
+
+def permute_weight(w: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> W[:, perm], so that x[:, perm] @ W[:, perm]^T == x @ W^T."""
+    return w[:, perm.long()]
+
+
+def fake_w4ax(x: torch.Tensor, w: torch.Tensor, group_size: int, perm: torch.Tensor, k8: int) -> torch.Tensor:
+    """Float simulation of a W4Ax layer (RTN LQQ weights on permuted K)."""
+    t = ref.quantize_weight_lqq(permute_weight(w, perm), group_size)
+    wq = ref.dequantize_weight(t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"])
+    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, k8)
+    xd = torch.cat([x8.float() * s8[:, None], ref.F.unpack_int4(x4).float() * s4[:, None]], dim=1)
+    return xd @ wq.T

@@ -1,0 +1,265 @@
+"""quantize_model: HF folder in, quantized checkpoint folder out (what `vllm-mixprec quantize` runs).
+
+Layer by layer (see calibration.py): collect input statistics of the float layer, fold
+SmoothAttention and smoothing (float-invariant), quantize every linear, export its
+tensors, then run the quantized layer to produce the next layer's inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .. import formats as F
+from . import calibration as C
+from . import fmpq, gptq, lqq
+from . import smoothing as S
+from .export import write_checkpoint
+from .models import load_text
+from .modules import MixPrecLinear, dense_linear, replace_module
+from .smooth_attention import fold_smooth_attention, smooth_attention_scales
+
+SCHEMES = ("w4a8", "w4ax", "gptq-w4a16", "none")
+
+
+@dataclasses.dataclass
+class QuantOptions:
+    weight_scheme: str = "w4a8"  # w4a8 | w4ax | gptq-w4a16 (standard GPTQ checkpoint) | none
+    group_size: int = 64
+    kv_scheme: str = "none"  # recorded in quantization_config (mixprec schemes only)
+    smooth: bool = False  # SmoothQuant scales with a per-layer alpha search
+    smooth_attention: bool = False  # QServe SmoothAttention folded into q/k_proj
+    gptq: bool = False  # w4a8/w4ax: GPTQ on the LiquidQuant grid
+    clip: bool = False  # w4a8/w4ax: per-channel clip ratio search
+    a8_fraction: float = 0.25  # w4ax
+    calib_text: str = "alice29"
+    calib_samples: int = 64
+    calib_seqlen: int = 512
+    sample_rows: int = 2048  # rows kept per linear input for the alpha search
+    alpha_grid: tuple[float, ...] = S.ALPHA_GRID
+    percdamp: float = 0.01
+    batch_size: int = 4
+    progress: bool = True
+
+    def needs_hessian(self) -> bool:
+        return self.weight_scheme == "gptq-w4a16" or (self.gptq and self.weight_scheme in ("w4a8", "w4ax"))
+
+    def validate(self) -> None:
+        if self.weight_scheme not in SCHEMES:
+            raise ValueError(f"weight scheme {self.weight_scheme!r} is not one of {SCHEMES}")
+        if self.kv_scheme not in F.KV_SCHEMES:
+            raise ValueError(f"kv scheme {self.kv_scheme!r} is not one of {F.KV_SCHEMES}")
+        if self.weight_scheme in ("w4a8", "w4ax") and self.group_size not in F.SUPPORTED_GROUP_SIZES:
+            raise ValueError(f"group size {self.group_size} is not one of {F.SUPPORTED_GROUP_SIZES} "
+                             "(the mixprec checkpoint format)")
+        if self.weight_scheme == "gptq-w4a16" and self.group_size not in (32, 64, 128):
+            raise ValueError(f"group size {self.group_size}: Marlin GPTQ supports 32, 64 or 128")
+        if self.weight_scheme in ("gptq-w4a16", "none") and self.kv_scheme != "none":
+            raise ValueError("a KV scheme is recorded in a mixprec quantization_config; with weight scheme "
+                             f"{self.weight_scheme!r} evaluate KV quantization with `eval --kv` instead")
+        if self.weight_scheme in ("gptq-w4a16", "none") and (self.gptq or self.clip or self.smooth):
+            raise ValueError("--gptq/--clip/--smooth apply to the w4a8 and w4ax schemes")
+        if not 0.0 <= self.a8_fraction <= 1.0:
+            raise ValueError(f"a8 fraction {self.a8_fraction} is not in [0, 1]")
+
+
+def linear_shapes(config) -> dict[str, tuple[int, int]]:
+    """(out, in) of every linear of a decoder layer."""
+    d, hd = config.hidden_size, C.head_dim(config)
+    q, kv, inter = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
+    return {"self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+            "self_attn.o_proj": (d, q), "mlp.gate_proj": (inter, d), "mlp.up_proj": (inter, d),
+            "mlp.down_proj": (d, inter)}
+
+
+def check_shapes(config, opts: QuantOptions) -> None:
+    """Clear errors for shapes the chosen format cannot hold (before any work is done)."""
+    for name, (n, k) in linear_shapes(config).items():
+        if opts.weight_scheme == "none":
+            continue
+        if k % opts.group_size:
+            raise ValueError(f"{name}: in_features={k} is not divisible by group size {opts.group_size}; "
+                             "pick a group size that divides every layer's input size")
+        if opts.weight_scheme == "w4ax" and k % F.ACT_BLOCK:
+            raise ValueError(f"{name}: in_features={k} is not a multiple of {F.ACT_BLOCK}, "
+                             "which the W4Ax activation blocks need")
+        if opts.weight_scheme == "gptq-w4a16" and n % gptq.GPTQ_PACK:
+            raise ValueError(f"{name}: out_features={n} is not a multiple of {gptq.GPTQ_PACK} (GPTQ qzeros packing)")
+
+
+def quantization_config(opts: QuantOptions) -> dict | None:
+    if opts.weight_scheme == "none":
+        return None
+    if opts.weight_scheme == "gptq-w4a16":
+        return gptq.gptq_quantize_config(opts.group_size, opts.percdamp)
+    from ..quant_methods.config import MixPrecScheme
+
+    frac = opts.a8_fraction if opts.weight_scheme == "w4ax" else None
+    cfg = MixPrecScheme(opts.weight_scheme, opts.group_size, opts.kv_scheme, frac).to_dict()
+    cfg["calibration"] = {"text": opts.calib_text, "samples": opts.calib_samples, "seqlen": opts.calib_seqlen,
+                          "smooth": opts.smooth, "smooth_attention": opts.smooth_attention,
+                          "gptq": opts.gptq, "clip": opts.clip}
+    return cfg
+
+
+# --- one linear -------------------------------------------------------------------------
+
+def quantize_linear(w: torch.Tensor, st: C.LinearStats, opts: QuantOptions) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors of one linear (without bias) for opts.weight_scheme."""
+    g = opts.group_size
+    if opts.weight_scheme == "gptq-w4a16":
+        return gptq.gptq_w4a16(w, st.hessian, g, opts.percdamp)
+    extra, h = {}, st.hessian
+    act_sq = st.sample.double().pow(2).mean(0)
+    if opts.weight_scheme == "w4ax":
+        perm = fmpq.outlier_permutation(st.absmax)
+        w = fmpq.permute_weight(w, perm)
+        act_sq = act_sq[perm.long()]
+        h = None if h is None else h[perm.long()][:, perm.long()]
+        extra = {"act_perm": perm, "a8_blocks": torch.tensor([fmpq.num_a8_blocks(w.shape[1], opts.a8_fraction)],
+                                                               dtype=torch.int32)}
+    ratio = lqq.clip_search(w, g, act_sq)[1] if opts.clip else 1.0
+    if opts.gptq:
+        t = gptq.gptq_lqq(w, h, g, opts.percdamp, ratio)
+    else:
+        t = lqq.quantize_lqq_clipped(w, g, ratio)
+    return {**t, **extra}
+
+
+def fake_quant_fn(opts: QuantOptions):
+    """The layer simulation the alpha search minimises the error of."""
+    if opts.weight_scheme == "w4ax":
+        def fake(x, w):
+            perm = fmpq.outlier_permutation(x.abs().amax(0))
+            k8 = fmpq.num_a8_blocks(x.shape[1], opts.a8_fraction) * F.ACT_BLOCK
+            return fmpq.fake_w4ax(x, w, opts.group_size, perm, k8)
+        return fake
+    return lambda x, w: lqq.fake_w4a8(x, w, opts.group_size)
+
+
+# --- one decoder layer ------------------------------------------------------------------
+
+def smooth_layer(layer, stats: dict[str, C.LinearStats], config, opts: QuantOptions) -> dict:
+    """Search and fold smoothing scales for the four input groups; updates stats in place."""
+    gqa = S.Gqa(config.num_attention_heads, config.num_key_value_heads)
+    fake = fake_quant_fn(opts)
+    alphas = {}
+    # o and down fold into v_proj/up_proj rows: do them before qkv/gate_up quantize those rows' inputs
+    for key in ("o", "down", "qkv", "gate_up"):
+        grp = C.LINEAR_GROUPS[key]
+        lins = [layer.get_submodule(n) for n in grp["linears"]]
+        st = stats[grp["linears"][0]]
+        g = gqa if key == "o" else None
+        alpha, s, _ = S.search_alpha(st.sample, [l.weight for l in lins], st.absmax, fake, opts.alpha_grid, g)
+        alphas[key] = alpha
+        if alpha is None:
+            continue
+        prev = layer.get_submodule(grp["prev"])
+        if key in ("qkv", "gate_up"):
+            s_k = S.fold_into_norm(prev, lins, s)
+        else:
+            s_k = gqa.expand(s) if g else s
+            S.fold_into_rows(prev, lins, s, s_k)
+        new = st.scaled(s_k)
+        for n in grp["linears"]:
+            stats[n] = new
+    return alphas
+
+
+def quantize_layer(layer, i: int, hidden: torch.Tensor, kwargs: dict, config, opts: QuantOptions
+                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict]:
+    """Quantize decoder layer i in place; returns (export tensors, next hidden, info)."""
+    t0 = time.time()
+    layer.float()
+    stats, k_absmax, _ = C.collect_stats(layer, hidden, kwargs, hessian=opts.needs_hessian(),
+                                         sample_rows=opts.sample_rows, batch_size=opts.batch_size, seed=i)
+    info = {"layer": i}
+    if opts.smooth_attention:
+        lam = smooth_attention_scales(k_absmax, C.head_dim(config))
+        fold_smooth_attention(layer.self_attn.q_proj, layer.self_attn.k_proj, lam,
+                              config.num_attention_heads, config.num_key_value_heads)
+        info["k_absmax_before_after"] = (float(k_absmax.max()), float((k_absmax / lam).max()))
+    if opts.smooth:
+        info["alpha"] = smooth_layer(layer, stats, config, opts)
+    prefix = f"model.layers.{i}."
+    out: dict[str, torch.Tensor] = {}
+    for name in C.LINEAR_NAMES:
+        lin = layer.get_submodule(name)
+        bias = None if lin.bias is None else lin.bias.detach()
+        if bias is not None:
+            out[prefix + name + ".bias"] = bias.to(torch.bfloat16)
+        if opts.weight_scheme == "none":
+            out[prefix + name + ".weight"] = lin.weight.detach().to(torch.bfloat16)
+            continue
+        t = quantize_linear(lin.weight.detach(), stats[name], opts)
+        out.update({prefix + name + "." + k: v for k, v in t.items()})
+        if opts.weight_scheme == "gptq-w4a16":
+            new = dense_linear(gptq.dequantize_gptq(t), bias)
+        else:
+            new = MixPrecLinear(t, bias, opts.weight_scheme)
+        replace_module(layer, name, new)
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        out[prefix + norm + ".weight"] = layer.get_submodule(norm).weight.detach().to(torch.bfloat16)
+    nxt = C.run_layer(layer, hidden, kwargs, opts.batch_size)
+    info["seconds"] = time.time() - t0
+    return out, nxt, info
+
+
+# --- whole model ------------------------------------------------------------------------
+
+def load_model(model_dir: Path):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json (not a Hugging Face model folder)")
+    config = AutoConfig.from_pretrained(model_dir)
+    C.check_architecture(config)
+    return config, AutoModelForCausalLM, AutoTokenizer
+
+
+def quantize_model(model_dir: str | Path, out_dir: str | Path, opts: QuantOptions,
+                   overwrite: bool = False) -> dict:
+    """Returns a summary dict (timings, per-layer info, output path)."""
+    from tqdm import tqdm
+
+    opts.validate()
+    model_dir = Path(model_dir)
+    config, auto_model, auto_tok = load_model(model_dir)
+    check_shapes(config, opts)
+    if Path(out_dir).exists() and not overwrite:
+        raise FileExistsError(f"output {out_dir} already exists (pass --overwrite to replace it)")
+    t_start = time.time()
+    tok = auto_tok.from_pretrained(model_dir)
+    model = auto_model.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
+    tokens = C.calibration_batches(tok, load_text(opts.calib_text), opts.calib_samples, opts.calib_seqlen)
+    kwargs = C.decoder_kwargs(model, tokens.shape[1])
+    with torch.no_grad():
+        hidden = model.model.embed_tokens(tokens).float()
+    t_load = time.time() - t_start
+    tensors: dict[str, torch.Tensor] = {}
+    infos = []
+    layers = model.model.layers
+    bar = tqdm(range(len(layers)), desc="quantizing layers", unit="layer", disable=not opts.progress)
+    for i in bar:
+        with torch.no_grad():
+            t, hidden, info = quantize_layer(layers[i], i, hidden, kwargs, config, opts)
+        tensors.update(t)
+        infos.append(info)
+        layers[i] = torch.nn.Identity()  # done: free its memory
+        bar.set_postfix(last=f"{info['seconds']:.1f}s")
+    for name, p in model.state_dict().items():
+        if name.startswith("model.layers."):
+            continue
+        if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+            continue
+        tensors[name] = p.detach().to(torch.bfloat16)
+    t_quant = time.time() - t_start - t_load
+    src_cfg = json.loads((model_dir / "config.json").read_text())
+    path = write_checkpoint(out_dir, tensors, src_cfg, model_dir, quantization_config(opts), overwrite)
+    return {"output": str(path), "layers": infos, "calibration_tokens": int(tokens.numel()),
+            "seconds_load": t_load, "seconds_quantize": t_quant,
+            "seconds_total": time.time() - t_start, "options": dataclasses.asdict(opts)}
