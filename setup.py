@@ -15,6 +15,13 @@ def _cuda_extensions():
     want = os.environ.get("MIXPREC_BUILD_CUDA", "auto")
     if want == "0":
         return [], {}
+    if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ:
+        # torch guesses CUDA_HOME from `which nvcc`; a wrapper script in /usr/local/bin makes
+        # that /usr/local, which has no cuda_runtime.h. Prefer a real toolkit directory.
+        for cand in ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True):
+            if os.path.exists(os.path.join(cand, "include", "cuda_runtime.h")):
+                os.environ["CUDA_HOME"] = cand
+                break
     try:
         import torch
         from torch.utils.cpp_extension import BuildExtension, CUDAExtension, CUDA_HOME
@@ -38,9 +45,8 @@ def _cuda_extensions():
         sources=sources,
         include_dirs=[os.path.abspath("csrc")],
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17", "-DPy_LIMITED_API=0x03090000"],
-            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
-                     "-DPy_LIMITED_API=0x03090000"] + gencode,
+            "cxx": ["-O3", "-std=c++17"],
+            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"] + gencode,
         },
         py_limited_api=True,
     )
@@ -49,4 +55,4 @@ def _cuda_extensions():
 
 ext_modules, cmdclass = _cuda_extensions()
 setup(ext_modules=ext_modules, cmdclass=cmdclass,
-      options={"bdist_wheel": {"py_limited_api": "cp39"}} if ext_modules else {})
+      options={"bdist_wheel": {"py_limited_api": "cp310"}} if ext_modules else {})

@@ -1,7 +1,17 @@
 """The csrc/ ops (TORCH_LIBRARY namespace `mixprec_C`), loaded from vllm_mixprec/_C*.so.
 
-Loading the library does not initialise CUDA. Every function here has the signature of
-its counterpart in reference.py.
+Loading the library does not initialise CUDA. `quantize_act` and `w4a8_gemm` have the
+signatures of their counterparts in reference.py. `prepare_weights` repacks a layer's
+checkpoint tensors once into the kernel layout (csrc/gemm/NOTES.md, "Layout"):
+
+  qweight       uint8 [N, K/2]              -> uint8 [N/16, 8K]      (MMA-fragment order)
+  group_scale   uint8 [N, K/G]  \\
+  group_offset  uint8 [N, K/G]  /           -> group_scale := int32 [N/16, K/G, 8] words
+                                               (scale, offset of two channels), group_offset := empty
+  channel_scale float32 [N]                    (unchanged)
+
+`w4a8_gemm` accepts either layout: checkpoint tensors are repacked on every call (tests,
+one-off use), packed ones go straight to the kernel.
 """
 from __future__ import annotations
 
@@ -10,8 +20,30 @@ import os
 
 import torch
 
+from .. import formats as F
+
 _LIB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _state: dict = {}
+
+# A/B and tuning: force a GEMM kernel (-1 auto; 0/1 decode with 16/32 channels per CTA,
+# M <= 32; 2/3 tiled with 64/128 tokens per CTA) and a split-K factor (0 auto).
+_GEMM_KERNEL = int(os.environ.get("MIXPREC_W4A8_KERNEL", "-1"))
+_GEMM_SPLITS = int(os.environ.get("MIXPREC_W4A8_SPLITS", "0"))
+
+CHUNK_K = 64  # k per packed chunk (two m16n8k32 steps)
+TILE_N = 16  # output channels per MMA row tile
+
+
+def _register_fakes() -> None:
+    """Meta implementations, so torch.compile traces the ops without running them."""
+
+    @torch.library.register_fake("mixprec_C::quantize_act")
+    def _quantize_act_fake(x, smooth):
+        return (x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32))
+
+    @torch.library.register_fake("mixprec_C::w4a8_gemm")
+    def _w4a8_gemm_fake(xq, x_scale, qweight, gparams, channel_scale, bias, out_dtype, kernel=-1, splits=0):
+        return xq.new_empty((xq.shape[0], channel_scale.shape[0]), dtype=out_dtype)
 
 
 def _load() -> None:
@@ -23,9 +55,11 @@ def _load() -> None:
         return
     try:
         torch.ops.load_library(libs[0])
-        _state["path"] = libs[0]
     except OSError as e:  # e.g. the CUDA runtime is missing on this machine
         _state["error"] = f"{libs[0]} failed to load: {e}"
+        return
+    _register_fakes()
+    _state["path"] = libs[0]
 
 
 def available() -> bool:
@@ -47,14 +81,152 @@ def has_w4ax() -> bool:
     return available() and hasattr(torch.ops.mixprec_C, "w4ax_gemm")
 
 
+# --- layout -----------------------------------------------------------------------------
+
+def _check_checkpoint_layout(qweight: torch.Tensor, group_scale: torch.Tensor,
+                             group_offset: torch.Tensor) -> tuple[int, int, int]:
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be uint8 [N, K/2], got {qweight.dtype} {tuple(qweight.shape)}")
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    if group_scale.dim() != 2 or group_scale.shape[0] != n or group_scale.shape[1] == 0:
+        raise ValueError(f"group_scale must be [N={n}, K/G], got {tuple(group_scale.shape)}")
+    if group_offset.shape != group_scale.shape:
+        raise ValueError(f"group_offset {tuple(group_offset.shape)} does not match group_scale "
+                         f"{tuple(group_scale.shape)}")
+    if k % group_scale.shape[1]:
+        raise ValueError(f"K={k} is not a multiple of the {group_scale.shape[1]} groups")
+    g = k // group_scale.shape[1]
+    if n % TILE_N:
+        raise ValueError(f"the CUDA W4A8 kernel needs N (out_features) % {TILE_N} == 0, got N={n}")
+    if g % CHUNK_K or (g // CHUNK_K) & (g // CHUNK_K - 1):
+        raise ValueError(f"the CUDA W4A8 kernel needs a group size of 64 * 2^i, got K={k} / "
+                         f"{group_scale.shape[1]} groups = {g}")
+    return n, k, g
+
+
+def repack_w4a8_reference(qweight: torch.Tensor, group_scale: torch.Tensor, group_offset: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint layout (formats.W4Layout) -> (qweight uint8 [N/16, 8K], gparams int32 [N/16, K/G, 8]).
+
+    Pure torch on the tensors' device; the kernel reads exactly this. In the chunk of 16
+    channels x 64 k of tile T, chunk c, lane l = 4g + t owns 16 bytes = four u32 words j:
+    word j holds channel T*16 + 2g + (j&1) and k = c*64 + 16t + 8(j>>1) + [0, 8), byte b of it
+    the nibble of k0 + b (low) and k0 + 4 + b (high). gparams[T, grp, g] is the bytes
+    (scale, offset) of channel 2g then of 2g + 1.
+    """
+    n, k, _ = _check_checkpoint_layout(qweight, group_scale, group_offset)
+    q = F.unpack_nibbles(qweight)  # [N, K]
+    # n = T*16 + 2g + p ; k = c*64 + 16t + 8s + 4h + b
+    q = q.view(n // TILE_N, 8, 2, k // CHUNK_K, 4, 2, 2, 4)  # T g p c t s h b
+    q = q.permute(0, 3, 1, 4, 5, 2, 7, 6)  # T c g t s p b h
+    packed = (q[..., 0] | (q[..., 1] << 4)).contiguous().view(n // TILE_N, k * 8)
+    groups = group_scale.shape[1]
+    s = group_scale.to(torch.uint8).view(n // TILE_N, 8, 2, groups).permute(0, 3, 1, 2)  # T grp g p
+    a = group_offset.to(torch.uint8).view(n // TILE_N, 8, 2, groups).permute(0, 3, 1, 2)
+    words = torch.stack((s, a), dim=-1).contiguous()  # T grp g p {scale, offset}
+    gparams = words.view(n // TILE_N, groups, 8, 4).view(torch.int32).view(n // TILE_N, groups, 8)
+    return packed, gparams
+
+
+repack_w4a8 = repack_w4a8_reference  # the production repack is this torch code, run on the GPU
+
+
+def unpack_w4a8_reference(packed: torch.Tensor, gparams: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of repack_w4a8_reference: -> (qweight [N, K/2], group_scale, group_offset [N, K/G])."""
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % (8 * CHUNK_K):
+        raise ValueError(f"packed qweight must be uint8 [N/16, 8K] with K % 64 == 0, got "
+                         f"{packed.dtype} {tuple(packed.shape)}")
+    tiles, k = packed.shape[0], packed.shape[1] // 8
+    if gparams.dtype != torch.int32 or gparams.dim() != 3 or gparams.shape[0] != tiles or gparams.shape[2] != 8:
+        raise ValueError(f"gparams must be int32 [{tiles}, K/G, 8], got {gparams.dtype} {tuple(gparams.shape)}")
+    n, groups = tiles * TILE_N, gparams.shape[1]
+    b = packed.view(tiles, k // CHUNK_K, 8, 4, 2, 2, 4)  # T c g t s p b
+    q = torch.stack((b & 0xF, b >> 4), dim=-1)  # T c g t s p b h
+    q = q.permute(0, 2, 5, 1, 3, 4, 7, 6).contiguous().view(n, k)  # T g p c t s h b
+    words = gparams.contiguous().view(torch.uint8).view(tiles, groups, 8, 2, 2)  # T grp g p {s, a}
+    words = words.permute(0, 2, 3, 1, 4).contiguous().view(n, groups, 2)
+    return F.pack_nibbles(q), words[..., 0].contiguous(), words[..., 1].contiguous()
+
+
+def emulate_w4a8_dequant_reference(packed: torch.Tensor, gparams: torch.Tensor) -> torch.Tensor:
+    """The int8 weights [N, K] as the kernel forms them, register by register.
+
+    Follows csrc/gemm/sm80/w4a8_gemm_mma.cu:dequant_chunk on each lane's four u32 words
+    (lo = w & 0x0F0F0F0F, hi = (w >> 4) & 0x0F0F0F0F, r = (x * s + a * 0x01010101) ^ 0x80808080
+    in 32-bit arithmetic, carries included), places the bytes by the PTX fragment layout of
+    mma.m16n8k32 A (register i: row g + 8*(i&1), col 4t + byte + 16*(i>>1)), and maps the
+    MMA row to its channel (2*(r%8) + r//8) and the step's column to its k (the activation
+    side loads x[k = c*64 + 16t + 8*step + 4*(col >= 16) + byte]). The CPU tests compare it
+    with reference.dequantize_weight_w8.
+    """
+    tiles, k = packed.shape[0], packed.shape[1] // 8
+    chunks, groups = k // CHUNK_K, gparams.shape[1]
+    shift = (k // groups // CHUNK_K).bit_length() - 1
+    words = packed.view(tiles, chunks, 32, 4, 4).to(torch.int64)  # T c lane j byte
+    words = (words << (8 * torch.arange(4, device=packed.device))).sum(-1)  # T c lane j
+    grp = torch.arange(chunks, device=packed.device) >> shift
+    pw = gparams.to(torch.int64) & 0xFFFFFFFF  # T grp g
+    pw = pw[:, grp]  # T c g
+    pw = pw.repeat_interleave(4, dim=2)  # T c lane
+    out = torch.empty(tiles * TILE_N, k, dtype=torch.int8, device=packed.device)
+    lane = torch.arange(32, device=packed.device)
+    g_of, t_of = lane // 4, lane % 4
+    c_idx = torch.arange(chunks, device=packed.device)
+    for j in range(4):
+        parity, step = j & 1, j >> 1
+        s = (pw >> (16 * parity)) & 0xFF
+        a = ((pw >> (16 * parity + 8)) & 0xFF) * 0x01010101
+        w = words[..., j]
+        for half, x in ((0, w & 0x0F0F0F0F), (1, (w >> 4) & 0x0F0F0F0F)):
+            r = ((x * s + a) & 0xFFFFFFFF) ^ 0x80808080  # the A register (4 int8 lanes)
+            reg = 2 * half + parity  # a0: rows g, k 0..3 of the step; a1: rows g+8; a2/a3: k 16..
+            row = g_of + 8 * (reg & 1)  # MMA row per lane
+            channel = 2 * (row % 8) + row // 8
+            for byte in range(4):
+                val = ((r >> (8 * byte)) & 0xFF).to(torch.uint8).view(torch.int8)  # T c lane
+                col = 4 * t_of + byte + 16 * (reg >> 1)  # logical k inside the k32 step
+                # B fragment of that col holds x[c*64 + 16t + 8*step + 4*(col >= 16) + byte]
+                kk = c_idx[:, None] * CHUNK_K + 16 * t_of[None, :] + 8 * step + 4 * (col[None, :] >= 16) + byte
+                rows = torch.arange(tiles, device=packed.device)[:, None, None] * TILE_N + channel[None, None, :]
+                out[rows.expand(tiles, chunks, 32), kk[None].expand(tiles, chunks, 32)] = val
+    return out
+
+
+# --- ops --------------------------------------------------------------------------------
+
 def prepare_weights(layer: torch.nn.Module) -> None:
-    raise NotImplementedError("csrc W4A8 GEMM: not written yet")
+    """Repack the loaded checkpoint tensors into the kernel layout, once, on their device."""
+    packed, gparams = repack_w4a8(layer.qweight.data, layer.group_scale.data, layer.group_offset.data)
+    dev = packed.device
+
+    def put(name, t):
+        layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+
+    put("qweight", packed)
+    put("group_scale", gparams)
+    put("group_offset", torch.empty(0, dtype=torch.uint8, device=dev))
+    put("channel_scale", layer.channel_scale.data.to(torch.float32).contiguous())
+    layer.mixprec_cuda_layout = "w4a8_mma_v1"
 
 
-def quantize_act(x, smooth=None):
-    raise NotImplementedError("csrc quantize_act: not written yet")
+def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8: x [M, K] -> (int8 [M, K], float32 scale [M])."""
+    return torch.ops.mixprec_C.quantize_act(x, smooth)
 
 
-def w4a8_gemm(xq, x_scale, qweight, group_scale, group_offset, channel_scale, bias=None,
-              out_dtype=torch.float16):
-    raise NotImplementedError("csrc w4a8_gemm: not written yet")
+def w4a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
+              group_scale: torch.Tensor, group_offset: torch.Tensor, channel_scale: torch.Tensor,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """y[m, n] = x_scale[m] * channel_scale[n] * sum_k xq[m, k] * w8[n, k] + bias[n].
+
+    qweight/group_scale/group_offset in the checkpoint layout (repacked here, per call) or
+    as prepare_weights left them (group_scale is then the int32 gparams, group_offset unused).
+    """
+    if group_scale.dtype != torch.int32:
+        qweight, group_scale = repack_w4a8(qweight, group_scale, group_offset)
+    if channel_scale.dtype != torch.float32:
+        channel_scale = channel_scale.float()
+    return torch.ops.mixprec_C.w4a8_gemm(xq, x_scale, qweight, group_scale, channel_scale, bias,
+                                         out_dtype, _GEMM_KERNEL, _GEMM_SPLITS)

@@ -176,12 +176,49 @@ __device__ __forceinline__ bool arrive_last(int32_t* counter, int splits) {
 
 __device__ __forceinline__ int2 sum_splits(const Params& p, int splits, int tok, int ch) {
   int2 acc = make_int2(0, 0);
+#pragma unroll 1
   for (int s = 0; s < splits; ++s) {
     const int2 v = __ldcg(workspace_at(p, s, tok, ch));  // L2: other SMs wrote it
     acc.x += v.x;
     acc.y += v.y;
   }
   return acc;
+}
+
+// kBatch chunks of one warp: all loads first (kBatch * (kRowTiles + kTokTiles) independent
+// 16-byte requests plus the group words), then dequant + MMA; pointers advance by kBatch chunks.
+template <int kBatch, int kRowTiles, int kTokTiles>
+__device__ __forceinline__ void decode_batch(const uint8_t* (&wptr)[kRowTiles], const uint32_t* const (&pptr)[kRowTiles],
+                                             const int8_t* (&xptr)[kTokTiles], int c, int group_shift,
+                                             int32_t (&acc)[kRowTiles][kTokTiles][4]) {
+  uint4 wv[kBatch][kRowTiles];
+  uint32_t pv[kBatch][kRowTiles];
+  uint4 xv[kBatch][kTokTiles];
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+    const uint32_t group_word = (static_cast<uint32_t>(c + u) >> group_shift) * 8u;
+#pragma unroll
+    for (int r = 0; r < kRowTiles; ++r) {
+      wv[u][r] = ldg_stream_v4(wptr[r] + u * kChunkBytes);
+      pv[u][r] = __ldg(pptr[r] + group_word);
+    }
+#pragma unroll
+    for (int tt = 0; tt < kTokTiles; ++tt) xv[u][tt] = ldg_v4(xptr[tt] + u * kChunkK);
+  }
+#pragma unroll
+  for (int r = 0; r < kRowTiles; ++r) wptr[r] += kBatch * kChunkBytes;
+#pragma unroll
+  for (int tt = 0; tt < kTokTiles; ++tt) xptr[tt] += kBatch * kChunkK;
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+#pragma unroll
+    for (int r = 0; r < kRowTiles; ++r) {
+      uint32_t a[2][4];
+      dequant_chunk(wv[u][r], pv[u][r], a);
+#pragma unroll
+      for (int tt = 0; tt < kTokTiles; ++tt) mma_chunk(acc[r][tt], a, xv[u][tt]);
+    }
+  }
 }
 
 // ---- decode kernel (M <= 32): stream the weight once -----------------------------------------
@@ -214,24 +251,21 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_kernel(const Pa
   const int c_lo = min(split_hi, split_lo + warp * per_warp);
   const int c_hi = min(split_hi, c_lo + per_warp);
 
+  // Row tiles past N (last CTA) and tokens past M read valid duplicates instead of being
+  // predicated: their accumulators are never stored.
   const uint8_t* wptr[kRowTiles];
   const uint32_t* pptr[kRowTiles];
-  bool row_ok[kRowTiles];
 #pragma unroll
   for (int r = 0; r < kRowTiles; ++r) {
-    const int rt = row_tile0 + r;
-    row_ok[r] = rt < num_row_tiles;
-    const size_t rts = row_ok[r] ? rt : 0;
-    wptr[r] = p.qweight + rts * chunks * kChunkBytes + lane * 16;
-    pptr[r] = p.gparams + rts * groups * 8 + g;
+    const size_t rt = min(row_tile0 + r, num_row_tiles - 1);
+    wptr[r] = p.qweight + (rt * chunks + c_lo) * kChunkBytes + lane * 16;
+    pptr[r] = p.gparams + rt * groups * 8 + g;
   }
   const int8_t* xptr[kTokTiles];
-  bool tok_ok[kTokTiles];
 #pragma unroll
   for (int tt = 0; tt < kTokTiles; ++tt) {
-    const int tok = tt * 8 + g;
-    tok_ok[tt] = tok < M;
-    xptr[tt] = p.xq + static_cast<size_t>(tok_ok[tt] ? tok : 0) * K + t * 16;
+    const size_t tok = min(tt * 8 + g, M - 1);
+    xptr[tt] = p.xq + tok * K + static_cast<size_t>(c_lo) * kChunkK + t * 16;
   }
 
   int32_t acc[kRowTiles][kTokTiles][4];
@@ -242,40 +276,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_kernel(const Pa
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][tt][i] = 0;
 
-  for (int c = c_lo; c < c_hi; c += kUnroll) {
-    uint4 wv[kUnroll][kRowTiles];
-    uint32_t pv[kUnroll][kRowTiles];
-    uint4 xv[kUnroll][kTokTiles];
-    // All loads of the batch first: kUnroll * (kRowTiles + kTokTiles) independent requests.
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int cc = c + u;
-      const bool ok = cc < c_hi;
-#pragma unroll
-      for (int r = 0; r < kRowTiles; ++r) {
-        if (ok && row_ok[r]) {
-          wv[u][r] = ldg_stream_v4(wptr[r] + static_cast<size_t>(cc) * kChunkBytes);
-          pv[u][r] = __ldg(pptr[r] + (cc >> p.group_shift) * 8);
-        } else {
-          wv[u][r] = make_uint4(0, 0, 0, 0);
-          pv[u][r] = 0;
-        }
-      }
-#pragma unroll
-      for (int tt = 0; tt < kTokTiles; ++tt)
-        xv[u][tt] = (ok && tok_ok[tt]) ? ldg_v4(xptr[tt] + cc * kChunkK) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-      for (int r = 0; r < kRowTiles; ++r) {
-        uint32_t a[2][4];
-        dequant_chunk(wv[u][r], pv[u][r], a);
-#pragma unroll
-        for (int tt = 0; tt < kTokTiles; ++tt) mma_chunk(acc[r][tt], a, xv[u][tt]);
-      }
-    }
-  }
+  int c = c_lo;
+  for (; c + kUnroll <= c_hi; c += kUnroll)
+    decode_batch<kUnroll>(wptr, pptr, xptr, c, p.group_shift, acc);
+  for (; c < c_hi; ++c) decode_batch<1>(wptr, pptr, xptr, c, p.group_shift, acc);
 
   // Intra-CTA split-K: warps add into a shared int32 tile [token][channel].
   for (int i = tid; i < kToks * kStride; i += kDecodeThreads) tile[i] = 0;

@@ -1,0 +1,194 @@
+// Torch custom ops of vllm_mixprec (library namespace `mixprec_C`), loaded with
+// torch.ops.load_library by vllm_mixprec/kernels/cuda.py. No Python API is used (abi3 build).
+// Other csrc/ files add ops with TORCH_LIBRARY_FRAGMENT(mixprec_C, m).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <array>
+#include <atomic>
+#include <optional>
+#include <tuple>
+
+#include "gemm/w4a8_gemm.h"
+
+namespace mixprec {
+namespace {
+
+OutKind kind_of(at::ScalarType t, const char* what) {
+  switch (t) {
+    case at::kHalf: return OutKind::kHalf;
+    case at::kBFloat16: return OutKind::kBFloat16;
+    case at::kFloat: return OutKind::kFloat;
+    default: TORCH_CHECK(false, what, " must be float16, bfloat16 or float32, got ", t);
+  }
+  return OutKind::kFloat;
+}
+
+int num_sms(int device) {
+  static std::array<std::atomic<int>, 64> cache{};
+  if (device < 0 || device >= static_cast<int>(cache.size())) device = 0;
+  int n = cache[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    cache[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "mixprec_C: ", name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.device() == like.device(), "mixprec_C: ", name, " is on ", t.device(), " but the inputs are on ",
+              like.device());
+}
+
+// A contiguous copy when t is strided or not 16-byte aligned (vector loads need both).
+at::Tensor aligned_contiguous(const at::Tensor& t) {
+  if (t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0) return t;
+  return t.clone(at::MemoryFormat::Contiguous);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in, const std::optional<at::Tensor>& smooth_in) {
+  TORCH_CHECK(x_in.is_cuda(), "mixprec_C::quantize_act: x must be a CUDA tensor, got ", x_in.device());
+  TORCH_CHECK(x_in.dim() == 2, "mixprec_C::quantize_act: x must be 2-D [M, K], got shape ", x_in.sizes());
+  const OutKind x_kind = kind_of(x_in.scalar_type(), "mixprec_C::quantize_act: x");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K > 0 && K < (int64_t{1} << 31) && M < (int64_t{1} << 31),
+              "mixprec_C::quantize_act: unsupported shape ", x.sizes());
+  at::Tensor smooth;
+  OutKind smooth_kind = OutKind::kFloat;
+  if (smooth_in.has_value()) {
+    smooth = smooth_in->contiguous();
+    check_cuda(smooth, x, "smooth");
+    TORCH_CHECK(smooth.dim() == 1 && smooth.size(0) == K, "mixprec_C::quantize_act: smooth must have shape [",
+                K, "], got ", smooth.sizes());
+    smooth_kind = kind_of(smooth.scalar_type(), "mixprec_C::quantize_act: smooth");
+  }
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({M}, x.options().dtype(at::kFloat));
+  if (M == 0) return {q, scale};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  C10_CUDA_CHECK(quantize_act_int8_launch(x.data_ptr(), x_kind, x.stride(0),
+                                          smooth.defined() ? smooth.data_ptr() : nullptr, smooth_kind,
+                                          q.data_ptr<int8_t>(), scale.data_ptr<float>(), static_cast<int>(M),
+                                          static_cast<int>(K), stream));
+  return {q, scale};
+}
+
+at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, const at::Tensor& qweight,
+                     const at::Tensor& gparams, const at::Tensor& channel_scale_in,
+                     const std::optional<at::Tensor>& bias_in, at::ScalarType out_dtype, int64_t kernel,
+                     int64_t splits) {
+  constexpr const char* op = "mixprec_C::w4a8_gemm: ";
+  TORCH_CHECK(xq_in.is_cuda(), op, "xq must be a CUDA tensor, got ", xq_in.device());
+  TORCH_CHECK(xq_in.scalar_type() == at::kChar && xq_in.dim() == 2, op, "xq must be int8 [M, K], got ",
+              xq_in.scalar_type(), " ", xq_in.sizes());
+  const c10::cuda::CUDAGuard guard(xq_in.device());
+  const int64_t M = xq_in.size(0), K = xq_in.size(1);
+  const OutKind out_kind = kind_of(out_dtype, "mixprec_C::w4a8_gemm: out_dtype");
+
+  check_cuda(x_scale_in, xq_in, "x_scale");
+  TORCH_CHECK(x_scale_in.scalar_type() == at::kFloat && x_scale_in.dim() == 1 && x_scale_in.size(0) == M, op,
+              "x_scale must be float32 [M=", M, "], got ", x_scale_in.scalar_type(), " ", x_scale_in.sizes());
+  check_cuda(channel_scale_in, xq_in, "channel_scale");
+  TORCH_CHECK(channel_scale_in.scalar_type() == at::kFloat && channel_scale_in.dim() == 1, op,
+              "channel_scale must be float32 [N], got ", channel_scale_in.scalar_type(), " ",
+              channel_scale_in.sizes());
+  const int64_t N = channel_scale_in.size(0);
+  TORCH_CHECK(N % 16 == 0 && N > 0, op, "N (output features) = ", N,
+              " must be a positive multiple of 16 (pad the layer or use the Triton kernel)");
+  TORCH_CHECK(K % 64 == 0 && K > 0, op, "K (input features) = ", K, " must be a positive multiple of 64");
+  TORCH_CHECK(M < (int64_t{1} << 31) && N < (int64_t{1} << 31) && K < (int64_t{1} << 31), op, "shape too large");
+
+  check_cuda(qweight, xq_in, "qweight");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.size(0) == N / 16 &&
+                  qweight.size(1) == 8 * K && qweight.is_contiguous(),
+              op, "qweight must be the packed uint8 [N/16, 8K] = [", N / 16, ", ", 8 * K,
+              "] of kernels/cuda.py:repack_w4a8 (contiguous), got ", qweight.scalar_type(), " ", qweight.sizes());
+  check_cuda(gparams, xq_in, "gparams");
+  TORCH_CHECK(gparams.scalar_type() == at::kInt && gparams.dim() == 3 && gparams.size(0) == N / 16 &&
+                  gparams.size(2) == 8 && gparams.size(1) > 0 && gparams.is_contiguous(),
+              op, "gparams must be the packed int32 [N/16, K/G, 8] of kernels/cuda.py:repack_w4a8, got ",
+              gparams.scalar_type(), " ", gparams.sizes());
+  const int64_t groups = gparams.size(1);
+  TORCH_CHECK(K % groups == 0, op, "K = ", K, " is not a multiple of the number of groups ", groups);
+  const int64_t group_size = K / groups;
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(qweight.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(gparams.data_ptr()) % 16 == 0,
+              op, "qweight and gparams must be 16-byte aligned");
+
+  at::Tensor bias;
+  BiasKind bias_kind = BiasKind::kNone;
+  if (bias_in.has_value()) {
+    bias = bias_in->contiguous();
+    check_cuda(bias, xq_in, "bias");
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N, op, "bias must have shape [N=", N, "], got ", bias.sizes());
+    if (bias.scalar_type() == out_dtype) {
+      bias_kind = BiasKind::kSameAsOut;
+    } else {
+      // float32 holds every fp16/bf16 value exactly: no second rounding of the bias
+      kind_of(bias.scalar_type(), "mixprec_C::w4a8_gemm: bias");
+      if (bias.scalar_type() != at::kFloat) bias = bias.to(at::kFloat);
+      bias_kind = BiasKind::kFloat;
+    }
+  }
+
+  at::Tensor out = at::empty({M, N}, xq_in.options().dtype(out_dtype));
+  if (M == 0) return out;
+  const at::Tensor xq = aligned_contiguous(xq_in);
+  const at::Tensor x_scale = x_scale_in.contiguous();
+  const at::Tensor channel_scale = aligned_contiguous(channel_scale_in);
+
+  W4A8Plan plan{};
+  const char* err = w4a8_make_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
+                                   static_cast<int>(group_size), num_sms(xq.device().index()),
+                                   static_cast<int>(kernel), static_cast<int>(splits), &plan);
+  TORCH_CHECK(err == nullptr, err ? err : "", " (M=", M, ", N=", N, ", K=", K, ", G=", group_size,
+              ", kernel=", kernel, ", splits=", splits, ")");
+
+  at::Tensor workspace, counters;
+  if (plan.splits > 1) {
+    workspace = at::empty({static_cast<int64_t>(plan.splits) * M * N}, xq.options().dtype(at::kInt));
+    counters = at::zeros({plan.num_counters}, xq.options().dtype(at::kInt));
+  }
+  W4A8GemmArgs args{};
+  args.xq = xq.data_ptr<int8_t>();
+  args.x_scale = x_scale.data_ptr<float>();
+  args.qweight = qweight.data_ptr<uint8_t>();
+  args.gparams = reinterpret_cast<const uint32_t*>(gparams.data_ptr<int32_t>());
+  args.channel_scale = channel_scale.data_ptr<float>();
+  args.bias = bias.defined() ? bias.data_ptr() : nullptr;
+  args.bias_kind = bias_kind;
+  args.out = out.data_ptr();
+  args.out_kind = out_kind;
+  args.workspace = workspace.defined() ? workspace.data_ptr<int32_t>() : nullptr;
+  args.counters = counters.defined() ? counters.data_ptr<int32_t>() : nullptr;
+  args.M = static_cast<int>(M);
+  args.N = static_cast<int>(N);
+  args.K = static_cast<int>(K);
+  args.group_size = static_cast<int>(group_size);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(xq.device().index()).stream();
+  C10_CUDA_CHECK(w4a8_gemm_launch(args, plan, stream));
+  return out;
+}
+
+}  // namespace
+}  // namespace mixprec
+
+TORCH_LIBRARY(mixprec_C, m) {
+  m.def("quantize_act(Tensor x, Tensor? smooth) -> (Tensor, Tensor)");
+  m.def(
+      "w4a8_gemm(Tensor xq, Tensor x_scale, Tensor qweight, Tensor gparams, Tensor channel_scale, "
+      "Tensor? bias, ScalarType out_dtype, int kernel=-1, int splits=0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mixprec_C, CUDA, m) {
+  m.impl("quantize_act", &mixprec::quantize_act);
+  m.impl("w4a8_gemm", &mixprec::w4a8_gemm);
+}

@@ -1,0 +1,126 @@
+"""Time the csrc W4A8 GEMM (every kernel variant that applies) against Marlin W4A16, on the GPU host.
+
+  python scripts/bench_w4a8_cuda.py [--full] [--no-marlin] [--out $OUT/bench_w4a8_cuda.json]
+
+Median of triton.testing.do_bench (the way /work/shared/baselines/marlin_bench.py timed the
+baselines). Shapes whose weights fit in L2 rotate over several weight copies. Prints a table
+last: time in us, achieved weight-stream bandwidth, and speed-up over Marlin W4A16.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vllm_mixprec.kernels import cuda
+
+DEV = "cuda"
+L2_BYTES = 50 * 2 ** 20
+
+
+def lqq(n, k, g, gen):
+    q = torch.randint(0, 16, (n, k // 2), generator=gen, device=DEV, dtype=torch.int32)
+    qw = (q | (torch.randint(0, 16, (n, k // 2), generator=gen, device=DEV, dtype=torch.int32) << 4)).to(torch.uint8)
+    s = torch.randint(1, 17, (n, k // g), generator=gen, device=DEV, dtype=torch.int32)
+    a = torch.minimum(9 + (torch.rand((n, k // g), generator=gen, device=DEV) * 100).to(torch.int32), 255 - 15 * s)
+    cs = torch.rand(n, generator=gen, device=DEV) * 1e-3 + 1e-4
+    return qw, s.to(torch.uint8), a.to(torch.uint8), cs
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # us
+
+
+def marlin_setup(k, n):
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+        apply_gptq_marlin_linear, marlin_make_empty_g_idx, marlin_make_workspace_new)
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_test import marlin_quantize
+    from vllm.scalar_type import scalar_types
+    w = torch.randn(k, n, dtype=torch.half, device=DEV)
+    _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(w, scalar_types.uint4b8, 128, False)
+    ws = marlin_make_workspace_new(w.device)
+    empty = marlin_make_empty_g_idx(w.device)
+
+    def run(x):
+        return apply_gptq_marlin_linear(x, q_w, s, empty, g_idx, sort_idx, ws, scalar_types.uint4b8, n, k,
+                                        is_k_full=True)
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--full", action="store_true", help="all shapes (default: the 70B up-projection only)")
+    ap.add_argument("--no-marlin", action="store_true")
+    ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "bench_w4a8_cuda.json"))
+    args = ap.parse_args()
+    assert cuda.available(), cuda.load_error()
+    shapes = [(8192, 28672)]  # (K, N)
+    if args.full:
+        shapes += [(4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096), (28672, 8192)]
+    ms = [1, 4, 16, 32, 64, 128, 256, 1024, 4096]
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    rows = []
+    for k, n in shapes:
+        g = args.group
+        weight_bytes = n * k // 2 + n * (k // g) * 2
+        copies = max(1, -(-4 * L2_BYTES // weight_bytes))
+        layers = []
+        for _ in range(copies):
+            qw, gs, go, cs = lqq(n, k, g, gen)
+            pq, gp = cuda.repack_w4a8(qw, gs, go)
+            layers.append((pq, gp, cs))
+        marlin = None
+        if not args.no_marlin:
+            try:
+                marlin = marlin_setup(k, n)
+            except Exception as e:  # noqa: BLE001
+                print("marlin unavailable:", repr(e)[:200])
+        for m in ms:
+            x = torch.randn(m, k, device=DEV, dtype=torch.float16)
+            xq, xs = cuda.quantize_act(x)
+            variants = [-1] + ([0, 1] if m <= 32 else []) + [2, 3]
+            row = {"K": k, "N": n, "M": m, "G": g, "device": torch.cuda.get_device_name()}
+            it = {"i": 0}
+
+            def gemm(kernel):
+                pq, gp, cs = layers[it["i"] % copies]
+                it["i"] += 1
+                return torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, kernel, 0)
+
+            for kernel in variants:
+                row[f"gemm_k{kernel}_us"] = bench(lambda: gemm(kernel))
+            row["quantize_act_us"] = bench(lambda: cuda.quantize_act(x))
+
+            def linear():  # what the layer runs: quantize, then the auto-selected GEMM
+                xq2, xs2 = cuda.quantize_act(x)
+                pq, gp, cs = layers[it["i"] % copies]
+                it["i"] += 1
+                return torch.ops.mixprec_C.w4a8_gemm(xq2, xs2, pq, gp, cs, None, torch.float16, -1, 0)
+
+            row["linear_auto_us"] = bench(linear)
+            best = min(row[f"gemm_k{v}_us"] for v in variants)
+            row["best_gemm_us"] = best
+            row["weight_GBps_auto"] = weight_bytes / (row["gemm_k-1_us"] * 1e-6) / 1e9
+            if marlin is not None:
+                row["marlin_w4a16_us"] = bench(lambda: marlin(x))
+                row["speedup_linear_vs_marlin"] = row["marlin_w4a16_us"] / row["linear_auto_us"]
+            rows.append(row)
+            print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in row.items()}), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"\n{'K':>6} {'N':>6} {'M':>5} | {'auto us':>8} {'best us':>8} {'GB/s':>6} | "
+          f"{'q+gemm':>8} {'marlin':>8} {'x':>5}")
+    for r in rows:
+        print(f"{r['K']:>6} {r['N']:>6} {r['M']:>5} | {r['gemm_k-1_us']:8.1f} {r['best_gemm_us']:8.1f} "
+              f"{r['weight_GBps_auto']:6.0f} | {r['linear_auto_us']:8.1f} {r.get('marlin_w4a16_us', float('nan')):8.1f} "
+              f"{r.get('speedup_linear_vs_marlin', float('nan')):5.2f}")
+
+
+if __name__ == "__main__":
+    main()

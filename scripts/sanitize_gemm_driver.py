@@ -1,0 +1,69 @@
+"""Small driver for compute-sanitizer: every W4A8 kernel variant and quantize_act once.
+
+Run by scripts/sanitize_gemm.sh; it exits non-zero if a result is wrong, so the sanitizer
+log and the exit code both count.
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vllm_mixprec import reference as ref
+from vllm_mixprec.kernels import cuda
+
+DEV = "cuda"
+
+
+def lqq(n, k, g, gen):
+    q = torch.randint(0, 16, (n, k), generator=gen, device=DEV, dtype=torch.int32)
+    s = torch.randint(1, 17, (n, k // g), generator=gen, device=DEV, dtype=torch.int32)
+    a = 9 + (torch.rand((n, k // g), generator=gen, device=DEV) * (255 - 15 * s - 8)).floor().to(torch.int32)
+    a = torch.minimum(a, 255 - 15 * s)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8), s.to(torch.uint8), a.to(torch.uint8)
+
+
+def main() -> int:
+    if not cuda.available():
+        print("csrc ops not built:", cuda.load_error())
+        return 2
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    failures = 0
+    # (M, N, K, G, kernel, splits): decode and tiled, with and without split-K, N not a
+    # multiple of the CTA tile, K ranges that leave warps a partial unroll batch or none.
+    cases = [
+        (1, 48, 320, 64, 0, 1), (1, 48, 320, 64, 1, 1), (3, 208, 1024, 128, 1, 3),
+        (16, 64, 4096, 64, 0, 0), (17, 80, 512, 64, 1, 2), (32, 16, 192, 64, 0, 5),
+        (33, 208, 512, 64, 2, 1), (64, 144, 640, 128, 2, 3), (65, 208, 512, 64, 3, 1),
+        (200, 80, 384, 128, 3, 2), (5, 32, 128, 64, 3, 1),
+    ]
+    for m, n, k, g, kernel, splits in cases:
+        qw, gs, go = lqq(n, k, g, gen)
+        cs = torch.rand(n, generator=gen, device=DEV) * 1e-3 + 1e-4
+        x = torch.randn(m, k, generator=gen, device=DEV, dtype=torch.float16)
+        bias = torch.randn(n, generator=gen, device=DEV, dtype=torch.float16)
+        xq, xs = cuda.quantize_act(x)
+        pq, gp = cuda.repack_w4a8(qw, gs, go)
+        y = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, bias, torch.float16, kernel, splits)
+        y_ref = ref.w4a8_gemm(xq, xs, qw, gs, go, cs, bias, torch.float64)
+        rel = float((y.double() - y_ref).norm() / y_ref.norm())
+        ok = rel < 2e-3 and bool(torch.isfinite(y).all())
+        failures += not ok
+        print(f"M={m:4d} N={n:4d} K={k:5d} G={g:3d} kernel={kernel} splits={splits}: rel={rel:.2e} "
+              f"{'ok' if ok else 'FAIL'}")
+    for dtype, k in ((torch.bfloat16, 1000), (torch.float32, 4096), (torch.float16, 8192)):
+        x = torch.randn(9, k, generator=gen, device=DEV).to(dtype)
+        sm = torch.rand(k, generator=gen, device=DEV) + 0.5
+        q, s = cuda.quantize_act(x, sm)
+        q_ref, s_ref = ref.quantize_act(x, sm)
+        ok = int((q.int() - q_ref.int()).abs().max()) <= 1 and torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+        failures += not ok
+        print(f"quantize_act {dtype} K={k}: {'ok' if ok else 'FAIL'}")
+    torch.cuda.synchronize()
+    print("failures:", failures)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

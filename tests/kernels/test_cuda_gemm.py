@@ -1,0 +1,287 @@
+"""csrc W4A8 ops against reference.py on the GPU (`pytest -m gpu tests/kernels/test_cuda_gemm.py`).
+
+References run in float64 on the same GPU. Outputs are poisoned (NaN left in the caching
+allocator's block) so that an unwritten element fails.
+"""
+import pytest
+import torch
+
+from vllm_mixprec import reference as ref
+from vllm_mixprec.kernels import cuda
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -20}
+
+
+@pytest.fixture(autouse=True)
+def _need_ops():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not cuda.available():
+        pytest.skip(f"csrc ops not built: {cuda.load_error()}")
+    if not cuda.supports_device(torch.device(DEV)):
+        pytest.skip("the csrc ops need sm80+")
+
+
+def _gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def random_lqq(n, k, g, gen):
+    """Valid LiquidQuant tensors drawn directly (q * s + a <= 255, a >= 9), on the GPU."""
+    q = torch.randint(0, 16, (n, k), generator=gen, device=DEV, dtype=torch.int32)
+    s = torch.randint(1, 17, (n, k // g), generator=gen, device=DEV, dtype=torch.int32)
+    room = 255 - 15 * s - 9  # offsets 9 .. 255 - 15 s
+    a = 9 + (torch.rand((n, k // g), generator=gen, device=DEV) * (room + 1)).floor().to(torch.int32).clamp_max(room)
+    qw = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+    cs = torch.rand(n, generator=gen, device=DEV) * 0.002 + 0.0001  # fp16 outputs stay finite
+    return qw, s.to(torch.uint8), a.to(torch.uint8), cs
+
+
+def random_act(m, k, gen):
+    xq = torch.randint(-127, 128, (m, k), generator=gen, device=DEV, dtype=torch.int32).to(torch.int8)
+    xs = torch.rand(m, generator=gen, device=DEV) + 0.01
+    return xq, xs
+
+
+def poison(numel, dtype):
+    """Leave NaN (or 0x7F.. for ints) in the allocator block the next output will reuse."""
+    t = torch.empty(numel, dtype=dtype, device=DEV)
+    t.fill_(float("nan") if dtype.is_floating_point else 0x7F)
+    del t
+
+
+def check_close(y, y_ref, out_dtype):
+    assert y.dtype == out_dtype and y.shape == y_ref.shape
+    assert bool(torch.isfinite(y).all()), "non-finite output (unwritten or overflow)"
+    diff = (y.double() - y_ref).abs()
+    bound = EPS[out_dtype] * y_ref.abs() + 1e-6 * float(y_ref.abs().max()) + 1e-30
+    bad = int((diff > bound).sum())
+    assert bad == 0, f"{bad} elements off; max diff {float(diff.max()):.3g}"
+    rel = float((y.double() - y_ref).norm() / y_ref.norm().clamp_min(1e-30))
+    assert rel < 1e-3 + EPS[out_dtype], rel
+
+
+def run_gemm(m, n, k, g, out_dtype, seed, bias_dtype=None, kernel=-1, splits=0, packed=True):
+    gen = _gen(seed)
+    qw, gs, go, cs = random_lqq(n, k, g, gen)
+    xq, xs = random_act(m, k, gen)
+    bias = None if bias_dtype is None else torch.randn(n, generator=gen, device=DEV).to(bias_dtype)
+    y_ref = ref.w4a8_gemm(xq, xs, qw, gs, go, cs, bias, torch.float64)
+    poison(m * n, out_dtype)
+    if packed:
+        pq, gp = cuda.repack_w4a8(qw, gs, go)
+        y = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, bias, out_dtype, kernel, splits)
+    else:
+        y = cuda.w4a8_gemm(xq, xs, qw, gs, go, cs, bias, out_dtype)
+    torch.cuda.synchronize()
+    return y, y_ref
+
+
+# --- GEMM correctness --------------------------------------------------------------------
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 200, 1024])
+@pytest.mark.parametrize("n,k,g", [(16, 64, 64), (48, 256, 128), (512, 1024, 64), (272, 384, 128)])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_gemm_matches_reference(m, n, k, g, out_dtype):
+    y, y_ref = run_gemm(m, n, k, g, out_dtype, seed=m * 7919 + n * 31 + k, bias_dtype=out_dtype, packed=False)
+    check_close(y, y_ref, out_dtype)
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 31, 32, 33, 64, 65, 130])
+@pytest.mark.parametrize("kernel", [0, 1, 2, 3])
+@pytest.mark.parametrize("splits", [1, 2, 3, 5])
+def test_gemm_integer_exact_every_kernel(m, kernel, splits):
+    """x_scale = channel_scale = 1, float32 out: the int32 sums come out exactly (|acc| < 2^24)."""
+    if kernel in (0, 1) and m > 32:
+        pytest.skip("decode kernels take M <= 32")
+    n, k, g = 208, 1024, 64  # 13 row tiles: odd, not a multiple of 8 (tiled CTAs overhang N)
+    gen = _gen(1000 + 17 * m + kernel + 101 * splits)
+    qw, gs, go, _ = random_lqq(n, k, g, gen)
+    xq, _ = random_act(m, k, gen)
+    ones_m, ones_n = torch.ones(m, device=DEV), torch.ones(n, device=DEV)
+    acc = ref._int_gemm(xq, ref.dequantize_weight_w8(qw, gs, go))
+    assert float(acc.abs().max()) < 2 ** 24
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    poison(m * n, torch.float32)
+    y = torch.ops.mixprec_C.w4a8_gemm(xq, ones_m, pq, gp, ones_n, None, torch.float32, kernel, splits)
+    assert torch.equal(y.double(), acc)
+
+
+@pytest.mark.parametrize("m", [1, 16, 32])
+def test_gemm_llama70b_up_proj_shape(m):
+    """K x N = 8192 x 28672 (the decode target), and a small-N shape that takes split-K."""
+    for n, k in ((28672, 8192), (1024, 8192)):
+        y, y_ref = run_gemm(m, n, k, 64, torch.bfloat16, seed=m + n)
+        check_close(y, y_ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gemm_bias_and_out_dtypes(bias_dtype, out_dtype):
+    y, y_ref = run_gemm(5, 64, 512, 128, out_dtype, seed=3, bias_dtype=bias_dtype)
+    check_close(y, y_ref, out_dtype)
+
+
+def test_gemm_deterministic_split_k():
+    a, _ = run_gemm(4, 128, 4096, 64, torch.float16, seed=11, kernel=0, splits=7)
+    b, _ = run_gemm(4, 128, 4096, 64, torch.float16, seed=11, kernel=0, splits=7)
+    assert torch.equal(a, b)
+
+
+def test_gemm_m_zero():
+    qw, gs, go, cs = random_lqq(32, 128, 64, _gen(0))
+    y = cuda.w4a8_gemm(torch.empty(0, 128, dtype=torch.int8, device=DEV), torch.empty(0, device=DEV),
+                       qw, gs, go, cs, None, torch.float16)
+    assert y.shape == (0, 32)
+
+
+def test_gemm_unaligned_activation_view():
+    gen = _gen(5)
+    qw, gs, go, cs = random_lqq(64, 256, 64, gen)
+    big, xs = random_act(3, 256 + 8, gen)
+    xq = big[:, 8:]  # strided, 8-byte offset: the op must copy, not misread
+    y = cuda.w4a8_gemm(xq, xs, qw, gs, go, cs, None, torch.float16)
+    check_close(y, ref.w4a8_gemm(xq, xs, qw, gs, go, cs, None, torch.float64), torch.float16)
+
+
+# --- quantize_act ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k", [(1, 4096), (7, 8192), (33, 1000), (200, 64), (3, 28672)])
+@pytest.mark.parametrize("smooth_dtype", [None, torch.float32, "same"])
+def test_quantize_act_matches_reference(dtype, m, k, smooth_dtype):
+    gen = _gen(m * k)
+    x = (torch.randn(m, k, generator=gen, device=DEV) * torch.logspace(-3, 3, m, device=DEV)[:, None]).to(dtype)
+    smooth = None
+    if smooth_dtype is not None:
+        smooth = (torch.rand(k, generator=gen, device=DEV) + 0.25).to(dtype if smooth_dtype == "same" else smooth_dtype)
+    poison(m * k, torch.int8)
+    q, s = cuda.quantize_act(x, smooth)
+    q_ref, s_ref = ref.quantize_act(x, smooth)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.shape == (m, k) and s.shape == (m,)
+    assert float(((s - s_ref).abs() / s_ref).max()) <= 1e-6
+    diff = (q.int() - q_ref.int()).abs()
+    assert int(diff.max()) <= 1 and int((diff != 0).sum()) <= max(1, q.numel() // 10000)
+
+
+def test_quantize_act_strided_and_zero_rows():
+    x = torch.randn(6, 512, device=DEV, dtype=torch.float16)
+    x[2] = 0  # scale clamps at 1e-8 / 127, codes are 0
+    xt = torch.randn(512, 12, device=DEV, dtype=torch.float16).t()  # column-major view
+    for inp in (x, xt, x[:, 64:320]):
+        q, s = cuda.quantize_act(inp)
+        q_ref, s_ref = ref.quantize_act(inp)
+        assert torch.equal(q, q_ref) and torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+
+
+# --- graphs, compile, the linear op -------------------------------------------------------
+
+def _prepared_layer(n, k, g, gen):
+    qw, gs, go, cs = random_lqq(n, k, g, gen)
+    layer = torch.nn.Module()
+    for name, t in (("qweight", qw), ("group_scale", gs), ("group_offset", go), ("channel_scale", cs)):
+        layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+    cuda.prepare_weights(layer)
+    return layer, (qw, gs, go, cs)
+
+
+@pytest.mark.parametrize("m,n,k", [(4, 64, 4096), (3, 1024, 1024), (100, 256, 512)])
+def test_cuda_graph_capture_and_replay(m, n, k):
+    """(4, 64, 4096) takes split-K: the workspace memset and counters are captured too."""
+    gen = _gen(42)
+    layer, raw = _prepared_layer(n, k, 64, gen)
+    bias = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+
+    def f(x):
+        xq, xs = cuda.quantize_act(x)
+        return cuda.w4a8_gemm(xq, xs, layer.qweight, layer.group_scale, layer.group_offset,
+                              layer.channel_scale, bias, x.dtype)
+
+    x_static = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            f(x_static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = f(x_static)
+    for trial in range(3):
+        x_new = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=_gen(trial))
+        x_static.copy_(x_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        expect = f(x_new)
+        assert torch.equal(y_static, expect)
+        xq, xs = cuda.quantize_act(x_new)
+        check_close(y_static, ref.w4a8_gemm(xq, xs, *raw, bias, torch.float64), torch.bfloat16)
+
+
+def test_torch_compile_fullgraph_through_fake_impls():
+    gen = _gen(7)
+    layer, _ = _prepared_layer(256, 512, 128, gen)
+
+    def f(x):
+        xq, xs = cuda.quantize_act(x)
+        return cuda.w4a8_gemm(xq, xs, layer.qweight, layer.group_scale, layer.group_offset,
+                              layer.channel_scale, None, x.dtype)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    for m in (1, 9):
+        x = torch.randn(m, 512, device=DEV, dtype=torch.float16)
+        assert torch.equal(compiled(x), f(x))
+
+
+def test_w4a8_linear_custom_op_cuda_impl():
+    gen = _gen(9)
+    layer, raw = _prepared_layer(128, 256, 64, gen)
+    x = torch.randn(5, 256, device=DEV, dtype=torch.float16)
+    smooth = torch.rand(256, device=DEV) + 0.5
+    y = torch.ops.mixprec.w4a8_linear(x, layer.qweight, layer.group_scale, layer.group_offset,
+                                      layer.channel_scale, None, smooth, "cuda")
+    xq, xs = cuda.quantize_act(x, smooth)  # codes checked against the reference elsewhere
+    check_close(y, ref.w4a8_gemm(xq, xs, *raw, None, torch.float64), torch.float16)
+
+
+# --- errors ------------------------------------------------------------------------------
+
+def _op_args(m=2, n=32, k=128, g=64):
+    qw, gs, go, cs = random_lqq(n, k, g, _gen(1))
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    xq, xs = random_act(m, k, _gen(2))
+    return [xq, xs, pq, gp, cs, None, torch.float16]
+
+
+def test_errors_name_the_problem():
+    op = torch.ops.mixprec_C.w4a8_gemm
+    a = _op_args()
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        op(a[0], a[1], a[2], a[3], torch.ones(24, device=DEV), None, torch.float16)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        op(a[0][:, :96].contiguous(), a[1], a[2], a[3], a[4], None, torch.float16)
+    with pytest.raises(RuntimeError, match="xq must be int8"):
+        op(a[0].float(), *a[1:])
+    with pytest.raises(RuntimeError, match="CUDA tensor"):
+        op(a[0].cpu(), *a[1:])
+    with pytest.raises(RuntimeError, match="qweight must be the packed"):
+        op(a[0], a[1], a[2][:, :-16], *a[3:])
+    with pytest.raises(RuntimeError, match="x_scale must be float32"):
+        op(a[0], a[1][:1], *a[2:])
+    with pytest.raises(RuntimeError, match="bias must have shape"):
+        op(*a[:5], torch.ones(7, device=DEV), torch.float16)
+    with pytest.raises(RuntimeError, match="out_dtype"):
+        op(*a[:6], torch.int32)
+    with pytest.raises(RuntimeError, match="decode kernels"):
+        b = _op_args(m=40)
+        op(*b, 0, 0)
+    with pytest.raises(ValueError, match="N \\(out_features\\) % 16"):
+        qw, gs, go, cs = random_lqq(32, 128, 64, _gen(3))
+        cuda.w4a8_gemm(a[0], a[1], qw[:24], gs[:24], go[:24], cs[:24])
+    with pytest.raises(RuntimeError, match="quantize_act: x must be 2-D"):
+        cuda.quantize_act(torch.randn(2, 3, 64, device=DEV, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="smooth must have shape"):
+        cuda.quantize_act(torch.randn(2, 64, device=DEV, dtype=torch.float16), torch.ones(32, device=DEV))
