@@ -1,0 +1,473 @@
+#!/usr/bin/env python3
+"""W4A8 GEMM benchmark: vllm_mixprec's kernels against what vLLM users run today.
+
+Measured in the same run, on the same random data sizes:
+  ours_triton        Triton w4a8_gemm alone (int8 activations already quantised)
+  ours_triton_q      quantize_act + w4a8_gemm (what a linear layer costs)
+  ours_cuda          torch.ops.mixprec.w4a8_linear with impl "cuda" (when the csrc ops are built)
+  marlin_w4a16       Marlin, uint4b8 group 128, fp16 activations (apply_gptq_marlin_linear)
+  marlin_w4a8        Marlin with its own int8 activations (VLLM_MARLIN_INPUT_DTYPE=int8 path)
+  machete_w4a16      Machete, uint4b8 group 128, fp16 activations
+  cublas_bf16        torch.nn.functional.linear in bf16
+  int8_mm            torch._int_mm (cuBLAS W8A8, M > 16 only)
+
+Every callable is captured in a CUDA graph and its replays are timed with
+triton.testing.do_bench(return_mode="median") (which also flushes L2 before each replay).
+When a method's weights fit in L2 (50 MB) the graph cycles through several copies of the
+weights and inputs, so that no call finds its weights in cache; the time is per call.
+
+Writes DIR/bench_gemm.json (device, versions, date, every time with TFLOP/s, GB/s and the
+speedup over Marlin W4A16) and DIR/bench_gemm_speedup*.png. See benchmarks/NOTES-gemm.md.
+
+  python benchmarks/bench_gemm.py --out results/gemm            # default set, < 4 min on an H100
+  python benchmarks/bench_gemm.py --quick --out /tmp/g          # two shapes, four M
+  python benchmarks/bench_gemm.py --shapes 8192x28672 --ms 1,16,1024 --sweep --out /tmp/s
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+ALL_SHAPES = "4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,8192x57344,28672x8192,8192x28672"
+ALL_MS = "1,16,64,128,256,1024,4096,8192"
+DEFAULT_MS = "1,16,64,256,1024,4096"
+QUICK_SHAPES = "8192x28672,4096x4096"
+QUICK_MS = "1,16,256,4096"
+L2_BYTES = 50 * 2 ** 20
+MAX_COPIES = 16
+GROUP = 128  # Marlin/Machete group size (ours: --group-size, 128 by default, same bytes)
+
+METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "marlin_w4a16", "marlin_w4a8",
+           "machete_w4a16", "cublas_bf16", "int8_mm")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--out", default="bench_gemm_out", help="output directory (JSON + PNG)")
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated KxN (in x out features); default: {ALL_SHAPES}")
+    p.add_argument("--ms", default=None,
+                   help=f"comma-separated batch sizes M; default {DEFAULT_MS} (all: {ALL_MS})")
+    p.add_argument("--quick", action="store_true",
+                   help=f"shapes {QUICK_SHAPES}, M {QUICK_MS} (unless given)")
+    p.add_argument("--methods", default=",".join(METHODS), help="subset of " + ",".join(METHODS))
+    p.add_argument("--sweep", action="store_true",
+                   help="also time a grid of Triton tile configs per point and report the best")
+    p.add_argument("--group-size", type=int, default=128, choices=(64, 128),
+                   help="LiquidQuant group size of ours (Marlin and Machete use 128)")
+    p.add_argument("--rep-ms", type=int, default=60, help="do_bench rep time per measurement")
+    p.add_argument("--replot", metavar="JSON", default=None,
+                   help="only redraw the table and plots of an earlier bench_gemm.json (no GPU)")
+    args = p.parse_args(argv)
+    shapes = args.shapes or (QUICK_SHAPES if args.quick else ALL_SHAPES)
+    args.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in shapes.split(",") if s]
+    args.ms = [int(v) for v in (args.ms or (QUICK_MS if args.quick else DEFAULT_MS)).split(",") if v]
+    args.methods = [m for m in args.methods.split(",") if m]
+    unknown = set(args.methods) - set(METHODS)
+    if unknown:
+        p.error(f"unknown methods {sorted(unknown)}")
+    return args
+
+
+# --- timing -------------------------------------------------------------------------------
+
+def n_copies(weight_bytes: int) -> int:
+    """Copies to cycle through so that the weights of consecutive calls are not in L2."""
+    if weight_bytes >= L2_BYTES:
+        return 1
+    return max(2, min(MAX_COPIES, math.ceil(2 * L2_BYTES / weight_bytes)))
+
+
+def time_calls(calls, rep_ms: int) -> float:
+    """Median ms per call of `calls` (one per weight copy) captured back to back in a graph."""
+    import torch
+    import triton
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles, allocator) outside the capture
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=rep_ms, return_mode="median")
+    del graph
+    return ms / len(calls)
+
+
+# --- operands ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Case:
+    K: int
+    N: int
+    M: int
+
+
+def random_lqq(N: int, K: int, G: int, device):
+    """Random but valid LiquidQuant tensors (every lane q*s + a <= 255)."""
+    import torch
+    step = torch.randint(1, 17, (N, K // G), dtype=torch.int32, device=device)
+    off = (torch.rand(N, K // G, device=device) * (256 - 15 * step)).floor().to(torch.int32)
+    return {
+        "qweight": torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=device),
+        "group_scale": step.to(torch.uint8),
+        "group_offset": off.clamp_(0, 255 - 15 * step).to(torch.uint8),
+        "channel_scale": (torch.rand(N, device=device) + 0.5) / (127 * math.sqrt(K)),
+    }
+
+
+class Methods:
+    """Builds, per shape, each method's weights; per M, a callable per weight copy."""
+
+    def __init__(self, K: int, N: int, wanted, errors: dict, group_size: int = GROUP):
+        import torch
+        self.K, self.N, self.dev, self.errors = K, N, "cuda", errors
+        self.group_size = group_size
+        self.wanted = wanted
+        self.w16 = (torch.randn(N, K, device=self.dev) / math.sqrt(K)).half()  # [N, K]
+        self.setups = {}
+        for name, fn in (("ours", self._ours), ("marlin_w4a16", self._marlin16),
+                         ("marlin_w4a8", self._marlin8), ("machete_w4a16", self._machete),
+                         ("cublas_bf16", self._bf16), ("int8_mm", self._int8)):
+            if any(m.startswith(name) for m in wanted):
+                try:
+                    self.setups[name] = fn()
+                except Exception as e:  # a baseline that does not run here is recorded, not fatal
+                    errors[name] = f"setup: {type(e).__name__}: {str(e)[:300]}"
+
+    # each returns (weight_bytes, [weights per copy])
+    def _copies(self, tensors: dict, weight_bytes: int):
+        n = n_copies(weight_bytes)
+        return weight_bytes, [tensors] + [{k: v.clone() for k, v in tensors.items()} for _ in range(n - 1)]
+
+    def _ours(self):
+        t = random_lqq(self.N, self.K, self.group_size, self.dev)
+        return self._copies(t, sum(v.numel() * v.element_size() for v in t.values()))
+
+    def _marlin(self, act):
+        import torch
+        from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+            marlin_act_int8_process_scales, marlin_make_workspace_new)
+        from vllm.model_executor.layers.quantization.utils.marlin_utils_test import marlin_quantize
+        from vllm.scalar_type import scalar_types
+        _, q_w, s, g_idx, sort_idx, _ = marlin_quantize(self.w16.t().contiguous(), scalar_types.uint4b8,
+                                                        GROUP, False, input_dtype=act)
+        t = {"q_w": q_w, "s": s, "g_idx": g_idx, "sort_idx": sort_idx}
+        if act == torch.int8:
+            t["s"], t["gscale"] = marlin_act_int8_process_scales(s)
+        t["ws"] = marlin_make_workspace_new(torch.device(self.dev))
+        return self._copies(t, q_w.numel() * q_w.element_size() + s.numel() * s.element_size())
+
+    def _marlin16(self):
+        return self._marlin(None)
+
+    def _marlin8(self):
+        import torch
+        return self._marlin(torch.int8)
+
+    def _machete(self):
+        import torch
+        from vllm import _custom_ops as ops
+        from vllm.model_executor.layers.quantization.utils.quant_utils import (
+            pack_quantized_values_into_int32, quantize_weights)
+        from vllm.scalar_type import scalar_types
+        wt = scalar_types.uint4b8
+        _, w_q, w_s, _ = quantize_weights(self.w16.t().contiguous(), wt, GROUP)
+        packed = pack_quantized_values_into_int32(w_q, wt, packed_dim=0)  # [K/8, N]
+        b_q = ops.machete_prepack_B(packed.t().contiguous().t(), a_type=torch.half, b_type=wt,
+                                    group_scales_type=torch.half)
+        t = {"b_q": b_q, "s": w_s.half().contiguous()}
+        return self._copies(t, b_q.numel() * b_q.element_size() + t["s"].numel() * 2)
+
+    def _bf16(self):
+        w = self.w16.bfloat16()
+        return self._copies({"w": w}, w.numel() * 2)
+
+    def _int8(self):
+        import torch
+        w8 = torch.randint(-127, 128, (self.N, self.K), dtype=torch.int8, device=self.dev)
+        return self._copies({"w8": w8}, w8.numel())
+
+    # --- per M -------------------------------------------------------------------------
+
+    def calls(self, name: str, M: int, config=None):
+        """[callable per weight copy] of method `name` at batch M (raises if unsupported)."""
+        import torch
+        from vllm_mixprec.kernels.triton import gemm as tg
+        K, dev = self.K, self.dev
+        base = "ours" if name.startswith("ours") else name
+        _, copies = self.setups[base]
+        out = []
+        for t in copies:
+            x16 = torch.randn(M, K, device=dev, dtype=torch.float16)
+            if name == "ours_triton":
+                xq, xs = tg.quantize_act(x16)
+                out.append(lambda t=t, xq=xq, xs=xs: tg.w4a8_gemm(
+                    xq, xs, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"],
+                    None, torch.bfloat16, config=config))
+            elif name == "ours_triton_q":
+                xb = x16.bfloat16()
+                out.append(lambda t=t, xb=xb: tg.w4a8_gemm(
+                    *tg.quantize_act(xb), t["qweight"], t["group_scale"], t["group_offset"],
+                    t["channel_scale"], None, torch.bfloat16, config=config))
+            elif name == "ours_cuda":
+                from vllm_mixprec.kernels import cuda as kcuda
+                if not kcuda.available():
+                    raise RuntimeError(f"csrc ops not built: {kcuda.load_error()}")
+                xb = x16.bfloat16()
+                out.append(lambda t=t, xb=xb: torch.ops.mixprec.w4a8_linear(
+                    xb, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"],
+                    None, None, "cuda"))
+            elif name in ("marlin_w4a16", "marlin_w4a8"):
+                out.append(self._marlin_call(t, x16, torch.int8 if name == "marlin_w4a8" else None))
+            elif name == "machete_w4a16":
+                from vllm import _custom_ops as ops
+                from vllm.scalar_type import scalar_types
+                out.append(lambda t=t, x=x16: ops.machete_mm(
+                    a=x, b_q=t["b_q"], b_type=scalar_types.uint4b8, b_group_scales=t["s"],
+                    b_group_size=GROUP))
+            elif name == "cublas_bf16":
+                xb = x16.bfloat16()
+                out.append(lambda t=t, xb=xb: torch.nn.functional.linear(xb, t["w"]))
+            elif name == "int8_mm":
+                if M <= 16:
+                    raise RuntimeError("torch._int_mm needs M > 16")
+                x8 = torch.randint(-127, 128, (M, K), dtype=torch.int8, device=dev)
+                out.append(lambda t=t, x8=x8: torch._int_mm(x8, t["w8"].t()))
+        return out
+
+    def _marlin_call(self, t, x16, act):
+        from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+            apply_gptq_marlin_linear, marlin_make_empty_g_idx)
+        from vllm.scalar_type import scalar_types
+        import torch
+        empty = marlin_make_empty_g_idx(torch.device(self.dev))
+        return lambda: apply_gptq_marlin_linear(
+            x16, t["q_w"], t["s"], empty, t["g_idx"], t["sort_idx"], t["ws"], scalar_types.uint4b8,
+            self.N, self.K, is_k_full=True, input_global_scale=t.get("gscale"), input_dtype=act)
+
+    def bytes_moved(self, name: str, M: int) -> int:
+        """Weight bytes + activation bytes (input and output) of one call."""
+        base = "ours" if name.startswith("ours") else name
+        wbytes = self.setups[base][0]
+        a_in = {"cublas_bf16": 2, "marlin_w4a16": 2, "machete_w4a16": 2, "marlin_w4a8": 2,
+                "ours_triton_q": 2, "ours_cuda": 2}.get(name, 1)
+        a_out = 4 if name == "int8_mm" else 2
+        return wbytes + M * self.K * a_in + M * self.N * a_out
+
+
+# --- checks ------------------------------------------------------------------------------
+
+def check_ours(meth: Methods, M: int, config=None) -> float:
+    """Relative error of the Triton GEMM against reference.py on up to 64 rows."""
+    import torch
+    from vllm_mixprec import reference as ref
+    from vllm_mixprec.kernels.triton import gemm as tg
+    t = meth.setups["ours"][1][0]
+    x = torch.randn(M, meth.K, device="cuda", dtype=torch.bfloat16)
+    xq, xs = tg.quantize_act(x)
+    y = tg.w4a8_gemm(xq, xs, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"],
+                     None, torch.bfloat16, config=config)
+    rows = torch.unique(torch.tensor([0, M // 2, M - 1] + list(range(min(M, 61))), device="cuda"))
+    r = ref.w4a8_gemm(xq[rows], xs[rows], t["qweight"], t["group_scale"], t["group_offset"],
+                      t["channel_scale"], None, torch.float64)
+    assert torch.isfinite(y).all(), "non-finite output"
+    return float((y[rows].double() - r).norm() / r.norm())
+
+
+def sweep_configs(M: int):
+    from vllm_mixprec.kernels.triton.gemm import GemmConfig as C
+    if M <= 64:
+        bm = max(16, 1 << (M - 1).bit_length())
+        return [C(bm, 64, 256, 0), C(bm, 64, 128, 0), C(bm, 128, 128, 0), C(bm, 128, 256, 0, num_stages=3),
+                C(bm, 64, 256, 1), C(bm, 64, 256, 0, swap_ab=False), C(bm, 64, 256, 0, num_stages=3),
+                C(bm, 64, 512, 0, num_stages=3)]
+    return [C(128, 128, 128, 0, num_warps=4, num_stages=3), C(128, 128, 128, 0, num_warps=8, num_stages=3),
+            C(128, 128, 128, 0, swap_ab=False, num_warps=8, num_stages=3),
+            C(128, 128, 64, 0, num_warps=4, num_stages=4), C(256, 128, 128, 0, num_warps=8, num_stages=3),
+            C(256, 64, 128, 0, num_warps=4, num_stages=2), C(128, 256, 64, 0, num_warps=8, num_stages=3),
+            C(64, 128, 128, 0, num_warps=4, num_stages=4), C(128, 64, 128, 0, swap_ab=False)]
+
+
+# --- main ----------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            report = json.load(f)
+        os.makedirs(args.out, exist_ok=True)
+        print_table(report)
+        plot(report, args.out)
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        print("bench_gemm.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+    import vllm
+    import vllm_mixprec  # noqa: F401  (registers torch.ops.mixprec)
+    import vllm_mixprec.kernels  # noqa: F401
+    from vllm_mixprec.kernels.triton import gemm as tg
+
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_name()
+    report = {"device": dev, "torch": torch.__version__, "vllm": vllm.__version__,
+              "triton": triton.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "timing": "CUDA graph replays, triton.testing.do_bench median, L2 flushed; ms per call",
+              "dtypes": {"ours": "bf16 in/out, int8 x int4 (LiquidQuant)", "marlin/machete": "fp16",
+                         "cublas": "bf16", "int8_mm": "int8 -> int32"},
+              "group_size": {"ours": args.group_size, "marlin/machete": GROUP},
+              "results": [], "sweep": []}
+    t_start = time.time()
+    for K, N in args.shapes:
+        errors: dict = {}
+        meth = Methods(K, N, args.methods, errors, args.group_size)
+        for M in args.ms:
+            row = {"K": K, "N": N, "M": M, "flop": 2 * M * N * K, "methods": {}}
+            if "ours" in meth.setups:
+                cfg = tg.default_config(M, N, K, K, tg._num_sms(torch.device("cuda")))
+                row["ours_config"] = dataclasses.asdict(cfg)
+                try:
+                    row["ours_rel_err"] = check_ours(meth, M)
+                except Exception as e:
+                    row["ours_check_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            for name in args.methods:
+                base = "ours" if name.startswith("ours") else name
+                if base not in meth.setups:
+                    row["methods"][name] = {"error": errors.get(base, "not set up")}
+                    continue
+                try:
+                    ms = time_calls(meth.calls(name, M), args.rep_ms)
+                    nbytes = meth.bytes_moved(name, M)
+                    row["methods"][name] = {"ms": ms, "tflops": row["flop"] / ms / 1e9,
+                                            "gbs": nbytes / ms / 1e6, "bytes": nbytes}
+                except Exception as e:
+                    row["methods"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                torch.cuda.empty_cache()
+            base_ms = row["methods"].get("marlin_w4a16", {}).get("ms")
+            for v in row["methods"].values():
+                if base_ms and "ms" in v:
+                    v["speedup_vs_marlin_w4a16"] = base_ms / v["ms"]
+            if args.sweep and "ours" in meth.setups:
+                report["sweep"].append(run_sweep(meth, K, N, M, args.rep_ms, base_ms))
+            report["results"].append(row)
+            print(format_row(row), flush=True)
+        del meth
+        torch.cuda.empty_cache()
+    report["wall_s"] = round(time.time() - t_start, 1)
+    path = os.path.join(args.out, "bench_gemm.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print_table(report)
+    plot(report, args.out)
+    print(f"wrote {path} ({report['wall_s']} s)")
+    return 0
+
+
+def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms):
+    from vllm_mixprec.kernels.triton import gemm as tg
+    import torch
+    out = {"K": K, "N": N, "M": M, "configs": []}
+    iters_cfgs = []
+    for c in sweep_configs(M):
+        bk = min(c.block_k, K)
+        while K % bk:
+            bk //= 2
+        c = dataclasses.replace(c, block_k=bk)
+        if c.split_k == 0:  # 0: the default rule's split for this tile shape
+            c = dataclasses.replace(c, split_k=tg.choose_split(
+                M, N, K, c, 2 * tg._num_sms(torch.device("cuda"))))
+        iters_cfgs.append(c)
+    for c in dict.fromkeys(iters_cfgs):
+        rec = {"config": dataclasses.asdict(c)}
+        try:
+            rec["rel_err"] = check_ours(meth, M, c)
+            rec["ms"] = time_calls(meth.calls("ours_triton", M, c), rep_ms)
+            if marlin_ms:
+                rec["speedup_vs_marlin_w4a16"] = marlin_ms / rec["ms"]
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out["configs"].append(rec)
+    ok = [r for r in out["configs"] if "ms" in r]
+    if ok:
+        best = min(ok, key=lambda r: r["ms"])
+        out["best"] = best
+        print(f"   sweep K={K} N={N} M={M}: best {best['ms'] * 1e3:.1f} us {best['config']}", flush=True)
+    return out
+
+
+# --- output ----------------------------------------------------------------------------------
+
+_SHORT = {"ours_triton": "tri", "ours_triton_q": "tri+q", "ours_cuda": "cuda", "marlin_w4a16": "mar16",
+          "marlin_w4a8": "mar8", "machete_w4a16": "mach", "cublas_bf16": "bf16", "int8_mm": "i8mm"}
+
+
+def format_row(row) -> str:
+    cells = []
+    for name, v in row["methods"].items():
+        cells.append(f"{_SHORT[name]}={v['ms'] * 1e3:7.1f}us" if "ms" in v else f"{_SHORT[name]}=   n/a  ")
+    err = row.get("ours_rel_err")
+    sp = row["methods"].get("ours_triton", {}).get("speedup_vs_marlin_w4a16")
+    tail = (f" err={err:.1e}" if err is not None else "") + (f" x{sp:.2f}" if sp else "")
+    return f"K={row['K']:5d} N={row['N']:5d} M={row['M']:5d} " + " ".join(cells) + tail
+
+
+def print_table(report) -> None:
+    names = [n for n in METHODS if any(n in r["methods"] for r in report["results"])]
+    head = f"{'KxN':>12} {'M':>5} " + " ".join(f"{_SHORT[n]:>8}" for n in names) + "  tri/mar16 tri+q/mar16"
+    print(f"\n{report['device']}: time per call in us (CUDA graphs, median)\n{head}")
+    for r in report["results"]:
+        cells = []
+        for n in names:
+            v = r["methods"].get(n, {})
+            cells.append(f"{v['ms'] * 1e3:8.1f}" if "ms" in v else f"{'-':>8}")
+        sp = [r["methods"].get(n, {}).get("speedup_vs_marlin_w4a16") for n in ("ours_triton", "ours_triton_q")]
+        sps = " ".join(f"{s:9.2f}x" if s else f"{'-':>10}" for s in sp)
+        print(f"{r['K']:>5}x{r['N']:<6} {r['M']:>5} " + " ".join(cells) + "  " + sps)
+
+
+def plot(report, out_dir) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots")
+        return
+    for name, suffix in (("ours_triton", ""), ("ours_triton_q", "_with_quant")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        shapes = sorted({(r["K"], r["N"]) for r in report["results"]})
+        for K, N in shapes:
+            pts = [(r["M"], r["methods"].get(name, {}).get("speedup_vs_marlin_w4a16"))
+                   for r in report["results"] if (r["K"], r["N"]) == (K, N)]
+            pts = [(m, s) for m, s in pts if s]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"K={K} N={N}")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("M (tokens)")
+        ax.set_ylabel("speedup over Marlin W4A16")
+        ax.set_title(f"{name} vs Marlin W4A16, {report['device']}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, f"bench_gemm_speedup{suffix}.png"), dpi=120)
+        plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

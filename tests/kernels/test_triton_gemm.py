@@ -1,0 +1,438 @@
+"""Triton W4A8 / W4Ax kernels (vllm_mixprec/kernels/triton/gemm.py) against reference.py.
+
+Without a GPU the kernels run in the Triton interpreter (conftest sets TRITON_INTERPRET)
+on small shapes; `@pytest.mark.gpu` tests take realistic shapes, both output dtypes,
+CUDA graphs and the PTX (inline asm) path.
+
+Tolerances. The activation quantisers are bit-exact with the reference (correctly rounded
+divisions, round half to even). The GEMMs are exact in int32 up to the epilogue, which
+runs in fp32: against the float64 reference the error is at most one rounding of the
+output dtype plus ~1e-6 of the output scale.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from vllm_mixprec import formats as F
+from vllm_mixprec import reference as ref
+from vllm_mixprec.kernels.triton import gemm as tg
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda" if HAS_CUDA else "cpu"
+_EPS_OUT = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -20}
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+def _weights(n, k, g, gen, device=DEV):
+    w = torch.randn(n, k, generator=gen, dtype=torch.float64)
+    t = ref.quantize_weight_lqq(w, g)
+    return {name: v.to(device) for name, v in t.items()}
+
+
+def _act(m, k, gen, dtype=torch.float32, device=DEV):
+    # never zero; a few outlier channels, as in real activations
+    x = torch.randn(m, k, generator=gen) + 0.01
+    x[:, torch.randint(0, k, (max(1, k // 64),), generator=gen)] *= 20
+    return x.to(dtype).to(device)
+
+
+def assert_close_to_f64(y, expect, out_dtype):
+    """|y - r| <= one rounding of out_dtype + 1e-6 of the output scale, and no NaN/Inf."""
+    assert y.dtype == out_dtype
+    assert torch.isfinite(y).all(), "non-finite outputs (unwritten poisoned elements?)"
+    r = expect.double().cpu()
+    err = (y.double().cpu() - r).abs()
+    tol = _EPS_OUT[out_dtype] * r.abs() + 1e-6 * r.abs().max()
+    worst = float((err - tol).max())
+    assert worst <= 0, f"max excess error {worst:.3g} (max err {float(err.max()):.3g})"
+    assert float(err.norm() / r.norm()) < 1e-3 + _EPS_OUT[out_dtype]
+
+
+def _poisoned(m, n, dtype, device=DEV):
+    return torch.full((m, n), float("nan"), dtype=dtype, device=device)
+
+
+def _ref_w4a8(xq, xs, t, bias):
+    cpu = {k: v.cpu() for k, v in t.items()}
+    return ref.w4a8_gemm(xq.cpu(), xs.cpu(), cpu["qweight"], cpu["group_scale"], cpu["group_offset"],
+                         cpu["channel_scale"], None if bias is None else bias.cpu(), torch.float64)
+
+
+def _ref_w4ax(x8, s8, x4, s4, t, bias):
+    cpu = {k: v.cpu() for k, v in t.items()}
+    return ref.w4ax_gemm(x8.cpu(), s8.cpu(), x4.cpu(), s4.cpu(), cpu["qweight"], cpu["group_scale"],
+                         cpu["group_offset"], cpu["channel_scale"],
+                         None if bias is None else bias.cpu(), torch.float64)
+
+
+def _run_w4a8(t, xq, xs, bias, out_dtype, config=None, poison=True):
+    out = _poisoned(xq.shape[0], t["qweight"].shape[0], out_dtype, xq.device) if poison else None
+    return tg.w4a8_gemm(xq, xs, t["qweight"], t["group_scale"], t["group_offset"],
+                        t["channel_scale"], bias, out_dtype, out=out, config=config)
+
+
+# --- activation quantisation (CPU interpreter and GPU) ----------------------------------
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("k", [128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_quantize_act_bit_exact(m, k, dtype, smooth, seeded):
+    x = _act(m, k, seeded, dtype)
+    sm = (torch.rand(k, generator=seeded) + 0.5).to(dtype).to(DEV) if smooth else None
+    q, s = tg.quantize_act(x, sm)
+    q_ref, s_ref = ref.quantize_act(x.cpu(), None if sm is None else sm.cpu())
+    assert torch.equal(s.cpu(), s_ref)
+    assert torch.equal(q.cpu(), q_ref)
+
+
+def test_quantize_act_ties_and_zero_rows():
+    # exact halves after scaling (amax 127 -> scale 1) must round to even like torch.round;
+    # an all-zero row takes the clamped scale
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.0] * 2, [0.0] * 16],
+                     device=DEV)
+    q, s = tg.quantize_act(x)
+    q_ref, s_ref = ref.quantize_act(x.cpu())
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(s.cpu(), s_ref)
+
+
+def test_quantize_act_two_pass(monkeypatch, seeded):
+    """Rows longer than the register budget take two passes; same bits."""
+    monkeypatch.setattr(tg, "_MAX_ROW_VALUES", 64)
+    x = _act(3, 256, seeded, torch.float16)
+    sm = (torch.rand(256, generator=seeded) + 0.5).to(DEV)
+    q, s = tg.quantize_act(x, sm)
+    q_ref, s_ref = ref.quantize_act(x.cpu(), sm.cpu())
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(s.cpu(), s_ref)
+    perm = torch.randperm(256, generator=seeded).to(DEV)
+    got = tg.quantize_act_w4ax(x, perm, 128, sm)
+    for a, b in zip(got, ref.quantize_act_w4ax(x.cpu(), perm.cpu(), 128, sm.cpu())):
+        assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("k,k8", [(256, 0), (256, 128), (256, 256), (384, 128)])
+@pytest.mark.parametrize("smooth", [False, True])
+@pytest.mark.parametrize("m", [1, 6])
+def test_quantize_act_w4ax_bit_exact(k, k8, smooth, m, seeded):
+    x = _act(m, k, seeded, torch.bfloat16)
+    perm = torch.randperm(k, generator=seeded).to(DEV)
+    sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV) if smooth else None
+    got = tg.quantize_act_w4ax(x, perm, k8, sm)
+    expect = ref.quantize_act_w4ax(x.cpu(), perm.cpu(), k8, None if sm is None else sm.cpu())
+    for name, a, b in zip(("x8", "s8", "x4", "s4"), got, expect):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a.cpu(), b), name
+
+
+# --- GEMM (CPU interpreter and GPU) -----------------------------------------------------
+
+_CONFIGS = {
+    "default": None,
+    "swap_split3": tg.GemmConfig(16, 64, 64, split_k=3, swap_ab=True),
+    "noswap_split2": tg.GemmConfig(16, 32, 128, split_k=2, swap_ab=False),
+    "bk256_chunks": tg.GemmConfig(32, 64, 256, split_k=1, swap_ab=True),
+}
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("n", [64, 72])
+@pytest.mark.parametrize("k,g", [(128, 64), (192, 64), (256, 64), (256, 128)])
+@pytest.mark.parametrize("cfg", list(_CONFIGS))
+def test_w4a8_gemm_matches_reference(m, n, k, g, cfg, seeded):
+    t = _weights(n, k, g, seeded)
+    xq, xs = ref.quantize_act(_act(m, k, seeded).cpu())
+    config = _CONFIGS[cfg]
+    if config is not None and k % config.block_k:
+        pytest.skip("block_k does not divide K")
+    y = _run_w4a8(t, xq.to(DEV), xs.to(DEV), None, torch.float32, config)
+    assert_close_to_f64(y, _ref_w4a8(xq, xs, t, None), torch.float32)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.float16])
+def test_w4a8_gemm_bias_and_dtypes(out_dtype, bias_dtype, seeded):
+    m, n, k, g = 5, 70, 256, 64  # N not a multiple of 8
+    t = _weights(n, k, g, seeded)
+    xq, xs = ref.quantize_act(_act(m, k, seeded).cpu())
+    bias = None if bias_dtype is None else torch.randn(n, generator=seeded).to(bias_dtype).to(DEV)
+    for config in (None, _CONFIGS["swap_split3"]):
+        y = _run_w4a8(t, xq.to(DEV), xs.to(DEV), bias, out_dtype, config)
+        assert_close_to_f64(y, _ref_w4a8(xq, xs, t, bias), out_dtype)
+
+
+def test_w4a8_gemm_extreme_lanes(seeded):
+    """Byte lanes at their limits: (q*step + offset) up to 249 with step 16 and up to 255
+    with offset 240; the int8 weights reach both -119 and 127."""
+    n, k, g = 64, 128, 64
+    q = torch.randint(0, 16, (n, k), generator=seeded, dtype=torch.uint8)
+    q[:, ::7], q[:, 3::7] = 15, 0
+    big = (torch.arange(n)[:, None] + torch.arange(k // g)[None, :]) % 2 == 0
+    step = torch.where(big, 16, 1).to(torch.uint8)
+    off = torch.where(big, 9, 240).to(torch.uint8)
+    w8 = ref.dequantize_weight_w8(F.pack_nibbles(q), step, off)
+    assert int(w8.min()) == -119 and int(w8.max()) == 127
+    t = {"qweight": F.pack_nibbles(q), "group_scale": step, "group_offset": off,
+         "channel_scale": torch.rand(n, generator=seeded) + 0.5}
+    t = {name: v.to(DEV) for name, v in t.items()}
+    xq = torch.randint(-127, 128, (3, k), generator=seeded, dtype=torch.int8)
+    xs = torch.rand(3, generator=seeded) + 0.1
+    for config in (None, _CONFIGS["noswap_split2"]):
+        y = _run_w4a8(t, xq.to(DEV), xs.to(DEV), None, torch.float32, config)
+        assert_close_to_f64(y, _ref_w4a8(xq, xs, t, None), torch.float32)
+
+
+@pytest.mark.parametrize("k8", [0, 128, 256])
+@pytest.mark.parametrize("cfg", ["default", "swap_split3", "noswap_split2"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_w4ax_gemm_matches_reference(k8, cfg, bias, seeded):
+    m, n, k, g = 5, 72, 256, 64
+    t = _weights(n, k, g, seeded)
+    perm = torch.randperm(k, generator=seeded)
+    x8, s8, x4, s4 = ref.quantize_act_w4ax(_act(m, k, seeded).cpu(), perm, k8)
+    b = torch.randn(n, generator=seeded).to(DEV) if bias else None
+    out = _poisoned(m, n, torch.float16)
+    y = tg.w4ax_gemm(x8.to(DEV), s8.to(DEV), x4.to(DEV), s4.to(DEV), t["qweight"],
+                     t["group_scale"], t["group_offset"], t["channel_scale"], b, torch.float16,
+                     out=out, config=_CONFIGS[cfg])
+    assert y.data_ptr() == out.data_ptr()
+    assert_close_to_f64(y, _ref_w4ax(x8, s8, x4, s4, t, b), torch.float16)
+
+
+def test_w4a8_gemm_strided_views(seeded):
+    """Row-strided views (a shard of a larger buffer) for xq, qweight and out."""
+    m, n, k, g = 5, 64, 256, 64
+    t = _weights(n, k, g, seeded)
+    xq, xs = ref.quantize_act(_act(m, k, seeded).cpu())
+    big_x = torch.zeros(m, k + 64, dtype=torch.int8, device=DEV)
+    big_x[:, 32:32 + k] = xq.to(DEV)
+    big_w = torch.zeros(n, k // 2 + 16, dtype=torch.uint8, device=DEV)
+    big_w[:, :k // 2] = t["qweight"]
+    big_out = torch.full((m, n + 8), float("nan"), device=DEV)
+    views = dict(t, qweight=big_w[:, :k // 2])
+    y = tg.w4a8_gemm(big_x[:, 32:32 + k], xs.to(DEV), views["qweight"], t["group_scale"],
+                     t["group_offset"], t["channel_scale"], None, torch.float32,
+                     out=big_out[:, :n], config=_CONFIGS["swap_split3"])
+    assert_close_to_f64(y, _ref_w4a8(xq, xs, t, None), torch.float32)
+    assert torch.isnan(big_out[:, n:]).all()  # nothing written outside the view
+
+
+def test_linear_pipeline_matches_reference(seeded):
+    """quantize_act + w4a8_gemm == reference.w4a8_linear (the quantised codes are identical)."""
+    m, n, k, g = 4, 72, 256, 128
+    t = _weights(n, k, g, seeded)
+    x = _act(m, k, seeded, torch.float16)
+    sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV)
+    xq, xs = tg.quantize_act(x, sm)
+    y = tg.w4a8_gemm(xq, xs, t["qweight"], t["group_scale"], t["group_offset"],
+                     t["channel_scale"], None, torch.float16)
+    cpu = {k_: v.cpu() for k_, v in t.items()}
+    expect = ref.w4a8_linear(x.cpu().double(), cpu["qweight"], cpu["group_scale"],
+                             cpu["group_offset"], cpu["channel_scale"], None, sm.cpu())
+    xq_ref, xs_ref = ref.quantize_act(x.cpu(), sm.cpu())
+    assert torch.equal(xq.cpu(), xq_ref)
+    assert_close_to_f64(y, _ref_w4a8(xq_ref, xs_ref, t, None), torch.float16)
+    assert float((y.cpu().double() - expect).norm() / expect.norm()) < 1e-2
+
+
+def test_empty_batch(seeded):
+    t = _weights(64, 128, 64, seeded)
+    xq, xs = torch.empty(0, 128, dtype=torch.int8, device=DEV), torch.empty(0, device=DEV)
+    y = tg.w4a8_gemm(xq, xs, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"])
+    assert y.shape == (0, 64)
+    q, s = tg.quantize_act(torch.empty(0, 128, device=DEV))
+    assert q.shape == (0, 128) and s.shape == (0,)
+
+
+# --- configuration ------------------------------------------------------------------------
+
+H100_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240),
+               (8192, 57344), (28672, 8192), (8192, 28672)]
+
+
+@pytest.mark.parametrize("k,n", H100_SHAPES)
+@pytest.mark.parametrize("m", [1, 16, 64, 128, 256, 1024, 4096, 8192])
+def test_default_config_is_valid(k, n, m):
+    c = tg.default_config(m, n, k, k, num_sms=132)
+    iters = k // c.block_k
+    assert k % c.block_k == 0 and c.block_k % 64 == 0
+    assert 1 <= c.split_k <= iters
+    chunk = -(-iters // c.split_k)
+    assert (c.split_k - 1) * chunk < iters  # no empty split
+    tiles = -(-m // c.block_m) * -(-n // c.block_n)
+    assert tiles * c.split_k >= 132  # every SM has work (weight-bound sizes: several CTAs)
+
+
+def test_default_config_w4ax_block_k_divides_k8():
+    c = tg.default_config(1, 4096, 4096, 128, num_sms=132)  # gcd(K, k8) = 128
+    assert c.block_k == 128
+
+
+# --- errors -------------------------------------------------------------------------------
+
+def _good(seeded, m=3, n=64, k=256, g=64):
+    t = _weights(n, k, g, seeded)
+    xq, xs = ref.quantize_act(_act(m, k, seeded).cpu())
+    return t, xq.to(DEV), xs.to(DEV)
+
+
+def test_group_size_errors(seeded):
+    t, xq, xs = _good(seeded)
+    bad = t["group_scale"][:, :3].contiguous()  # 256 / 3 groups: K not a multiple of G
+    with pytest.raises(ValueError, match="group_scale"):
+        tg.w4a8_gemm(xq, xs, t["qweight"], bad, t["group_offset"][:, :3].contiguous(),
+                     t["channel_scale"])
+    g32 = t["group_scale"].repeat(1, 2)  # 8 groups of 32: unsupported group size
+    with pytest.raises(ValueError, match="group_scale"):
+        tg.w4a8_gemm(xq, xs, t["qweight"], g32, t["group_offset"].repeat(1, 2), t["channel_scale"])
+    with pytest.raises(ValueError, match="group_offset"):
+        tg.w4a8_gemm(xq, xs, t["qweight"], t["group_scale"], t["group_offset"][:, :2].contiguous(),
+                     t["channel_scale"])
+
+
+def test_shape_errors(seeded):
+    t, xq, xs = _good(seeded)
+    with pytest.raises(ValueError, match="qweight"):
+        tg.w4a8_gemm(xq[:, :128], xs, t["qweight"], t["group_scale"][:, :2], t["group_offset"][:, :2],
+                     t["channel_scale"])
+    with pytest.raises(ValueError, match="x_scale"):
+        tg.w4a8_gemm(xq, xs[:2], t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"])
+    with pytest.raises(ValueError, match="bias"):
+        tg.w4a8_gemm(xq, xs, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"],
+                     torch.zeros(3, device=DEV))
+    with pytest.raises(ValueError, match="block_k"):
+        tg.w4a8_gemm(xq, xs, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"],
+                     config=tg.GemmConfig(16, 64, 96))
+    with pytest.raises(ValueError, match="k8"):
+        tg.quantize_act_w4ax(torch.randn(2, 256, device=DEV), torch.arange(256, device=DEV), 300)
+    with pytest.raises(ValueError, match="x8"):
+        tg.w4ax_gemm(xq[:, :64], xs, xq[:, :96].view(torch.uint8), xs, t["qweight"],
+                     t["group_scale"], t["group_offset"], t["channel_scale"])
+
+
+def test_dtype_errors(seeded):
+    t, xq, xs = _good(seeded)
+    args = [xq, xs, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"]]
+    for i, name, bad in [(0, "xq", xq.float()), (1, "x_scale", xs.half()),
+                         (2, "qweight", t["qweight"].view(torch.int8)),
+                         (3, "group_scale", t["group_scale"].int()),
+                         (5, "channel_scale", t["channel_scale"].half())]:
+        a = list(args)
+        a[i] = bad
+        with pytest.raises(TypeError, match=name):
+            tg.w4a8_gemm(*a)
+    with pytest.raises(TypeError, match="out_dtype"):
+        tg.w4a8_gemm(*args, None, torch.int32)
+    with pytest.raises(TypeError, match="out"):
+        tg.w4a8_gemm(*args, out=torch.empty(3, 64, dtype=torch.float32, device=DEV))
+    with pytest.raises(TypeError, match="x"):
+        tg.quantize_act(torch.ones(2, 128, dtype=torch.int32, device=DEV))
+    with pytest.raises(TypeError, match="perm"):
+        tg.quantize_act_w4ax(torch.randn(2, 256, device=DEV), torch.arange(256.0, device=DEV), 128)
+
+
+# --- GPU: realistic shapes, graphs, PTX path ------------------------------------------------
+
+def _gpu_case(m, n, k, g, seed):
+    gen = torch.Generator().manual_seed(seed)
+    t = _weights(n, k, g, gen, "cuda")
+    x = _act(m, k, gen, torch.bfloat16, "cuda")
+    return t, x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 100, 257, 1000, 4096])
+@pytest.mark.parametrize("n,k,g", [(4096 + 64, 4096, 128), (1000, 4096 + 64, 64), (4096, 14336, 64)])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_gpu_w4a8_shapes(m, n, k, g, out_dtype):
+    t, x = _gpu_case(m, n, k, g, seed=m * 7 + n)
+    xq, xs = tg.quantize_act(x)
+    q_ref, s_ref = ref.quantize_act(x)
+    assert torch.equal(xq, q_ref) and torch.equal(xs, s_ref)
+    bias = torch.randn(n, device="cuda", dtype=out_dtype)
+    y = _run_w4a8(t, xq, xs, bias, out_dtype)
+    assert_close_to_f64(y, ref.w4a8_gemm(xq, xs, t["qweight"], t["group_scale"], t["group_offset"],
+                                         t["channel_scale"], bias, torch.float64), out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    tg.GemmConfig(16, 64, 256, split_k=4), tg.GemmConfig(16, 64, 128, split_k=7, swap_ab=False),
+    tg.GemmConfig(64, 128, 128, split_k=2), tg.GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
+    tg.GemmConfig(128, 128, 128, num_warps=8, num_stages=3, swap_ab=False),
+    tg.GemmConfig(256, 128, 128, num_warps=8, num_stages=3), tg.GemmConfig(128, 256, 64, num_warps=8)])
+@pytest.mark.parametrize("asm", [True, False])
+def test_gpu_w4a8_configs_and_portable_path(config, asm, monkeypatch):
+    """Every benchmarked tile shape, with the PRMT asm and with the portable byte shuffle."""
+    monkeypatch.setattr(tg, "_interpreting", lambda: not asm)
+    m, n, k = 300, 4096 + 64, 4096
+    t, x = _gpu_case(m, n, k, 64, seed=1)
+    xq, xs = tg.quantize_act(x)
+    y = _run_w4a8(t, xq, xs, None, torch.bfloat16, config)
+    assert_close_to_f64(y, ref.w4a8_gemm(xq, xs, t["qweight"], t["group_scale"], t["group_offset"],
+                                         t["channel_scale"], None, torch.float64), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k8", [(1, 0), (16, 512), (200, 1024), (1000, 4096)])
+def test_gpu_w4ax(m, k8):
+    n, k, g = 4096 + 64, 4096, 128
+    t, x = _gpu_case(m, n, k, g, seed=m)
+    perm = torch.randperm(k, device="cuda")
+    x8, s8, x4, s4 = tg.quantize_act_w4ax(x, perm, k8)
+    for a, b in zip((x8, s8, x4, s4), ref.quantize_act_w4ax(x, perm, k8)):
+        assert torch.equal(a, b)
+    y = tg.w4ax_gemm(x8, s8, x4, s4, t["qweight"], t["group_scale"], t["group_offset"],
+                     t["channel_scale"], None, torch.float16, out=_poisoned(m, n, torch.float16))
+    assert_close_to_f64(y, ref.w4ax_gemm(x8, s8, x4, s4, t["qweight"], t["group_scale"],
+                                         t["group_offset"], t["channel_scale"], None, torch.float64),
+                        torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 512])
+def test_gpu_cuda_graph_replay_and_determinism(m):
+    """quantize + GEMM captured in a graph: replays with new inputs match eager, bit for bit
+    (split-K included: its workspace is re-zeroed inside the graph)."""
+    n, k = 4096, 4096
+    t, x = _gpu_case(m, n, k, 64, seed=5)
+    static_x = x.clone()
+
+    def layer(inp):
+        xq, xs = tg.quantize_act(inp)
+        return tg.w4a8_gemm(xq, xs, t["qweight"], t["group_scale"], t["group_offset"],
+                            t["channel_scale"], None, torch.bfloat16)
+
+    eager = layer(static_x)
+    assert torch.equal(eager, layer(static_x))  # deterministic (split-K is integer)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(static_x)  # warm-up: compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = layer(static_x)
+    for seed in (11, 12):
+        new = _act(m, k, torch.Generator().manual_seed(seed), torch.bfloat16, "cuda")
+        static_x.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, layer(new))
+
+
+def test_bench_gemm_imports_without_gpu(monkeypatch):
+    """benchmarks/bench_gemm.py keeps its CUDA-only imports inside main()."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_gemm.py"
+    spec = importlib.util.spec_from_file_location("bench_gemm", path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gemm", mod)  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    args = mod.parse_args(["--quick", "--out", "/tmp/x"])
+    assert args.shapes == [(8192, 28672), (4096, 4096)] and args.ms == [1, 16, 256, 4096]
+    assert mod.n_copies(4096 * 4096 // 2) >= 2 and mod.n_copies(8192 * 28672 // 2) == 1

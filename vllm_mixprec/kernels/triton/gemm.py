@@ -1,0 +1,652 @@
+"""Triton kernels of the W4A8 and W4Ax linear layers: the portable path (sm80+), and what
+the CPU interpreter tests.
+
+Every public function has the signature of its reference.py twin, plus keyword-only
+`out=` (write into a given tensor) and `config=` (a GemmConfig instead of the shape-based
+default; tests and benchmark sweeps use it).
+
+GEMM design (LiquidGEMM's recipe, within what Triton controls):
+  * weights stay packed in HBM (qweight uint8 [N, K/2], read as int32 words of 8 nibbles);
+    they are dequantized to exact int8 in registers with LiquidQuant's lane arithmetic:
+    per 32-bit word, 4 byte lanes at a time, (q * s + a) ^ 0x80 (formats.py). No lane
+    carries, so one IMAD and one XOR serve four weights;
+  * int8 x int8 -> int32 tensor-core dots over the whole of K: the group parameters make
+    the weights exact int8, so no per-group float rescaling is needed in the main loop;
+  * the epilogue applies x_scale[m] * channel_scale[n] (+ bias) once;
+  * by default the weight tile is the left operand (Y^T = W X^T, "swap AB"): the tokens
+    become the narrow MMA dimension (16 at decode), and on Hopper the dequantized weights
+    can feed wgmma from registers;
+  * split-K for small M: partial int32 sums are added with integer atomics into a zeroed
+    workspace, and the last CTA of a tile (per-tile arrival counter) applies the epilogue.
+    Integer addition is exact and associative, so the result is deterministic, bit for bit.
+W4Ax is the same kernel with a second K range whose activations are int4 (sign-extended
+to int8 in registers) and a second int32 accumulator; W4A8 is the case k8 == K.
+
+Everything is CUDA-graph capturable: no host syncs, only shape arithmetic on the host.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import formats as F
+
+_EPS = tl.constexpr(1e-8)  # reference._EPS
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_K4 = 131072  # 16 * 7 * 128 * K4 < 2**31
+_ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# 1.5 * 2**23: in fp32, (v + M) - M rounds |v| < 2**22 half to even, like torch.round
+_ROUND_MAGIC = tl.constexpr(12582912.0)
+
+
+# ======================================================================================
+# Triton helpers (shared by the W4A8 and W4Ax paths)
+# ======================================================================================
+
+@triton.jit
+def _word_pair_bytes(a, b):
+    """uint32 [..., W] words a, b -> int8 [..., W, 2, 2, 2]: flattens to the bytes of a
+    (low first), then those of b. LLVM folds this to a register bitcast."""
+    e0 = tl.join(a.to(tl.int8), b.to(tl.int8))
+    e1 = tl.join((a >> 8).to(tl.int8), (b >> 8).to(tl.int8))
+    e2 = tl.join((a >> 16).to(tl.int8), (b >> 16).to(tl.int8))
+    e3 = tl.join((a >> 24).to(tl.int8), (b >> 24).to(tl.int8))
+    return tl.join(tl.join(e0, e2), tl.join(e1, e3))
+
+
+@triton.jit
+def _interleave_lanes(lo, hi, USE_ASM: tl.constexpr):
+    """Byte lanes lo = (k0, k2, k4, k6), hi = (k1, k3, k5, k7) -> words (k0..k3), (k4..k7).
+
+    On the GPU one PRMT each: LLVM turns the portable shift/mask form into ~6 SHF/PRMT per
+    word. The interpreter (no PTX) runs the portable form; both are exact."""
+    if USE_ASM:
+        a = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5140;", "=r,r,r", [lo, hi],
+                                      dtype=tl.uint32, is_pure=True, pack=1)
+        b = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7362;", "=r,r,r", [lo, hi],
+                                      dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        a = (lo & 0xFF) | ((hi & 0xFF) << 8) | ((lo & 0xFF00) << 8) | ((hi & 0xFF00) << 16)
+        b = ((lo >> 16) & 0xFF) | ((hi >> 8) & 0xFF00) | ((lo >> 8) & 0xFF0000) | (hi & 0xFF000000)
+    return a, b
+
+
+@triton.jit
+def _lqq_dequant_words(words, step, offset, USE_ASM: tl.constexpr):
+    """LiquidQuant level 2 on whole words: int32 [..., W] of 8 nibbles (even k low) with
+    step/offset broadcastable to it -> int8 [..., W, 2, 2, 2] (flattens to k order).
+
+    Lane-exact: q <= 15, s <= 16, q*s + a <= 255 in every byte lane (formats.py), so the
+    32-bit multiply-add never carries between lanes."""
+    w = words.to(tl.uint32, bitcast=True)
+    s = step.to(tl.uint32)
+    a4 = offset.to(tl.uint32) * 0x01010101
+    lo = ((w & 0x0F0F0F0F) * s + a4) ^ 0x80808080
+    hi = (((w >> 4) & 0x0F0F0F0F) * s + a4) ^ 0x80808080
+    return _word_pair_bytes(*_interleave_lanes(lo, hi, USE_ASM))
+
+
+@triton.jit
+def _group_params(gs_ptr, go_ptr, rows, n_mask, k0, K, stride_g,
+                  BK: tl.constexpr, G: tl.constexpr):
+    """(step, offset) uint8 [BN, BK / CH] of the column chunks k0 .. k0+BK (clamped in K)."""
+    CH: tl.constexpr = BK if BK < G else G  # columns sharing one (step, offset)
+    c = tl.arange(0, BK // CH)
+    k0 = min(k0, K - BK)
+    gp = rows[:, None] * stride_g + ((k0 + c * CH) // G)[None, :]
+    step = tl.load(gs_ptr + gp, mask=n_mask[:, None], other=0)
+    off = tl.load(go_ptr + gp, mask=n_mask[:, None], other=128)
+    return step, off
+
+
+@triton.jit
+def _weight_tile(qw_ptr, step, off, rows, n_mask, k0, stride_qw,
+                 BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr):
+    """Exact int8 weights [BN, BK] of rows `rows`, columns k0 .. k0+BK."""
+    CH: tl.constexpr = BK if BK < G else G
+    CHW: tl.constexpr = CH // 8  # int32 words per chunk
+    c = tl.arange(0, BK // CH)
+    kw = k0 // 8 + c[None, :, None] * CHW + tl.arange(0, CHW)[None, None, :]
+    words = tl.load(qw_ptr + rows[:, None, None] * stride_qw + kw, mask=n_mask[:, None, None],
+                    other=0)
+    w8 = _lqq_dequant_words(words, step[:, :, None], off[:, :, None], USE_ASM)
+    return tl.reshape(w8, (BN, BK))
+
+
+@triton.jit
+def _act_tile(x_ptr, stride_x, offs_m, m_mask, kx, BM: tl.constexpr, BK: tl.constexpr,
+              INT4: tl.constexpr, USE_ASM: tl.constexpr):
+    """int8 activations [BM, BK] at column kx.
+
+    INT4: x_ptr holds int32 words of 8 two's complement nibbles (even k low). Each nibble is
+    moved to the high half of its byte lane, which makes the byte 16 * value (COMET's
+    zero-extension trick; 5 instructions per 8 values); the epilogue divides by 16."""
+    rows = offs_m.to(tl.int64)[:, None] * stride_x
+    if INT4:
+        w = tl.load(x_ptr + rows + (kx // 8 + tl.arange(0, BK // 8))[None, :],
+                    mask=m_mask[:, None], other=0).to(tl.uint32, bitcast=True)
+        x = _word_pair_bytes(*_interleave_lanes((w << 4) & 0xF0F0F0F0, w & 0xF0F0F0F0, USE_ASM))
+        x = tl.reshape(x, (BM, BK))
+    else:
+        x = tl.load(x_ptr + rows + (kx + tl.arange(0, BK))[None, :], mask=m_mask[:, None], other=0)
+    return x
+
+
+@triton.jit
+def _k_loop(acc, x_ptr, stride_x, it_lo, it_hi, it_x0, qw_ptr, gs_ptr, go_ptr,
+            offs_m, m_mask, offs_n, n_mask, K, stride_qw, stride_g,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr,
+            INT4: tl.constexpr, SWAP_AB: tl.constexpr, USE_ASM: tl.constexpr):
+    """acc += int8 GEMM over weight k-iterations [it_lo, it_hi); activation iteration it - it_x0."""
+    rows = offs_n.to(tl.int64)
+    step, off = _group_params(gs_ptr, go_ptr, rows, n_mask, it_lo * BK, K, stride_g, BK, G)
+    for it in range(it_lo, it_hi):
+        # group params are 1-byte loads, too narrow for the async-copy pipeline that
+        # carries the weights: fetch them one iteration ahead by hand
+        nstep, noff = _group_params(gs_ptr, go_ptr, rows, n_mask, (it + 1) * BK, K, stride_g,
+                                    BK, G)
+        w = _weight_tile(qw_ptr, step, off, rows, n_mask, it * BK, stride_qw, BN, BK, G, USE_ASM)
+        x = _act_tile(x_ptr, stride_x, offs_m, m_mask, (it - it_x0) * BK, BM, BK, INT4, USE_ASM)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.int32)  # [BN, BM]
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.int32)  # [BM, BN]
+        step, off = nstep, noff
+    return acc
+
+
+@triton.jit
+def _store_output(acc8, acc4, mm, nn, mask, s8_ptr, s4_ptr, cs_ptr, bias_ptr, out_ptr,
+                  stride_out, HAS_A4: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y = (acc8 * s8[m] + acc4 / 16 * s4[m]) * channel_scale[n] + bias[n] -> out dtype
+    (acc4 sums 16 * the int4 codes, see _act_tile; the division is exact)."""
+    y = acc8.to(tl.float32) * tl.load(s8_ptr + mm, mask=mask, other=0.0)
+    if HAS_A4:
+        y += acc4.to(tl.float32) * (tl.load(s4_ptr + mm, mask=mask, other=0.0) * 0.0625)
+    y = y * tl.load(cs_ptr + nn, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + nn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + mm.to(tl.int64) * stride_out + nn, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M row tiles share each weight tile while it is in L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid, pid_m, pid_n
+
+
+@triton.jit
+def _lqq_gemm_kernel(
+        x8_ptr, s8_ptr, x4_ptr, s4_ptr, qw_ptr, gs_ptr, go_ptr, cs_ptr, bias_ptr, out_ptr, ws_ptr,
+        M, N, K, K8, stride_x8, stride_x4, stride_out, stride_qw, stride_g,
+        G: tl.constexpr, HAS_A4: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+        SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr):
+    """Y[M, N] from int8 activations on k < K8 (x8) and int4 ones on k >= K8 (x4, as int32
+    words). Grid: (tiles, SPLIT_K)."""
+    pid, pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+
+    # this split's k-iterations; [0, T8) read x8, [T8, T) read x4
+    T = K // BK
+    T8 = K8 // BK
+    chunk = tl.cdiv(T, SPLIT_K)
+    it0 = tl.program_id(1) * chunk
+    it1 = min(it0 + chunk, T)
+
+    if SWAP_AB:
+        acc8 = tl.zeros((BN, BM), dtype=tl.int32)
+        mm = offs_m[None, :]
+        nn = offs_n[:, None]
+    else:
+        acc8 = tl.zeros((BM, BN), dtype=tl.int32)
+        mm = offs_m[:, None]
+        nn = offs_n[None, :]
+    mask = (mm < M) & (nn < N)
+    acc4 = acc8
+    acc8 = _k_loop(acc8, x8_ptr, stride_x8, it0, min(it1, T8), 0, qw_ptr, gs_ptr, go_ptr,
+                   offs_m, m_mask, offs_n, n_mask, K, stride_qw, stride_g,
+                   BM, BN, BK, G, False, SWAP_AB, USE_ASM)
+    if HAS_A4:
+        acc4 = _k_loop(acc4, x4_ptr, stride_x4, max(it0, T8), it1, T8, qw_ptr, gs_ptr, go_ptr,
+                       offs_m, m_mask, offs_n, n_mask, K, stride_qw, stride_g,
+                       BM, BN, BK, G, True, SWAP_AB, USE_ASM)
+
+    if SPLIT_K == 1:
+        _store_output(acc8, acc4, mm, nn, mask, s8_ptr, s4_ptr, cs_ptr, bias_ptr, out_ptr,
+                      stride_out, HAS_A4, HAS_BIAS)
+    else:
+        # exact int32 partials into the zeroed workspace; the last CTA of the tile to
+        # arrive owns the epilogue. Integer sums do not depend on the arrival order.
+        ws = ws_ptr + mm * N + nn
+        tl.atomic_add(ws, acc8, mask=mask, sem="relaxed")
+        if HAS_A4:
+            tl.atomic_add(ws + M * N, acc4, mask=mask, sem="relaxed")
+        tl.debug_barrier()  # all of this CTA's partials are issued before it arrives
+        counter = ws_ptr + (2 if HAS_A4 else 1) * M * N + pid
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc8 = tl.load(ws, mask=mask, other=0, cache_modifier=".cg")  # from L2
+            if HAS_A4:
+                acc4 = tl.load(ws + M * N, mask=mask, other=0, cache_modifier=".cg")
+            _store_output(acc8, acc4, mm, nn, mask, s8_ptr, s4_ptr, cs_ptr, bias_ptr, out_ptr,
+                          stride_out, HAS_A4, HAS_BIAS)
+
+
+# --- activation quantisation ----------------------------------------------------------
+
+@triton.jit
+def _act_values(xrow, perm_ptr, smooth_ptr, j, mask, HAS_PERM: tl.constexpr,
+                HAS_SMOOTH: tl.constexpr):
+    """fp32 values of (permuted) columns j of one row, divided by smooth (as the reference)."""
+    c = tl.load(perm_ptr + j, mask=mask, other=0) if HAS_PERM else j
+    v = tl.load(xrow + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SMOOTH:
+        v = tl.math.div_rn(v, tl.load(smooth_ptr + c, mask=mask, other=1.0).to(tl.float32))
+    return v
+
+
+@triton.jit
+def _codes(v, scale, QMAX: tl.constexpr):
+    """round(v / scale) half to even, clamped to [-QMAX, QMAX]; bit-exact with torch."""
+    q = tl.math.div_rn(v, scale)
+    q = (q + _ROUND_MAGIC) - _ROUND_MAGIC
+    return tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int8)
+
+
+@triton.jit
+def _scale_of(amax, QMAX: tl.constexpr):
+    return tl.math.div_rn(tl.maximum(amax, _EPS), QMAX * 1.0)
+
+
+@triton.jit
+def _segment_values(xrow, perm_ptr, smooth_ptr, j0, bb, mask, PAIRS: tl.constexpr,
+                    HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr):
+    """Values behind output bytes bb: columns j0+2bb and j0+2bb+1 (PAIRS), else j0+bb twice."""
+    if PAIRS:
+        v0 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + 2 * bb, mask, HAS_PERM, HAS_SMOOTH)
+        v1 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + 2 * bb + 1, mask, HAS_PERM, HAS_SMOOTH)
+    else:
+        v0 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + bb, mask, HAS_PERM, HAS_SMOOTH)
+        v1 = v0
+    return v0, v1
+
+
+@triton.jit
+def _encode(v0, v1, scale, QMAX: tl.constexpr, PAIRS: tl.constexpr):
+    """Output bytes: int8 codes of v0, or int4 codes of (v0, v1) packed low/high."""
+    q = _codes(v0, scale, QMAX)
+    if PAIRS:
+        q = (q & 0xF) | (_codes(v1, scale, QMAX) << 4)
+    return q
+
+
+@triton.jit
+def _quant_segment(xrow, perm_ptr, smooth_ptr, qrow, j0, n, QMAX: tl.constexpr,
+                   PAIRS: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
+                   HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr):
+    """Per-token symmetric codes of columns [j0, j0+n) -> qrow; returns the scale.
+
+    PAIRS=False: int8 codes, one per byte. PAIRS=True: int4 codes, two per byte (even j low).
+    BLOCK counts output bytes per chunk. NCHUNK == 1 keeps the row in registers (one pass
+    over x); longer rows are read twice, the second time mostly from L2."""
+    nb = n // 2 if PAIRS else n  # output bytes
+    b = tl.arange(0, BLOCK)
+    if NCHUNK == 1:
+        mask = b < nb
+        v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, b, mask, PAIRS, HAS_PERM,
+                                 HAS_SMOOTH)
+        scale = _scale_of(tl.maximum(tl.max(tl.abs(v0)), tl.max(tl.abs(v1))), QMAX)
+        tl.store(qrow + b, _encode(v0, v1, scale, QMAX, PAIRS), mask=mask)
+    else:
+        amax = 0.0
+        for ci in range(NCHUNK):
+            mask = ci * BLOCK + b < nb
+            v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, ci * BLOCK + b, mask, PAIRS,
+                                     HAS_PERM, HAS_SMOOTH)
+            amax = tl.maximum(amax, tl.maximum(tl.max(tl.abs(v0)), tl.max(tl.abs(v1))))
+        scale = _scale_of(amax, QMAX)
+        for ci in range(NCHUNK):
+            mask = ci * BLOCK + b < nb
+            v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, ci * BLOCK + b, mask, PAIRS,
+                                     HAS_PERM, HAS_SMOOTH)
+            tl.store(qrow + ci * BLOCK + b, _encode(v0, v1, scale, QMAX, PAIRS), mask=mask)
+    return scale
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_ptr,
+                      K, K8, stride_x, stride_x8, stride_x4,
+                      HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                      HAS_A8: tl.constexpr, HAS_A4: tl.constexpr,
+                      BLOCK8: tl.constexpr, NCHUNK8: tl.constexpr,
+                      BLOCK4: tl.constexpr, NCHUNK4: tl.constexpr):
+    """One row per program: columns [0, K8) -> int8 (x8, s8), [K8, K) -> packed int4 (x4, s4)."""
+    row = tl.program_id(0).to(tl.int64)
+    xrow = x_ptr + row * stride_x
+    if HAS_A8:
+        s8 = _quant_segment(xrow, perm_ptr, smooth_ptr, x8_ptr + row * stride_x8, 0, K8,
+                            127, False, BLOCK8, NCHUNK8, HAS_PERM, HAS_SMOOTH)
+        tl.store(s8_ptr + row, s8)
+    if HAS_A4:
+        s4 = _quant_segment(xrow, perm_ptr, smooth_ptr, x4_ptr + row * stride_x4, K8, K - K8,
+                            7, True, BLOCK4, NCHUNK4, HAS_PERM, HAS_SMOOTH)
+        tl.store(s4_ptr + row, s4)
+
+
+# ======================================================================================
+# Host side
+# ======================================================================================
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and launch parameters of _lqq_gemm_kernel (block_m: tokens, block_n:
+    output channels). split_k > 1 adds int32 partials atomically (deterministic)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    swap_ab: bool = True
+    num_warps: int = 4
+    num_stages: int = 4
+    group_m: int = 8
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: small, so that the default path exercises split-K
+
+
+def _pow2_at_least(v: int, lo: int) -> int:
+    return max(lo, triton.next_power_of_2(v))
+
+
+def _largest_block_k(k_align: int, want: int) -> int:
+    """The largest of want, want/2, ... >= 64 that divides k_align (K, or gcd with k8)."""
+    bk = want
+    while bk > 64 and k_align % bk:
+        bk //= 2
+    return bk
+
+
+def default_config(M: int, N: int, K: int, k_align: int, num_sms: int) -> GemmConfig:
+    """Shape-based tile choice (no autotuning: CUDA-graph capture never compiles twice).
+
+    * M <= 64 is weight-bandwidth bound: narrow token tiles, deep K tiles, and split-K
+      until there are ~2 CTAs per SM, so that every SM keeps weight loads in flight.
+    * larger M is tensor-core bound: 128x128 tiles on one warpgroup, so that two CTAs fit
+      per SM and one dequantizes while the other's wgmma runs (Triton waits on each wgmma).
+    benchmarks/NOTES-gemm.md has the reasoning and the numbers to expect.
+    """
+    if M <= 64:
+        bm = _pow2_at_least(M, 16)
+        cfg = GemmConfig(block_m=bm, block_n=64 if bm <= 32 else 128,
+                         block_k=_largest_block_k(k_align, 256 if bm <= 32 else 128),
+                         num_warps=4, num_stages=4)
+    else:
+        cfg = GemmConfig(block_m=128, block_n=128, block_k=_largest_block_k(k_align, 128),
+                         num_warps=4, num_stages=3)
+    return dataclasses.replace(cfg, split_k=choose_split(M, N, K, cfg, 2 * num_sms))
+
+
+def choose_split(M: int, N: int, K: int, cfg: GemmConfig, target_ctas: int) -> int:
+    """Split-K factor that brings the CTA count to ~target_ctas (each split >= 2 k-tiles)."""
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    iters = K // cfg.block_k
+    split = 1
+    if tiles < target_ctas:
+        split = min(triton.cdiv(target_ctas, tiles), max(1, iters // 2), 16)
+    return _effective_split(iters, split)
+
+
+def _effective_split(iters: int, split: int) -> int:
+    """No empty splits: ceil(iters / ceil(iters / split))."""
+    return triton.cdiv(iters, triton.cdiv(iters, max(1, split)))
+
+
+# --- validation -------------------------------------------------------------------------
+
+def _check_dtype(name: str, t: torch.Tensor, dtypes) -> None:
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected {' or '.join(map(str, dtypes))}")
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+
+
+def _check_weights(K: int, qweight, group_scale, group_offset, channel_scale, bias) -> int:
+    """Validates the packed W4 tensors against K; returns the group size."""
+    _check_dtype("qweight", qweight, torch.uint8)
+    _check_dtype("group_scale", group_scale, torch.uint8)
+    _check_dtype("group_offset", group_offset, torch.uint8)
+    _check_dtype("channel_scale", channel_scale, torch.float32)
+    if qweight.dim() != 2 or group_scale.dim() != 2:
+        raise ValueError("qweight and group_scale must be 2-D ([N, K/2] and [N, K/G])")
+    N, ng = qweight.shape[0], group_scale.shape[1]
+    _check_shape("qweight", qweight, (N, K // 2))
+    if K % 2 or ng == 0 or K % ng:
+        raise ValueError(f"group_scale: K={K} is not a multiple of the group size "
+                         f"(group_scale has {ng} groups per row)")
+    G = K // ng
+    if G not in F.SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group_scale: group size K/num_groups = {G} is not one of "
+                         f"{F.SUPPORTED_GROUP_SIZES}")
+    _check_shape("group_scale", group_scale, (N, ng))
+    _check_shape("group_offset", group_offset, (N, ng))
+    _check_shape("channel_scale", channel_scale, (N,))
+    if bias is not None:
+        _check_dtype("bias", bias, _OUT_DTYPES)
+        _check_shape("bias", bias, (N,))
+    return G
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _int32_words(t: torch.Tensor) -> torch.Tensor:
+    """uint8 [M, B] (B % 4 == 0) as int32 [M, B/4], copying only if rows are misaligned."""
+    if t.stride(-1) != 1 or t.stride(0) % 4 or t.storage_offset() % 4:
+        t = t.contiguous()
+    return t.view(torch.int32)
+
+
+def _output(M: int, N: int, out_dtype, device, out) -> torch.Tensor:
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype={out_dtype} is not one of {_OUT_DTYPES}")
+    if out is None:
+        return torch.empty((M, N), dtype=out_dtype, device=device)
+    _check_dtype("out", out, out_dtype)
+    _check_shape("out", out, (M, N))
+    if out.stride(-1) != 1:
+        raise ValueError("out must have a unit stride along N")
+    return out
+
+
+# --- GEMM launch ------------------------------------------------------------------------
+
+def _launch_gemm(x8, s8, x4, s4, qweight, group_scale, group_offset, channel_scale, bias,
+                 out, K8: int, G: int, config: GemmConfig | None) -> torch.Tensor:
+    M, N = out.shape
+    K = qweight.shape[1] * 2
+    if M == 0 or N == 0:
+        return out
+    has_a4 = K8 < K
+    qw32 = qweight.view(torch.int32)  # 8 nibbles per word (K % 64 == 0: rows stay aligned)
+    # an empty part is never read, but the launcher wants a real pointer of the right type
+    x8 = x8 if x8.numel() else x4.view(torch.int8)
+    x4w = _int32_words(x4) if has_a4 else qw32
+    if config is None:
+        config = default_config(M, N, K, math.gcd(K, K8), _num_sms(out.device))
+    bk = config.block_k
+    if K % bk or K8 % bk or bk % 64:
+        raise ValueError(f"config.block_k={bk} must be a multiple of 64 dividing K={K} and k8={K8}")
+    iters = K // bk
+    split = _effective_split(iters, config.split_k)
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    if split > 1:  # int32 partial planes + one arrival counter per tile, zeroed per call
+        ws = torch.zeros((2 if has_a4 else 1) * M * N + tiles, dtype=torch.int32, device=out.device)
+    else:
+        ws = channel_scale  # never dereferenced
+    _lqq_gemm_kernel[(tiles, split)](
+        x8, s8, x4w, s4, qw32, group_scale, group_offset, channel_scale,
+        bias if bias is not None else channel_scale, out, ws,
+        M, N, K, K8, x8.stride(0), x4w.stride(0), out.stride(0), qw32.stride(0), K // G,
+        G=G, HAS_A4=has_a4, HAS_BIAS=bias is not None,
+        BM=config.block_m, BN=config.block_n, BK=bk, SPLIT_K=split,
+        SWAP_AB=config.swap_ab, GROUP_M=config.group_m, USE_ASM=not _interpreting(),
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def w4a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
+              group_scale: torch.Tensor, group_offset: torch.Tensor, channel_scale: torch.Tensor,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16, *,
+              out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """y[m, n] = x_scale[m] * channel_scale[n] * sum_k xq[m, k] * w8[n, k] + bias[n]."""
+    _check_dtype("xq", xq, torch.int8)
+    _check_dtype("x_scale", x_scale, torch.float32)
+    if xq.dim() != 2:
+        raise ValueError(f"xq must be 2-D [M, K]; got shape {tuple(xq.shape)}")
+    M, K = xq.shape
+    _check_shape("x_scale", x_scale, (M,))
+    G = _check_weights(K, qweight, group_scale, group_offset, channel_scale, bias)
+    out = _output(M, qweight.shape[0], out_dtype, xq.device, out)
+    xq = _row_major(xq)
+    x_scale = x_scale.contiguous()
+    return _launch_gemm(xq, x_scale, xq, x_scale, _row_major(qweight), group_scale.contiguous(),
+                        group_offset.contiguous(), channel_scale.contiguous(),
+                        None if bias is None else bias.contiguous(), out, K, G, config)
+
+
+def w4ax_gemm(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Tensor,
+              qweight: torch.Tensor, group_scale: torch.Tensor, group_offset: torch.Tensor,
+              channel_scale: torch.Tensor, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype = torch.float16, *, out: torch.Tensor | None = None,
+              config: GemmConfig | None = None) -> torch.Tensor:
+    """W4Ax: int8 activations on the first k8 (permuted) channels, packed int4 on the rest."""
+    _check_dtype("x8", x8, torch.int8)
+    _check_dtype("x4", x4, torch.uint8)
+    _check_dtype("s8", s8, torch.float32)
+    _check_dtype("s4", s4, torch.float32)
+    if x8.dim() != 2 or x4.dim() != 2:
+        raise ValueError("x8 and x4 must be 2-D ([M, k8] and [M, (K-k8)/2])")
+    M, k8 = x8.shape
+    K = k8 + 2 * x4.shape[1]
+    _check_shape("x4", x4, (M, x4.shape[1]))
+    _check_shape("s8", s8, (M,))
+    _check_shape("s4", s4, (M,))
+    if k8 % F.ACT_BLOCK:
+        raise ValueError(f"x8: k8={k8} is not a multiple of {F.ACT_BLOCK} (W4Ax block)")
+    if K - k8 > _MAX_K4:  # the int4 part accumulates 16 * x * w in int32
+        raise ValueError(f"x4: {K - k8} 4-bit channels exceed {_MAX_K4} (int32 accumulator)")
+    G = _check_weights(K, qweight, group_scale, group_offset, channel_scale, bias)
+    out = _output(M, qweight.shape[0], out_dtype, x8.device, out)
+    return _launch_gemm(_row_major(x8), s8.contiguous(), _row_major(x4), s4.contiguous(),
+                        _row_major(qweight), group_scale.contiguous(), group_offset.contiguous(),
+                        channel_scale.contiguous(), None if bias is None else bias.contiguous(),
+                        out, k8, G, config)
+
+
+# --- activation quantisation ------------------------------------------------------------
+
+_MAX_ROW_VALUES = 32768  # values held in registers per chunk; longer rows take two passes
+
+
+def _segment_blocks(n_bytes: int, values_per_byte: int) -> tuple[int, int]:
+    block = min(_pow2_at_least(n_bytes, 16), _MAX_ROW_VALUES // values_per_byte)
+    return block, max(1, triton.cdiv(n_bytes, block))
+
+
+def _num_warps_for(block: int) -> int:
+    return max(1, min(16, block // 512))
+
+
+def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4) -> None:
+    M, K = x.shape
+    if M == 0:
+        return
+    b8, c8 = _segment_blocks(k8, 1)
+    b4, c4 = _segment_blocks((K - k8) // 2, 2)
+    x8 = x8 if x8.numel() else x4.view(torch.int8)  # placeholders of empty parts (unread)
+    x4 = x4 if x4.numel() else x8.view(torch.uint8)
+    _quant_act_kernel[(M,)](
+        x, perm if perm is not None else x, smooth if smooth is not None else x,
+        x8, s8, x4, s4, K, k8, x.stride(0), x8.stride(0), x4.stride(0),
+        HAS_PERM=perm is not None, HAS_SMOOTH=smooth is not None,
+        HAS_A8=k8 > 0, HAS_A4=k8 < K, BLOCK8=b8, NCHUNK8=c8, BLOCK4=b4, NCHUNK4=c4,
+        num_warps=_num_warps_for(max(b8 if k8 else 0, 2 * b4 if k8 < K else 0)))
+
+
+def _check_act(x: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
+    _check_dtype("x", x, _ACT_DTYPES)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K]; got shape {tuple(x.shape)}")
+    if smooth is not None:
+        _check_dtype("smooth", smooth, _ACT_DTYPES)
+        _check_shape("smooth", smooth, (x.shape[1],))
+    return _row_major(x)
+
+
+def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8 in one pass over x: (int8 [M, K], float32 scale [M]).
+
+    Bit-exact with reference.quantize_act: correctly rounded divisions (div_rn) and round
+    half to even, like torch."""
+    x = _check_act(x, smooth)
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.int8, device=x.device)
+    s = torch.empty((M,), dtype=torch.float32, device=x.device)
+    _launch_quant(x, None, smooth.contiguous() if smooth is not None else None, K, q, s, q, s)
+    return q, s
+
+
+def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
+                      smooth: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W4Ax activations: permute channels, first k8 to int8, the rest to packed int4.
+
+    Returns (x8 int8 [M, k8], s8 float32 [M], x4 uint8 [M, (K-k8)/2], s4 float32 [M]); the
+    scale of an empty part is 1, as in the reference."""
+    x = _check_act(x, smooth)
+    M, K = x.shape
+    _check_shape("perm", perm, (K,))
+    if perm.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"perm has dtype {perm.dtype}; expected torch.int32 or torch.int64")
+    if not 0 <= k8 <= K or (K - k8) % 2:
+        raise ValueError(f"k8={k8} must lie in [0, K={K}] with K - k8 even")
+    dev = x.device
+    x8 = torch.empty((M, k8), dtype=torch.int8, device=dev)
+    x4 = torch.empty((M, (K - k8) // 2), dtype=torch.uint8, device=dev)
+    s8 = torch.ones((M,), dtype=torch.float32, device=dev)
+    s4 = torch.ones((M,), dtype=torch.float32, device=dev)
+    _launch_quant(x, perm.contiguous(), smooth.contiguous() if smooth is not None else None,
+                  k8, x8, s8, x4, s4)
+    return x8, s8, x4, s4
