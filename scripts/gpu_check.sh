@@ -2,7 +2,8 @@
 # The GPU job, run on the offline GPU host after the vLLM bundle is installed:
 #   bash .gpu/part2/install-on-host.sh install .gpu/part2 && . /tmp/mixprec-site/env.sh \
 #     && bash scripts/gpu_check.sh [STAGE...]
-# Stages (default: all, in this order): env build test bench e2e
+# Stages (default: env build test bench e2e): env build test bench_gemm bench_cuda bench_attn
+# bench (= bench_gemm + bench_attn) sanitize e2e
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -57,13 +58,17 @@ stage_test() {
   return "${PIPESTATUS[0]}"
 }
 
-stage_bench() {
-  for b in benchmarks/bench_gemm.py benchmarks/bench_attention.py; do
-    [ -f "$b" ] || { log "$b missing: skipped"; continue; }
-    log "$b --quick"
-    timeout 280 python3 "$b" --quick --out "$OUT" 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -30
-  done
+run_bench() {  # NAME TIMEOUT CMD...: one benchmark, its log in $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  log "$name: $*"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40
 }
+
+stage_bench_gemm() { run_bench bench_gemm 420 python3 benchmarks/bench_gemm.py --out "$OUT"; }
+stage_bench_cuda() { run_bench bench_w4a8_cuda 300 python3 scripts/bench_w4a8_cuda.py --out "$OUT"; }
+stage_bench_attn() { run_bench bench_attention 420 python3 benchmarks/bench_attention.py --out "$OUT"; }
+stage_bench() { stage_bench_gemm; stage_bench_attn; }
+stage_sanitize() { OUT=$OUT timeout 400 bash scripts/sanitize_gemm.sh 2>&1 | tail -30; }
 
 stage_e2e() {
   log "end to end: random-weight checkpoint -> vllm serve --quantization mixprec"

@@ -272,3 +272,76 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
         k, v = gather_kv(cache, layout, block_table[i], int(seq_lens[i]))
         out[s:e] = attention(q[s:e], k, v, scale, causal=True)
     return out
+
+
+# --- KV residual window (attention_backend/residual.py) ----------------------------------
+# Pages always hold every token quantised. In addition, blocks that own a slot of a small
+# per-layer pool keep a 16-bit copy of what was written into them. When attending, key
+# position j of a sequence of L tokens is read from the pool iff j >= L - R (the newest R
+# tokens) and the pool entry is valid: slot_of_block[blk] = p >= 0 and tags[p, off] == blk.
+# Everything else is read from the quantised pages.
+
+def store_kv_residual(key: torch.Tensor, value: torch.Tensor, res_k: torch.Tensor,
+                      res_v: torch.Tensor, slot_mapping: torch.Tensor,
+                      slot_of_block: torch.Tensor, block_size: int,
+                      k_smooth: torch.Tensor | None = None) -> None:
+    """Copy the written K/V [T, H, D] of blocks that own a pool slot into res_k/res_v.
+
+    res_k/res_v are [P*B, H, D]; the token at slot blk*B + off of a block with pool slot
+    p = slot_of_block[blk] >= 0 goes to row p*B + off. K is stored as the pages see it
+    (divided by k_smooth), rounded to the pool dtype.
+    """
+    if k_smooth is not None:
+        key = key.float() / k_smooth.float()
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blk, off = slots // block_size, slots % block_size
+    p = slot_of_block[blk].long()
+    has = p >= 0
+    rows = p[has] * block_size + off[has]
+    res_k[rows] = key[keep][has].to(res_k.dtype)
+    res_v[rows] = value[keep][has].to(res_v.dtype)
+
+
+def gather_kv_residual(cache: torch.Tensor, layout: F.KVPageLayout, block_table: torch.Tensor,
+                       seq_len: int, residual=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """gather_kv, with the valid residual entries of the newest R tokens substituted.
+
+    residual = (res_k, res_v, slot_of_block, tags, R) or None (pages only).
+    """
+    k, v = gather_kv(cache, layout, block_table, seq_len)
+    if residual is None or residual[4] <= 0:
+        return k, v
+    res_k, res_v, slot_of_block, tags, r = residual
+    b = layout.block_size
+    pos = torch.arange(max(seq_len - r, 0), seq_len)
+    blk = block_table[pos // b].long()
+    off = pos % b
+    p = slot_of_block[blk].long()
+    rows = p.clamp_min(0) * b + off
+    ok = (p >= 0) & (tags.reshape(-1)[rows].long() == blk)
+    k[pos[ok]] = res_k[rows[ok]].float()
+    v[pos[ok]] = res_v[rows[ok]].float()
+    return k, v
+
+
+def paged_attention_residual(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
+                             block_table: torch.Tensor, seq_lens: torch.Tensor,
+                             query_start_loc: torch.Tensor, scale: float, residual=None,
+                             k_smooth: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_attention with the residual window and SmoothAttention.
+
+    With k_smooth [Hkv, D] the pages hold K / k_smooth, so the query is multiplied by it
+    (rounded back to q's dtype, as the kernels feed it to the tensor cores).
+    """
+    if k_smooth is not None:
+        rep = q.shape[1] // k_smooth.shape[0]
+        q = (q.float() * k_smooth.float().repeat_interleave(rep, dim=0)).to(q.dtype)
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i in range(seq_lens.shape[0]):
+        s, e = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        if e == s:
+            continue
+        k, v = gather_kv_residual(cache, layout, block_table[i], int(seq_lens[i]), residual)
+        out[s:e] = attention(q[s:e], k, v, scale, causal=True)
+    return out

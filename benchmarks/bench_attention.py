@@ -1,0 +1,363 @@
+#!/usr/bin/env python
+"""Decode attention micro-benchmark: mixprec KV4/KV8 vs FA3 bf16 vs vLLM TRITON_ATTN int4/int8.
+
+Every method reads a paged cache holding the same random K/V (block size 16, a random
+block table per sequence), written by its own writer:
+  fa3-bf16      vllm.vllm_flash_attn.flash_attn_varlen_func(fa_version=3), bf16 pages,
+                AOT scheduler metadata as vLLM's FLASH_ATTN backend computes it;
+  triton-int4/8 vLLM's TRITON_ATTN per-token-head path: TritonAttentionImpl.do_kv_cache_update
+                writes the cache, v1/attention/ops/triton_unified_attention.unified_attention
+                (which dispatches int4 to unified_attention_int4) reads it;
+  mixprec-kv4/8 vllm_mixprec.kernels.triton.attention.decode_attention (+ split merge);
+  mixprec-kv4-r16  the same with the 16-token bf16 residual window (the backend default).
+Each call is captured in a CUDA graph and timed with triton.testing.do_bench (median,
+L2 flushed between replays). Outputs are checked against FA3 (relative L2 error).
+
+  python benchmarks/bench_attention.py            # full grid: batch {1,8,64} x ctx {1K,8K,32K}
+  python benchmarks/bench_attention.py --quick    # batch {1,64} x ctx {1K,8K}
+  python benchmarks/bench_attention.py --tune     # sweep mixprec decode configs (BLOCK_N,
+                                                  # warps, stages, splits) on two shapes
+Writes <out>/attention-<device>.json and .png and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HQ, HKV, D, B = 32, 8, 128, 16
+BYTES_PER_TOKEN_HEAD = {"fa3-bf16": 4 * D, "triton-int4": D + 8, "triton-int8": 2 * D + 8,
+                        "mixprec-kv4": D + 8, "mixprec-kv8": 2 * D + 8, "mixprec-kv4-r16": D + 8}
+ALL_METHODS = tuple(BYTES_PER_TOKEN_HEAD)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--ctx", type=int, nargs="+", default=[1024, 8192, 32768])
+    p.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
+    p.add_argument("--quick", action="store_true", help="batch {1,64} x ctx {1K,8K}, short reps")
+    p.add_argument("--tune", action="store_true", help="sweep the mixprec decode configs")
+    p.add_argument("--rep-ms", type=int, default=200, help="do_bench rep time per method")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                 "results"))
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.ctx, args.rep_ms = [1, 64], [1024, 8192], 50
+    return args
+
+
+# --- set-up ----------------------------------------------------------------------------
+
+class Shape:
+    """One grid point: a batch of `batch` sequences of `ctx` tokens, one query token each."""
+
+    def __init__(self, batch: int, ctx: int, seed: int):
+        import torch
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.batch, self.ctx = batch, ctx
+        self.blocks_per_seq = -(-ctx // B)
+        self.num_blocks = batch * self.blocks_per_seq + 1
+        perm = torch.randperm(self.num_blocks - 1, device="cuda", generator=g) + 1
+        self.block_table = perm.view(batch, self.blocks_per_seq).to(torch.int32)
+        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        self.qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda", generator=g)
+        self.scale = D ** -0.5
+        self.gen = g
+
+    def chunks(self, tokens_per_chunk: int = 1 << 18):
+        """(slot_mapping, k, v) chunks covering every token of every sequence."""
+        import torch
+        pos = torch.arange(self.ctx, device="cuda")
+        seqs_per_chunk = max(1, tokens_per_chunk // self.ctx)
+        for s0 in range(0, self.batch, seqs_per_chunk):
+            rows = self.block_table[s0:s0 + seqs_per_chunk].long()
+            slots = (rows[:, pos // B] * B + pos % B).flatten()
+            k = torch.randn(slots.shape[0], HKV, D, dtype=torch.bfloat16, device="cuda",
+                            generator=self.gen)
+            v = torch.randn(k.shape, dtype=torch.bfloat16, device="cuda", generator=self.gen)
+            yield slots, k, v
+
+
+def setup_fa3(shape: Shape):
+    import torch
+    from vllm.vllm_flash_attn.flash_attn_interface import (flash_attn_varlen_func,
+                                                           get_scheduler_metadata)
+    k_cache = torch.empty(shape.num_blocks, B, HKV, D, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.empty_like(k_cache)
+    writers = [lambda s, k, v: (k_cache.view(-1, HKV, D).index_copy_(0, s, k),
+                                v_cache.view(-1, HKV, D).index_copy_(0, s, v))]
+    out = torch.empty_like(shape.q)
+    sched = get_scheduler_metadata(batch_size=shape.batch, max_seqlen_q=1,
+                                   max_seqlen_k=shape.ctx, num_heads_q=HQ, num_heads_kv=HKV,
+                                   headdim=D, cache_seqlens=shape.seq_lens,
+                                   qkv_dtype=torch.bfloat16, cu_seqlens_q=shape.qsl,
+                                   page_size=B, causal=True)
+
+    def run():
+        flash_attn_varlen_func(shape.q, k_cache, v_cache, max_seqlen_q=1,
+                               cu_seqlens_q=shape.qsl, max_seqlen_k=shape.ctx,
+                               seqused_k=shape.seq_lens, softmax_scale=shape.scale, causal=True,
+                               block_table=shape.block_table, out=out,
+                               scheduler_metadata=sched, fa_version=3)
+    return writers, run, out
+
+
+def setup_triton(shape: Shape, carrier: str):
+    """vLLM's TRITON_ATTN per-token-head path, with its default NHD physical layout."""
+    import torch
+    from vllm.triton_utils import triton
+    from vllm.v1.attention.backends.triton_attn import (MIN_LAUNCH_GRID_SIZE_2D,
+                                                        NUM_PAR_SOFTMAX_SEGMENTS,
+                                                        TritonAttentionBackend,
+                                                        TritonAttentionImpl)
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    shp = TritonAttentionBackend.get_kv_cache_shape(shape.num_blocks, B, HKV, D, carrier)
+    order = TritonAttentionBackend.get_kv_cache_stride_order()
+    phys = torch.zeros([shp[i] for i in order], dtype=STR_DTYPE_TO_TORCH_DTYPE[carrier],
+                       device="cuda")
+    kv_cache = phys.permute(*[order.index(i) for i in range(4)])
+    impl = TritonAttentionImpl(HQ, D, shape.scale, HKV, None, None, carrier)
+    key_cache, value_cache = impl._pth_key_value_caches(kv_cache)
+    writers = [lambda s, k, v: impl.do_kv_cache_update(None, k, v, kv_cache, s)]
+    thr = MIN_LAUNCH_GRID_SIZE_2D // HKV
+    seg = NUM_PAR_SOFTMAX_SEGMENTS
+    segm_o = torch.empty(thr, HQ, seg, triton.next_power_of_2(D), dtype=torch.float32,
+                         device="cuda")
+    segm_m = torch.empty(thr, HQ, seg, dtype=torch.float32, device="cuda")
+    segm_e = torch.empty_like(segm_m)
+    out = torch.empty_like(shape.q)
+
+    def run():
+        unified_attention(q=shape.q, k=key_cache, v=value_cache, out=out,
+                          cu_seqlens_q=shape.qsl, max_seqlen_q=1, seqused_k=shape.seq_lens,
+                          max_seqlen_k=shape.ctx, softmax_scale=shape.scale, causal=True,
+                          window_size=(-1, -1), block_table=shape.block_table, softcap=0,
+                          q_descale=None, k_descale=None, v_descale=None,
+                          seq_threshold_3D=thr, num_par_softmax_segments=seg,
+                          softmax_segm_output=segm_o, softmax_segm_max=segm_m,
+                          softmax_segm_expsum=segm_e, kv_quant_mode=get_kv_quant_mode(carrier),
+                          k_scale_cache=impl._k_scale_cache, v_scale_cache=impl._v_scale_cache)
+    return writers, run, out
+
+
+def setup_mixprec(shape: Shape, scheme: str, residual_tokens: int = 0, splits: int | None = None):
+    import torch
+    from vllm_mixprec import formats as F
+    from vllm_mixprec.attention_backend import residual as R
+    from vllm_mixprec.kernels.triton.attention import decode_attention, decode_num_splits
+    from vllm_mixprec.kernels.triton.kv_cache import KVResidual, quantize_and_store
+
+    layout = F.KVPageLayout(scheme, D, B)
+    cache = torch.zeros(layout.cache_shape(shape.num_blocks, HKV), dtype=layout.storage_dtype(),
+                        device="cuda")
+    res = directory = None
+    if residual_tokens:
+        slots = shape.batch * R.window_blocks(residual_tokens, B) + 16
+        directory = R.ResidualDirectory(shape.num_blocks, slots, B, residual_tokens,
+                                        torch.device("cuda"))
+        directory.assign(shape.block_table, shape.seq_lens, shape.qsl,
+                         torch.full((shape.batch,), -1, device="cuda"), shape.batch)
+        res = KVResidual(*R.allocate_pool(slots * B, HKV, D, torch.bfloat16,
+                                          torch.device("cuda")),
+                         directory.slot_of_block, directory.tags, residual_tokens)
+
+    def write(s, k, v):
+        if directory is not None:  # tag the window positions as the builder would
+            sob = directory.slot_of_block[s // B].long()
+            ok = sob >= 0
+            directory.tags[sob[ok], (s % B)[ok]] = (s // B)[ok].int()
+        quantize_and_store(k, v, cache, s, layout, None, res)
+
+    max_splits = max(splits or 1, 2 * decode_num_splits(shape.batch, HKV))
+    part_o = torch.empty(shape.batch * max_splits, HQ, D, dtype=torch.float32, device="cuda")
+    part_lse = torch.empty(part_o.shape[:2], dtype=torch.float32, device="cuda")
+    out = torch.empty_like(shape.q)
+
+    def run():
+        decode_attention(shape.q, cache, layout, shape.block_table, shape.seq_lens, shape.qsl,
+                         out, shape.scale, shape.batch, run.splits, part_o, part_lse, res)
+    run.splits = splits or decode_num_splits(shape.batch, HKV)  # --tune changes it
+    run.directory = directory
+    return [write], run, out
+
+
+def setup(method: str, shape: Shape, **kw):
+    if method == "fa3-bf16":
+        return setup_fa3(shape)
+    if method.startswith("triton-"):
+        return setup_triton(shape, {"triton-int4": "int4_per_token_head",
+                                    "triton-int8": "int8_per_token_head"}[method])
+    scheme = "kv4" if "kv4" in method else "kv8"
+    return setup_mixprec(shape, scheme, 16 if method.endswith("-r16") else 0, **kw)
+
+
+# --- timing ----------------------------------------------------------------------------
+
+def time_graph(fn, rep_ms: int) -> float:
+    """Median ms of one replay of a CUDA graph holding fn (L2 flushed by do_bench)."""
+    import torch
+    import triton
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile / autotune outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def rel_err(out, ref) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def run_shape(shape: Shape, methods, rep_ms: int) -> list[dict]:
+    import torch
+    built = {m: setup(m, shape) for m in methods}
+    for chunk in shape.chunks():
+        for writers, _, _ in built.values():
+            for w in writers:
+                w(*chunk)
+    torch.cuda.synchronize()
+    rows = []
+    for m, (_, run, out) in built.items():
+        ms = time_graph(run, rep_ms)
+        gbs = shape.batch * shape.ctx * HKV * BYTES_PER_TOKEN_HEAD[m] / ms / 1e6
+        rows.append(dict(batch=shape.batch, ctx=shape.ctx, method=m, ms=ms, gb_per_s=gbs))
+    ref = built.get("fa3-bf16")
+    for r in rows:
+        if ref is not None:
+            r["rel_err_vs_fa3"] = rel_err(built[r["method"]][2], ref[2])
+            fa = next(x["ms"] for x in rows if x["method"] == "fa3-bf16")
+            r["speedup_vs_fa3"] = fa / r["ms"]
+        directory = getattr(built[r["method"]][1], "directory", None)
+        if directory is not None:  # per-step host+device cost of the residual bookkeeping
+            sm = torch.full((shape.batch,), -1, device="cuda")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                directory.assign(shape.block_table, shape.seq_lens, shape.qsl, sm, shape.batch)
+            torch.cuda.synchronize()
+            r["residual_assign_us"] = (time.perf_counter() - t0) / 20 * 1e6
+    del built
+    torch.cuda.empty_cache()
+    return rows
+
+
+def tune(args) -> list[dict]:
+    """Sweep (BLOCK_N, warps, stages) x splits of the KV4 decode kernel on two shapes
+    (one cache per shape; each config compiles once)."""
+    from vllm_mixprec.kernels.triton.attention import decode_num_splits
+    results = []
+    for batch, ctx in ((64, 8192), (1, 32768)):
+        shape = Shape(batch, ctx, args.seed)
+        writers, run, _ = setup_mixprec(shape, "kv4")
+        for chunk in shape.chunks():
+            writers[0](*chunk)
+        base = decode_num_splits(batch, HKV)
+        for splits in sorted({max(1, base // 2), base, base * 2}):
+            run.splits = splits
+            for cfg in [(bn, w, s) for bn in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3)]:
+                os.environ["MIXPREC_ATTN_DECODE_CFG"] = ",".join(map(str, cfg))
+                try:
+                    ms = time_graph(run, 30)
+                except Exception as e:  # e.g. out of shared memory for big tiles
+                    print(f"  {batch}x{ctx} splits={splits} cfg={cfg}: {type(e).__name__}: {e}")
+                    continue
+                results.append(dict(batch=batch, ctx=ctx, splits=splits, cfg=cfg, ms=ms))
+                print(f"  {batch}x{ctx} splits={splits} BLOCK_N,warps,stages={cfg}: {ms:.4f} ms")
+        best = min((r for r in results if (r["batch"], r["ctx"]) == (batch, ctx)),
+                   key=lambda r: r["ms"])
+        print(f"best for {batch}x{ctx}: {best}")
+    os.environ.pop("MIXPREC_ATTN_DECODE_CFG", None)
+    return results
+
+
+# --- reporting ---------------------------------------------------------------------------
+
+def print_table(rows):
+    hdr = f"{'batch':>5} {'ctx':>6} {'method':<16} {'ms':>9} {'GB/s':>7} {'x FA3':>6} {'relerr':>7}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['batch']:>5} {r['ctx']:>6} {r['method']:<16} {r['ms']:>9.4f} "
+              f"{r['gb_per_s']:>7.0f} {r.get('speedup_vs_fa3', float('nan')):>6.2f} "
+              f"{r.get('rel_err_vs_fa3', float('nan')):>7.4f}")
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    ctxs = sorted({r["ctx"] for r in rows})
+    fig, axes = plt.subplots(1, len(ctxs), figsize=(5 * len(ctxs), 4), squeeze=False)
+    for ax, ctx in zip(axes[0], ctxs):
+        for m in dict.fromkeys(r["method"] for r in rows):
+            pts = sorted((r["batch"], r["ms"]) for r in rows
+                         if r["ctx"] == ctx and r["method"] == m)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="ms / decode step (1 layer)",
+               title=f"context {ctx}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA GPU")
+    import triton
+    import vllm
+    torch.manual_seed(args.seed)
+    dev = torch.cuda.get_device_name()
+    os.makedirs(args.out, exist_ok=True)
+    tag = dev.replace(" ", "_").replace("/", "_")
+    meta = dict(device=dev, capability=list(torch.cuda.get_device_capability()),
+                torch=torch.__version__, triton=triton.__version__, vllm=vllm.__version__,
+                shape=dict(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=B),
+                timing="CUDA graph replay, triton.testing.do_bench median, L2 flushed")
+    if args.tune:
+        res = tune(args)
+        path = os.path.join(args.out, f"attention-tune-{tag}.json")
+        with open(path, "w") as f:
+            json.dump(dict(meta, results=res), f, indent=1)
+        print(f"wrote {path}")
+        return
+    rows = []
+    for ctx in args.ctx:
+        for batch in args.batch:
+            rows += run_shape(Shape(batch, ctx, args.seed), args.methods, args.rep_ms)
+            print_table(rows[-len(args.methods):])
+    print()
+    print_table(rows)
+    path = os.path.join(args.out, f"attention-{tag}.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta, results=rows), f, indent=1)
+    print(f"wrote {path}")
+    plot(rows, os.path.join(args.out, f"attention-{tag}.png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Builders of random paged batches shared by the attention-backend tests."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from vllm_mixprec import formats as F
+from vllm_mixprec import reference as ref
+from vllm_mixprec.attention_backend import residual as R
+from vllm_mixprec.kernels.triton.kv_cache import KVResidual
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclasses.dataclass
+class Batch:
+    layout: F.KVPageLayout
+    cache: torch.Tensor          # packed pages
+    block_table: torch.Tensor    # int32 [rows, max_blocks], random physical blocks
+    seq_lens: torch.Tensor       # int32 [rows]
+    qsl: torch.Tensor            # int32 [rows + 1]
+    q: torch.Tensor              # [T, Hq, D]
+    k: list[torch.Tensor]        # per row, 16-bit K [L, Hkv, D] as written
+    v: list[torch.Tensor]
+    residual: KVResidual | None = None
+    k_smooth: torch.Tensor | None = None
+
+    def ref_residual(self):
+        r = self.residual
+        return None if r is None else tuple(x.cpu() if torch.is_tensor(x) else x for x in r)
+
+    def reference(self, scale: float) -> torch.Tensor:
+        """reference.paged_attention_residual on CPU copies."""
+        return ref.paged_attention_residual(
+            self.q.cpu(), self.cache.cpu(), self.layout, self.block_table.cpu(),
+            self.seq_lens.cpu(), self.qsl.cpu(), scale, self.ref_residual(),
+            None if self.k_smooth is None else self.k_smooth.cpu())
+
+
+def slots_of(block_table_row: torch.Tensor, positions: torch.Tensor, block_size: int):
+    return block_table_row[positions // block_size].long() * block_size + positions % block_size
+
+
+def make_batch(scheme: str, dtype: torch.dtype, head_dim: int, num_kv_heads: int, group: int,
+               rows: list[tuple[int, int]], block_size: int = 16, residual_tokens: int = 0,
+               smooth: bool = False, writer=None, device: str = DEVICE,
+               spare_blocks: int = 3) -> Batch:
+    """rows: (query_len, seq_len) per row; every token of every row is written with `writer`
+    (quantize_and_store signature; reference.reshape_and_cache + store_kv_residual if None).
+    With residual_tokens > 0, a directory assigns slots exactly as the builder would."""
+    layout = F.KVPageLayout(scheme, head_dim, block_size)
+    max_blocks = max(-(-s // block_size) for _, s in rows) + 1
+    nb = len(rows) * max_blocks + spare_blocks
+    perm = torch.randperm(nb)[: len(rows) * max_blocks]
+    bt = perm.view(len(rows), max_blocks).to(torch.int32).to(device)
+    cache = torch.zeros(layout.cache_shape(nb, num_kv_heads), dtype=layout.storage_dtype(),
+                        device=device)
+    # Poison: bytes nobody writes must never be read.
+    cache.view(torch.uint8).fill_(0x7B)
+    seq_lens = torch.tensor([s for _, s in rows], dtype=torch.int32, device=device)
+    qlens = torch.tensor([q for q, _ in rows])
+    qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(qlens, 0)
+    qsl = qsl.to(device)
+    k_smooth = (torch.rand(num_kv_heads, head_dim) + 0.5).to(device) if smooth else None
+    residual = None
+    if residual_tokens:
+        slots = len(rows) * R.window_blocks(residual_tokens, block_size) + 2
+        d = R.ResidualDirectory(nb, slots, block_size, residual_tokens, torch.device(device))
+        pool_k, pool_v = R.allocate_pool(slots * block_size, num_kv_heads, head_dim, dtype,
+                                         torch.device(device))
+        pool_k.fill_(float("nan"))
+        pool_v.fill_(float("nan"))
+        # One "step" writing every token of every row: all windows get slots.
+        all_sm = torch.cat([slots_of(bt[i], torch.arange(s, device=device), block_size)
+                            for i, (_, s) in enumerate(rows)])
+        d.assign(bt, seq_lens, qsl, all_sm, len(rows))
+        residual = KVResidual(pool_k, pool_v, d.slot_of_block, d.tags, residual_tokens)
+    ks, vs = [], []
+    for i, (_, s) in enumerate(rows):
+        k = (torch.randn(s, num_kv_heads, head_dim) * 2 + 0.3).to(dtype).to(device)
+        v = torch.randn(s, num_kv_heads, head_dim).to(dtype).to(device)
+        sm = slots_of(bt[i], torch.arange(s, device=device), block_size)
+        if writer is None:
+            ref.reshape_and_cache(k.cpu(), v.cpu(), cache_cpu := cache.cpu(), sm.cpu(), layout,
+                                  None if k_smooth is None else k_smooth.cpu())
+            cache.copy_(cache_cpu)
+            if residual is not None:
+                rk, rv = residual.k.cpu(), residual.v.cpu()
+                ref.store_kv_residual(k.cpu(), v.cpu(), rk, rv, sm.cpu(),
+                                      residual.slot_of_block.cpu(), block_size,
+                                      None if k_smooth is None else k_smooth.cpu())
+                residual.k.copy_(rk)
+                residual.v.copy_(rv)
+        else:
+            writer(k, v, cache, sm, layout, k_smooth, residual)
+        ks.append(k)
+        vs.append(v)
+    q = torch.randn(int(qlens.sum()), num_kv_heads * group, head_dim).to(dtype).to(device)
+    return Batch(layout, cache, bt, seq_lens, qsl, q, ks, vs, residual, k_smooth)
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    # Output rounding plus fp32 accumulation; bf16 keeps 8 significant bits.
+    return dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=3e-3, rtol=3e-3)

@@ -1,0 +1,268 @@
+"""Triton KV write and paged attention kernels vs the torch reference.
+
+On a CPU-only machine these run in the Triton interpreter (tests/conftest.py), on small
+shapes; `pytest -m gpu` runs the bigger shapes and the CUDA-graph replay on a GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_mixprec import formats as F
+from vllm_mixprec import reference as ref
+from vllm_mixprec.attention_backend import residual as R
+from vllm_mixprec.kernels.triton.attention import (decode_attention, paged_attention,
+                                                   prefill_attention)
+from vllm_mixprec.kernels.triton.kv_cache import KVResidual, quantize_and_store
+
+from attn_helpers import DEVICE, make_batch, slots_of, tolerance
+
+SCHEMES = ("kv4", "kv8")
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+# --- write path -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,smooth", [(64, False), (128, True)])
+def test_quantize_and_store_matches_reference_bytes(scheme, dtype, head_dim, smooth):
+    h, b, nb, t = 2, 16, 5, 23
+    layout = F.KVPageLayout(scheme, head_dim, b)
+    # K/V as strided views of a fused qkv tensor, as vLLM passes them.
+    qkv = (torch.randn(t, 3 * h, head_dim) * 3).to(dtype)
+    key, value = qkv[:, h:2 * h], qkv[:, 2 * h:]
+    slots = torch.randperm(nb * b)[:t]
+    slots[[2, 7]] = -1  # padding tokens
+    k_smooth = torch.rand(h, head_dim) + 0.5 if smooth else None
+    want = torch.full(layout.cache_shape(nb, h), 0x5A, dtype=torch.uint8).view(
+        layout.storage_dtype())
+    got = want.clone().to(DEVICE)
+    ref.reshape_and_cache(key, value, want, slots, layout, k_smooth)
+    quantize_and_store(key.to(DEVICE), value.to(DEVICE), got, slots.to(DEVICE), layout,
+                       None if k_smooth is None else k_smooth.to(DEVICE))
+    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantize_and_store_residual_copy(scheme):
+    h, d, b, nb, t, dtype = 2, 64, 16, 6, 40, torch.bfloat16
+    layout = F.KVPageLayout(scheme, d, b)
+    key, value = torch.randn(t, h, d).to(dtype), torch.randn(t, h, d).to(dtype)
+    slots = torch.randperm(nb * b)[:t]
+    slots[5] = -1
+    slot_of_block = torch.full((nb + 1,), -1, dtype=torch.int32)
+    slot_of_block[torch.tensor([0, 3, 4])] = torch.tensor([2, 0, 1], dtype=torch.int32)
+    k_smooth = torch.rand(h, d) + 0.5
+    pool = [torch.full((3 * b, h, d), float("nan"), dtype=dtype) for _ in range(4)]
+    tags = torch.full((4, b), -1, dtype=torch.int32)
+    cache = torch.zeros(layout.cache_shape(nb, h), dtype=layout.storage_dtype(), device=DEVICE)
+    dev = [x.to(DEVICE) for x in (key, value, slots, k_smooth, pool[0], pool[1], slot_of_block,
+                                  tags)]
+    quantize_and_store(dev[0], dev[1], cache, dev[2], layout, dev[3], KVResidual(*dev[4:], b))
+    pool[0], pool[1] = dev[4].cpu(), dev[5].cpu()
+    ref.store_kv_residual(key, value, pool[2], pool[3], slots, slot_of_block, b, k_smooth)
+    assert torch.equal(pool[0].nan_to_num(7.0), pool[2].nan_to_num(7.0))
+    assert torch.equal(pool[1].nan_to_num(7.0), pool[3].nan_to_num(7.0))
+    assert not pool[0].isnan().all()
+
+
+# --- read path ------------------------------------------------------------------------------
+
+def _writer(k, v, cache, sm, layout, k_smooth, residual):
+    quantize_and_store(k, v, cache, sm, layout, k_smooth, residual)
+
+
+CASES = [
+    # (scheme, dtype, head_dim, kv_heads, group, rows, residual, smooth, splits)
+    ("kv4", torch.float16, 64, 2, 4, [(1, 37), (6, 21), (1, 3), (17, 17), (0, 5)], 0, False, 1),
+    ("kv4", torch.bfloat16, 128, 1, 8, [(1, 70), (3, 40), (1, 16)], 16, True, 4),
+    ("kv4", torch.float16, 64, 4, 1, [(1, 33), (9, 30), (1, 1)], 16, False, 2),
+    ("kv8", torch.bfloat16, 64, 2, 4, [(1, 52), (5, 5), (1, 17), (2, 33)], 16, False, 2),
+    ("kv8", torch.float16, 128, 1, 8, [(1, 29), (12, 40)], 0, True, 1),
+    ("kv4", torch.bfloat16, 64, 1, 4, [(1, 9), (4, 12)], 8, False, 2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[4]}-r{c[6]}")
+def test_paged_attention_matches_reference(case):
+    scheme, dtype, d, hkv, g, rows, res, smooth, splits = case
+    batch = make_batch(scheme, dtype, d, hkv, g, rows, residual_tokens=res, smooth=smooth,
+                       writer=_writer)
+    scale = d ** -0.5
+    out = torch.full_like(batch.q, float("nan"))
+    paged_attention(batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens,
+                    batch.qsl, scale, batch.residual, batch.k_smooth, num_splits=splits,
+                    out=out)
+    want = batch.reference(scale)
+    assert not out.isnan().any(), "a query row was not written"
+    torch.testing.assert_close(out.double().cpu(), want, **tolerance(dtype))
+
+
+def test_residual_changes_the_result_and_is_used():
+    """The window really reads the 16-bit copy: corrupt it and the output moves."""
+    batch = make_batch("kv4", torch.float16, 64, 1, 4, [(1, 40)], residual_tokens=16,
+                       writer=_writer)
+    scale = 0.125
+    base = paged_attention(batch.q, batch.cache, batch.layout, batch.block_table,
+                           batch.seq_lens, batch.qsl, scale, batch.residual, num_splits=1)
+    no_res = paged_attention(batch.q, batch.cache, batch.layout, batch.block_table,
+                             batch.seq_lens, batch.qsl, scale, None, num_splits=1)
+    assert (base - no_res).abs().max() > 1e-3  # int4 error of the last 16 tokens is gone
+    # Invalidate the tags: the kernel must fall back to the pages exactly.
+    batch.residual.tags.fill_(-1)
+    fallback = paged_attention(batch.q, batch.cache, batch.layout, batch.block_table,
+                               batch.seq_lens, batch.qsl, scale, batch.residual, num_splits=1)
+    torch.testing.assert_close(fallback, no_res, atol=2e-3, rtol=2e-3)
+
+
+def test_decode_and_prefill_leave_other_rows_alone():
+    batch = make_batch("kv8", torch.float16, 64, 1, 4, [(1, 20), (3, 10), (1, 7)],
+                       writer=_writer)
+    out = torch.full_like(batch.q, float("nan"))
+    decode_attention(batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens,
+                     batch.qsl, out, 0.125, num_rows=3)
+    written = ~out.isnan().all(-1).all(-1)
+    assert written.tolist() == [True, False, False, False, True]
+    prefill_attention(batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens,
+                      batch.qsl, out, 0.125, num_rows=3, max_query_len=3)
+    assert not out.isnan().any()
+
+
+# --- GPU: bigger shapes, CUDA graphs -----------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group,head_dim", [(1, 128), (4, 128), (8, 128), (4, 64), (8, 256)])
+@pytest.mark.parametrize("fast_unpack", ["1", "0"])
+def test_paged_attention_gpu(scheme, dtype, group, head_dim, fast_unpack, monkeypatch):
+    monkeypatch.setenv("MIXPREC_ATTN_FAST_UNPACK", fast_unpack)
+    torch.manual_seed(1)
+    rows = [(1, 3000), (1, 17), (250, 700), (1, 1025), (64, 64), (1, 4096)]
+    batch = make_batch(scheme, dtype, head_dim, 4, group, rows, residual_tokens=16,
+                       smooth=group == 4, writer=_writer)
+    out = paged_attention(batch.q, batch.cache, batch.layout, batch.block_table,
+                          batch.seq_lens, batch.qsl, head_dim ** -0.5, batch.residual,
+                          batch.k_smooth)
+    torch.testing.assert_close(out.double().cpu(), batch.reference(head_dim ** -0.5),
+                               **tolerance(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_decode_cuda_graph_replay(scheme):
+    """Capture the decode launch once; replay with new lengths, tables, queries, pages."""
+    torch.manual_seed(2)
+    dtype, d, hkv, g, n, b = torch.bfloat16, 128, 8, 4, 8, 16
+    layout = F.KVPageLayout(scheme, d, b)
+    max_blocks, nb = 64, 8 * 64 + 4
+    cache = torch.zeros(layout.cache_shape(nb, hkv), dtype=layout.storage_dtype(), device="cuda")
+    bt = torch.zeros(n, max_blocks, dtype=torch.int32, device="cuda")
+    seq_lens = torch.ones(n, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(n + 1, dtype=torch.int32, device="cuda")
+    q = torch.zeros(n, hkv * g, d, dtype=dtype, device="cuda")
+    out = torch.zeros_like(q)
+    splits = 4
+    part_o = torch.empty(n * splits, hkv * g, d, dtype=torch.float32, device="cuda")
+    part_lse = torch.empty(n * splits, hkv * g, dtype=torch.float32, device="cuda")
+    slots = n * R.window_blocks(16, b) + 4
+    directory = R.ResidualDirectory(nb, slots, b, 16, torch.device("cuda"))
+    pool = R.allocate_pool(slots * b, hkv, d, dtype, torch.device("cuda"))
+    res = KVResidual(*pool, directory.slot_of_block, directory.tags, 16)
+
+    def launch():
+        decode_attention(q, cache, layout, bt, seq_lens, qsl, out, d ** -0.5, n, splits,
+                         part_o, part_lse, res)
+
+    launch()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for trial in range(3):
+        lens = torch.randint(1, max_blocks * b, (n,), dtype=torch.int32)
+        lens[0] = max_blocks * b - trial
+        seq_lens.copy_(lens)
+        bt.copy_(torch.randperm(nb)[: n * max_blocks].view(n, max_blocks).int())
+        q.copy_(torch.randn_like(q))
+        cache.view(torch.uint8).fill_(0)
+        all_sm = torch.cat([slots_of(bt[i], torch.arange(int(lens[i]), device="cuda"), b)
+                            for i in range(n)])
+        directory.assign(bt, seq_lens, torch.arange(n + 1, device="cuda", dtype=torch.int32),
+                         all_sm, n)
+        for i in range(n):
+            k = torch.randn(int(lens[i]), hkv, d, dtype=dtype, device="cuda")
+            v = torch.randn_like(k)
+            quantize_and_store(k, v, cache, slots_of(bt[i], torch.arange(int(lens[i]),
+                               device="cuda"), b), layout, None, res)
+        graph.replay()
+        want = ref.paged_attention_residual(
+            q.cpu(), cache.cpu(), layout, bt.cpu(), seq_lens.cpu(), qsl.cpu(), d ** -0.5,
+            tuple(x.cpu() if torch.is_tensor(x) else x for x in res))
+        torch.testing.assert_close(out.double().cpu(), want, **tolerance(dtype))
+
+
+# --- the GPU unpack recipe, checked on the CPU ---------------------------------------------
+
+def _run_ptx(asm: str, inputs: list[int], n_out: int) -> list[int]:
+    """Execute the few PTX instructions of the unpack asm on 32-bit ints."""
+    import numpy as np
+    regs = {f"${n_out + i}": v for i, v in enumerate(inputs)}
+
+    def val(tok):
+        tok = tok.strip()
+        return int(tok, 0) & 0xFFFFFFFF if tok[0].isdigit() else regs[tok]
+
+    for line in asm.replace("{", "").replace("}", "").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        a = [x.strip() for x in args.split(",")]
+        if op == "mov.b32":
+            r = val(a[1])
+        elif op == "prmt.b32":
+            src = val(a[1]).to_bytes(4, "little") + val(a[2]).to_bytes(4, "little")
+            sel = val(a[3])
+            r = int.from_bytes(bytes(src[(sel >> (4 * i)) & 7] for i in range(4)), "little")
+        elif op == "lop3.b32":
+            x, y, z, lut = val(a[1]), val(a[2]), val(a[3]), int(a[4], 0)
+            r = 0
+            for k in range(8):
+                if lut >> k & 1:
+                    t = 0xFFFFFFFF
+                    for bit, v in ((4, x), (2, y), (1, z)):
+                        t &= v if k & bit else ~v & 0xFFFFFFFF
+                    r |= t
+        elif op == "shr.b32":
+            r = val(a[1]) >> int(a[2], 0)
+        elif op == "sub.f16x2":
+            h = np.array([val(a[1]), val(a[2])], dtype=np.uint32).view(np.float16).reshape(2, 2)
+            r = int((h[0] - h[1]).astype(np.float16).view(np.uint32)[0])
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+        regs[a[0]] = r
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+def _halves(words):
+    import numpy as np
+    return np.array(words, dtype=np.uint32).view(np.float16).astype(np.int64).tolist()
+
+
+def test_fast_unpack_ptx_recipe():
+    """The inline PTX of the decode kernel turns 4 packed bytes into the exact codes."""
+    from vllm_mixprec.kernels.triton import attention as A
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        b = torch.randint(0, 256, (4,), generator=gen).tolist()
+        word = int.from_bytes(bytes(b), "little")
+        lo01, lo23, hi01, hi23 = _run_ptx(A._ASM_NIBBLES.value, [word], 4)
+        assert _halves([lo01, lo23]) == [x & 0xF for x in b]
+        assert _halves([hi01, hi23]) == [x >> 4 for x in b]
+        s = torch.tensor(b, dtype=torch.uint8).view(torch.int8)
+        if int(s.min()) == -128:
+            continue  # kv8 codes are in [-127, 127]
+        r01, r23 = _run_ptx(A._ASM_INT8.value, [word], 2)
+        assert _halves([r01, r23]) == s.tolist()

@@ -1,0 +1,191 @@
+"""The residual slot directory under a simulated scheduler (pure torch, no kernels).
+
+A toy scheduler runs requests through chunked prefill and decode, aborts and preempts
+them (their blocks go back to a free list and are reused), and shares full prefix blocks
+between requests, as vLLM's block manager does. Every write is mirrored into a model of
+the pool (reference.store_kv_residual on write ids). Checked after every step:
+  * the invariant: a valid tag always points at the latest write of that position;
+  * coverage: with enough slots, every scheduled row has its whole window in 16 bits
+    (except positions of prefix-shared blocks written before they entered a window).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from vllm_mixprec import reference as ref
+from vllm_mixprec.attention_backend import residual as R
+
+B = 16
+
+
+class ToyScheduler:
+    def __init__(self, num_blocks: int, directory: R.ResidualDirectory, seed: int):
+        self.rng = random.Random(seed)
+        self.free = list(range(num_blocks))
+        self.rng.shuffle(self.free)
+        self.d = directory
+        self.reqs: dict[int, dict] = {}
+        self.refs: dict[int, int] = {}  # block reference counts (prefix sharing)
+        self.next_id = 0
+        self.write_id = 0
+        self.latest = {}  # (blk, off) -> id of the latest write
+        slots = directory.num_slots
+        self.pool = torch.full((slots * B, 1, 1), -1.0, dtype=torch.float64)
+        self.shared_ok: set[tuple[int, int]] = set()  # positions allowed to miss coverage
+
+    def add(self, prompt: int, share_from: int | None = None):
+        rid = self.next_id
+        self.next_id += 1
+        blocks, done = [], 0
+        if share_from is not None and share_from in self.reqs:
+            src = self.reqs[share_from]
+            full = min(src["done"], prompt - 1) // B
+            blocks = src["blocks"][:full]
+            done = full * B
+            for blk in blocks:
+                self.refs[blk] += 1
+            for j in range(full):  # tokens written by another request, maybe never windowed
+                self.shared_ok |= {(blocks[j], o) for o in range(B)}
+        self.reqs[rid] = {"blocks": list(blocks), "done": done, "prompt": prompt}
+        return rid
+
+    def release(self, rid: int):
+        for blk in self.reqs.pop(rid)["blocks"]:
+            self.refs[blk] -= 1
+            if self.refs[blk] == 0:
+                self.free.append(blk)
+
+    def step(self, budget: int, check_coverage: bool):
+        rows, slot_mapping, qlens, lens = [], [], [], []
+        for rid, r in list(self.reqs.items()):
+            if budget <= 0:
+                break
+            want = r["prompt"] - r["done"] if r["done"] < r["prompt"] else 1
+            q = min(want, budget, self.rng.choice([1, 7, 33, 100]) if want > 1 else 1)
+            end = r["done"] + q
+            while len(r["blocks"]) * B < end:
+                if not self.free:
+                    return None
+                r["blocks"].append(self.free.pop())
+                self.refs[r["blocks"][-1]] = 1
+            pos = torch.arange(r["done"], end)
+            blk = torch.tensor(r["blocks"])[pos // B]
+            slot_mapping.append(blk * B + pos % B)
+            rows.append(rid)
+            qlens.append(q)
+            lens.append(end)
+            budget -= q
+        if not rows:
+            return None
+        width = max(len(self.reqs[rid]["blocks"]) for rid in rows)
+        bt = torch.full((len(rows), width), 0, dtype=torch.int32)
+        for i, rid in enumerate(rows):
+            bl = self.reqs[rid]["blocks"]
+            bt[i, :len(bl)] = torch.tensor(bl, dtype=torch.int32)
+        qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(torch.tensor(qlens), 0)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        sm = torch.cat(slot_mapping)
+        sm = torch.cat([sm, torch.full((3,), -1)])  # CUDA-graph style padding
+        self.d.assign(bt, seq_lens, qsl, sm, len(rows))
+        # Every layer's writer: pages (modelled by `latest`) and the pool mirror.
+        ids = torch.arange(self.write_id, self.write_id + sm.shape[0], dtype=torch.float64)
+        self.write_id += sm.shape[0]
+        for s, i in zip(sm.tolist(), ids.tolist()):
+            if s >= 0:
+                self.latest[(s // B, s % B)] = i
+        vals = ids.view(-1, 1, 1)
+        ref.store_kv_residual(vals, vals, self.pool, self.pool.clone(), sm,
+                              self.d.slot_of_block, B)
+        for rid, q, L in zip(rows, qlens, lens):
+            self.reqs[rid]["done"] = L
+        self.check_invariant()
+        if check_coverage:
+            self.check_coverage(rows, lens)
+        return rows
+
+    def check_invariant(self):
+        sob, tags = self.d.slot_of_block, self.d.tags
+        for p in range(self.d.num_slots):
+            for off in range(B):
+                blk = int(tags[p, off])
+                if blk >= 0 and int(sob[blk]) == p:
+                    assert self.pool[p * B + off, 0, 0].item() == self.latest[(blk, off)], \
+                        f"stale residual at slot {p} offset {off} (block {blk})"
+
+    def check_coverage(self, rows, lens):
+        r, sob, tags = self.d.tokens, self.d.slot_of_block, self.d.tags
+        for rid, L in zip(rows, lens):
+            bl = self.reqs[rid]["blocks"]
+            for pos in range(max(L - r, 0), L):
+                blk, off = bl[pos // B], pos % B
+                p = int(sob[blk])
+                ok = p >= 0 and int(tags[p, off]) == blk
+                assert ok or (blk, off) in self.shared_ok, f"request {rid} lost position {pos}"
+
+
+@pytest.mark.parametrize("tokens", [16, 5, 40])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_directory_invariant_and_coverage(tokens, seed):
+    """Slots enough for every row: the full window is always 16-bit (no eviction loss)."""
+    max_seqs, nblocks = 6, 96
+    d = R.ResidualDirectory(nblocks, max_seqs * R.window_blocks(tokens, B) + 2, B, tokens,
+                            torch.device("cpu"))
+    sched = ToyScheduler(nblocks, d, seed)
+    rng = random.Random(seed)
+    for it in range(60):
+        while len(sched.reqs) < max_seqs and rng.random() < 0.5:
+            share = rng.choice(list(sched.reqs)) if sched.reqs and rng.random() < 0.3 else None
+            sched.add(rng.randint(1, 120), share)
+        for rid in list(sched.reqs):
+            r = sched.reqs[rid]
+            if r["done"] > r["prompt"] + 20 or rng.random() < 0.03:  # finish / abort
+                sched.release(rid)
+        sched.step(budget=10_000, check_coverage=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_directory_invariant_under_pressure(seed):
+    """Too few slots, preemption (blocks freed and later recomputed), partial scheduling:
+    windows may be lost, but a valid tag never points at stale data."""
+    max_seqs, nblocks, tokens = 8, 80, 16
+    d = R.ResidualDirectory(nblocks, 5, B, tokens, torch.device("cpu"))
+    sched = ToyScheduler(nblocks, d, seed)
+    rng = random.Random(100 + seed)
+    for it in range(80):
+        while len(sched.reqs) < max_seqs and rng.random() < 0.6:
+            share = rng.choice(list(sched.reqs)) if sched.reqs and rng.random() < 0.3 else None
+            sched.add(rng.randint(1, 90), share)
+        for rid in list(sched.reqs):
+            r = sched.reqs[rid]
+            if rng.random() < 0.05:  # preempt: free everything, recompute from scratch
+                prompt = r["done"]
+                sched.release(rid)
+                if prompt:
+                    sched.add(prompt)
+            elif r["done"] > r["prompt"] + 10:
+                sched.release(rid)
+        if sched.step(budget=rng.choice([40, 200, 10_000]), check_coverage=False) is None:
+            for rid in list(sched.reqs)[: len(sched.reqs) // 2]:
+                sched.release(rid)
+
+
+def test_window_blocks_and_slots():
+    assert R.window_blocks(0, 16) == 0
+    assert R.window_blocks(1, 16) == 1
+    assert R.window_blocks(16, 16) == 2
+    assert R.window_blocks(17, 16) == 2
+    assert R.window_blocks(33, 16) == 3
+
+
+def test_residual_tokens_env(monkeypatch):
+    monkeypatch.setenv(R.ENV_TOKENS, "0")
+    assert R.residual_tokens(None, 16) == 0
+    monkeypatch.setenv(R.ENV_TOKENS, "999")
+    with pytest.raises(ValueError, match=R.ENV_TOKENS):
+        R.residual_tokens(None, 16)
+    monkeypatch.delenv(R.ENV_TOKENS)
+    assert R.residual_tokens(None, 32) == 32

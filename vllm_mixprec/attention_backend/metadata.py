@@ -1,0 +1,134 @@
+"""Per-step attention metadata of the mixprec backend, and its builder.
+
+Rows are not assumed to be ordered: vLLM's V2 model runner does not reorder the batch. The
+decode kernel runs over all rows and keeps those of query length 1, the prefill kernel
+those of query length > 1 (both read query_start_loc on the device). The builder only
+counts them on the host (query_start_loc_cpu, no sync) to skip a launch that has no work.
+
+CUDA graphs: a batch of single-token decodes (possibly padded with query-length-0 rows)
+launches only the decode kernel (and the split merge), whose grid depends on the number
+of rows alone, with every tensor it reads persistent (vLLM's runner buffers, our partial
+buffers, the residual directory). Hence UNIFORM_SINGLE_TOKEN_DECODE. Mixed or multi-token
+batches (spec decode, chunked prefill) run eagerly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import ClassVar
+
+import numpy as np
+import torch
+from vllm.v1.attention.backend import (AttentionCGSupport, AttentionMetadataBuilder,
+                                       CommonAttentionMetadata)
+from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
+
+from ..kernels.triton.attention import decode_num_splits, decode_partials_rows
+from . import residual as R
+
+logger = logging.getLogger("vllm.mixprec")
+
+
+@dataclasses.dataclass
+class MixPrecAttentionMetadata:
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor   # [num_reqs + 1] int32, device
+    seq_lens: torch.Tensor          # [num_reqs] int32: tokens after this step's writes
+    block_table: torch.Tensor       # [num_reqs, max_blocks] int32
+    slot_mapping: torch.Tensor      # [num_tokens] int64, -1 = padding
+    num_decodes: int                # rows with query length 1
+    num_prefills: int               # rows with query length > 1
+    num_splits: int                 # decode split-KV factor (a function of num_reqs)
+    part_o: torch.Tensor | None     # [rows*splits, Hq, D] fp32 split outputs
+    part_lse: torch.Tensor | None   # [rows*splits, Hq] fp32 split log2-sum-exp
+    residual: R.ResidualDirectory | None
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = \
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)  # V1 runner: decodes first (locality only)
+        self.block_size = kv_cache_spec.block_size
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
+        self.head_dim = kv_cache_spec.head_size
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        self.num_q_heads = (get_num_attention_heads_from_layers(vllm_config, layer_names)
+                            or mc.get_num_attention_heads(pc))
+        self.num_sms = _num_sms(torch.device(device))
+        rows = decode_partials_rows(vllm_config.scheduler_config.max_num_seqs,
+                                    self.num_kv_heads, self.num_sms)
+        self.part_o = self.part_lse = None
+        if rows:
+            self.part_o = torch.empty(rows, self.num_q_heads, self.head_dim,
+                                      dtype=torch.float32, device=device)
+            self.part_lse = torch.empty(rows, self.num_q_heads, dtype=torch.float32,
+                                        device=device)
+        self.res_tokens = R.residual_tokens(vllm_config, self.block_size)
+        R.check_supported(vllm_config, self.res_tokens)
+        if self.res_tokens and pc.use_ubatching:
+            raise ValueError("micro-batching (--enable-dbo / ubatch_size > 1) builds one "
+                             "metadata per micro-batch, which the mixprec residual window "
+                             f"does not support; set {R.ENV_TOKENS}=0 or disable DBO")
+        self.directory: R.ResidualDirectory | None = None
+
+    def _directory(self) -> R.ResidualDirectory | None:
+        """Created at the first build, when the KV cache (hence num_blocks) exists."""
+        if self.res_tokens == 0 or self.directory is not None:
+            return self.directory
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        kv = getattr(ctx.get(self.layer_names[0]), "kv_cache", None)
+        if isinstance(kv, (list, tuple)):
+            kv = kv[0]
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 4:
+            raise RuntimeError(f"mixprec: cannot find the KV cache of {self.layer_names[0]} "
+                               "to size the residual directory")
+        slots = R.residual_slots(self.vllm_config, self.res_tokens, self.block_size)
+        self.directory = R.ResidualDirectory(kv.shape[0], slots, self.block_size,
+                                             self.res_tokens, torch.device(self.device))
+        logger.info("mixprec KV residual: newest %d tokens kept in 16 bits, %d pool slots of "
+                    "%d tokens per layer", self.res_tokens, slots, self.block_size)
+        return self.directory
+
+    def _splits(self, num_reqs: int) -> int:
+        s = decode_num_splits(num_reqs, self.num_kv_heads, self.num_sms)
+        cap = 0 if self.part_o is None else self.part_o.shape[0]
+        while s > 1 and num_reqs * s > cap:
+            s //= 2
+        return s
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> MixPrecAttentionMetadata:
+        cm = common_attn_metadata
+        n = cm.num_reqs
+        qsl_cpu = cm.query_start_loc_cpu[:n + 1]
+        qlens = np.diff(qsl_cpu.numpy()) if n else np.zeros(0, dtype=np.int64)
+        directory = self._directory()
+        if directory is not None:
+            directory.assign(cm.block_table_tensor, cm.seq_lens, cm.query_start_loc,
+                             cm.slot_mapping, n)
+        return MixPrecAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens, num_reqs=n, max_query_len=cm.max_query_len,
+            max_seq_len=cm.max_seq_len, query_start_loc=cm.query_start_loc,
+            seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping, num_decodes=int((qlens == 1).sum()),
+            num_prefills=int((qlens > 1).sum()), num_splits=self._splits(n),
+            part_o=self.part_o, part_lse=self.part_lse, residual=directory)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
+                                    ) -> MixPrecAttentionMetadata:
+        md = self.build(0, common_attn_metadata)
+        # Capture warm-up runs the kernels once: keep them short (lengths are device data).
+        md.seq_lens.fill_(1)
+        return md

@@ -1,0 +1,187 @@
+"""The 16-bit residual window of the KV4/KV8 cache: which tokens have a high-precision copy.
+
+Design (docs/ATTENTION-draft.md has the long form)
+-------------------------------------------------
+* Every token is ALWAYS quantised into its page when written. Pages are therefore complete
+  and immutable once written, which is what prefix caching, preemption/recompute and
+  abort need; the residual is only a side copy that may be lost without harm.
+* A small per-layer pool holds P "slots" of B tokens (16-bit K and V). A slot belongs to a
+  physical block. A slot directory, shared by the layers of a KV-cache group, says who
+  owns what:
+      slot_of_block [num_blocks + 1] int32   (-1: none; the last entry is a write sink)
+      block_of_slot [P + 1] int32            (-1: free)
+      last_use      [P + 1] int64            (build step of the last use; LRU eviction)
+      tags          [P + 1, B] int32         tags[p, off] == blk  <=>  row p*B+off holds
+                                             the 16-bit copy of the latest write of slot
+                                             (blk, off)
+* Once per step (metadata build, eager, before the layers run) `ResidualDirectory.assign`:
+    1. lists the window blocks of every scheduled row: the blocks holding its newest R
+       positions [L - R, L), L = seq_len after this step;
+    2. keeps the slots those blocks already own, and gives each one without a slot the
+       least recently used slot not needed in this step (its old owner loses it; the
+       slot's tags are cleared);
+    3. for every token written in this step whose block owns a slot, sets the tag.
+  Each layer's writer then copies the 16-bit K/V of every written token whose block owns
+  a slot (kernels/triton/kv_cache.py), and its reader takes key position j from the pool
+  iff j >= L - R and the tag is valid, else from the page (kernels/triton/attention.py).
+* Invariant: tags[p, off] == blk and slot_of_block[blk] == p  =>  pool row p*B+off holds
+  the 16-bit value of the latest write of (blk, off). Tags are set only together with a
+  write that every layer mirrors into the pool; a slot's tags are cleared whenever it
+  changes owner. So a stale or evicted entry can only ever fall back to the page, which
+  is always correct. Blocks freed/reallocated by the scheduler (abort, preemption) need
+  no notice: their next write refreshes the tag, and positions are only read once written.
+* P = max_num_seqs * (window blocks per row) + slack, so every row of a step always gets
+  its window (eviction only hits rows that are not scheduled in the step).
+* Everything here is fixed-shape torch on the device: no host sync, and the tensors are
+  persistent, so decode CUDA graphs read them at fixed addresses.
+
+Limits: page writes that bypass our writer (KV connectors / offloading) would break the
+invariant, so they are refused at start-up with the residual on; so are cross-layer KV
+sharing and decode context parallelism.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+ENV_TOKENS = "MIXPREC_KV_RESIDUAL"        # R, the window in tokens; 0 disables the residual
+ENV_SLOTS = "MIXPREC_KV_RESIDUAL_SLOTS"   # P override (slots of B tokens per layer)
+MAX_RESIDUAL_TOKENS = 128                 # one tail tile of the attention kernels
+
+
+def residual_tokens(vllm_config, block_size: int) -> int:
+    """R: env MIXPREC_KV_RESIDUAL, else the quant config's kv_residual_tokens, else B."""
+    env = os.environ.get(ENV_TOKENS)
+    if env is not None and env.strip() != "":
+        r = int(env)
+        src = f"{ENV_TOKENS}={env}"
+    else:
+        quant = getattr(vllm_config, "quant_config", None) if vllm_config is not None else None
+        r = getattr(quant, "kv_residual_tokens", None)
+        src = "quantization_config.kv_residual_tokens"
+        if r is None:
+            r, src = block_size, "default (= block_size)"
+    r = int(r)
+    if not 0 <= r <= MAX_RESIDUAL_TOKENS:
+        raise ValueError(f"KV residual window {r} tokens (from {src}) is not in "
+                         f"[0, {MAX_RESIDUAL_TOKENS}]; set {ENV_TOKENS}=0 to disable it")
+    return r
+
+
+def window_blocks(r: int, block_size: int) -> int:
+    """Most blocks R consecutive positions can touch."""
+    return 0 if r <= 0 else 1 + (r - 1 + block_size - 1) // block_size
+
+
+def residual_slots(vllm_config, r: int, block_size: int) -> int:
+    """P: every scheduled row's window fits, plus slack for rows not scheduled in a step."""
+    if r <= 0:
+        return 0
+    env = os.environ.get(ENV_SLOTS)
+    max_seqs = vllm_config.scheduler_config.max_num_seqs
+    need = max_seqs * window_blocks(r, block_size)
+    if env:
+        p = int(env)
+        if p < need:
+            raise ValueError(f"{ENV_SLOTS}={p} is below max_num_seqs * window blocks = {need}")
+        return p
+    return need + max(16, max_seqs // 4)
+
+
+def check_supported(vllm_config, r: int) -> None:
+    """Refuse, at start-up, the features that would break the residual invariant."""
+    if r <= 0 or vllm_config is None:
+        return
+    fix = f"set {ENV_TOKENS}=0 to run without the 16-bit residual window"
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise ValueError("KV connectors/offloading write KV pages outside the attention "
+                         f"backend, which the mixprec residual window cannot track; {fix}")
+    par = vllm_config.parallel_config
+    if getattr(par, "decode_context_parallel_size", 1) > 1:
+        raise ValueError(f"decode context parallelism is not supported by the mixprec "
+                         f"backend; set --decode-context-parallel-size 1")
+
+
+class ResidualDirectory:
+    """The slot directory of one KV-cache group (see the module docstring)."""
+
+    def __init__(self, num_blocks: int, num_slots: int, block_size: int, tokens: int,
+                 device: torch.device):
+        self.num_blocks, self.num_slots, self.block_size, self.tokens = (
+            num_blocks, num_slots, block_size, tokens)
+        self.bpw = window_blocks(tokens, block_size)
+        # The extra last entry of each table absorbs masked-out scatter writes.
+        self.slot_of_block = torch.full((num_blocks + 1,), -1, dtype=torch.int32, device=device)
+        self.block_of_slot = torch.full((num_slots + 1,), -1, dtype=torch.int32, device=device)
+        self.last_use = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device)
+        self.tags = torch.full((num_slots + 1, block_size), -1, dtype=torch.int32, device=device)
+        self.step = 0
+
+    def assign(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
+               query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, num_reqs: int) -> None:
+        """One scheduling step: give window blocks slots, then tag this step's writes."""
+        if num_reqs == 0:
+            return
+        self.step += 1
+        step, b, r, nb, p = self.step, self.block_size, self.tokens, self.num_blocks, self.num_slots
+        dev = self.slot_of_block.device
+        bt = block_table[:num_reqs].long()
+        seq = seq_lens[:num_reqs].long()
+        qlen = (query_start_loc[1:num_reqs + 1] - query_start_loc[:num_reqs]).long()
+
+        # 1. window blocks of each row: logical blocks of positions [L - R, L).
+        j = ((seq - r).clamp_min(0) // b)[:, None] + torch.arange(self.bpw, device=dev)
+        j_last = ((seq - 1).clamp_min(0) // b)[:, None]
+        ok = ((qlen > 0) & (seq > 0))[:, None] & (j <= j_last)
+        blk = torch.gather(bt, 1, torch.minimum(j, j_last).clamp(0, bt.shape[1] - 1))
+        blk = torch.where(ok & (blk >= 0) & (blk < nb), blk, -1).flatten()
+        blk, _ = torch.sort(blk)  # deduplicate: prefix-shared blocks appear in several rows
+        first = torch.ones_like(blk, dtype=torch.bool)
+        first[1:] = blk[1:] != blk[:-1]
+        need = first & (blk >= 0)
+        blk_safe = torch.where(need, blk, nb)
+
+        # 2. keep owned slots, allocate the rest least-recently-used first.
+        cur = self.slot_of_block[blk_safe].long()
+        has = need & (cur >= 0)
+        has &= self.block_of_slot[torch.where(has, cur, p)].long() == blk_safe
+        self.last_use[torch.where(has, cur, p)] = step
+        missing = need & ~has
+        rank = torch.cumsum(missing.long(), 0) - 1
+        order = torch.sort(self.last_use[:p], stable=True).indices
+        free = (self.last_use[:p] < step).sum()
+        got = missing & (rank < free)
+        victim = torch.where(got, order[rank.clamp(0, p - 1)], p)
+        old = self.block_of_slot[victim].long()
+        old_mapped = got & (old >= 0)
+        old_mapped &= self.slot_of_block[torch.where(old_mapped, old, nb)].long() == victim
+        self.slot_of_block[torch.where(old_mapped, old, nb)] = -1
+        self.block_of_slot[victim] = torch.where(got, blk_safe, -1).int()
+        self.slot_of_block[torch.where(got, blk_safe, nb)] = victim.int()
+        self.last_use[victim] = step
+        self.tags[victim] = -1
+        self._reset_sinks()
+
+        # 3. tag every write of this step that lands in a block owning a slot.
+        sm = slot_mapping.long()
+        wblk = torch.where(sm >= 0, sm // b, nb).clamp_max(nb)
+        s = self.slot_of_block[wblk].long()
+        claim = (sm >= 0) & (s >= 0)
+        self.tags[torch.where(claim, s, p), torch.where(claim, sm % b, 0)] = \
+            torch.where(claim, wblk, -1).int()
+        self._reset_sinks()
+
+    def _reset_sinks(self) -> None:
+        self.slot_of_block[-1] = -1
+        self.block_of_slot[-1] = -1
+        self.last_use[-1] = -1
+        self.tags[-1] = -1
+
+
+def allocate_pool(rows: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 16-bit K and V pool of one layer: [rows = P*B, H, D] each."""
+    shape = (rows, num_kv_heads, head_dim)
+    return (torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device))

@@ -1,0 +1,684 @@
+"""Paged attention over the packed KV4/KV8 pages (formats.KVPageLayout), in Triton.
+
+One kernel body serves both paths; it is specialised by constexprs:
+  * decode (rows with query length 1): split-KV flash-decoding, grid (rows, kv_heads,
+    splits). The G query heads of one kv head form the M side of a tensor-core tile
+    (padded to 16 rows), so every page is read once per kv head. A small second kernel
+    (_decode_finish_kernel) attends the residual tail and merges the splits by LSE.
+  * prefill / extend (rows with query length > 1): grid (rows, query blocks, kv_heads);
+    BLOCK_M query tokens x G heads per tile, causal mask, over the same pages (the
+    chunk's own K/V were written to the pages just before, so chunked prefill reads
+    exactly what decode will read later).
+
+No K or V tile is dequantised to a float matrix. Scores use the codes directly:
+    q . (code * s + z) = s * (q . code) + z * sum(q)          (kv4; kv8 has no z)
+so the tensor cores multiply q by the raw nibbles (exact in fp16/bf16), and the scale and
+zero are applied per column in fp32. For V, the per-token scale is folded into P:
+    sum_n p_n (code_n * s_n + z_n) = (p * s) @ codes + sum_n p_n z_n.
+Nibble d-order (even d low) is handled by splitting q and the output into even and odd
+halves rather than interleaving registers.
+
+The residual window (attention_backend/residual.py) is one extra "tail" tile of the newest
+R positions: each column takes the 16-bit pool entry when its tag is valid, else the page.
+On GPUs the codes are unpacked with a few PTX bit operations (see _ASM_NIBBLES).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import formats as F
+from .kv_cache import KVResidual, cache_views, meta_index, slab_offset
+
+LOG2E = 1.4426950408889634
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+# --- shared helpers -----------------------------------------------------------------------
+
+# Codes -> fp16 on GPUs: int->float conversions issue at 1/4 rate on sm80/sm90 and would make
+# decode ALU-bound. Instead OR the code into the mantissa of 1024.0 (0x6400: ulp 1) and
+# subtract 1024 with one packed f16x2 op: 4 codes per 32-bit register, ~1.5 ops per value.
+# kv8 codes are signed: x ^ 0x80 = x + 128, so subtract 1152 (0x6480) instead.
+_ASM_NIBBLES = tl.constexpr("""
+{
+.reg .b32 u_t0, u_t1, u_z, u_m, u_c;
+mov.b32 u_z, 0;
+mov.b32 u_m, 0x000F000F;
+mov.b32 u_c, 0x64006400;
+prmt.b32 u_t0, $4, u_z, 0x4140;
+prmt.b32 u_t1, $4, u_z, 0x4342;
+lop3.b32 $0, u_t0, u_m, u_c, 0xEA;
+lop3.b32 $1, u_t1, u_m, u_c, 0xEA;
+shr.b32 u_t0, u_t0, 4;
+shr.b32 u_t1, u_t1, 4;
+lop3.b32 $2, u_t0, u_m, u_c, 0xEA;
+lop3.b32 $3, u_t1, u_m, u_c, 0xEA;
+sub.f16x2 $0, $0, u_c;
+sub.f16x2 $1, $1, u_c;
+sub.f16x2 $2, $2, u_c;
+sub.f16x2 $3, $3, u_c;
+}
+""")
+_ASM_INT8 = tl.constexpr("""
+{
+.reg .b32 u_t0, u_t1, u_z, u_x, u_c, u_b;
+mov.b32 u_z, 0;
+mov.b32 u_x, 0x00800080;
+mov.b32 u_c, 0x64006400;
+mov.b32 u_b, 0x64806480;
+prmt.b32 u_t0, $2, u_z, 0x4140;
+prmt.b32 u_t1, $2, u_z, 0x4342;
+lop3.b32 $0, u_t0, u_x, u_c, 0xBE;
+lop3.b32 $1, u_t1, u_x, u_c, 0xBE;
+sub.f16x2 $0, $0, u_b;
+sub.f16x2 $1, $1, u_b;
+}
+""")
+
+
+@triton.jit
+def _unpack_nibbles(codes, FAST: tl.constexpr):
+    """uint8 [N, C] -> (low, high) nibbles as fp16 (exact integers 0..15)."""
+    if FAST:
+        lo, hi = tl.inline_asm_elementwise(_ASM_NIBBLES, "=r,=r,=r,=r,r", [codes],
+                                           dtype=(tl.float16, tl.float16), is_pure=True,
+                                           pack=4)
+        return lo, hi
+    else:
+        return ((codes & 0xF).to(tl.float32).to(tl.float16),
+                (codes >> 4).to(tl.float32).to(tl.float16))
+
+
+@triton.jit
+def _unpack_int8(codes, FAST: tl.constexpr):
+    """int8 [N, D] -> fp16 (exact integers -127..127)."""
+    if FAST:
+        return tl.inline_asm_elementwise(_ASM_INT8, "=r,=r,r", [codes], dtype=tl.float16,
+                                         is_pure=True, pack=4)
+    else:
+        return codes.to(tl.float32).to(tl.float16)
+
+
+@triton.jit
+def _to_dot16(x, shift):
+    """fp32 query values -> fp16 operands for the page dots; `shift` (a power of two, 1 for
+    any realistic query) keeps bf16 queries beyond fp16's range finite."""
+    return (x / shift[:, None]).to(tl.float16)
+
+
+@triton.jit
+def _load_q(q_ptr, tok, head, rmask, stride_qt, stride_qh, smooth_ptr,
+            D: tl.constexpr, KV4: tl.constexpr, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr):
+    """Query rows [M] -> (qa, qb, qa16, qb16, qsum, shift).
+
+    kv4 splits d into even (qa) and odd (qb) halves (the nibble order); kv8 uses qa = qb =
+    all of d. qa/qb are in the model dtype (residual dots), qa16/qb16 in fp16 (page dots,
+    scaled by 1/shift); qsum = sum_d q as the page dots see it (multiplies the zero point).
+    """
+    base = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
+    HALF: tl.constexpr = D // 2 if KV4 else D
+    STEP: tl.constexpr = 2 if KV4 else 1
+    c = tl.arange(0, HALF)
+    fa = tl.load(base + STEP * c[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    if KV4:
+        fb = tl.load(base + 2 * c[None, :] + 1, mask=rmask[:, None], other=0.0).to(tl.float32)
+    else:
+        fb = fa
+    if HAS_SMOOTH:  # the pages hold K / smooth, so q is multiplied by it
+        fa = fa * tl.load(smooth_ptr + STEP * c)[None, :]
+        if KV4:
+            fb = fb * tl.load(smooth_ptr + 2 * c + 1)[None, :]
+        else:
+            fb = fa
+    qa = fa.to(DT)
+    qb = fb.to(DT)
+    fa = qa.to(tl.float32)
+    fb = qb.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(fa), 1), tl.max(tl.abs(fb), 1))
+    shift = tl.math.exp2(tl.maximum(tl.ceil(tl.math.log2(amax)) - 14.0, 0.0))
+    qa16 = _to_dot16(fa, shift)
+    qb16 = _to_dot16(fb, shift)
+    qsum = tl.sum(qa16.to(tl.float32), 1) * shift
+    if KV4:
+        qsum += tl.sum(qb16.to(tl.float32), 1) * shift
+    return qa, qb, qa16, qb16, qsum, shift
+
+
+@triton.jit
+def _tile_meta(meta_ptr, bt_row, it, kvh, stride_cb, stride_ch, page_end,
+               B: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, KV4: tl.constexpr):
+    """(k_scale, k_zero, v_scale, v_zero) [BLOCK_N] fp32 of a block-aligned page tile.
+
+    Loaded as one [chunks, planes, tokens] tile of contiguous runs (each page keeps a plane's
+    B entries together), so that the loads are vectorised and software-pipelined; kv8 has
+    no zeros (returned as the scales, unused).
+    """
+    TPB: tl.constexpr = B if B < BLOCK_N else BLOCK_N
+    NCH: tl.constexpr = BLOCK_N // TPB
+    P: tl.constexpr = 4 if KV4 else 2
+    MB: tl.constexpr = 2 if KV4 else 4
+    start = it * BLOCK_N + tl.arange(0, NCH) * TPB
+    cblk = tl.load(bt_row + start // B, mask=start < page_end, other=0).to(tl.int64)
+    base = meta_index(slab_offset(cblk, kvh, stride_cb, stride_ch), start % B, 0, B, C, MB)
+    t = tl.arange(0, TPB)
+    ptr = meta_ptr + base[:, None, None] + tl.arange(0, P)[None, :, None] * B + t[None, None, :]
+    # Mask whole pages only (a page of the table is allocated even past the sequence end):
+    # a per-token mask would defeat vector loads and hence the pipelining of this load.
+    vals = tl.load(ptr, mask=(start < page_end)[:, None, None], other=0.0).to(tl.float32)
+    # ...but zero what lies past the end: garbage scales times p = 0 could still make NaNs.
+    vals = tl.where((start[:, None, None] + t[None, None, :]) < page_end, vals, 0.0)
+    vals = tl.reshape(tl.permute(vals, (0, 2, 1)), [BLOCK_N, P])
+    if KV4:  # planes 0..3 = (a, b) in [2, 2]: split b, then a
+        sv, zs = tl.split(tl.reshape(vals, [BLOCK_N, 2, 2]))
+        ks, vs = tl.split(sv)
+        kz, vz = tl.split(zs)
+        return ks, kz, vs, vz
+    else:
+        ks, vs = tl.split(vals)
+        return ks, ks, vs, vs
+
+
+@triton.jit
+def _token_meta(meta_ptr, slab, off, col, B: tl.constexpr, C: tl.constexpr, KV4: tl.constexpr):
+    """The same four vectors for arbitrary (unaligned) token positions: gathers."""
+    if KV4:
+        ks = tl.load(meta_ptr + meta_index(slab, off, 0, B, C, 2), mask=col, other=0.0)
+        kz = tl.load(meta_ptr + meta_index(slab, off, 1, B, C, 2), mask=col, other=0.0)
+        vs = tl.load(meta_ptr + meta_index(slab, off, 2, B, C, 2), mask=col, other=0.0)
+        vz = tl.load(meta_ptr + meta_index(slab, off, 3, B, C, 2), mask=col, other=0.0)
+        return ks.to(tl.float32), kz.to(tl.float32), vs.to(tl.float32), vz.to(tl.float32)
+    else:
+        ks = tl.load(meta_ptr + meta_index(slab, off, 0, B, C, 4), mask=col, other=0.0)
+        vs = tl.load(meta_ptr + meta_index(slab, off, 1, B, C, 4), mask=col, other=0.0)
+        return ks, ks, vs, vs
+
+
+@triton.jit
+def _page_scores(qa16, qb16, qsum, shift, ks, kz, codes_ptr, slab, off, col,
+                 B: tl.constexpr, D: tl.constexpr, KV4: tl.constexpr, FAST: tl.constexpr):
+    """q . k_hat for N page tokens -> [M, N] fp32 (masked columns give 0)."""
+    if KV4:
+        C: tl.constexpr = D // 2
+        c = tl.arange(0, C)
+        kc = tl.load(codes_ptr + slab[:, None] + off[:, None] * C + c[None, :],
+                     mask=col[:, None], other=0)
+        lo, hi = _unpack_nibbles(kc, FAST)
+        s = tl.dot(qa16, tl.trans(lo))
+        s = tl.dot(qb16, tl.trans(hi), s)
+        return (s * shift[:, None]) * ks[None, :] + qsum[:, None] * kz[None, :]
+    else:
+        d = tl.arange(0, D)
+        kc = tl.load(codes_ptr + slab[:, None] + off[:, None] * D + d[None, :],
+                     mask=col[:, None], other=0)
+        s = tl.dot(qa16, tl.trans(_unpack_int8(kc, FAST)))
+        return (s * shift[:, None]) * ks[None, :]
+
+
+@triton.jit
+def _page_pv(p, acc_a, acc_b, acc_z, vs, vz, codes_ptr, slab, off, col,
+             B: tl.constexpr, D: tl.constexpr, KV4: tl.constexpr, FAST: tl.constexpr):
+    """acc += p @ v_hat for N page tokens (kv4: even/odd halves + the zero-point column).
+
+    p * scale is fed to the tensor cores as fp16 whatever the model dtype: it lies in
+    [0, scale], the codes are exact in fp16, and fp16 keeps 3 more bits than bf16.
+    """
+    if KV4:
+        C: tl.constexpr = D // 2
+        c = tl.arange(0, C)
+        vc = tl.load(codes_ptr + slab[:, None] + B * C + off[:, None] * C + c[None, :],
+                     mask=col[:, None], other=0)
+        lo, hi = _unpack_nibbles(vc, FAST)
+        pv = (p * vs[None, :]).to(tl.float16)
+        acc_a = tl.dot(pv, lo, acc_a)
+        acc_b = tl.dot(pv, hi, acc_b)
+        acc_z = acc_z + tl.sum(p * vz[None, :], 1)
+    else:
+        d = tl.arange(0, D)
+        vc = tl.load(codes_ptr + slab[:, None] + B * D + off[:, None] * D + d[None, :],
+                     mask=col[:, None], other=0)
+        acc_a = tl.dot((p * vs[None, :]).to(tl.float16), _unpack_int8(vc, FAST), acc_a)
+    return acc_a, acc_b, acc_z
+
+
+@triton.jit
+def _res_rows(res_ptr, rrow, use, D: tl.constexpr, KV4: tl.constexpr, DT: tl.constexpr):
+    """16-bit residual rows [N, D] -> (even, odd) halves (kv4) or (full, full) (kv8), as DT."""
+    if KV4:
+        c = tl.arange(0, D // 2)
+        a = tl.load(res_ptr + rrow[:, None] + 2 * c[None, :], mask=use[:, None], other=0.0)
+        b = tl.load(res_ptr + rrow[:, None] + 2 * c[None, :] + 1, mask=use[:, None], other=0.0)
+        return a.to(tl.float32).to(DT), b.to(tl.float32).to(DT)
+    else:
+        d = tl.arange(0, D)
+        a = tl.load(res_ptr + rrow[:, None] + d[None, :], mask=use[:, None], other=0.0)
+        a = a.to(tl.float32).to(DT)
+        return a, a
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i):
+    """One flash-attention step in base 2: returns (p, alpha, m_new, l_new)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+# --- attention over a range of pages, and over the residual tail ---------------------------
+
+@triton.jit
+def _attend_pages(qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z, t0, t1, page_end,
+                  bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch, qk_scale,
+                  B: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, KV4: tl.constexpr,
+                  FAST: tl.constexpr):
+    """Online softmax over the page tiles [t0, t1) of BLOCK_N block-aligned positions."""
+    C: tl.constexpr = D // 2 if KV4 else D
+    for it in range(t0, t1):
+        pos = it * BLOCK_N + tl.arange(0, BLOCK_N)
+        col = pos < page_end
+        blk = tl.load(bt_row + pos // B, mask=col, other=0).to(tl.int64)
+        off = pos % B
+        slab = slab_offset(blk, kvh, stride_cb, stride_ch)
+        ks, kz, vs, vz = _tile_meta(meta_ptr, bt_row, it, kvh, stride_cb, stride_ch, page_end,
+                                    B, C, BLOCK_N, KV4)
+        s = _page_scores(qa16, qb16, qsum, shift, ks, kz, codes_ptr, slab, off, col,
+                         B, D, KV4, FAST)
+        s = tl.where(col[None, :] & (pos[None, :] <= qpos[:, None]), s * qk_scale, float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+        acc_a = acc_a * alpha[:, None]
+        acc_b = acc_b * alpha[:, None]
+        acc_z = acc_z * alpha
+        acc_a, acc_b, acc_z = _page_pv(p, acc_a, acc_b, acc_z, vs, vz, codes_ptr, slab, off,
+                                       col, B, D, KV4, FAST)
+    return m_i, l_i, acc_a, acc_b, acc_z
+
+
+@triton.jit
+def _attend_tail(qa, qb, qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z,
+                 win, kv_end, bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch,
+                 res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, qk_scale,
+                 B: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, KV4: tl.constexpr,
+                 DT: tl.constexpr):
+    """Positions [win, kv_end) (the newest R): each column takes the 16-bit pool entry when
+    its tag is valid, else the page (plain unpack: a tail tile can hold fewer than 4 codes
+    per thread)."""
+    C: tl.constexpr = D // 2 if KV4 else D
+    pos = win + tl.arange(0, BLOCK_R)
+    col = pos < kv_end
+    blk = tl.load(bt_row + pos // B, mask=col, other=0).to(tl.int64)
+    off = pos % B
+    slab = slab_offset(blk, kvh, stride_cb, stride_ch)
+    rslot = tl.load(sob_ptr + blk, mask=col, other=-1).to(tl.int64)
+    tag = tl.load(tags_ptr + rslot * B + off, mask=col & (rslot >= 0), other=-1)
+    use = col & (rslot >= 0) & (tag.to(tl.int64) == blk)
+    page = col & ~use
+    rrow = (rslot * B + off) * stride_rt + kvh * stride_rh
+    ka, kb = _res_rows(res_k_ptr, rrow, use, D, KV4, DT)
+    s_res = tl.dot(qa, tl.trans(ka))
+    if KV4:
+        s_res = tl.dot(qb, tl.trans(kb), s_res)
+    ks, kz, vs, vz = _token_meta(meta_ptr, slab, off, page, B, C, KV4)
+    s_pg = _page_scores(qa16, qb16, qsum, shift, ks, kz, codes_ptr, slab, off, page,
+                        B, D, KV4, False)
+    s = tl.where(use[None, :], s_res, s_pg) * qk_scale
+    s = tl.where(col[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+    acc_a = acc_a * alpha[:, None]
+    acc_b = acc_b * alpha[:, None]
+    acc_z = acc_z * alpha
+    acc_a, acc_b, acc_z = _page_pv(tl.where(use[None, :], 0.0, p), acc_a, acc_b, acc_z, vs, vz,
+                                   codes_ptr, slab, off, page, B, D, KV4, False)
+    va, vb = _res_rows(res_v_ptr, rrow, use, D, KV4, DT)
+    p_res = tl.where(use[None, :], p, 0.0).to(DT)
+    acc_a = tl.dot(p_res, va, acc_a)
+    if KV4:
+        acc_b = tl.dot(p_res, vb, acc_b)
+    return m_i, l_i, acc_a, acc_b, acc_z
+
+
+@triton.jit
+def _store_rows(dst_row, acc_a, acc_b, acc_z, l_i, rmask, D: tl.constexpr, KV4: tl.constexpr):
+    """Normalise and store [M, D] rows at row pointers dst_row [M] (re-interleaving kv4's
+    even/odd halves and adding its V zero-point column)."""
+    has = l_i > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    HALF: tl.constexpr = D // 2 if KV4 else D
+    STEP: tl.constexpr = 2 if KV4 else 1
+    dst = dst_row[:, None] + STEP * tl.arange(0, HALF)[None, :]
+    tl.store(dst, ((acc_a + acc_z[:, None]) * inv[:, None]).to(dst.dtype.element_ty),
+             mask=rmask[:, None])
+    if KV4:
+        tl.store(dst + 1, ((acc_b + acc_z[:, None]) * inv[:, None]).to(dst.dtype.element_ty),
+                 mask=rmask[:, None])
+
+
+@triton.jit
+def _query_tile(q_ptr, stride_qt, stride_qh, smooth_ptr, qsl_ptr, seq_lens_ptr, row, kvh, mb,
+                D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                KV4: tl.constexpr, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr):
+    """The M = BLOCK_M * G_PAD (query token, head) rows of a program and their positions."""
+    q_start = tl.load(qsl_ptr + row)
+    qlen = tl.load(qsl_ptr + row + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + row)
+    r = tl.arange(0, BLOCK_M * G_PAD)
+    tq = mb * BLOCK_M + r // G_PAD
+    g = r % G_PAD
+    rmask = (tq < qlen) & (g < G)
+    tok = (q_start + tq).to(tl.int64)
+    head = kvh * G + g
+    qpos = seq_len - qlen + tq
+    qa, qb, qa16, qb16, qsum, shift = _load_q(q_ptr, tok, head, rmask, stride_qt, stride_qh,
+                                              smooth_ptr + kvh * D, D, KV4, HAS_SMOOTH, DT)
+    return qa, qb, qa16, qb16, qsum, shift, tok, head, rmask, qpos, qlen, seq_len
+
+
+# --- the kernels -----------------------------------------------------------------------------
+
+@triton.jit
+def _paged_attn_kernel(
+        q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, part_o_ptr, part_lse_ptr,
+        codes_ptr, meta_ptr, stride_cb, stride_ch,
+        bt_ptr, stride_bt, seq_lens_ptr, qsl_ptr,
+        smooth_ptr, res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, res_tokens,
+        num_q_heads, qk_scale,
+        B: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, KV4: tl.constexpr,
+        HAS_SMOOTH: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr,
+        FAST_UNPACK: tl.constexpr):
+    """Decode (grid rows x kv_heads x splits; rows of query length 1) or prefill/extend
+    (grid rows x kv_heads x query blocks; rows of query length > 1). Decode leaves the
+    residual tail to _decode_finish_kernel and writes split partials when one follows."""
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    x = tl.program_id(2)  # decode: split index; prefill: query block
+    qlen = tl.load(qsl_ptr + row + 1) - tl.load(qsl_ptr + row)
+    if DECODE:
+        if qlen != 1:
+            return
+        mb = 0
+    else:
+        if qlen <= 1:
+            return
+        mb = x
+        if mb * BLOCK_M >= qlen:
+            return
+    qa, qb, qa16, qb16, qsum, shift, tok, head, rmask, qpos, qlen, seq_len = _query_tile(
+        q_ptr, stride_qt, stride_qh, smooth_ptr, qsl_ptr, seq_lens_ptr, row, kvh, mb,
+        D, G, G_PAD, BLOCK_M, KV4, HAS_SMOOTH, DT)
+
+    kv_end = tl.minimum(seq_len, seq_len - qlen + mb * BLOCK_M + BLOCK_M)
+    win = seq_len
+    if HAS_RES:
+        win = tl.maximum(seq_len - res_tokens, 0)
+    page_end = tl.minimum(kv_end, win)
+    n_tiles = tl.cdiv(page_end, BLOCK_N)
+    t0 = 0
+    t1 = n_tiles
+    if DECODE:
+        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+        t0 = x * per_split
+        t1 = tl.minimum(t0 + per_split, n_tiles)
+
+    HALF: tl.constexpr = D // 2 if KV4 else D
+    M: tl.constexpr = BLOCK_M * G_PAD
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc_a = tl.zeros([M, HALF], tl.float32)
+    acc_b = tl.zeros([M, HALF], tl.float32)
+    acc_z = tl.zeros([M], tl.float32)
+    bt_row = bt_ptr + row.to(tl.int64) * stride_bt
+    m_i, l_i, acc_a, acc_b, acc_z = _attend_pages(
+        qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z, t0, t1, page_end,
+        bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch, qk_scale,
+        B, D, BLOCK_N, KV4, FAST_UNPACK)
+    if HAS_RES and not DECODE:
+        if win < kv_end:
+            m_i, l_i, acc_a, acc_b, acc_z = _attend_tail(
+                qa, qb, qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z,
+                win, kv_end, bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch,
+                res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, qk_scale,
+                B, D, BLOCK_R, KV4, DT)
+
+    if DECODE and (NUM_SPLITS > 1 or HAS_RES):  # a partial for _decode_finish_kernel
+        pidx = ((row * NUM_SPLITS + x) * num_q_heads + head).to(tl.int64)
+        has = l_i > 0.0
+        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + pidx, lse, mask=rmask)
+        _store_rows(part_o_ptr + pidx * D, acc_a, acc_b, acc_z, l_i, rmask, D, KV4)
+    else:
+        _store_rows(out_ptr + tok * stride_ot + head * stride_oh, acc_a, acc_b, acc_z, l_i,
+                    rmask, D, KV4)
+
+
+@triton.jit
+def _decode_finish_kernel(
+        q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, part_o_ptr, part_lse_ptr,
+        codes_ptr, meta_ptr, stride_cb, stride_ch,
+        bt_ptr, stride_bt, seq_lens_ptr, qsl_ptr,
+        smooth_ptr, res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, res_tokens,
+        num_q_heads, qk_scale,
+        B: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+        BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, KV4: tl.constexpr,
+        HAS_SMOOTH: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr):
+    """Decode epilogue, grid (rows, kv_heads): attend the residual tail, then merge it with
+    the split partials (log-sum-exp) and write the output."""
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if tl.load(qsl_ptr + row + 1) - tl.load(qsl_ptr + row) != 1:
+        return
+    qa, qb, qa16, qb16, qsum, shift, tok, head, rmask, qpos, qlen, seq_len = _query_tile(
+        q_ptr, stride_qt, stride_qh, smooth_ptr, qsl_ptr, seq_lens_ptr, row, kvh, 0,
+        D, G, G_PAD, 1, KV4, HAS_SMOOTH, DT)
+    HALF: tl.constexpr = D // 2 if KV4 else D
+    STEP: tl.constexpr = 2 if KV4 else 1
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc_a = tl.zeros([G_PAD, HALF], tl.float32)
+    acc_b = tl.zeros([G_PAD, HALF], tl.float32)
+    acc_z = tl.zeros([G_PAD], tl.float32)
+    if HAS_RES:
+        win = tl.maximum(seq_len - res_tokens, 0)
+        if win < seq_len:
+            m_i, l_i, acc_a, acc_b, acc_z = _attend_tail(
+                qa, qb, qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z,
+                win, seq_len, bt_ptr + row.to(tl.int64) * stride_bt, kvh, codes_ptr, meta_ptr,
+                stride_cb, stride_ch, res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr,
+                tags_ptr, qk_scale, B, D, BLOCK_R, KV4, DT)
+    # Fold the V zero column in now: split partials are complete (normalised) outputs.
+    acc_a = acc_a + acc_z[:, None]
+    acc_b = acc_b + acc_z[:, None]
+    hh = tl.arange(0, HALF)
+    for sp in range(NUM_SPLITS):
+        pidx = ((row * NUM_SPLITS + sp) * num_q_heads + head).to(tl.int64)
+        lse = tl.load(part_lse_ptr + pidx, mask=rmask, other=float("-inf"))
+        m_new = tl.maximum(m_i, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        beta = tl.math.exp2(lse - m_safe)
+        src = part_o_ptr + pidx[:, None] * D + STEP * hh[None, :]
+        acc_a = acc_a * alpha[:, None] + beta[:, None] * tl.load(src, mask=rmask[:, None],
+                                                                 other=0.0)
+        if KV4:
+            acc_b = acc_b * alpha[:, None] + beta[:, None] * tl.load(src + 1,
+                                                                     mask=rmask[:, None],
+                                                                     other=0.0)
+        l_i = l_i * alpha + beta
+        m_i = m_new
+    _store_rows(out_ptr + tok * stride_ot + head * stride_oh, acc_a, acc_b, acc_z * 0.0, l_i,
+                rmask, D, KV4)
+
+
+# --- launch configuration ------------------------------------------------------------------
+
+def _env_cfg(name: str, n: int) -> tuple[int, ...] | None:
+    """MIXPREC_ATTN_{DECODE,PREFILL}_CFG="a,b,c" overrides a config (tuning runs)."""
+    v = os.environ.get(name)
+    if not v:
+        return None
+    vals = tuple(int(x) for x in v.split(","))
+    if len(vals) != n:
+        raise ValueError(f"{name}={v!r}: expected {n} comma-separated integers")
+    return vals
+
+
+def decode_config(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the decode kernel."""
+    return _env_cfg("MIXPREC_ATTN_DECODE_CFG", 3) or ((64 if head_dim <= 128 else 32), 4, 3)
+
+
+def prefill_config(head_dim: int, group: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M query tokens, BLOCK_N, num_warps, num_stages) of the prefill kernel."""
+    cfg = _env_cfg("MIXPREC_ATTN_PREFILL_CFG", 4)
+    if cfg:
+        return cfg
+    rows = 64 if head_dim <= 128 else 32  # BLOCK_M * G_PAD
+    return max(1, rows // triton.next_power_of_2(group)), 64 if head_dim <= 128 else 32, 4, 2
+
+
+def fast_unpack(device: torch.device) -> bool:
+    """PTX code unpacking (GPU only); MIXPREC_ATTN_FAST_UNPACK=0 selects the plain
+    conversions (same values, slower) should the inline assembly ever misbehave."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and os.environ.get("MIXPREC_ATTN_FAST_UNPACK", "1") != "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_num_splits(num_rows: int, num_kv_heads: int, num_sms: int | None = None,
+                      max_splits: int = 32) -> int:
+    """Splits per (row, kv head) so that ~4 programs per SM exist; a function of the batch
+    only, so that a CUDA graph captured for a batch size stays valid for any length."""
+    if num_sms is None:
+        num_sms = _num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else 8
+    want = -(-4 * num_sms // max(1, num_rows * num_kv_heads))
+    return max(1, min(max_splits, triton.next_power_of_2(want)))
+
+
+def decode_partials_rows(max_rows: int, num_kv_heads: int, num_sms: int | None = None) -> int:
+    """Rows (row*split) of the partial-output buffer that any batch <= max_rows needs
+    (with the residual window even one split writes a partial)."""
+    return max((n * decode_num_splits(n, num_kv_heads, num_sms)
+                for n in range(1, max_rows + 1)), default=0)
+
+
+# --- Python entry points -------------------------------------------------------------------
+
+def _common_args(q, cache, layout, residual, k_smooth):
+    codes, meta = cache_views(cache, layout)
+    if q.dtype not in _TL_DTYPE:
+        raise ValueError(f"query dtype {q.dtype} is not float16/bfloat16")
+    if q.shape[-1] != layout.head_dim or q.stride(-1) != 1:
+        raise ValueError(f"query must be [T, Hq, {layout.head_dim}] with unit stride on D")
+    smooth = q if k_smooth is None else k_smooth.to(torch.float32).contiguous()
+    if residual is None:
+        res = (q, q, 0, 0, q, q, 0)
+    else:
+        res = (residual.k, residual.v, residual.k.stride(0), residual.k.stride(1),
+               residual.slot_of_block, residual.tags, int(residual.tokens))
+    has_res = residual is not None and residual.tokens > 0
+    block_r = max(16, triton.next_power_of_2(residual.tokens)) if has_res else 16
+    return (codes, meta, cache.stride(0), cache.stride(1)), smooth, res, has_res, block_r
+
+
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     query_start_loc: torch.Tensor, out: torch.Tensor, sm_scale: float,
+                     num_rows: int, num_splits: int = 1, part_o: torch.Tensor | None = None,
+                     part_lse: torch.Tensor | None = None, residual: KVResidual | None = None,
+                     k_smooth: torch.Tensor | None = None) -> None:
+    """Attention of the rows of query length 1 (others are left untouched) into `out`.
+
+    part_o [>= num_rows*num_splits, Hq, D] fp32 and part_lse [>= ..., Hq] fp32 are needed
+    when num_splits > 1 or with a residual: the page kernel then writes per-split partials
+    and _decode_finish_kernel adds the residual tail and merges. Launch parameters depend
+    only on shapes and num_rows (CUDA graphs).
+    """
+    if num_rows == 0:
+        return
+    num_q_heads, num_kv_heads = q.shape[1], cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    cache_args, smooth, res, has_res, block_r = _common_args(q, cache, layout, residual, k_smooth)
+    block_n, warps, stages = decode_config(layout.head_dim)
+    finish = num_splits > 1 or has_res
+    if finish and (part_o is None or part_lse is None
+                   or part_o.shape[0] < num_rows * num_splits):
+        raise ValueError("num_splits > 1 or a residual needs part_o/part_lse with "
+                         "num_rows*num_splits rows")
+    args = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),
+            part_o if finish else q, part_lse if finish else q,
+            *cache_args, block_table, block_table.stride(0), seq_lens, query_start_loc,
+            smooth, *res, num_q_heads, sm_scale * LOG2E)
+    common = dict(B=layout.block_size, D=layout.head_dim, G=group,
+                  G_PAD=max(16, triton.next_power_of_2(group)), BLOCK_R=block_r,
+                  NUM_SPLITS=num_splits, KV4=layout.scheme == "kv4",
+                  HAS_SMOOTH=k_smooth is not None, HAS_RES=has_res, DT=_TL_DTYPE[q.dtype])
+    _paged_attn_kernel[(num_rows, num_kv_heads, num_splits)](
+        *args, BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
+        num_warps=warps, num_stages=stages, **common)
+    if finish:
+        _decode_finish_kernel[(num_rows, num_kv_heads)](*args, num_warps=4, **common)
+
+
+def prefill_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
+                      block_table: torch.Tensor, seq_lens: torch.Tensor,
+                      query_start_loc: torch.Tensor, out: torch.Tensor, sm_scale: float,
+                      num_rows: int, max_query_len: int, residual: KVResidual | None = None,
+                      k_smooth: torch.Tensor | None = None) -> None:
+    """Causal attention of the rows of query length > 1 (others untouched) into `out`."""
+    if num_rows == 0 or max_query_len <= 1:
+        return
+    num_q_heads, num_kv_heads = q.shape[1], cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    cache_args, smooth, res, has_res, block_r = _common_args(q, cache, layout, residual, k_smooth)
+    block_m, block_n, warps, stages = prefill_config(layout.head_dim, group)
+    g_pad = triton.next_power_of_2(group)
+    block_m = max(block_m, -(-16 // g_pad))  # tl.dot needs >= 16 rows
+    _paged_attn_kernel[(num_rows, num_kv_heads, triton.cdiv(max_query_len, block_m))](
+        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), q, q,
+        *cache_args, block_table, block_table.stride(0), seq_lens, query_start_loc,
+        smooth, *res, num_q_heads, sm_scale * LOG2E,
+        B=layout.block_size, D=layout.head_dim, G=group, G_PAD=g_pad, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_R=block_r, NUM_SPLITS=1, DECODE=False,
+        KV4=layout.scheme == "kv4", HAS_SMOOTH=k_smooth is not None, HAS_RES=has_res,
+        DT=_TL_DTYPE[q.dtype], FAST_UNPACK=fast_unpack(q.device), num_warps=warps,
+        num_stages=stages)
+
+
+def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, sm_scale: float,
+                    residual: KVResidual | None = None, k_smooth: torch.Tensor | None = None,
+                    num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Both paths on a ragged batch (tests, benchmarks): the twin of
+    reference.paged_attention_residual. Reads query_start_loc on the host."""
+    qsl = query_start_loc.cpu()
+    qlens = qsl[1:] - qsl[:-1]
+    num_rows = seq_lens.shape[0]
+    out = torch.empty_like(q) if out is None else out
+    if int((qlens == 1).sum()):
+        splits = num_splits or decode_num_splits(num_rows, cache.shape[1])
+        part_o = part_lse = None
+        if splits > 1 or (residual is not None and residual.tokens > 0):
+            part_o = torch.empty(num_rows * splits, q.shape[1], q.shape[2],
+                                 dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(num_rows * splits, q.shape[1], dtype=torch.float32,
+                                   device=q.device)
+        decode_attention(q, cache, layout, block_table, seq_lens, query_start_loc, out,
+                         sm_scale, num_rows, splits, part_o, part_lse, residual, k_smooth)
+    max_q = int(qlens.max()) if num_rows else 0
+    prefill_attention(q, cache, layout, block_table, seq_lens, query_start_loc, out, sm_scale,
+                      num_rows, max_q, residual, k_smooth)
+    return out
+
+
+__all__ = ["decode_attention", "prefill_attention", "paged_attention", "decode_num_splits",
+           "decode_partials_rows", "decode_config", "prefill_config", "KVResidual"]

@@ -1,0 +1,172 @@
+"""Fused quantize-and-store of K/V into the packed KV pages (formats.KVPageLayout).
+
+One program per (token, kv head): load the 16-bit row, optionally divide K by the
+SmoothAttention scale, quantise per (token, head) exactly as reference.quantize_kv, store
+codes and scale/zero into the (block, head) slab, and, when the block owns a residual slot,
+a 16-bit copy into the residual pool (attention_backend/residual.py). Slots < 0 are skipped.
+
+The @triton.jit helpers `round_half_even`, `meta_index` and `slab_offset` are shared with
+the attention kernels, so that the page addressing lives in one place.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import formats as F
+
+# fp32 values below 2**22: adding and removing 1.5*2**23 rounds to nearest-even, which is
+# torch.round's rule (libdevice.rint is not available in the CPU interpreter).
+_RNE_MAGIC = tl.constexpr(12582912.0)
+
+
+class KVResidual(NamedTuple):
+    """The residual pool of one layer plus the group's slot directory (see residual.py).
+
+    k, v: [P*B, H, D] in the model dtype; slot_of_block: int32 [num_blocks + 1];
+    tags: int32 [P + 1, B]; tokens: R, the size of the high-precision window.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_of_block: torch.Tensor
+    tags: torch.Tensor
+    tokens: int
+
+
+@triton.jit
+def round_half_even(x):
+    return (x + _RNE_MAGIC) - _RNE_MAGIC
+
+
+@triton.jit
+def slab_offset(blk, head, stride_blk, stride_head):
+    """Byte offset of the (block, head) slab; blk is int64 so that big caches do not wrap."""
+    return blk * stride_blk + head * stride_head
+
+
+@triton.jit
+def meta_index(slab, off, plane: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
+               MB: tl.constexpr):
+    """Element index (in MB-byte units) of token `off`'s entry of metadata plane `plane`.
+
+    Planes follow the codes (2*B*C bytes): kv4 k_scale, k_zero, v_scale, v_zero (f16);
+    kv8 k_scale, v_scale (f32). Each plane holds B entries.
+    """
+    return slab // MB + (2 * B * C) // MB + plane * B + off
+
+
+@triton.jit
+def _quantize_store_row(src_ptr, smooth_ptr, codes_ptr, meta_ptr, slab, off,
+                        code_plane: tl.constexpr, meta_plane: tl.constexpr,
+                        res_ptr, res_row, res_ok,
+                        B: tl.constexpr, D: tl.constexpr, KV4: tl.constexpr,
+                        HAS_SMOOTH: tl.constexpr, HAS_RES: tl.constexpr):
+    """Quantise one [D] row at src_ptr and store it; K and V share this code."""
+    if KV4:
+        C: tl.constexpr = D // 2
+        c = tl.arange(0, C)
+        xa = tl.load(src_ptr + 2 * c).to(tl.float32)      # even d -> low nibble
+        xb = tl.load(src_ptr + 2 * c + 1).to(tl.float32)  # odd d -> high nibble
+        if HAS_SMOOTH:
+            xa = tl.math.div_rn(xa, tl.load(smooth_ptr + 2 * c).to(tl.float32))
+            xb = tl.math.div_rn(xb, tl.load(smooth_ptr + 2 * c + 1).to(tl.float32))
+        mn = tl.minimum(tl.min(xa, 0), tl.min(xb, 0))
+        mx = tl.maximum(tl.max(xa, 0), tl.max(xb, 0))
+        scale = tl.maximum(tl.math.div_rn(mx - mn, 15.0), 1e-4).to(tl.float16)
+        zero = mn.to(tl.float16)
+        s32 = scale.to(tl.float32)
+        z32 = zero.to(tl.float32)
+        qa = tl.clamp(round_half_even(tl.math.div_rn(xa - z32, s32)), 0.0, 15.0).to(tl.uint8)
+        qb = tl.clamp(round_half_even(tl.math.div_rn(xb - z32, s32)), 0.0, 15.0).to(tl.uint8)
+        tl.store(codes_ptr + slab + code_plane * B * C + off * C + c, qa | (qb << 4))
+        tl.store(meta_ptr + meta_index(slab, off, 2 * meta_plane, B, C, 2), scale)
+        tl.store(meta_ptr + meta_index(slab, off, 2 * meta_plane + 1, B, C, 2), zero)
+        if HAS_RES:
+            dst = res_ptr + res_row + 2 * c
+            tl.store(dst, xa.to(res_ptr.dtype.element_ty), mask=res_ok)
+            tl.store(dst + 1, xb.to(res_ptr.dtype.element_ty), mask=res_ok)
+    else:
+        d = tl.arange(0, D)
+        x = tl.load(src_ptr + d).to(tl.float32)
+        if HAS_SMOOTH:
+            x = tl.math.div_rn(x, tl.load(smooth_ptr + d).to(tl.float32))
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 127.0), 1e-8)
+        q = tl.clamp(round_half_even(tl.math.div_rn(x, scale)), -127.0, 127.0)
+        tl.store(codes_ptr + slab + code_plane * B * D + off * D + d, q.to(tl.int8))
+        tl.store(meta_ptr + meta_index(slab, off, meta_plane, B, D, 4), scale)
+        if HAS_RES:
+            tl.store(res_ptr + res_row + d, x.to(res_ptr.dtype.element_ty), mask=res_ok)
+
+
+@triton.jit
+def _quantize_store_kernel(key_ptr, value_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                           slot_ptr, codes_ptr, meta_ptr, stride_cb, stride_ch,
+                           smooth_ptr, res_k_ptr, res_v_ptr, stride_rt, stride_rh,
+                           slot_of_block_ptr,
+                           B: tl.constexpr, D: tl.constexpr, KV4: tl.constexpr,
+                           HAS_SMOOTH: tl.constexpr, HAS_RES: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:  # PAD_SLOT_ID
+        return
+    blk = slot // B
+    off = slot % B
+    slab = slab_offset(blk, head, stride_cb, stride_ch)
+    res_row = 0
+    res_ok = False
+    if HAS_RES:
+        rslot = tl.load(slot_of_block_ptr + blk).to(tl.int64)
+        res_ok = rslot >= 0
+        res_row = (rslot * B + off) * stride_rt + head * stride_rh
+    _quantize_store_row(key_ptr + tok * stride_kt + head * stride_kh, smooth_ptr + head * D,
+                        codes_ptr, meta_ptr, slab, off, 0, 0, res_k_ptr, res_row, res_ok,
+                        B, D, KV4, HAS_SMOOTH, HAS_RES)
+    _quantize_store_row(value_ptr + tok * stride_vt + head * stride_vh, smooth_ptr,
+                        codes_ptr, meta_ptr, slab, off, 1, 1, res_v_ptr, res_row, res_ok,
+                        B, D, KV4, False, HAS_RES)
+
+
+def cache_views(cache: torch.Tensor, layout: F.KVPageLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, meta) typed views of one (num_blocks, H, B, row_bytes) cache, no copies."""
+    nb, h, b, row = cache.shape
+    if b != layout.block_size or row != layout.row_bytes:
+        raise ValueError(f"cache shape {tuple(cache.shape)} does not match {layout}")
+    if cache.stride(-1) != 1 or cache.stride(-2) != row or cache.stride(1) != b * row:
+        raise ValueError("each (block, head) slab of the KV cache must be contiguous "
+                         f"(got strides {cache.stride()})")
+    raw = cache.view(torch.uint8)
+    codes = raw if layout.scheme == "kv4" else raw.view(torch.int8)
+    meta = raw.view(torch.float16 if layout.scheme == "kv4" else torch.float32)
+    return codes, meta
+
+
+def quantize_and_store(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, layout: F.KVPageLayout,
+                       k_smooth: torch.Tensor | None = None,
+                       residual: KVResidual | None = None) -> None:
+    """Triton twin of reference.reshape_and_cache (+ reference.store_kv_residual).
+
+    key/value [T, H, D] (any token/head strides, unit stride along D); slot_mapping [>=T].
+    """
+    num_tokens, num_heads, head_dim = key.shape
+    if head_dim != layout.head_dim or key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError(f"key/value must be [T, H, {layout.head_dim}] with unit stride on D")
+    num_tokens = min(num_tokens, slot_mapping.shape[0])
+    if num_tokens == 0:
+        return
+    codes, meta = cache_views(cache, layout)
+    # Absent optional tensors are replaced by `key`: the constexpr flags keep them unread.
+    smooth = key if k_smooth is None else k_smooth.to(torch.float32).contiguous()
+    res_k, res_v, sob = (key, value, slot_mapping) if residual is None else residual[:3]
+    _quantize_store_kernel[(num_tokens, num_heads)](
+        key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        slot_mapping, codes, meta, cache.stride(0), cache.stride(1),
+        smooth, res_k, res_v, res_k.stride(0), res_k.stride(1), sob,
+        B=layout.block_size, D=head_dim, KV4=layout.scheme == "kv4",
+        HAS_SMOOTH=k_smooth is not None, HAS_RES=residual is not None,
+        num_warps=1 if head_dim <= 128 else 2)
