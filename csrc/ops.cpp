@@ -17,7 +17,21 @@
 #include "gemm/w4a8_gemm.h"
 
 namespace mixprec {
+
+// sm_90a wgmma kernels (csrc/gemm/sm90/w4a8_gemm_wgmma.cu): kernel ids 4..6 of the w4a8_gemm op;
+// same arguments and plan struct as the mma.sync kernels. Supported iff the current device is
+// sm_90 and the build holds the sm_90a image.
+bool w4a8_wgmma_supported();
+const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel, int splits,
+                                 W4A8Plan* plan);
+cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cudaStream_t stream);
+
 namespace {
+
+// Auto (kernel = -1) takes the wgmma kernels from this many tokens up where they are supported.
+// The choice is made here rather than in Python so that a dynamic M (torch.compile, CUDA
+// graphs per batch size) never branches in traced code.
+constexpr int64_t kWgmmaMinM = 64;
 
 OutKind kind_of(at::ScalarType t, const char* what) {
   switch (t) {
@@ -145,10 +159,23 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   const at::Tensor x_scale = x_scale_in.contiguous();
   const at::Tensor channel_scale = aligned_contiguous(channel_scale_in);
 
+  // kernel: -2 auto over the mma.sync kernels; -1 auto (wgmma from kWgmmaMinM tokens on sm90);
+  // 0..3 mma.sync kernels; 4..6 wgmma kernels (sm_90a build on an sm_90 GPU only).
+  TORCH_CHECK(kernel >= -2 && kernel <= 6, op, "kernel must be -2, -1 (auto) or 0..6, got ", kernel);
+  const bool wants_wgmma = kernel >= 4 || (kernel == -1 && M >= kWgmmaMinM);
+  const bool use_wgmma = wants_wgmma && w4a8_wgmma_supported();
+  TORCH_CHECK(use_wgmma || kernel < 4, op, "kernel ", kernel,
+              " is a wgmma kernel: it needs an sm_90 GPU (H100/H200) and a build with sm_90a in "
+              "MIXPREC_CUDA_ARCHS; this device or build has no wgmma kernel (use -1 or 0..3)");
   W4A8Plan plan{};
-  const char* err = w4a8_make_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
-                                   static_cast<int>(group_size), num_sms(xq.device().index()),
-                                   static_cast<int>(kernel), static_cast<int>(splits), &plan);
+  const int num_sm = num_sms(xq.device().index());
+  const char* err =
+      use_wgmma ? w4a8_wgmma_make_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
+                                       static_cast<int>(group_size), num_sm, static_cast<int>(kernel),
+                                       static_cast<int>(splits), &plan)
+                : w4a8_make_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
+                                 static_cast<int>(group_size), num_sm, kernel == -2 ? -1 : static_cast<int>(kernel),
+                                 static_cast<int>(splits), &plan);
   TORCH_CHECK(err == nullptr, err ? err : "", " (M=", M, ", N=", N, ", K=", K, ", G=", group_size,
               ", kernel=", kernel, ", splits=", splits, ")");
 
@@ -174,8 +201,20 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   args.K = static_cast<int>(K);
   args.group_size = static_cast<int>(group_size);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(xq.device().index()).stream();
-  C10_CUDA_CHECK(w4a8_gemm_launch(args, plan, stream));
+  C10_CUDA_CHECK(use_wgmma ? w4a8_wgmma_launch(args, plan, stream) : w4a8_gemm_launch(args, plan, stream));
   return out;
+}
+
+// Whether kernels 4..6 (and the auto choice of them) run on this device.
+bool w4a8_wgmma_available(int64_t device) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (device < 0 || device >= count) return false;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  return w4a8_wgmma_supported();
 }
 
 }  // namespace
@@ -186,6 +225,8 @@ TORCH_LIBRARY(mixprec_C, m) {
   m.def(
       "w4a8_gemm(Tensor xq, Tensor x_scale, Tensor qweight, Tensor gparams, Tensor channel_scale, "
       "Tensor? bias, ScalarType out_dtype, int kernel=-1, int splits=0) -> Tensor");
+  // No tensor arguments: registered with its (device-independent) kernel directly.
+  m.def("w4a8_wgmma_available(int device) -> bool", &mixprec::w4a8_wgmma_available);
 }
 
 TORCH_LIBRARY_IMPL(mixprec_C, CUDA, m) {

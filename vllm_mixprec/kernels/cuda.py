@@ -25,10 +25,20 @@ from .. import formats as F
 _LIB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _state: dict = {}
 
-# A/B and tuning: force a GEMM kernel (-1 auto; 0/1 decode with 16/32 channels per CTA,
-# M <= 32; 2/3 tiled with 64/128 tokens per CTA) and a split-K factor (0 auto).
+# A/B and tuning: force a GEMM kernel and a split-K factor (0 auto). Kernel ids:
+#   -1 auto: decode (M <= 32) / tiled mma.sync kernels, and the sm_90a wgmma kernels for
+#      M >= WGMMA_MIN_M on an sm_90 GPU when the build has them (decided in csrc/ops.cpp, so a
+#      dynamic M never branches in traced Python);
+#   -2 auto over the mma.sync kernels only (MIXPREC_W4A8_WGMMA=0 selects it);
+#   0/1 decode with 16/32 channels per CTA (M <= 32); 2/3 tiled with 64/128 tokens per CTA;
+#   4/5/6 wgmma with 256 ch x 128 tok / 256 ch x 64 tok / 128 ch x 256 tok per CTA (sm_90a).
 _GEMM_KERNEL = int(os.environ.get("MIXPREC_W4A8_KERNEL", "-1"))
+if _GEMM_KERNEL == -1 and os.environ.get("MIXPREC_W4A8_WGMMA", "1") == "0":
+    _GEMM_KERNEL = -2
 _GEMM_SPLITS = int(os.environ.get("MIXPREC_W4A8_SPLITS", "0"))
+
+WGMMA_KERNELS = (4, 5, 6)
+WGMMA_MIN_M = 64  # mirrors kWgmmaMinM in csrc/ops.cpp (documentation and tests only)
 
 CHUNK_K = 64  # k per packed chunk (two m16n8k32 steps)
 TILE_N = 16  # output channels per MMA row tile
@@ -75,6 +85,42 @@ def load_error() -> str | None:
 def supports_device(device: torch.device) -> bool:
     major, _ = torch.cuda.get_device_capability(device)
     return major >= 8
+
+
+def has_wgmma(device: torch.device | int | None = None) -> bool:
+    """Whether the sm_90a wgmma W4A8 kernels (ids 4..6) run on `device` (default: current).
+
+    True only for an sm_90 GPU with a build that includes sm_90a; cached per device.
+    """
+    if not available() or not hasattr(torch.ops.mixprec_C, "w4a8_wgmma_available"):
+        return False
+    if not torch.cuda.is_available():
+        return False
+    if device is None:
+        index = torch.cuda.current_device()
+    elif isinstance(device, int):
+        index = device
+    else:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return False
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    cache = _state.setdefault("wgmma", {})
+    if index not in cache:
+        cache[index] = bool(torch.ops.mixprec_C.w4a8_wgmma_available(index))
+    return cache[index]
+
+
+def auto_gemm_kernel_family(m: int, device: torch.device | int | None = None) -> str:
+    """Which family kernel=-1 runs for M tokens: "decode", "mma" (tiled mma.sync) or "wgmma".
+
+    For benchmarks and tests; the op itself decides in C++ (csrc/ops.cpp).
+    """
+    if _GEMM_KERNEL >= 0:
+        return "wgmma" if _GEMM_KERNEL in WGMMA_KERNELS else ("decode" if _GEMM_KERNEL < 2 else "mma")
+    if _GEMM_KERNEL == -1 and m >= WGMMA_MIN_M and has_wgmma(device):
+        return "wgmma"
+    return "decode" if m <= 32 else "mma"
 
 
 def has_w4ax() -> bool:

@@ -1,0 +1,774 @@
+// W4A8 GEMM on Hopper wgmma (sm_90a only): y[m, n] = xs[m] * cs[n] * sum_k xq[m, k] * w8[n, k] (+ bias[n]).
+//
+// LiquidGEMM-style: Y^T = W X^T with the dequantised weight as the register-sourced A operand of
+// wgmma.m64nNk32.s32.s8.s8 (64 channels x 32 k) and the activation tile as B in shared memory.
+// The per-warp A fragment of wgmma (warp w of the warpgroup owns rows 16w..16w+15) is the
+// mma.m16n8k32 A fragment (PTX ISA register fragments; CuTe's ALayout_64x32), so the packed
+// weights of kernels/cuda.py:repack_w4a8 and the 7-instruction LiquidQuant dequant carry over
+// unchanged. The accumulator layout is the m16n8 one repeated every 8 tokens, so the epilogue
+// again stores channel pairs (2g, 2g+1) from registers d[4j] / d[4j+2].
+//
+// What changes is B: wgmma reads B from shared memory in *logical* k order, and the packing's
+// k permutation (lane t's two k32 steps hold actual k 16t..16t+15 of each 64-k chunk) makes
+// logical 4-byte unit 4j + t hold actual unit 4t + j: a 4x4 transpose of 4-byte units per
+// 64 bytes of a token row. The producer warpgroup applies it with 4-byte cp.async (no register
+// staging, coalesced 128-byte warp reads, conflict-free swizzled writes).
+//
+// CTA = 1 producer warpgroup (cp.async into a kStages ring, mbarrier full/empty per stage) +
+// 2 consumer warpgroups (kBlocks x 64 channels x kTok tokens each; setmaxnreg moves the
+// producer's registers to them). A stage is 128 k: x as kTok rows of 128 bytes in the
+// 128-byte-swizzle K-major layout (one descriptor per k32 step), the packed weight words of
+// the CTA's row tiles copied as is (conflict-free LDS.128, as in the mma.sync tiled kernel),
+// and the group words. Consumers software-pipeline per 64-k chunk with two A register
+// buffers: dequant chunk c+1 while the wgmmas of chunk c run. int32 accumulation over all K
+// (or the CTA's K split), epilogue in fp32 as in the mma.sync kernels.
+// See csrc/gemm/NOTES.md ("sm90 wgmma kernel").
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "gemm/w4a8_gemm.h"
+
+// The kernel bodies exist only in the sm_90a pass; every other pass (sm_80, plain sm_90)
+// compiles empty stubs so the extension still builds and links for all targets.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MIXPREC_WGMMA_DEVICE 1
+#endif
+
+namespace mixprec {
+namespace {
+
+constexpr int kChunkK = 64;         // k per packed chunk (two k32 steps)
+constexpr int kChunkBytes = 512;    // 16 channels x 64 k, lane-ordered
+constexpr int kStageK = 128;        // k per pipeline stage = one 128-byte swizzle row of x
+constexpr int kThreads = 384;       // producer warpgroup + 2 consumer warpgroups
+
+struct WParams {
+  const int8_t* __restrict__ xq;
+  const float* __restrict__ x_scale;
+  const uint8_t* __restrict__ qweight;
+  const uint32_t* __restrict__ gparams;
+  const float* __restrict__ channel_scale;
+  const void* __restrict__ bias;
+  void* __restrict__ out;
+  int32_t* __restrict__ workspace;
+  int32_t* __restrict__ counters;
+  int bias_kind;
+  int M, N, K;
+  int group_shift;  // chunk c uses group c >> group_shift
+  int tok_tiles, ch_tiles;
+};
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// kBlocks m64 blocks per consumer warpgroup, kTok tokens (= wgmma N), kStages ring slots.
+template <int kBlocks, int kTok, int kStages>
+struct WgShape {
+  static constexpr int kRowTiles = 2 * kBlocks * 4;          // 16-channel tiles per CTA
+  static constexpr int kXBytes = kTok * kStageK;             // multiple of 1024: swizzle atoms stay aligned
+  static constexpr int kWBytes = kRowTiles * 2 * kChunkBytes;
+  static constexpr int kPBytes = kRowTiles * 2 * 32;
+  static constexpr int kStageBytes = kXBytes + kWBytes + kPBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the ring to 1024 B
+  static constexpr int kAcc = kTok / 2;                      // s32 accumulators per thread per block
+  static_assert(kTok == 64 || kTok == 128 || kTok == 256, "wgmma N");
+  static_assert(kBlocks * kAcc <= 128, "accumulators must fit the consumer register budget");
+  static_assert(kXBytes % 1024 == 0, "swizzle atom alignment");
+};
+
+#ifdef MIXPREC_WGMMA_DEVICE
+
+constexpr int kConsumers = 256;
+constexpr int kProducerRegs = 56;   // 56 + 2 * 224 = 3 * 168 (the cap of __launch_bounds__(384, 1))
+constexpr int kConsumerRegs = 224;
+constexpr int kRasterGroup = 8;     // token tiles swept together across all channel tiles (L2 reuse)
+
+// ---- PTX wrappers ----------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Arrives on `bar` once all of this thread's earlier cp.async have landed; .noinc: the arrival
+// is one of the barrier's expected count (the full barriers expect one per producer thread).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// ok == false writes zeros (the source is not read).
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// cp.async writes are generic-proxy writes; wgmma reads B through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Pins register values in program order around wgmma issue/wait (no code motion across).
+template <int kN>
+__device__ __forceinline__ void fence_regs(int32_t (&r)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+__device__ __forceinline__ void named_barrier_consumers() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory");
+}
+
+// Shared-memory matrix descriptor for B: K-major, 128-byte swizzle, 8-row atoms 1024 B apart
+// (SBO), LBO unused for swizzled K-major (set to 1 by convention), base offset 0 (atoms are
+// 1024-B aligned). Bits: 0-13 addr >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, 62-63 swizzle (1 = 128 B).
+__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t saddr) {
+  const uint32_t lo = ((saddr >> 4) & 0x3FFFu) | (1u << 16);
+  const uint32_t hi = (1024u >> 4) | (1u << 30);
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+template <int N>
+struct WgmmaRS;  // wgmma.mma_async m64nNk32 s32 += s8 (A: 4 registers) x s8 (B: descriptor)
+
+template <>
+struct WgmmaRS<64> {
+  static __device__ __forceinline__ void run(int32_t (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+        "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p;\n}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+          "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]),
+          "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]),
+          "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]),
+          "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+  }
+};
+
+template <>
+struct WgmmaRS<128> {
+  static __device__ __forceinline__ void run(int32_t (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+        "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "
+        "%59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p;\n}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+          "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]),
+          "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]),
+          "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]),
+          "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]),
+          "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]),
+          "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]),
+          "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]),
+          "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+  }
+};
+
+template <>
+struct WgmmaRS<256> {
+  static __device__ __forceinline__ void run(int32_t (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+        "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "
+        "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, "
+        "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, "
+        "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, "
+        "%114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, {%128, %129, %130, %131}, %132, p;\n}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+          "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]),
+          "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]),
+          "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]),
+          "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]),
+          "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]),
+          "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]),
+          "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]),
+          "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63]),
+          "+r"(d[64]), "+r"(d[65]), "+r"(d[66]), "+r"(d[67]), "+r"(d[68]), "+r"(d[69]), "+r"(d[70]),
+          "+r"(d[71]), "+r"(d[72]), "+r"(d[73]), "+r"(d[74]), "+r"(d[75]), "+r"(d[76]), "+r"(d[77]),
+          "+r"(d[78]), "+r"(d[79]), "+r"(d[80]), "+r"(d[81]), "+r"(d[82]), "+r"(d[83]), "+r"(d[84]),
+          "+r"(d[85]), "+r"(d[86]), "+r"(d[87]), "+r"(d[88]), "+r"(d[89]), "+r"(d[90]), "+r"(d[91]),
+          "+r"(d[92]), "+r"(d[93]), "+r"(d[94]), "+r"(d[95]), "+r"(d[96]), "+r"(d[97]), "+r"(d[98]),
+          "+r"(d[99]), "+r"(d[100]), "+r"(d[101]), "+r"(d[102]), "+r"(d[103]), "+r"(d[104]), "+r"(d[105]),
+          "+r"(d[106]), "+r"(d[107]), "+r"(d[108]), "+r"(d[109]), "+r"(d[110]), "+r"(d[111]), "+r"(d[112]),
+          "+r"(d[113]), "+r"(d[114]), "+r"(d[115]), "+r"(d[116]), "+r"(d[117]), "+r"(d[118]), "+r"(d[119]),
+          "+r"(d[120]), "+r"(d[121]), "+r"(d[122]), "+r"(d[123]), "+r"(d[124]), "+r"(d[125]), "+r"(d[126]),
+          "+r"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+  }
+};
+
+// ---- dequantisation (same recipe and packed layout as sm80/w4a8_gemm_mma.cu) ---------------------
+
+// One packed 16-byte word -> the A fragments of two k32 steps: a[step][reg].
+// Per u32: 8 nibbles -> two registers of 4 byte lanes, then IMAD + XOR each; no lane carries
+// since q * s + a <= 255 by construction of LiquidQuant.
+__device__ __forceinline__ void dequant_chunk(const uint4 w, const uint32_t params, uint32_t (&a)[2][4]) {
+  const uint32_t s_even = __byte_perm(params, 0, 0x4440);
+  const uint32_t a_even = __byte_perm(params, 0, 0x1111);
+  const uint32_t s_odd = __byte_perm(params, 0, 0x4442);
+  const uint32_t a_odd = __byte_perm(params, 0, 0x3333);
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t s = (j & 1) ? s_odd : s_even;
+    const uint32_t off = (j & 1) ? a_odd : a_even;
+    const uint32_t lo = words[j] & 0x0F0F0F0Fu;
+    const uint32_t hi = (words[j] >> 4) & 0x0F0F0F0Fu;
+    a[j >> 1][(j & 1)] = (lo * s + off) ^ 0x80808080u;
+    a[j >> 1][2 + (j & 1)] = (hi * s + off) ^ 0x80808080u;
+  }
+}
+
+// ---- epilogue --------------------------------------------------------------------------------
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+__device__ __forceinline__ void store2(float* p, float y0, float y1) {
+  *reinterpret_cast<float2*>(p) = make_float2(y0, y1);
+}
+__device__ __forceinline__ void store2(__half* p, float y0, float y1) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(y0, y1);
+}
+__device__ __forceinline__ void store2(__nv_bfloat16* p, float y0, float y1) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(y0, y1);
+}
+
+// Per-channel-pair epilogue constants (loaded once per tile).
+struct ChanPair {
+  float cs0, cs1, b0, b1;
+};
+
+template <typename OutT>
+__device__ __forceinline__ ChanPair load_chan_pair(const WParams& p, int ch) {
+  ChanPair c;
+  const float2 cs = *reinterpret_cast<const float2*>(p.channel_scale + ch);
+  c.cs0 = cs.x;
+  c.cs1 = cs.y;
+  c.b0 = 0.f;
+  c.b1 = 0.f;
+  if (p.bias_kind == static_cast<int>(BiasKind::kFloat)) {
+    const float* b = static_cast<const float*>(p.bias);
+    c.b0 = b[ch];
+    c.b1 = b[ch + 1];
+  } else if (p.bias_kind == static_cast<int>(BiasKind::kSameAsOut)) {
+    const OutT* b = static_cast<const OutT*>(p.bias);
+    c.b0 = to_float(b[ch]);
+    c.b1 = to_float(b[ch + 1]);
+  }
+  return c;
+}
+
+// Same float operations, in the same order, as the mma.sync kernels' write_pair.
+template <typename OutT>
+__device__ __forceinline__ void write_pair(const WParams& p, const ChanPair& c, float xs, int tok, int ch,
+                                           int32_t v0, int32_t v1) {
+  float y0 = static_cast<float>(v0) * xs * c.cs0;
+  float y1 = static_cast<float>(v1) * xs * c.cs1;
+  if (p.bias_kind != static_cast<int>(BiasKind::kNone)) {
+    y0 += c.b0;
+    y1 += c.b1;
+  }
+  store2(static_cast<OutT*>(p.out) + static_cast<size_t>(tok) * p.N + ch, y0, y1);
+}
+
+__device__ __forceinline__ int2* workspace_at(const WParams& p, int split, int tok, int ch) {
+  return reinterpret_cast<int2*>(p.workspace + (static_cast<size_t>(split) * p.M + tok) * p.N + ch);
+}
+
+#endif  // MIXPREC_WGMMA_DEVICE
+
+// ---- the kernel ------------------------------------------------------------------------------
+
+template <int kBlocks, int kTok, int kStages, typename OutT>
+__global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p) {
+#ifdef MIXPREC_WGMMA_DEVICE
+  using S = WgShape<kBlocks, kTok, kStages>;
+  // Only this (sm_90a) body has static shared memory and the 168-register launch-bound
+  // allocation; w4a8_wgmma_supported tells it from the stubs by those attributes.
+  __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[s] then empty[s]
+  __shared__ int s_is_last;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+
+  const uint32_t raw_addr = smem_addr(smem_raw);
+  uint8_t* smem = smem_raw + ((1024u - (raw_addr & 1023u)) & 1023u);
+  const uint32_t smem_base = smem_addr(smem);  // 1024-aligned: x ring, then weight ring, then group words
+  const uint32_t w_ring = smem_base + kStages * S::kXBytes;
+  const uint32_t p_ring = w_ring + kStages * S::kWBytes;
+  const uint32_t full0 = smem_addr(&bars[0]);
+  const uint32_t empty0 = smem_addr(&bars[kStages]);
+
+  // Tile: token tiles in groups of kRasterGroup sweep all channel tiles (x stays in L2, each
+  // weight tile is re-read by the group's CTAs while hot).
+  const int tile = blockIdx.x;
+  const int span = kRasterGroup * p.ch_tiles;
+  const int grp = tile / span;
+  const int rem = tile - grp * span;
+  const int in_grp = min(kRasterGroup, p.tok_tiles - grp * kRasterGroup);
+  const int tok0 = (grp * kRasterGroup + rem % in_grp) * kTok;
+  const int rt0 = (rem / in_grp) * S::kRowTiles;
+
+  const int M = p.M, K = p.K;
+  const int chunks = K / kChunkK;
+  const int num_rt = p.N >> 4;
+  const int n_stage_all = ceil_div(chunks, 2);
+  const int splits = gridDim.y;
+  const int per_split = ceil_div(n_stage_all, splits);
+  const int st_lo = min(n_stage_all, static_cast<int>(blockIdx.y) * per_split);
+  const int n_it = min(n_stage_all, st_lo + per_split) - st_lo;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full0 + 8 * s, 128);             // one cp.async arrival per producer thread
+      mbar_init(empty0 + 8 * s, kConsumers / 32);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x >> 7;
+  if (wg == 0) {
+    // ================= producer warpgroup: global -> shared with cp.async =================
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    const int pt = threadIdx.x;
+    const int pw = pt >> 5, lane = pt & 31;
+    const int rt_valid = min(S::kRowTiles, num_rt - rt0);
+    const int rows_valid = min(kTok, M - tok0);
+    const int groups = chunks >> p.group_shift;
+
+    // x: warp pw copies rows r = pw + 4i, one 128-byte row (both chunks of the stage) per
+    // warp instruction. Lane l holds actual 4-byte unit u = l & 15 = 4a + b of chunk h = l >> 4;
+    // it goes to logical unit 4b + a (the packing's k permutation), i.e. 16-byte block
+    // 4h + b of the row, swizzled by r & 7 = pw + 4 (i & 1). Row r = pw + 4(2m + e) sits at
+    // byte 128 pw + 512 e + 1024 m of the stage.
+    const int xh = lane >> 4, xa = (lane & 15) >> 2, xb = lane & 3;
+    const uint32_t x_off0 = pw * kStageK + 16 * ((4 * xh + xb) ^ pw) + 4 * xa;
+    const uint32_t x_off1 = pw * kStageK + 512 + 16 * ((4 * xh + xb) ^ (pw + 4)) + 4 * xa;
+    const int8_t* x_src = p.xq + static_cast<size_t>(tok0 + pw) * K + static_cast<size_t>(st_lo) * kStageK + 4 * lane;
+    const size_t x_step4 = static_cast<size_t>(4) * K;
+
+    // weights: 16-byte unit u = pt + 128 i of the stage = row tile (pt >> 6) + 2i, byte
+    // offset (pt & 63) * 16 of its two chunks (1 KB contiguous in global memory).
+    const int w_rt = pt >> 6, w_cl = (pt >> 5) & 1;
+    const uint8_t* w_src =
+        p.qweight + (static_cast<size_t>(rt0 + w_rt) * chunks + 2 * st_lo) * kChunkBytes + (pt & 63) * 16;
+    const size_t w_step2 = static_cast<size_t>(2) * chunks * kChunkBytes;
+
+    // group words: unit pt < 4 * kRowTiles = (row tile pt >> 2, chunk (pt >> 1) & 1, half pt & 1).
+    const int p_rt = pt >> 2, p_cl = (pt >> 1) & 1;
+    const bool p_thread = pt < 4 * S::kRowTiles && p_rt < rt_valid;
+    const uint32_t* p_src = p.gparams + static_cast<size_t>(rt0 + (p_thread ? p_rt : 0)) * groups * 8 + (pt & 1) * 4;
+
+    // Rows past M and row tiles past N are not copied (their results are never stored).
+    // The second chunk of the last stage when K / 64 is odd is zero-filled; its source
+    // address is moved back onto the valid chunk so that no copy ever points past a row.
+    int s = 0;
+    uint32_t phase = 0;
+    for (int it = 0; it < n_it; ++it) {
+      if (it >= kStages) mbar_wait(empty0 + 8 * s, phase ^ 1);
+      const int c0 = 2 * (st_lo + it);
+      // Opaque strides: keeps the compiler from hoisting i * stride for every row out of the
+      // stage loop (that needs 2 registers per row; the producer has 56).
+      size_t x_step = x_step4, w_step = w_step2;
+      asm volatile("" : "+l"(x_step), "+l"(w_step));
+      {
+        const bool ok = c0 + xh < chunks;
+        const uint32_t d0 = smem_base + s * S::kXBytes + x_off0;
+        const uint32_t d1 = smem_base + s * S::kXBytes + x_off1;
+        const int8_t* src = x_src - (ok ? 0 : kChunkK);
+        if (rows_valid == kTok) {
+#pragma unroll
+          for (int i = 0; i < kTok / 4; ++i) {
+            cp_async4(((i & 1) ? d1 : d0) + (i >> 1) * 1024, src, ok);
+            src += x_step;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < kTok / 4; ++i) {
+            if (pw + 4 * i < rows_valid) cp_async4(((i & 1) ? d1 : d0) + (i >> 1) * 1024, src, ok);
+            src += x_step;
+          }
+        }
+        x_src += kStageK;
+      }
+      {
+        const bool ok = c0 + w_cl < chunks;
+        const uint32_t dst = w_ring + s * S::kWBytes + pt * 16;
+        const uint8_t* src = w_src - (ok ? 0 : kChunkBytes);
+        if (rt_valid == S::kRowTiles) {
+#pragma unroll
+          for (int i = 0; i < S::kRowTiles / 2; ++i) {
+            cp_async16(dst + i * 128 * 16, src, ok);
+            src += w_step;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < S::kRowTiles / 2; ++i) {
+            if (w_rt + 2 * i < rt_valid) cp_async16(dst + i * 128 * 16, src, ok);
+            src += w_step;
+          }
+        }
+        w_src += 2 * kChunkBytes;
+      }
+      if (p_thread) {
+        const int c = c0 + p_cl;
+        const bool ok = c < chunks;
+        const uint32_t* src = p_src + static_cast<size_t>((ok ? c : c0) >> p.group_shift) * 8;
+        cp_async16(p_ring + s * S::kPBytes + pt * 16, src, ok);
+      }
+      cp_async_arrive_noinc(full0 + 8 * s);
+      if (++s == kStages) {
+        s = 0;
+        phase ^= 1;
+      }
+    }
+    cp_async_wait_all();  // do not retire with copies in flight
+  } else {
+    // ================= consumer warpgroups: dequant + wgmma =================
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+    const int ct = threadIdx.x - 128;
+    const int wgc = ct >> 7;
+    const int warp = (ct >> 5) & 3, lane = ct & 31;
+    const int g = lane >> 2, t = lane & 3;
+    // Row tile of block b for this warp: (wgc * kBlocks + b) * 4 + warp (m64 rows 16 warp..).
+    const uint8_t* w_thr = smem + (w_ring - smem_base) + ((wgc * kBlocks) * 4 + warp) * (2 * kChunkBytes) + lane * 16;
+    const uint8_t* p_thr = smem + (p_ring - smem_base) + ((wgc * kBlocks) * 4 + warp) * 64 + g * 4;
+
+    int32_t acc[kBlocks][S::kAcc];
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+      for (int i = 0; i < S::kAcc; ++i) acc[b][i] = 0;
+    uint32_t a0[kBlocks][2][4], a1[kBlocks][2][4];  // A fragments of chunk 0 / 1 of a stage
+
+    auto load_dequant = [&](int s, int cl, uint32_t(&a)[kBlocks][2][4]) {
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b) {
+        const uint8_t* wp = w_thr + s * S::kWBytes + b * 4 * (2 * kChunkBytes) + cl * kChunkBytes;
+        const uint4 w = *reinterpret_cast<const uint4*>(wp);
+        const uint32_t pw = *reinterpret_cast<const uint32_t*>(p_thr + s * S::kPBytes + b * 4 * 64 + cl * 32);
+        dequant_chunk(w, pw, a[b]);
+      }
+    };
+    auto issue = [&](int s, int cl, const uint32_t(&a)[kBlocks][2][4]) {
+      const uint64_t desc = make_desc_sw128(smem_base + s * S::kXBytes + cl * 64);
+#pragma unroll
+      for (int step = 0; step < 2; ++step)
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b)
+          WgmmaRS<kTok>::run(acc[b], a[b][step], desc + 2 * step);  // +32 bytes per k32 step
+    };
+
+    int s = 0, s_prev = 0;
+    uint32_t phase = 0;
+    for (int it = 0; it < n_it; ++it) {
+      mbar_wait(full0 + 8 * s, phase);
+      fence_proxy_async();
+      if (it > 0) wgmma_wait<1>();  // chunk 0 of the previous stage retired: a0 is free
+      load_dequant(s, 0, a0);
+      wgmma_fence();
+      issue(s, 0, a0);
+      wgmma_commit();
+      if (it > 0) {
+        wgmma_wait<1>();  // chunk 1 of the previous stage retired: a1 and its slot are free
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * s_prev);
+      }
+      load_dequant(s, 1, a1);
+      wgmma_fence();
+      issue(s, 1, a1);
+      wgmma_commit();
+      s_prev = s;
+      if (++s == kStages) {
+        s = 0;
+        phase ^= 1;
+      }
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b) fence_regs(acc[b]);
+
+    // ---- epilogue: c[4j + d] / c[4j + 2 + d] = channels (2g, 2g+1) of token 8j + 2t + d ----
+    ChanPair cp[kBlocks];
+    int ch[kBlocks];
+    bool ch_ok[kBlocks];
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b) {
+      const int rt = rt0 + (wgc * kBlocks + b) * 4 + warp;
+      ch_ok[b] = rt < num_rt;
+      ch[b] = rt * 16 + 2 * g;
+      if (ch_ok[b] && splits == 1) cp[b] = load_chan_pair<OutT>(p, ch[b]);
+    }
+    if (splits == 1) {
+#pragma unroll
+      for (int j = 0; j < kTok / 8; ++j) {
+#pragma unroll
+        for (int d = 0; d < 2; ++d) {
+          const int tok = tok0 + 8 * j + 2 * t + d;
+          if (tok >= M) continue;
+          const float xs = p.x_scale[tok];
+#pragma unroll
+          for (int b = 0; b < kBlocks; ++b)
+            if (ch_ok[b]) write_pair<OutT>(p, cp[b], xs, tok, ch[b], acc[b][4 * j + d], acc[b][4 * j + 2 + d]);
+        }
+      }
+      return;
+    }
+    // Split-K: int32 partials; the last CTA of the tile to arrive sums them (exact in any order).
+#pragma unroll
+    for (int j = 0; j < kTok / 8; ++j)
+#pragma unroll
+      for (int d = 0; d < 2; ++d) {
+        const int tok = tok0 + 8 * j + 2 * t + d;
+        if (tok >= M) continue;
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b)
+          if (ch_ok[b]) *workspace_at(p, blockIdx.y, tok, ch[b]) = make_int2(acc[b][4 * j + d], acc[b][4 * j + 2 + d]);
+      }
+    __threadfence();
+    named_barrier_consumers();
+    if (ct == 0) {
+      const int prev = atomicAdd(p.counters + blockIdx.x, 1);
+      s_is_last = prev == splits - 1;
+      if (s_is_last) p.counters[blockIdx.x] = 0;  // reusable by the next launch
+    }
+    named_barrier_consumers();
+    if (!s_is_last) return;
+    __threadfence();
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b)
+      if (ch_ok[b]) cp[b] = load_chan_pair<OutT>(p, ch[b]);
+#pragma unroll 1
+    for (int j = 0; j < kTok / 8; ++j) {
+#pragma unroll
+      for (int d = 0; d < 2; ++d) {
+        const int tok = tok0 + 8 * j + 2 * t + d;
+        if (tok >= M) continue;
+        const float xs = p.x_scale[tok];
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b) {
+          if (!ch_ok[b]) continue;
+          int2 sum = make_int2(0, 0);
+#pragma unroll 1
+          for (int sp = 0; sp < splits; ++sp) {
+            const int2 v = __ldcg(workspace_at(p, sp, tok, ch[b]));  // L2: other SMs wrote it
+            sum.x += v.x;
+            sum.y += v.y;
+          }
+          write_pair<OutT>(p, cp[b], xs, tok, ch[b], sum.x, sum.y);
+        }
+      }
+    }
+  }
+#endif  // MIXPREC_WGMMA_DEVICE
+}
+
+// ---- host side -------------------------------------------------------------------------------
+
+// Kernel ids of the w4a8_gemm op (4..6) -> <kBlocks, kTok, kStages>.
+//   4: 256 channels x 128 tokens, 5 stages (165 KB): large M
+//   5: 256 channels x  64 tokens, 6 stages (150 KB): M <= 64 and the tail of larger M
+//   6: 128 channels x 256 tokens, 5 stages (203 KB): A/B alternative for large M
+using Wg4 = WgShape<2, 128, 5>;
+using Wg5 = WgShape<2, 64, 6>;
+using Wg6 = WgShape<1, 256, 5>;
+constexpr int kMaxSmem = 227 * 1024;
+static_assert(Wg4::kSmemBytes <= kMaxSmem && Wg5::kSmemBytes <= kMaxSmem && Wg6::kSmemBytes <= kMaxSmem,
+              "shared memory per CTA");
+
+struct Cfg {
+  int blocks, tok;
+};
+Cfg cfg_of(int kernel) {
+  switch (kernel) {
+    case 4: return {2, 128};
+    case 5: return {2, 64};
+    default: return {1, 256};
+  }
+}
+
+template <int kBlocks, int kTok, int kStages, typename OutT>
+cudaError_t launch_one(const WParams& p, int splits, cudaStream_t stream) {
+  using S = WgShape<kBlocks, kTok, kStages>;
+  auto* kern = w4a8_wgmma_kernel<kBlocks, kTok, kStages, OutT>;
+  // The >48 KB dynamic shared-memory opt-in is per device; set once (not a stream operation,
+  // so it is safe while a CUDA graph is being captured).
+  static std::atomic<unsigned long long> configured{0};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const unsigned long long bit = 1ull << (dev & 63);
+  if (!(configured.load(std::memory_order_relaxed) & bit)) {
+    e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
+    if (e != cudaSuccess) return e;
+    configured.fetch_or(bit, std::memory_order_relaxed);
+  }
+  const dim3 grid(p.tok_tiles * p.ch_tiles, splits);
+  kern<<<grid, kThreads, S::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename OutT>
+cudaError_t launch_typed(const WParams& p, const W4A8Plan& plan, cudaStream_t stream) {
+  switch (static_cast<int>(plan.kernel)) {
+    case 4: return launch_one<2, 128, 5, OutT>(p, plan.splits, stream);
+    case 5: return launch_one<2, 64, 6, OutT>(p, plan.splits, stream);
+    default: return launch_one<1, 256, 5, OutT>(p, plan.splits, stream);
+  }
+}
+
+constexpr int kStagesMinPerSplit = 4;  // 512 k per split at least: pipeline fill stays amortised
+
+}  // namespace
+
+// wgmma kernels run iff the current device is sm_90 and the image chosen for it is the sm_90a
+// body (an sm_80 or plain sm_90 image only holds the stub). Cached per device.
+bool w4a8_wgmma_supported() {
+  static std::atomic<int> cache[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  const int slot = dev & 63;
+  int v = cache[slot].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0, minor = 0;
+    bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+              cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+              major == 9 && minor == 0;
+    if (ok) {
+      cudaFuncAttributes attr{};
+      ok = cudaFuncGetAttributes(&attr, w4a8_wgmma_kernel<2, 128, 5, __half>) == cudaSuccess &&
+           attr.binaryVersion >= 90 && attr.numRegs >= 64 && attr.sharedSizeBytes > 0;
+    }
+    (void)cudaGetLastError();  // a missing image leaves a (non-sticky) error behind: clear it
+    v = ok ? 1 : 2;
+    cache[slot].store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel, int splits,
+                                 W4A8Plan* plan) {
+  if (M <= 0 || N <= 0 || K <= 0) return "w4a8_gemm: M, N and K must be positive";
+  if (N % 16) return "w4a8_gemm: N must be a multiple of 16";
+  if (K % kChunkK) return "w4a8_gemm: K must be a multiple of 64";
+  if (group_size < kChunkK || group_size % kChunkK || ((group_size / kChunkK) & (group_size / kChunkK - 1)))
+    return "w4a8_gemm: group size must be 64 times a power of two (64, 128, ...)";
+  if (K % group_size) return "w4a8_gemm: K must be a multiple of the group size";
+  if (kernel == -1) kernel = M <= 64 ? 5 : 4;
+  if (kernel < 4 || kernel > 6) return "w4a8_gemm: the wgmma kernels are 4, 5 and 6";
+  const Cfg c = cfg_of(kernel);
+  const int row_tiles_cta = 2 * c.blocks * 4;
+  const long long ctas = static_cast<long long>(ceil_div(M, c.tok)) * ceil_div(N / 16, row_tiles_cta);
+  const int n_stages = ceil_div(K / kChunkK, 2);
+  if (splits <= 0) {
+    // Fewest splits that fill >= 80% of the SM slots of the waves they take (one CTA per SM);
+    // failing that, the best filling. 112 CTAs on 132 SMs stay unsplit: 224 would take two
+    // waves for the same work plus the partial-sum traffic.
+    int most = n_stages / kStagesMinPerSplit;
+    if (most > 16) most = 16;
+    if (most < 1) most = 1;
+    const long long sms = num_sms > 0 ? num_sms : 1;
+    double best = -1.0;
+    splits = 1;
+    for (int s = 1; s <= most; ++s) {
+      const long long work = ctas * s;
+      const double fill = static_cast<double>(work) / (static_cast<double>((work + sms - 1) / sms) * sms);
+      if (fill > best + 1e-9) {
+        best = fill;
+        splits = s;
+      }
+      if (fill >= 0.8) break;
+    }
+  }
+  if (splits > n_stages) splits = n_stages;
+  splits = ceil_div(n_stages, ceil_div(n_stages, splits));  // no empty split
+  if (ctas * splits > 0x7FFFFFFFLL || splits > 65535) return "w4a8_gemm: problem too large for the grid";
+  plan->kernel = static_cast<W4A8Kernel>(kernel);
+  plan->splits = splits;
+  plan->num_counters = static_cast<int>(ctas);
+  return nullptr;
+}
+
+cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaStream_t stream) {
+  WParams p;
+  p.xq = a.xq;
+  p.x_scale = a.x_scale;
+  p.qweight = a.qweight;
+  p.gparams = a.gparams;
+  p.channel_scale = a.channel_scale;
+  p.bias = a.bias;
+  p.out = a.out;
+  p.workspace = a.workspace;
+  p.counters = a.counters;
+  p.bias_kind = static_cast<int>(a.bias_kind);
+  p.M = a.M;
+  p.N = a.N;
+  p.K = a.K;
+  int shift = 0;
+  while ((kChunkK << shift) < a.group_size) ++shift;
+  p.group_shift = shift;
+  const Cfg c = cfg_of(static_cast<int>(plan.kernel));
+  p.tok_tiles = ceil_div(a.M, c.tok);
+  p.ch_tiles = ceil_div(a.N / 16, 2 * c.blocks * 4);
+  switch (a.out_kind) {
+    case OutKind::kHalf: return launch_typed<__half>(p, plan, stream);
+    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, stream);
+    default: return launch_typed<float>(p, plan, stream);
+  }
+}
+
+}  // namespace mixprec

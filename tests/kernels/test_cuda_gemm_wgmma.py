@@ -1,0 +1,400 @@
+"""The sm_90a wgmma W4A8 kernels (csrc/gemm/sm90/w4a8_gemm_wgmma.cu, op kernel ids 4..6).
+
+CPU: `emulate_wgmma_cta` replays one CTA of the kernel byte by byte (the producer's 4-byte
+cp.async transpose into the 128-byte-swizzled B tile, the descriptor addressing of each k32
+step, the consumers' LDS + dequant into the wgmma A fragment, the accumulator layout and the
+epilogue's (token, channel) mapping, the tile raster) with the kernel's own index formulas, so
+an indexing slip shows up without a GPU. GPU (`pytest -m gpu`): integer-exact results against
+reference.py for every wgmma kernel and split count, fp16/bf16 outputs, poisoned outputs,
+CUDA graph replay, and the auto choice.
+"""
+import numpy as np
+import pytest
+import torch
+
+from vllm_mixprec import reference as ref
+from vllm_mixprec.kernels import cuda
+
+# kernel id -> (m64 blocks per consumer warpgroup, tokens per CTA); mirrors Wg4/Wg5/Wg6.
+CONFIGS = {4: (2, 128), 5: (2, 64), 6: (1, 256)}
+RASTER_GROUP = 8
+
+
+# --- CPU emulation of the kernel's indexing ------------------------------------------------
+
+def _swizzle128(addr):
+    """Hardware 128-byte swizzle of a shared address (atoms 1024-byte aligned): bits 4-6 ^= 7-9."""
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+def _dequant_lane(word4, params):
+    """csrc dequant_chunk for one lane: 4 u32 words + group word -> a[step][reg] (uint32)."""
+    pb = [(params >> (8 * i)) & 0xFF for i in range(4)]  # s_even, a_even, s_odd, a_odd
+    a = [[0] * 4 for _ in range(2)]
+    for j in range(4):
+        s, off = (pb[2], pb[3]) if j & 1 else (pb[0], pb[1])
+        lo = word4[j] & 0x0F0F0F0F
+        hi = (word4[j] >> 4) & 0x0F0F0F0F
+        a[j >> 1][j & 1] = ((lo * s + off * 0x01010101) & 0xFFFFFFFF) ^ 0x80808080
+        a[j >> 1][2 + (j & 1)] = ((hi * s + off * 0x01010101) & 0xFFFFFFFF) ^ 0x80808080
+    return a
+
+
+def _tile_of(block, tok_tiles, ch_tiles):
+    span = RASTER_GROUP * ch_tiles
+    grp, rem = divmod(block, span)
+    in_grp = min(RASTER_GROUP, tok_tiles - grp * RASTER_GROUP)
+    return grp * RASTER_GROUP + rem % in_grp, rem // in_grp
+
+
+def emulate_wgmma_cta(kernel, xq, packed, gparams, tok_tile, ch_tile, rng):
+    """int64 results {(tok, ch): acc} of one CTA, following the kernel's address arithmetic."""
+    blocks, ktok = CONFIGS[kernel]
+    R = 2 * blocks * 4  # row tiles per CTA
+    M, K = xq.shape
+    chunks, num_rt = K // 64, packed.shape[0]
+    groups = gparams.shape[1]
+    gshift = (chunks // groups).bit_length() - 1
+    xb = xq.view(torch.uint8).numpy().reshape(-1)
+    wb = packed.numpy().reshape(-1)
+    pw_all = gparams.view(torch.int32).numpy().reshape(-1).astype(np.int64) & 0xFFFFFFFF
+    tok0, rt0 = tok_tile * ktok, ch_tile * R
+    rows_valid, rt_valid = min(ktok, M - tok0), min(R, num_rt - rt0)
+    d = {(wgc, b): np.zeros((64, ktok), dtype=np.int64) for wgc in range(2) for b in range(blocks)}
+    for st in range((chunks + 1) // 2):
+        c0 = 2 * st
+        # stale bytes where the kernel copies nothing: must never reach a stored result
+        xs = rng.integers(0, 256, ktok * 128, dtype=np.uint8)
+        ws = rng.integers(0, 256, R * 1024, dtype=np.uint8)
+        ps = rng.integers(0, 256, R * 64, dtype=np.uint8)
+        for pt in range(128):  # producer warpgroup
+            pw, lane = pt >> 5, pt & 31
+            h, a_, b_ = lane >> 4, (lane & 15) >> 2, lane & 3
+            off = [pw * 128 + 16 * ((4 * h + b_) ^ pw) + 4 * a_,
+                   pw * 128 + 512 + 16 * ((4 * h + b_) ^ (pw + 4)) + 4 * a_]
+            ok = c0 + h < chunks
+            for i in range(ktok // 4):
+                if pw + 4 * i >= rows_valid:
+                    continue
+                src = (tok0 + pw + 4 * i) * K + st * 128 + 4 * lane - (0 if ok else 64)
+                dst = off[i & 1] + (i >> 1) * 1024
+                xs[dst:dst + 4] = xb[src:src + 4] if ok else 0
+            w_rt, w_cl = pt >> 6, (pt >> 5) & 1
+            ok = c0 + w_cl < chunks
+            for i in range(R // 2):
+                if w_rt + 2 * i >= rt_valid:
+                    continue
+                src = ((rt0 + w_rt + 2 * i) * chunks + c0) * 512 + (pt & 63) * 16 - (0 if ok else 512)
+                dst = pt * 16 + i * 2048
+                ws[dst:dst + 16] = wb[src:src + 16] if ok else 0
+            p_rt, p_cl = pt >> 2, (pt >> 1) & 1
+            if pt < 4 * R and p_rt < rt_valid:
+                c = c0 + p_cl
+                ok = c < chunks
+                src = (rt0 + p_rt) * groups * 8 + (pt & 1) * 4 + (((c if ok else c0) >> gshift) * 8)
+                words = pw_all[src:src + 4] if ok else np.zeros(4, dtype=np.int64)
+                ps[pt * 16:pt * 16 + 16] = np.array(words, dtype=np.uint32).view(np.uint8)
+        for wgc in range(2):  # consumer warpgroups
+            for cl in range(2):
+                # B of each k32 step through the descriptor: start + (n // 8) * SBO + (n % 8) * 128 + k
+                bmat = []
+                for step in range(2):
+                    start = cl * 64 + 32 * step
+                    n = np.arange(ktok)[:, None]
+                    k = np.arange(32)[None, :]
+                    addr = start + (n // 8) * 1024 + (n % 8) * 128 + k
+                    bmat.append(xs[_swizzle128(addr)].view(np.int8).astype(np.int64))  # [n, k]
+                for b in range(blocks):
+                    amat = [np.zeros((64, 32), dtype=np.int64) for _ in range(2)]
+                    for warp in range(4):
+                        for lane in range(32):
+                            g, t = lane >> 2, lane & 3
+                            base = ((wgc * blocks) * 4 + warp) * 1024 + lane * 16 + b * 4 * 1024 + cl * 512
+                            word4 = [int(v) for v in ws[base:base + 16].view(np.uint32)]
+                            pbase = ((wgc * blocks) * 4 + warp) * 64 + g * 4 + b * 4 * 64 + cl * 32
+                            params = int(ps[pbase:pbase + 4].view(np.uint32)[0])
+                            a = _dequant_lane(word4, params)
+                            for step in range(2):
+                                for r in range(4):  # wgmma A fragment (= mma.m16n8k32 A per warp)
+                                    row = 16 * warp + g + 8 * (r & 1)
+                                    for byte in range(4):
+                                        v = (a[step][r] >> (8 * byte)) & 0xFF
+                                        amat[step][row, 4 * t + byte + 16 * (r >> 1)] = v - 256 if v >= 128 else v
+                    for step in range(2):
+                        d[(wgc, b)] += amat[step] @ bmat[step].T
+    out = {}
+    for wgc in range(2):  # epilogue mapping
+        for b in range(blocks):
+            for warp in range(4):
+                rt = rt0 + (wgc * blocks + b) * 4 + warp
+                if rt >= num_rt:
+                    continue
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    ch = rt * 16 + 2 * g
+                    for j in range(ktok // 8):
+                        for dd in range(2):
+                            tok = tok0 + 8 * j + 2 * t + dd
+                            if tok >= M:
+                                continue
+                            acc = d[(wgc, b)]  # register 4j + v0 + 2 v1 -> (m = 16w + g + 8 v1, n = 8j + 2t + v0)
+                            out[(tok, ch)] = acc[16 * warp + g, 8 * j + 2 * t + dd]
+                            out[(tok, ch + 1)] = acc[16 * warp + g + 8, 8 * j + 2 * t + dd]
+    return out
+
+
+def _random_lqq_cpu(n, k, g, gen):
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    s = torch.randint(1, 17, (n, k // g), generator=gen, dtype=torch.int32)
+    room = 255 - 15 * s - 9
+    a = 9 + (torch.rand((n, k // g), generator=gen) * (room + 1)).floor().to(torch.int32).clamp_max(room)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8), s.to(torch.uint8), a.to(torch.uint8)
+
+
+@pytest.mark.parametrize("kernel,m,n,k,g", [
+    (4, 70, 272, 320, 64),    # partial token tile, second channel tile has 1 of 16 row tiles, odd chunks
+    (5, 64, 256, 256, 128),   # full tiles, G = 128
+    (6, 9, 208, 192, 64),     # 256-token tile with 9 rows, partial channel tile (5 of 8), odd chunks
+])
+def test_emulated_cta_matches_integer_gemm(kernel, m, n, k, g):
+    gen = torch.Generator().manual_seed(kernel * 1000 + m)
+    qw, gs, go = _random_lqq_cpu(n, k, g, gen)
+    xq = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int32).to(torch.int8)
+    packed, gparams = cuda.repack_w4a8_reference(qw, gs, go)
+    expect = ref._int_gemm(xq, ref.dequantize_weight_w8(qw, gs, go)).to(torch.int64)  # [m, n]
+    blocks, ktok = CONFIGS[kernel]
+    tok_tiles, ch_tiles = -(-m // ktok), -(-(n // 16) // (2 * blocks * 4))
+    rng = np.random.default_rng(0)
+    got = torch.full((m, n), -(2 ** 40), dtype=torch.int64)
+    seen = set()
+    for block in range(tok_tiles * ch_tiles):
+        tt, ct = _tile_of(block, tok_tiles, ch_tiles)
+        seen.add((tt, ct))
+        for (tok, ch), v in emulate_wgmma_cta(kernel, xq, packed, gparams, tt, ct, rng).items():
+            got[tok, ch] = int(v)
+    assert seen == {(a, b) for a in range(tok_tiles) for b in range(ch_tiles)}  # raster covers every tile once
+    assert torch.equal(got, expect)
+
+
+def test_raster_covers_every_tile_once():
+    for tok_tiles, ch_tiles in ((1, 1), (3, 5), (8, 112), (9, 7), (33, 112), (17, 2)):
+        tiles = [_tile_of(b, tok_tiles, ch_tiles) for b in range(tok_tiles * ch_tiles)]
+        assert sorted(tiles) == [(a, b) for a in range(tok_tiles) for b in range(ch_tiles)]
+
+
+def test_kernel_id_plumbing_without_gpu():
+    assert set(cuda.WGMMA_KERNELS) == set(CONFIGS)
+    if not torch.cuda.is_available():
+        assert not cuda.has_wgmma()
+        assert cuda.auto_gemm_kernel_family(4096) in ("mma", "wgmma")
+
+
+# --- GPU ------------------------------------------------------------------------------------
+
+DEV = "cuda"
+EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -20}
+
+
+@pytest.fixture
+def need_wgmma():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not cuda.available():
+        pytest.skip(f"csrc ops not built: {cuda.load_error()}")
+    if not cuda.has_wgmma(torch.device(DEV)):
+        pytest.skip("no wgmma kernel here (needs an sm_90 GPU and an sm_90a build)")
+
+
+def _gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def random_lqq(n, k, g, gen):
+    q = torch.randint(0, 16, (n, k), generator=gen, device=DEV, dtype=torch.int32)
+    s = torch.randint(1, 17, (n, k // g), generator=gen, device=DEV, dtype=torch.int32)
+    room = 255 - 15 * s - 9
+    a = 9 + (torch.rand((n, k // g), generator=gen, device=DEV) * (room + 1)).floor().to(torch.int32).clamp_max(room)
+    qw = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+    cs = torch.rand(n, generator=gen, device=DEV) * 0.002 + 0.0001
+    return qw, s.to(torch.uint8), a.to(torch.uint8), cs
+
+
+def random_act(m, k, gen):
+    xq = torch.randint(-127, 128, (m, k), generator=gen, device=DEV, dtype=torch.int32).to(torch.int8)
+    xs = torch.rand(m, generator=gen, device=DEV) + 0.01
+    return xq, xs
+
+
+def poison(numel, dtype):
+    t = torch.empty(numel, dtype=dtype, device=DEV)
+    t.fill_(float("nan") if dtype.is_floating_point else 0x7F)
+    del t
+
+
+def check_close(y, y_ref, out_dtype):
+    assert y.dtype == out_dtype and y.shape == y_ref.shape
+    assert bool(torch.isfinite(y).all()), "non-finite output (unwritten or overflow)"
+    diff = (y.double() - y_ref).abs()
+    bound = EPS[out_dtype] * y_ref.abs() + 1e-6 * float(y_ref.abs().max()) + 1e-30
+    bad = int((diff > bound).sum())
+    assert bad == 0, f"{bad} elements off; max diff {float(diff.max()):.3g}"
+
+
+def _exact(m, n, k, g, kernel, splits, seed):
+    gen = _gen(seed)
+    qw, gs, go, _ = random_lqq(n, k, g, gen)
+    xq, _ = random_act(m, k, gen)
+    acc = ref._int_gemm(xq, ref.dequantize_weight_w8(qw, gs, go))
+    assert float(acc.abs().max()) < 2 ** 24
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    poison(m * n, torch.float32)
+    y = torch.ops.mixprec_C.w4a8_gemm(xq, torch.ones(m, device=DEV), pq, gp, torch.ones(n, device=DEV), None,
+                                      torch.float32, kernel, splits)
+    torch.cuda.synchronize()
+    return y, acc
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [4, 5, 6])
+@pytest.mark.parametrize("m", [1, 8, 63, 64, 65, 127, 128, 129, 200, 257, 640])
+def test_integer_exact_tiles_and_tails(need_wgmma, kernel, m):
+    """N = 208 (13 row tiles: every CTA overhangs N), K = 576 (9 chunks: half a last stage)."""
+    y, acc = _exact(m, 208, 576, 64, kernel, 1, seed=17 * m + kernel)
+    assert torch.equal(y.double(), acc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [4, 5, 6])
+@pytest.mark.parametrize("n,k,g", [(256, 128, 64), (512, 1024, 128), (4096, 2048, 64), (272, 8192, 128)])
+@pytest.mark.parametrize("splits", [1, 2, 3, 0])
+def test_integer_exact_shapes_and_splits(need_wgmma, kernel, n, k, g, splits):
+    y, acc = _exact(192, n, k, g, kernel, splits, seed=n + k + 7 * kernel + splits)
+    assert torch.equal(y.double(), acc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [4, 5, 6])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias_dtype", [None, "same", torch.float32])
+@pytest.mark.parametrize("m", [64, 300])
+def test_float_outputs_match_reference(need_wgmma, kernel, out_dtype, bias_dtype, m):
+    n, k, g = 528, 1536, 128
+    gen = _gen(m + kernel * 3 + (0 if bias_dtype is None else 1))
+    qw, gs, go, cs = random_lqq(n, k, g, gen)
+    xq, xs = random_act(m, k, gen)
+    bias = None
+    if bias_dtype is not None:
+        bias = torch.randn(n, generator=gen, device=DEV).to(out_dtype if bias_dtype == "same" else bias_dtype)
+    y_ref = ref.w4a8_gemm(xq, xs, qw, gs, go, cs, bias, torch.float64)
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    poison(m * n, out_dtype)
+    y = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, bias, out_dtype, kernel, 0)
+    torch.cuda.synchronize()
+    check_close(y, y_ref, out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [4, 5, 6])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_bit_identical_to_mma_sync_kernel(need_wgmma, kernel, out_dtype):
+    """Same int32 sums and the same epilogue float ops: identical outputs to tiled kernel 3."""
+    m, n, k, g = 333, 1040, 2048, 64
+    gen = _gen(kernel)
+    qw, gs, go, cs = random_lqq(n, k, g, gen)
+    xq, xs = random_act(m, k, gen)
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    a = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, out_dtype, kernel, 0)
+    b = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, out_dtype, 3, 1)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [128, 1024])
+def test_llama70b_up_proj_shape(need_wgmma, m):
+    n, k = 28672, 8192
+    gen = _gen(m)
+    qw, gs, go, cs = random_lqq(n, k, 64, gen)
+    xq, xs = random_act(m, k, gen)
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    poison(m * n, torch.bfloat16)
+    y = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.bfloat16, -1, 0)
+    torch.cuda.synchronize()
+    check_close(y, ref.w4a8_gemm(xq, xs, qw, gs, go, cs, None, torch.float64), torch.bfloat16)
+    y4 = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.bfloat16, 3, 0)
+    assert torch.equal(y, y4)
+
+
+@pytest.mark.gpu
+def test_auto_picks_wgmma_from_64_tokens(need_wgmma):
+    assert cuda.auto_gemm_kernel_family(63) == "mma" and cuda.auto_gemm_kernel_family(64) == "wgmma"
+    gen = _gen(3)
+    qw, gs, go, cs = random_lqq(512, 1024, 64, gen)
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    for m in (63, 64, 1000):
+        xq, xs = random_act(m, 1024, gen)
+        auto = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, 0)
+        want = 5 if m <= 64 else 4
+        forced = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16,
+                                               want if m >= 64 else -2, 0)
+        assert torch.equal(auto, forced)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(64, 1024, 4096), (200, 512, 1024), (1024, 4096, 1024)])
+def test_cuda_graph_capture_and_replay(need_wgmma, m, n, k):
+    """(64, 1024, 4096) takes split-K (4 CTAs): the counters' memset is captured too."""
+    gen = _gen(42)
+    qw, gs, go, cs = random_lqq(n, k, 64, gen)
+    layer = torch.nn.Module()
+    for name, t in (("qweight", qw), ("group_scale", gs), ("group_offset", go), ("channel_scale", cs)):
+        layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+    cuda.prepare_weights(layer)
+    bias = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+
+    def f(x):
+        xq, xs = cuda.quantize_act(x)
+        return torch.ops.mixprec_C.w4a8_gemm(xq, xs, layer.qweight, layer.group_scale, layer.channel_scale,
+                                             bias, torch.bfloat16, -1, 0)
+
+    x_static = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            f(x_static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = f(x_static)
+    for trial in range(3):
+        x_new = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=_gen(100 + trial))
+        x_static.copy_(x_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_static, f(x_new))
+        xq, xs = cuda.quantize_act(x_new)
+        check_close(y_static, ref.w4a8_gemm(xq, xs, qw, gs, go, cs, bias, torch.float64), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_deterministic_split_k(need_wgmma):
+    a, _ = _exact(128, 512, 8192, 64, 4, 7, seed=5)
+    b, _ = _exact(128, 512, 8192, 64, 4, 7, seed=5)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_wgmma_kernel_refused_where_unavailable():
+    if not torch.cuda.is_available() or not cuda.available():
+        pytest.skip("needs a CUDA GPU and the csrc ops")
+    if cuda.has_wgmma(torch.device(DEV)):
+        pytest.skip("wgmma available here")
+    gen = _gen(1)
+    qw, gs, go, cs = random_lqq(64, 128, 64, gen)
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    xq, xs = random_act(80, 128, gen)
+    with pytest.raises(RuntimeError, match="wgmma kernel"):
+        torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, 4, 0)
+    # auto still works (mma.sync fallback)
+    y = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, 0)
+    check_close(y, ref.w4a8_gemm(xq, xs, qw, gs, go, cs, None, torch.float64), torch.float16)
