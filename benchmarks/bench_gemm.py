@@ -124,7 +124,7 @@ def random_lqq(N: int, K: int, G: int, device):
     return {
         "qweight": torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=device),
         "group_scale": step.to(torch.uint8),
-        "group_offset": off.clamp_(0, 255 - 15 * step).to(torch.uint8),
+        "group_offset": torch.minimum(off.clamp_(min=0), 255 - 15 * step).to(torch.uint8),
         "channel_scale": (torch.rand(N, device=device) + 0.5) / (127 * math.sqrt(K)),
     }
 

@@ -224,7 +224,8 @@ TORCH_LIBRARY(mixprec_C, m) {
   m.def("quantize_act(Tensor x, Tensor? smooth) -> (Tensor, Tensor)");
   m.def(
       "w4a8_gemm(Tensor xq, Tensor x_scale, Tensor qweight, Tensor gparams, Tensor channel_scale, "
-      "Tensor? bias, ScalarType out_dtype, int kernel=-1, int splits=0) -> Tensor");
+      // kernel_id, not kernel: Inductor's FallbackKernel.create() takes a `kernel` argument itself.
+      "Tensor? bias, ScalarType out_dtype, int kernel_id=-1, int splits=0) -> Tensor");
   // No tensor arguments: registered with its (device-independent) kernel directly.
   m.def("w4a8_wgmma_available(int device) -> bool", &mixprec::w4a8_wgmma_available);
 }

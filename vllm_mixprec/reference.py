@@ -13,6 +13,12 @@ from . import formats as F
 _EPS = 1e-8
 
 
+def _div(t: torch.Tensor, c: float) -> torch.Tensor:
+    """t / c, correctly rounded on every device: on CUDA, tensor / Python scalar multiplies by
+    the rounded reciprocal, which the kernels (div_rn) would not reproduce."""
+    return t / torch.full_like(t, c)
+
+
 # --- weights: LiquidQuant two-level quantisation ---------------------------------------
 
 def quantize_w8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +106,7 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
     xf = x.to(torch.float32)
     if smooth is not None:
         xf = xf / smooth.to(torch.float32)
-    scale = xf.abs().amax(dim=-1).clamp_min(_EPS) / F.A8_MAX
+    scale = _div(xf.abs().amax(dim=-1).clamp_min(_EPS), F.A8_MAX)
     q = torch.round(xf / scale[:, None]).clamp_(-F.A8_MAX, F.A8_MAX).to(torch.int8)
     return q, scale
 
@@ -119,7 +125,7 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     x8, s8 = quantize_act(xf[:, :k8]) if k8 else (xf.new_zeros(xf.shape[0], 0, dtype=torch.int8),
                                                    xf.new_ones(xf.shape[0]))
     rest = xf[:, k8:]
-    s4 = rest.abs().amax(dim=-1).clamp_min(_EPS) / F.A4_MAX if rest.shape[1] else xf.new_ones(xf.shape[0])
+    s4 = _div(rest.abs().amax(dim=-1).clamp_min(_EPS), F.A4_MAX) if rest.shape[1] else xf.new_ones(xf.shape[0])
     q4 = torch.round(rest / s4[:, None]).clamp_(-F.A4_MAX, F.A4_MAX)
     return x8, s8, F.pack_int4(q4), s4
 
@@ -179,12 +185,12 @@ def quantize_kv(x: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tenso
     xf = x.to(torch.float32)
     if scheme == "kv4":
         mn, mx = xf.amin(-1), xf.amax(-1)
-        scale = ((mx - mn) / 15).clamp_min(1e-4).to(torch.float16)
+        scale = _div(mx - mn, 15).clamp_min(1e-4).to(torch.float16)
         zero = mn.to(torch.float16)
         q = torch.round((xf - zero.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15)
         return F.pack_nibbles(q.to(torch.uint8)), scale, zero
     if scheme == "kv8":
-        scale = (xf.abs().amax(-1) / 127).clamp_min(1e-8)
+        scale = _div(xf.abs().amax(-1), 127).clamp_min(1e-8)
         q = torch.round(xf / scale[..., None]).clamp_(-127, 127).to(torch.int8)
         return q, scale, None
     raise ValueError(f"kv scheme {scheme!r} is not one of ('kv4', 'kv8')")

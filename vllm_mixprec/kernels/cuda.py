@@ -52,7 +52,7 @@ def _register_fakes() -> None:
         return (x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32))
 
     @torch.library.register_fake("mixprec_C::w4a8_gemm")
-    def _w4a8_gemm_fake(xq, x_scale, qweight, gparams, channel_scale, bias, out_dtype, kernel=-1, splits=0):
+    def _w4a8_gemm_fake(xq, x_scale, qweight, gparams, channel_scale, bias, out_dtype, kernel_id=-1, splits=0):
         return xq.new_empty((xq.shape[0], channel_scale.shape[0]), dtype=out_dtype)
 
 
