@@ -346,10 +346,12 @@ def main(argv=None):
         print(f"wrote {path}")
         return
     rows = []
-    for ctx in args.ctx:
-        for batch in args.batch:
-            rows += run_shape(Shape(batch, ctx, args.seed), args.methods, args.rep_ms)
-            print_table(rows[-len(args.methods):])
+    from vllm.config import VllmConfig, set_current_vllm_config
+    with set_current_vllm_config(VllmConfig()):  # vLLM's TRITON_ATTN reads the KV layout from it
+        for ctx in args.ctx:
+            for batch in args.batch:
+                rows += run_shape(Shape(batch, ctx, args.seed), args.methods, args.rep_ms)
+                print_table(rows[-len(args.methods):])
     print()
     print_table(rows)
     path = os.path.join(args.out, f"attention-{tag}.json")
