@@ -12,15 +12,12 @@ import argparse
 import glob
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
 
 import torch
 
 from vllm_mixprec import reference as ref
+from vllm_mixprec.eval.serve import serve_and_ask
 from vllm_mixprec.quant_methods.config import MixPrecScheme
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -70,48 +67,6 @@ def export_mixprec(model, src: str, dst: str, kv_scheme: str, group_size: int = 
         if f.startswith(("tokenizer", "special_tokens", "generation_config")):
             with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
                 b.write(a.read())
-
-
-def serve_and_ask(model_dir: str, extra: list[str], log_path: str, port: int) -> dict:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "2048", "--gpu-memory-utilization", "0.5"] + extra
-    t0 = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    result = {"cmd": " ".join(cmd[2:]), "ok": False}
-    try:
-        url = f"http://127.0.0.1:{port}"
-        while time.time() - t0 < 300:
-            if proc.poll() is not None:
-                result["error"] = f"server exited with {proc.returncode}"
-                return result
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(2)
-        else:
-            result["error"] = "server not healthy in 300 s"
-            return result
-        result["startup_s"] = round(time.time() - t0, 1)
-        body = json.dumps({"model": model_dir, "prompt": "def fibonacci(n):", "max_tokens": 24,
-                           "temperature": 0, "logprobs": 1}).encode()
-        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
-        resp = json.load(urllib.request.urlopen(req, timeout=60))
-        choice = resp["choices"][0]
-        lps = [x for x in choice["logprobs"]["token_logprobs"] if x is not None]
-        result.update(ok=True, text=choice["text"], n_tokens=resp["usage"]["completion_tokens"],
-                      logprobs_finite=all(abs(x) < float("inf") for x in lps))
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-    log_text = open(log_path).read()
-    result["plugin_logged"] = "vllm_mixprec" in log_text and "registered" in log_text
-    result["kv_cache_line"] = next((l.strip() for l in log_text.splitlines() if "KV cache size" in l), None)
-    return result
 
 
 def main():
