@@ -29,25 +29,50 @@ def fake_quant_kv(x: torch.Tensor, scheme: str) -> torch.Tensor:
     return deq.view(b, t, h, d).permute(0, 2, 1, 3).to(x.dtype)
 
 
-def register_kv_attention(scheme: str) -> str:
-    """An attention implementation that fake-quantizes K and V, then runs SDPA."""
+def residual_attention(query, key, value, key_q, value_q, scaling: float, residual: int) -> torch.Tensor:
+    """Causal attention where query t reads keys t-R+1..t in 16 bits and older ones quantized.
+
+    This is what decoding with the backend's residual window (the newest R tokens kept in
+    16 bits) computes for every position; [B, H, T, D] inputs, GQA by repeat.
+    """
+    rep = query.shape[1] // key.shape[1]
+    k, v, kq, vq = (t.repeat_interleave(rep, dim=1).float() for t in (key, value, key_q, value_q))
+    q = query.float() * scaling
+    t = query.shape[2]
+    pos = torch.arange(t)
+    dist = pos[:, None] - pos[None, :]  # query i, key j: i - j
+    recent = (dist >= 0) & (dist < residual)
+    s = torch.where(recent, q @ k.transpose(-1, -2), q @ kq.transpose(-1, -2))
+    s = s.masked_fill(dist < 0, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    out = torch.where(recent, p, 0) @ v + torch.where(recent, 0, p) @ vq
+    return out.transpose(1, 2).to(query.dtype)
+
+
+def register_kv_attention(scheme: str, residual: int = 0) -> str:
+    """An attention implementation that fake-quantizes K and V, then runs SDPA
+    (or, with residual > 0, keeps each query's newest `residual` keys in 16 bits)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    name = f"mixprec_{scheme}"
+    name = f"mixprec_{scheme}_r{residual}"
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        return sdpa_attention_forward(module, query, fake_quant_kv(key, scheme),
-                                      fake_quant_kv(value, scheme), attention_mask, **kwargs)
+        kq, vq = fake_quant_kv(key, scheme), fake_quant_kv(value, scheme)
+        if residual <= 0:
+            return sdpa_attention_forward(module, query, kq, vq, attention_mask, **kwargs)
+        if attention_mask is not None:
+            raise ValueError("the residual-window evaluation supports unpadded causal windows only")
+        return residual_attention(query, key, value, kq, vq, kwargs["scaling"], residual), None
 
     AttentionInterface.register(name, attention)
     return name
 
 
-def set_kv_scheme(model, scheme: str) -> None:
+def set_kv_scheme(model, scheme: str, residual: int = 0) -> None:
     if scheme not in F.KV_SCHEMES:
         raise ValueError(f"kv scheme {scheme!r} is not one of {F.KV_SCHEMES}")
-    model.config._attn_implementation = "sdpa" if scheme == "none" else register_kv_attention(scheme)
+    model.config._attn_implementation = "sdpa" if scheme == "none" else register_kv_attention(scheme, residual)
 
 
 def read_config(folder: Path) -> dict:
@@ -158,8 +183,13 @@ def perplexity_vllm(folder: str | Path, ids: torch.Tensor, n_tokens: int = 4096,
 
 def evaluate(folder: str | Path, texts: list[str], n_tokens: int = 4096, window: int = 1024,
              kv_scheme: str | None = None, backend: str = "cpu", progress: bool = False,
-             tokenizer_dir: str | Path | None = None) -> dict[str, dict]:
-    """Perplexity of a folder on each text; kv_scheme None = the checkpoint's own."""
+             tokenizer_dir: str | Path | None = None, kv_residual: int = 0) -> dict[str, dict]:
+    """Perplexity of a folder on each text; kv_scheme None = the checkpoint's own.
+
+    kv_residual R > 0 (cpu only): every position reads its newest R keys in 16 bits, as
+    decoding with the attention backend's residual window does; 0: all keys quantized, as
+    a prefill does (the backend's pages).
+    """
     from transformers import AutoTokenizer
 
     from ..quantize.models import load_text
@@ -174,5 +204,5 @@ def evaluate(folder: str | Path, texts: list[str], n_tokens: int = 4096, window:
     if backend != "cpu":
         raise ValueError(f"backend {backend!r} is not 'cpu' or 'vllm'")
     model, _ = load_model_cpu(folder)
-    set_kv_scheme(model, kv)
+    set_kv_scheme(model, kv, kv_residual)
     return {t: perplexity_cpu(model, ids[t], n_tokens, window, progress) for t in texts}

@@ -29,12 +29,16 @@ class UnsupportedModelError(ValueError):
     pass
 
 
-def check_architecture(config) -> None:
-    archs = list(getattr(config, "architectures", None) or [])
+def check_architecture_names(archs) -> None:
+    archs = list(archs or [])
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise UnsupportedModelError(
             f"architecture {archs or '(none in config.json)'} is not supported; "
             f"vllm-mixprec quantize supports {list(SUPPORTED_ARCHITECTURES)}")
+
+
+def check_architecture(config) -> None:
+    check_architecture_names(getattr(config, "architectures", None))
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     if heads % kv:
         raise UnsupportedModelError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
@@ -88,17 +92,17 @@ class LinearStats:
 
 @torch.no_grad()
 def collect_stats(layer, hidden: torch.Tensor, kwargs: dict, *, hessian: bool, sample_rows: int,
-                  batch_size: int = 4, seed: int = 0) -> tuple[dict[str, LinearStats], torch.Tensor, torch.Tensor]:
+                  batch_size: int = 4, seed: int = 0) -> tuple[dict[str, LinearStats], dict, torch.Tensor]:
     """Run the float layer on hidden [n, T, d] with hooks on every linear.
 
-    Returns (stats per linear name, absmax [Hkv*D] of the k_proj output, layer output).
+    Returns (stats per linear name, k_proj output stats {"max", "min", "mean"} [Hkv*D], layer output).
     Linears that share an input (q/k/v, gate/up) get one shared LinearStats object.
     """
     n, t, _ = hidden.shape
     gen = torch.Generator().manual_seed(seed)
     keep = torch.randperm(n * t, generator=gen)[:sample_rows].sort().values  # rows for the sample
     acc: dict[str, dict] = {}
-    k_absmax = [None]
+    k_stats = {"max": None, "min": None, "sum": 0.0, "rows": 0}
     offset = [0]
 
     def pre_hook(name):
@@ -117,8 +121,12 @@ def collect_stats(layer, hidden: torch.Tensor, kwargs: dict, *, hessian: bool, s
         return hook
 
     def k_hook(mod, args, out):
-        am = out.reshape(-1, out.shape[-1]).abs().amax(0).double()
-        k_absmax[0] = am if k_absmax[0] is None else torch.maximum(k_absmax[0], am)
+        o = out.reshape(-1, out.shape[-1]).double()
+        mx, mn = o.amax(0), o.amin(0)
+        k_stats["max"] = mx if k_stats["max"] is None else torch.maximum(k_stats["max"], mx)
+        k_stats["min"] = mn if k_stats["min"] is None else torch.minimum(k_stats["min"], mn)
+        k_stats["sum"] = k_stats["sum"] + o.sum(0)
+        k_stats["rows"] += o.shape[0]
 
     # one hook per distinct input: the first linear of each group
     handles = [layer.get_submodule(g["linears"][0]).register_forward_pre_hook(pre_hook(key))
@@ -139,4 +147,5 @@ def collect_stats(layer, hidden: torch.Tensor, kwargs: dict, *, hessian: bool, s
         st = LinearStats(a["absmax"], a["h"], a["rows"], torch.cat(a["sample"]))
         for name in g["linears"]:
             stats[name] = st
-    return stats, k_absmax[0], out
+    k = {"max": k_stats["max"], "min": k_stats["min"], "mean": k_stats["sum"] / k_stats["rows"]}
+    return stats, k, out

@@ -5,7 +5,7 @@ Two grids plug into the same solver:
   * `Int4Sym`: W4A16 g128 symmetric, the standard GPTQ checkpoint vLLM serves with Marlin;
   * `LqqGrid`: the W4A8 LiquidQuant grid (level-1 per-channel int8 scale fixed up front,
     level-2 group step/offset fitted at each group's first column), exported as mixprec.
-A grid is (fit, fake): fit(W[:, g:g+G]) -> per-group params at the group's first column
+A grid is (fit, fake): fit(W[:, g:g+G], cols) -> per-group params at the group's first column
 (on the error-updated weights, as in GPTQ), fake(column, params) -> dequantized column.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ GPTQ_ZERO = 8  # uint4b8: w = (q - 8) * scale
 class Int4Sym:
     """Symmetric int4 per group: scale = 2*max|w|/15 (GPTQ's sym convention), q in [0, 15]."""
 
-    def fit(self, w: torch.Tensor) -> torch.Tensor:
+    def fit(self, w: torch.Tensor, cols: slice) -> torch.Tensor:
         amax = w.abs().amax(1).clamp_min(1e-10)
         # rounded to fp16 now, because the checkpoint stores fp16 scales
         return (2 * amax / 15).to(torch.float16).to(torch.float64)
@@ -44,22 +44,31 @@ class LqqGrid:
     """LiquidQuant: w_hat = lqq_dequant(encode(clamp(round(w / s1)))) * s1, s1 fixed per row."""
 
     channel_scale: torch.Tensor  # [N] float32, from the weights before GPTQ
+    act_sq: torch.Tensor | None = None  # [K]: fit groups by lqq.search_group_params
 
     def w8(self, w: torch.Tensor) -> torch.Tensor:
         s1 = self.channel_scale.to(torch.float64).view(-1, *[1] * (w.dim() - 1))
         return torch.round(w / s1).clamp_(-F.W8_PROTECT, F.W8_PROTECT).to(torch.int8)
 
-    def fit(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ref.lqq_group_params(self.w8(w), w.shape[1])  # one group: [N, 1] each
-
-    def codes(self, col: torch.Tensor, params) -> torch.Tensor:
-        step, offset = params
-        return ref.lqq_encode(self.w8(col)[:, None], step, offset, 1)[:, 0]
+    def fit(self, w: torch.Tensor, cols: slice) -> tuple[torch.Tensor, ...]:
+        """(step, offset) uint8 [N, 1] of the group at columns `cols`, plus float64 copies."""
+        if self.act_sq is None:
+            step, offset = ref.lqq_group_params(self.w8(w), w.shape[1])
+        else:
+            from .lqq import search_group_params
+            step, offset = search_group_params(self.w8(w), w.shape[1], self.act_sq[cols])
+        # GPTQ may push later columns past the fitted [min, max]; no lane can wrap anyway:
+        # w8 <= 119 and q*step <= w8 - min + step/2, so q*step + a <= 119 + 8 + 128
+        return step, offset, step[:, 0].to(torch.float64), offset[:, 0].to(torch.float64) - 128
 
     def fake(self, col: torch.Tensor, params) -> torch.Tensor:
-        step, offset = params
-        w8 = F.lqq_dequant_lanes(self.codes(col, params), step[:, 0], offset[:, 0])
-        return w8.to(torch.float64) * self.channel_scale.to(torch.float64)
+        # lqq_encode + lqq_dequant_lanes written out in float64: this runs once per column,
+        # so it is the solver's hot path (test_gptq checks it against the reference decode)
+        _, _, step, mn = params
+        s1 = self.channel_scale.to(torch.float64)
+        w8 = torch.round(col / s1).clamp_(-F.W8_PROTECT, F.W8_PROTECT)
+        q = torch.round((w8 - mn) / step).clamp_(0, F.W4_MAX)
+        return (q * step + mn) * s1
 
 
 def damped_hessian(h: torch.Tensor, w: torch.Tensor, percdamp: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,13 +102,14 @@ def gptq(w: torch.Tensor, h: torch.Tensor, grid, group_size: int, block_size: in
         wb = w[:, b0:b1].clone()
         err = torch.zeros_like(wb)
         hb = hinv[b0:b1, b0:b1]
+        diag = hb.diagonal().tolist()
         for i in range(b1 - b0):
             if (b0 + i) % group_size == 0:
-                params.append(grid.fit(wb[:, i:i + group_size]))
+                params.append(grid.fit(wb[:, i:i + group_size], slice(b0 + i, b0 + i + group_size)))
             col = wb[:, i]
             qc = grid.fake(col, params[-1])
             q[:, b0 + i] = qc
-            e = (col - qc) / hb[i, i]
+            e = (col - qc) / diag[i]
             wb[:, i:] -= e[:, None] * hb[i, i:][None, :]
             err[:, i] = e
         w[:, b1:] -= err @ hinv[b0:b1, b1:]  # the lazy part: one GEMM per block
@@ -168,7 +178,8 @@ def gptq_quantize_config(group_size: int, percdamp: float) -> dict:
 # --- W4A8: GPTQ on the LiquidQuant grid ----------------------------------------------------
 
 def gptq_lqq(w: torch.Tensor, h: torch.Tensor, group_size: int, percdamp: float = 0.01,
-             clip_ratio: torch.Tensor | float = 1.0) -> dict[str, torch.Tensor]:
+             clip_ratio: torch.Tensor | float = 1.0, act_sq: torch.Tensor | None = None
+             ) -> dict[str, torch.Tensor]:
     """W4A8 tensors (formats.W4Layout) with GPTQ error feedback on the two-level grid.
 
     The level-1 scale comes from the (optionally clipped) weights before GPTQ; GPTQ then
@@ -177,9 +188,9 @@ def gptq_lqq(w: torch.Tensor, h: torch.Tensor, group_size: int, percdamp: float 
     from .lqq import quantize_lqq_clipped
 
     channel_scale = quantize_lqq_clipped(w, group_size, clip_ratio)["channel_scale"]
-    grid = LqqGrid(channel_scale)
+    grid = LqqGrid(channel_scale, act_sq)
     w_hat, params = gptq(w, h, grid, group_size, percdamp=percdamp)
-    step = torch.cat([p[0] for p in params], dim=1)
+    step = torch.cat([p[0] for p in params], dim=1)  # uint8 [N, K/G]
     offset = torch.cat([p[1] for p in params], dim=1)
     w8 = grid.w8(w_hat)  # exact: w_hat is w8_hat * s1 on the grid
     codes = ref.lqq_encode(w8, step, offset, group_size)
@@ -199,7 +210,7 @@ def gptq_naive(w: torch.Tensor, h: torch.Tensor, grid, group_size: int, percdamp
     params = []
     for j in range(w.shape[1]):
         if j % group_size == 0:
-            params.append(grid.fit(w[:, j:j + group_size]))
+            params.append(grid.fit(w[:, j:j + group_size], slice(j, j + group_size)))
         q[:, j] = grid.fake(w[:, j], params[-1])
         e = (w[:, j] - q[:, j]) / hinv[j, j]
         w[:, j:] -= e[:, None] * hinv[j, j:][None, :]

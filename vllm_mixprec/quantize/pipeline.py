@@ -20,7 +20,7 @@ from . import smoothing as S
 from .export import write_checkpoint
 from .models import load_text
 from .modules import MixPrecLinear, dense_linear, replace_module
-from .smooth_attention import fold_smooth_attention, smooth_attention_scales
+from .smooth_attention import center_k_bias, fold_smooth_attention, smooth_attention_scales
 
 SCHEMES = ("w4a8", "w4ax", "gptq-w4a16", "none")
 
@@ -32,13 +32,18 @@ class QuantOptions:
     kv_scheme: str = "none"  # recorded in quantization_config (mixprec schemes only)
     smooth: bool = False  # SmoothQuant scales with a per-layer alpha search
     smooth_attention: bool = False  # QServe SmoothAttention folded into q/k_proj
+    smooth_attention_alpha: float = 0.5  # λ = max|K|^alpha (QServe: 0.5)
+    k_centering: bool = False  # subtract K's mean in RoPE's slowest channels (needs a k bias)
     gptq: bool = False  # w4a8/w4ax: GPTQ on the LiquidQuant grid
-    clip: bool = False  # w4a8/w4ax: per-channel clip ratio search
+    clip: bool = False  # w4a8/w4ax: per-channel clip ratio + per-group range search
     a8_fraction: float = 0.25  # w4ax
     calib_text: str = "alice29"
     calib_samples: int = 64
     calib_seqlen: int = 512
-    sample_rows: int = 2048  # rows kept per linear input for the alpha search
+    sample_rows: int = 1024  # rows kept per linear input for the alpha search
+    # next layer's inputs: "quantized" (run the quantized layer, GPTQ style, exact reference
+    # GEMMs) or "float" (the float layer's output, free: already computed for the stats)
+    propagate: str = "quantized"
     alpha_grid: tuple[float, ...] = S.ALPHA_GRID
     percdamp: float = 0.01
     batch_size: int = 4
@@ -62,6 +67,8 @@ class QuantOptions:
                              f"{self.weight_scheme!r} evaluate KV quantization with `eval --kv` instead")
         if self.weight_scheme in ("gptq-w4a16", "none") and (self.gptq or self.clip or self.smooth):
             raise ValueError("--gptq/--clip/--smooth apply to the w4a8 and w4ax schemes")
+        if self.propagate not in ("quantized", "float"):
+            raise ValueError(f"propagate {self.propagate!r} is not 'quantized' or 'float'")
         if not 0.0 <= self.a8_fraction <= 1.0:
             raise ValueError(f"a8 fraction {self.a8_fraction} is not in [0, 1]")
 
@@ -100,8 +107,9 @@ def quantization_config(opts: QuantOptions) -> dict | None:
     frac = opts.a8_fraction if opts.weight_scheme == "w4ax" else None
     cfg = MixPrecScheme(opts.weight_scheme, opts.group_size, opts.kv_scheme, frac).to_dict()
     cfg["calibration"] = {"text": opts.calib_text, "samples": opts.calib_samples, "seqlen": opts.calib_seqlen,
-                          "smooth": opts.smooth, "smooth_attention": opts.smooth_attention,
-                          "gptq": opts.gptq, "clip": opts.clip}
+                          "smooth": opts.smooth,
+                          "smooth_attention_alpha": opts.smooth_attention_alpha if opts.smooth_attention else None,
+                          "k_centering": opts.k_centering, "gptq": opts.gptq, "clip": opts.clip}
     return cfg
 
 
@@ -123,7 +131,9 @@ def quantize_linear(w: torch.Tensor, st: C.LinearStats, opts: QuantOptions) -> d
                                                                dtype=torch.int32)}
     ratio = lqq.clip_search(w, g, act_sq)[1] if opts.clip else 1.0
     if opts.gptq:
-        t = gptq.gptq_lqq(w, h, g, opts.percdamp, ratio)
+        t = gptq.gptq_lqq(w, h, g, opts.percdamp, ratio, act_sq if opts.clip else None)
+    elif opts.clip:
+        t = lqq.quantize_lqq_searched(w, g, act_sq, ratio)
     else:
         t = lqq.quantize_lqq_clipped(w, g, ratio)
     return {**t, **extra}
@@ -174,11 +184,21 @@ def quantize_layer(layer, i: int, hidden: torch.Tensor, kwargs: dict, config, op
     """Quantize decoder layer i in place; returns (export tensors, next hidden, info)."""
     t0 = time.time()
     layer.float()
-    stats, k_absmax, _ = C.collect_stats(layer, hidden, kwargs, hessian=opts.needs_hessian(),
+    stats, k_stats, float_out = C.collect_stats(layer, hidden, kwargs, hessian=opts.needs_hessian(),
                                          sample_rows=opts.sample_rows, batch_size=opts.batch_size, seed=i)
     info = {"layer": i}
+    c = 0.0
+    if opts.k_centering:
+        k_proj = layer.self_attn.k_proj
+        if k_proj.bias is None:
+            raise ValueError("k centering folds into k_proj's bias, and this model has none")
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or config.rope_theta
+        c = center_k_bias(k_proj, k_stats["mean"], C.head_dim(config), theta,
+                          config.max_position_embeddings)
+        info["k_centered_max"] = float(c.abs().max())
+    k_absmax = torch.maximum(k_stats["max"] - c, c - k_stats["min"])  # of k - c
     if opts.smooth_attention:
-        lam = smooth_attention_scales(k_absmax, C.head_dim(config))
+        lam = smooth_attention_scales(k_absmax, C.head_dim(config), opts.smooth_attention_alpha)
         fold_smooth_attention(layer.self_attn.q_proj, layer.self_attn.k_proj, lam,
                               config.num_attention_heads, config.num_key_value_heads)
         info["k_absmax_before_after"] = (float(k_absmax.max()), float((k_absmax / lam).max()))
@@ -203,21 +223,25 @@ def quantize_layer(layer, i: int, hidden: torch.Tensor, kwargs: dict, config, op
         replace_module(layer, name, new)
     for norm in ("input_layernorm", "post_attention_layernorm"):
         out[prefix + norm + ".weight"] = layer.get_submodule(norm).weight.detach().to(torch.bfloat16)
-    nxt = C.run_layer(layer, hidden, kwargs, opts.batch_size)
+    nxt = float_out if opts.propagate == "float" else C.run_layer(layer, hidden, kwargs, opts.batch_size)
     info["seconds"] = time.time() - t0
     return out, nxt, info
 
 
 # --- whole model ------------------------------------------------------------------------
 
-def load_model(model_dir: Path):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def load_config(model_dir: str | Path):
+    """The HF config of a supported model folder (clear errors otherwise)."""
+    from transformers import AutoConfig
 
+    model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json (not a Hugging Face model folder)")
+    # before AutoConfig, which has its own (less helpful) error for unknown model types
+    C.check_architecture_names(json.loads((model_dir / "config.json").read_text()).get("architectures"))
     config = AutoConfig.from_pretrained(model_dir)
     C.check_architecture(config)
-    return config, AutoModelForCausalLM, AutoTokenizer
+    return config
 
 
 def quantize_model(model_dir: str | Path, out_dir: str | Path, opts: QuantOptions,
@@ -227,13 +251,15 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, opts: QuantOption
 
     opts.validate()
     model_dir = Path(model_dir)
-    config, auto_model, auto_tok = load_model(model_dir)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = load_config(model_dir)
     check_shapes(config, opts)
     if Path(out_dir).exists() and not overwrite:
         raise FileExistsError(f"output {out_dir} already exists (pass --overwrite to replace it)")
     t_start = time.time()
-    tok = auto_tok.from_pretrained(model_dir)
-    model = auto_model.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.eval().requires_grad_(False)
     tokens = C.calibration_batches(tok, load_text(opts.calib_text), opts.calib_samples, opts.calib_seqlen)
     kwargs = C.decoder_kwargs(model, tokens.shape[1])

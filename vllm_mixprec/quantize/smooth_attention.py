@@ -32,3 +32,26 @@ def fold_smooth_attention(q_proj: nn.Linear, k_proj: nn.Linear, lam: torch.Tenso
         lin.weight.mul_(s.to(lin.weight.dtype)[:, None])
         if lin.bias is not None:
             lin.bias.mul_(s.to(lin.bias.dtype))
+
+
+def rope_frequencies(head_dim: int, rope_theta: float) -> torch.Tensor:
+    """θ_i of HF default RoPE for the pair (i, i + D/2), i < D/2 (radians per position)."""
+    return rope_theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+
+@torch.no_grad()
+def center_k_bias(k_proj: nn.Linear, k_mean: torch.Tensor, head_dim: int, rope_theta: float,
+                  max_positions: int, max_angle: float = 0.1) -> torch.Tensor:
+    """Subtract K's calibration mean from k_proj's bias in channels RoPE barely rotates.
+
+    q . (k - c) differs from q . k by q . R c, which is the same for every key when the
+    rotation R is the identity, so softmax ignores it. RoPE rotates channel pair i by
+    θ_i per position; where θ_i * max_positions <= max_angle the drift is negligible
+    (Qwen2 keeps biases of ~300 there, which wreck per-token 4-bit K). Not exact: the
+    residual drift is bounded by |q_i||c_i| * max_angle. Returns the c subtracted [Hkv*D].
+    """
+    slow = rope_frequencies(head_dim, rope_theta) * max_positions <= max_angle
+    mask = torch.cat([slow, slow]).repeat(k_mean.numel() // head_dim)
+    c = torch.where(mask, k_mean.to(torch.float64), 0.0)
+    k_proj.bias.sub_(c.to(k_proj.bias.dtype))
+    return c

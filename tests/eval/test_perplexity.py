@@ -1,0 +1,121 @@
+"""CPU perplexity path: KV fake quantization, checkpoint loading, the windowed metric."""
+import math
+
+import pytest
+import torch
+
+from vllm_mixprec import reference as ref
+from vllm_mixprec.eval import perplexity as P
+from vllm_mixprec.quantize.modules import MixPrecLinear
+from vllm_mixprec.quantize.pipeline import QuantOptions, quantize_model
+from vllm_mixprec.quantize.testing import VOCAB, calib_text_file, save_tiny
+
+
+@pytest.mark.parametrize("scheme", ["kv4", "kv8"])
+def test_fake_quant_kv_is_per_token_head(scheme):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 32, generator=g)  # [B, H, T, D]
+    got = P.fake_quant_kv(x, scheme)
+    for b in range(2):
+        for t in range(5):
+            codes, scale, zero = ref.quantize_kv(x[b, :, t][None], scheme)
+            assert torch.equal(got[b, :, t], ref.dequantize_kv(codes, scale, zero, scheme)[0])
+    err = (got - x).abs().max()
+    assert err < (0.1 if scheme == "kv4" else 0.01) * x.abs().max()
+
+
+@pytest.mark.parametrize("scheme", ["kv4", "kv8"])
+def test_kv_attention_matches_reference_attention(scheme):
+    from transformers import AttentionInterface
+
+    name = P.register_kv_attention(scheme)
+    fn = AttentionInterface._global_mapping[name]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 6, 16, generator=g)
+    k = torch.randn(1, 2, 6, 16, generator=g)
+    v = torch.randn(1, 2, 6, 16, generator=g)
+
+    class Mod(torch.nn.Module):
+        is_causal = True
+        num_key_value_groups = 2
+
+    out, _ = fn(Mod(), q, k, v, None, scaling=0.25, dropout=0.0)
+    kd, vd = P.fake_quant_kv(k, scheme), P.fake_quant_kv(v, scheme)
+    want = ref.attention(q[0].transpose(0, 1), kd[0].transpose(0, 1), vd[0].transpose(0, 1), 0.25)
+    assert torch.allclose(out[0].double(), want, atol=1e-5)
+
+
+def test_windows():
+    ids = torch.arange(10)
+    w = P.windows(ids, 9, 4)
+    assert [x.tolist() for x in w] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a 1-token tail predicts nothing
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ppl")
+    src = save_tiny(d / "src", "llama")
+    text = calib_text_file(d / "calib.txt")
+    out = {"src": src, "text": text}
+    for name, kw in {"w4a8": dict(weight_scheme="w4a8", smooth=True),
+                     "gptq": dict(weight_scheme="gptq-w4a16", group_size=64)}.items():
+        opts = QuantOptions(calib_text=str(text), calib_samples=4, calib_seqlen=64, progress=False, **kw)
+        out[name] = quantize_model(src, d / name, opts)["output"]
+    return out
+
+
+def test_bf16_folder_ppl_equals_hf_loss(folders):
+    from transformers import AutoModelForCausalLM
+    model, kind = P.load_model_cpu(folders["src"])
+    assert kind == "bf16"
+    ids = torch.randint(0, VOCAB, (130,), generator=torch.Generator().manual_seed(2))
+    r = P.perplexity_cpu(model, ids, n_tokens=128, window=64)
+    hf = AutoModelForCausalLM.from_pretrained(folders["src"], dtype=torch.float32)
+    with torch.no_grad():
+        losses = [float(hf(w[None], labels=w[None]).loss) for w in P.windows(ids, 128, 64)]
+    assert r["tokens"] == 126
+    assert r["ppl"] == pytest.approx(math.exp(sum(losses) / 2), rel=1e-4)
+
+
+def test_mixprec_checkpoint_loads_as_reference_modules(folders):
+    model, kind = P.load_model_cpu(folders["w4a8"])
+    assert kind == "mixprec"
+    lin = [m for m in model.modules() if isinstance(m, MixPrecLinear)]
+    assert len(lin) == 2 * 7
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+    ids = torch.randint(0, VOCAB, (129,), generator=torch.Generator().manual_seed(3))
+    base, _ = P.load_model_cpu(folders["src"])
+    r_q = P.perplexity_cpu(model, ids, 128, 64)["ppl"]
+    r_f = P.perplexity_cpu(base, ids, 128, 64)["ppl"]
+    assert abs(r_q / r_f - 1) < 0.1
+
+
+def test_gptq_checkpoint_and_kv_override(folders):
+    model, kind = P.load_model_cpu(folders["gptq"])
+    assert kind == "gptq"
+    res = P.evaluate(folders["gptq"], [str(folders["text"])], n_tokens=256, window=64)
+    res8 = P.evaluate(folders["gptq"], [str(folders["text"])], n_tokens=256, window=64, kv_scheme="kv8")
+    res4 = P.evaluate(folders["gptq"], [str(folders["text"])], n_tokens=256, window=64, kv_scheme="kv4")
+    (p,), (p8,), (p4,) = (tuple(r.values()) for r in (res, res8, res4))
+    assert p8["ppl"] != p["ppl"]
+    assert abs(p8["ppl"] / p["ppl"] - 1) <= abs(p4["ppl"] / p["ppl"] - 1) + 1e-6
+
+
+def test_residual_attention_limits():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 12, 16, generator=g)
+    k = torch.randn(1, 2, 12, 16, generator=g)
+    v = torch.randn(1, 2, 12, 16, generator=g)
+    kq, vq = P.fake_quant_kv(k, "kv4"), P.fake_quant_kv(v, "kv4")
+    tr = lambda t: t[0].transpose(0, 1)  # noqa: E731  [B,H,T,D] -> [T,H,D]
+    # R = 0: everything quantized; R >= T: nothing quantized
+    for r, kk, vv in ((0, kq, vq), (12, k, v)):
+        got = P.residual_attention(q, k, v, kq, vq, 0.25, r)[0]
+        assert torch.allclose(got.double(), ref.attention(tr(q), tr(kk), tr(vv), 0.25), atol=1e-5)
+    # R = 3: query t sees keys t-2..t exact; check one query against a hand-built key set
+    got = P.residual_attention(q, k, v, kq, vq, 0.25, 3)[0]
+    t = 7
+    kk = torch.cat([kq[:, :, :t - 2], k[:, :, t - 2:t + 1]], dim=2)
+    vv = torch.cat([vq[:, :, :t - 2], v[:, :, t - 2:t + 1]], dim=2)
+    want = ref.attention(tr(q)[t:t + 1], tr(kk), tr(vv), 0.25)
+    assert torch.allclose(got[t].double(), want[0], atol=1e-5)

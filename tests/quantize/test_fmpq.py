@@ -1,0 +1,59 @@
+"""FMPQ (W4Ax): outlier channels land in the 8-bit blocks, the permuted layer is the same GEMM."""
+import pytest
+import torch
+
+from vllm_mixprec import formats as F
+from vllm_mixprec import reference as ref
+from vllm_mixprec.quantize import fmpq, lqq
+from vllm_mixprec.quantize.modules import MixPrecLinear
+
+
+def test_num_a8_blocks():
+    assert fmpq.num_a8_blocks(1536, 0.25) == 3
+    assert fmpq.num_a8_blocks(1536, 0.0) == 0 and fmpq.num_a8_blocks(1536, 1.0) == 12
+    with pytest.raises(ValueError):
+        fmpq.num_a8_blocks(576, 0.25)  # 576 is not a multiple of 128
+
+
+def test_outliers_go_to_the_8bit_blocks():
+    g = torch.Generator().manual_seed(0)
+    k = 512
+    absmax = torch.rand(k, generator=g, dtype=torch.float64)
+    outliers = torch.randperm(k, generator=g)[:20]
+    absmax[outliers] = 50 + torch.rand(20, generator=g, dtype=torch.float64)
+    perm = fmpq.outlier_permutation(absmax)
+    assert perm.dtype == torch.int32 and torch.equal(perm.sort().values, torch.arange(k, dtype=torch.int32))
+    k8 = fmpq.num_a8_blocks(k, 0.25) * F.ACT_BLOCK
+    assert set(outliers.tolist()) <= set(perm[:k8].tolist())
+    assert bool((absmax[perm.long()].diff() <= 0).all())
+
+
+def test_permuted_layer_is_the_same_gemm_and_matches_float64():
+    g = torch.Generator().manual_seed(1)
+    n, k, gs = 32, 256, 64
+    w = torch.randn(n, k, generator=g, dtype=torch.float64) * 0.05
+    x = torch.randn(9, k, generator=g)
+    x[:, [3, 77, 200]] *= 60
+    perm = fmpq.outlier_permutation(x.abs().amax(0))
+    wp = fmpq.permute_weight(w, perm)
+    assert torch.allclose(x.double()[:, perm.long()] @ wp.T, x.double() @ w.T)
+    t = ref.quantize_weight_lqq(wp, gs)
+    t.update(act_perm=perm, a8_blocks=torch.tensor([1], dtype=torch.int32))
+    mod = MixPrecLinear(t, None, "w4ax")
+    y = mod(x).double()
+    # float64 oracle written out: dequantized weights times fake-quantized activations
+    wq = lqq.dequantize(t)
+    xp = x.double()[:, perm.long()]
+    s8 = xp[:, :128].abs().amax(1, keepdim=True).float().double() / 127
+    x8 = torch.round(xp[:, :128] / s8).clamp(-127, 127) * s8
+    rest = xp[:, 128:]
+    s4 = rest.abs().amax(1, keepdim=True) / 7
+    x4 = torch.round(rest / s4).clamp(-7, 7) * s4
+    want = torch.cat([x8, x4], 1) @ wq.T
+    assert torch.allclose(y, want, rtol=1e-4, atol=1e-4)
+    # the outliers in 8 bits beat all-4-bit activations by a wide margin
+    all4 = MixPrecLinear({**t, "a8_blocks": torch.tensor([0], dtype=torch.int32)}, None, "w4ax")(x).double()
+    exact = x.double() @ w.T
+    assert ((y - exact) ** 2).sum() < 0.5 * ((all4 - exact) ** 2).sum()
+    # fake_w4ax (the alpha search's simulation) agrees with the module
+    assert torch.allclose(fmpq.fake_w4ax(x, w, gs, perm, 128).double(), y, rtol=1e-4, atol=1e-4)
