@@ -9,10 +9,10 @@ import torch
 from vllm_mixprec import reference as ref
 from vllm_mixprec.kernels import cuda
 
+from cuda_gemm_helpers import DEV, _gen, check_close, poison, random_act, random_lqq
+
 pytestmark = pytest.mark.gpu
 
-DEV = "cuda"
-EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -20}
 
 
 @pytest.fixture(autouse=True)
@@ -25,43 +25,6 @@ def _need_ops():
         pytest.skip("the csrc ops need sm80+")
 
 
-def _gen(seed):
-    return torch.Generator(device=DEV).manual_seed(seed)
-
-
-def random_lqq(n, k, g, gen):
-    """Valid LiquidQuant tensors drawn directly (q * s + a <= 255, a >= 9), on the GPU."""
-    q = torch.randint(0, 16, (n, k), generator=gen, device=DEV, dtype=torch.int32)
-    s = torch.randint(1, 17, (n, k // g), generator=gen, device=DEV, dtype=torch.int32)
-    room = 255 - 15 * s - 9  # offsets 9 .. 255 - 15 s
-    a = 9 + (torch.rand((n, k // g), generator=gen, device=DEV) * (room + 1)).floor().to(torch.int32).clamp_max(room)
-    qw = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
-    cs = torch.rand(n, generator=gen, device=DEV) * 0.002 + 0.0001  # fp16 outputs stay finite
-    return qw, s.to(torch.uint8), a.to(torch.uint8), cs
-
-
-def random_act(m, k, gen):
-    xq = torch.randint(-127, 128, (m, k), generator=gen, device=DEV, dtype=torch.int32).to(torch.int8)
-    xs = torch.rand(m, generator=gen, device=DEV) + 0.01
-    return xq, xs
-
-
-def poison(numel, dtype):
-    """Leave NaN (or 0x7F.. for ints) in the allocator block the next output will reuse."""
-    t = torch.empty(numel, dtype=dtype, device=DEV)
-    t.fill_(float("nan") if dtype.is_floating_point else 0x7F)
-    del t
-
-
-def check_close(y, y_ref, out_dtype):
-    assert y.dtype == out_dtype and y.shape == y_ref.shape
-    assert bool(torch.isfinite(y).all()), "non-finite output (unwritten or overflow)"
-    diff = (y.double() - y_ref).abs()
-    bound = EPS[out_dtype] * y_ref.abs() + 1e-6 * float(y_ref.abs().max()) + 1e-30
-    bad = int((diff > bound).sum())
-    assert bad == 0, f"{bad} elements off; max diff {float(diff.max()):.3g}"
-    rel = float((y.double() - y_ref).norm() / y_ref.norm().clamp_min(1e-30))
-    assert rel < 1e-3 + EPS[out_dtype], rel
 
 
 def run_gemm(m, n, k, g, out_dtype, seed, bias_dtype=None, kernel=-1, splits=0, packed=True):
