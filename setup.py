@@ -7,8 +7,26 @@ MIXPREC_CUDA_ARCHS overrides the targets (default "80;90a").
 import glob
 import os
 import shutil
+import subprocess
 
 from setuptools import setup
+
+
+def _check_shared_cxx_runtime(path: str) -> None:
+    """Refuse an extension that carries its own copy of the C++ runtime.
+
+    Some compiler wrappers link libstdc++ statically; a TORCH_CHECK failing inside an op then
+    crashes the process in the unwinder instead of raising in Python (seen on the GPU host
+    with /opt/gcc, scripts/diag_cxx_throw.sh). torch links it dynamically; so must we.
+    """
+    if not shutil.which("readelf"):
+        return
+    dyn = subprocess.run(["readelf", "-dW", path], capture_output=True, text=True).stdout
+    if "libstdc++" not in dyn:
+        raise RuntimeError(
+            f"{path} does not link libstdc++ dynamically (the compiler {os.environ.get('CXX', 'c++')} "
+            "links it statically): op errors would crash instead of raising. Build with a plain "
+            "g++, e.g. CC=/usr/bin/gcc CXX=/usr/bin/g++")
 
 
 def _cuda_extensions():
@@ -50,7 +68,12 @@ def _cuda_extensions():
         },
         py_limited_api=True,
     )
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    class Build(BuildExtension):
+        def build_extension(self, ext):
+            super().build_extension(ext)
+            _check_shared_cxx_runtime(self.get_ext_fullpath(ext.name))
+
+    return [ext], {"build_ext": Build.with_options(use_ninja=True)}
 
 
 ext_modules, cmdclass = _cuda_extensions()

@@ -2,8 +2,9 @@
 
   python scripts/bench_w4a8_cuda.py [--full] [--no-marlin] [--out $OUT/bench_w4a8_cuda.json]
 
-Median of triton.testing.do_bench (the way /work/shared/baselines/marlin_bench.py timed the
-baselines). Shapes whose weights fit in L2 rotate over several weight copies. Prints a table
+Median of triton.testing.do_bench_cudagraph: each variant is captured in a CUDA graph, so
+small shapes are timed on the GPU, not on the launch path (--no-graph: plain do_bench, the way
+/work/shared/baselines/marlin_bench.py timed the baselines). Shapes whose weights fit in L2 rotate over several weight copies. Prints a table
 last: time in us, achieved weight-stream bandwidth, and speed-up over Marlin W4A16.
 """
 import argparse
@@ -31,8 +32,13 @@ def lqq(n, k, g, gen):
     return qw, s.to(torch.uint8), a.to(torch.uint8), cs
 
 
+USE_GRAPHS = True
+
+
 def bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # us
+    if USE_GRAPHS:
+        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3  # us
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
 def marlin_setup(k, n):
@@ -56,8 +62,13 @@ def main():
     ap.add_argument("--full", action="store_true", help="all shapes (default: the 70B up-projection only)")
     ap.add_argument("--no-marlin", action="store_true")
     ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--no-graph", action="store_true", help="time with do_bench instead of CUDA graphs")
+    ap.add_argument("--splits-sweep", action="store_true",
+                    help="also time the decode kernels (0, 1) at M <= 16 with 1..8 K splits")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "bench_w4a8_cuda.json"))
     args = ap.parse_args()
+    global USE_GRAPHS
+    USE_GRAPHS = not args.no_graph
     assert cuda.available(), cuda.load_error()
     shapes = [(8192, 28672)]  # (K, N)
     if args.full:
@@ -87,13 +98,17 @@ def main():
             row = {"K": k, "N": n, "M": m, "G": g, "device": torch.cuda.get_device_name()}
             it = {"i": 0}
 
-            def gemm(kernel):
+            def gemm(kernel, splits=0):
                 pq, gp, cs = layers[it["i"] % copies]
                 it["i"] += 1
-                return torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, kernel, 0)
+                return torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, kernel, splits)
 
             for kernel in variants:
                 row[f"gemm_k{kernel}_us"] = bench(lambda: gemm(kernel))
+            if args.splits_sweep and m <= 16:
+                for kernel in (0, 1):
+                    for splits in (1, 2, 3, 4, 8):
+                        row[f"gemm_k{kernel}_s{splits}_us"] = bench(lambda: gemm(kernel, splits))
             row["quantize_act_us"] = bench(lambda: cuda.quantize_act(x))
 
             def linear():  # what the layer runs: quantize, then the auto-selected GEMM

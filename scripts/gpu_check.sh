@@ -2,8 +2,8 @@
 # The GPU job, run on the offline GPU host after the vLLM bundle is installed:
 #   bash .gpu/part2/install-on-host.sh install .gpu/part2 && . /tmp/mixprec-site/env.sh \
 #     && bash scripts/gpu_check.sh [STAGE...]
-# Stages (default: env build test bench e2e): env build test bench_gemm bench_cuda bench_attn
-# bench (= bench_gemm + bench_attn) sanitize e2e
+# Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
+# bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) sanitize e2e
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -43,24 +43,45 @@ PY
 }
 
 stage_build() {
-  log "building csrc/ (sm90a)"
+  # The host's CC/CXX (/opt/gcc, a wrapper around g++ 13.3) link the C++ runtime statically:
+  # a TORCH_CHECK failing inside an op then crashes the process instead of raising
+  # (scripts/diag_cxx_throw.sh, 2026-11-23). The system g++ is the same 13.3 and links it
+  # dynamically, as torch does; setup.py refuses a build that does not.
+  [ -x /usr/bin/g++ ] && export CC=/usr/bin/gcc CXX=/usr/bin/g++
+  log "building csrc/ (sm90a) with CXX=${CXX:-default}"
   local t0=$SECONDS
   MIXPREC_BUILD_CUDA=1 MIXPREC_CUDA_ARCHS="90a" MAX_JOBS=16 \
     python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { log "BUILD FAILED"; tail -40 "$OUT/build.log"; return 1; }
   log "built in $((SECONDS - t0)) s: $(ls vllm_mixprec/_C*.so)"
   python3 -c "import vllm_mixprec.kernels as k; print(k.describe())"
+  # op errors must reach Python as exceptions (a crash here would kill the test session)
+  python3 tests/kernels/cuda_error_cases.py > "$OUT/op_error_cases.log" 2>&1 \
+    || { log "op error cases FAILED"; tail -20 "$OUT/op_error_cases.log"; return 1; }
+  log "op error cases: $(grep -c '  ok:' "$OUT/op_error_cases.log") raised as expected"
 }
 
-stage_test() {  # the wgmma tests last, under their own timeout: a hang there must not eat the rest
-  log "pytest -m gpu"
-  timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider tests \
-    --deselect tests/kernels/test_cuda_gemm_wgmma.py --junitxml="$OUT/pytest-gpu.xml" \
-    2>&1 | tee "$OUT/pytest-gpu.log" | tail -25
-  local rc=${PIPESTATUS[0]}
-  timeout 150 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels/test_cuda_gemm_wgmma.py \
-    --junitxml="$OUT/pytest-gpu-wgmma.xml" 2>&1 | tee "$OUT/pytest-gpu-wgmma.log" | tail -15
-  [ "$rc" -eq 0 ] && [ "${PIPESTATUS[0]}" -eq 0 ]
+# pytest -m gpu, in parts that each fit one 10-minute device call:
+#   test_kernels (tests/kernels, the wgmma file last under its own timeout), test_other (the
+#   rest); `test` runs both. -v names every test in the log, so a killed run still shows
+#   where it was; --durations lists the slow ones.
+pytest_gpu() {  # NAME TIMEOUT ARGS...
+  local name=$1 limit=$2; shift 2
+  log "pytest -m gpu $*"
+  timeout "$limit" python3 -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider \
+    --junitxml="$OUT/$name.xml" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -25
+  [ "$rc" -eq 124 ] && log "$name TIMED OUT after $limit s; last: $(grep -E '(PASSED|FAILED|SKIPPED|ERROR)' "$OUT/$name.log" | tail -1)"
+  return "$rc"
 }
+stage_test_kernels() {
+  local rc=0
+  pytest_gpu pytest-gpu-kernels 360 tests/kernels --deselect tests/kernels/test_cuda_gemm_wgmma.py || rc=1
+  pytest_gpu pytest-gpu-wgmma 150 -x tests/kernels/test_cuda_gemm_wgmma.py || rc=1
+  return $rc
+}
+stage_test_other() { pytest_gpu pytest-gpu-other 540 tests --ignore=tests/kernels; }
+stage_test() { local rc=0; stage_test_kernels || rc=1; stage_test_other || rc=1; return $rc; }
 
 run_bench() {  # NAME TIMEOUT CMD...: one benchmark, its log in $OUT/NAME.log
   local name=$1 limit=$2; shift 2
@@ -69,9 +90,10 @@ run_bench() {  # NAME TIMEOUT CMD...: one benchmark, its log in $OUT/NAME.log
 }
 
 stage_bench_gemm() { run_bench bench_gemm 420 python3 benchmarks/bench_gemm.py --out "$OUT"; }
-stage_bench_cuda() { run_bench bench_w4a8_cuda 300 python3 scripts/bench_w4a8_cuda.py --out "$OUT"; }
+stage_bench_cuda() { run_bench bench_w4a8_cuda 400 python3 scripts/bench_w4a8_cuda.py --splits-sweep --out "$OUT"; }
 stage_bench_attn() { run_bench bench_attention 420 python3 benchmarks/bench_attention.py --out "$OUT"; }
 stage_bench() { stage_bench_gemm; stage_bench_attn; }
+stage_diag() { timeout 300 bash scripts/diag_cxx_throw.sh 2>&1 | tee "$OUT/diag_cxx_throw.log" | tail -30; }
 stage_sanitize() { OUT=$OUT timeout 400 bash scripts/sanitize_gemm.sh 2>&1 | tail -30; }
 
 stage_e2e() {
