@@ -4,12 +4,12 @@ completion. Arms: W4A8 with the default 16-bit KV cache, and W4A8 + KV4/KV8 thro
 CUSTOM backend when it is available.
 
 The host has no network: the tokenizer is trained there on local files (as in
-shared/baselines/kv_baseline.py). The parent process never touches CUDA (vLLM spawns).
+shared/baselines/kv_baseline.py; the helper is shared with the A/B harness in
+vllm_mixprec/eval/synthetic.py). The parent process never touches CUDA (vLLM spawns).
 """
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
@@ -18,29 +18,19 @@ import torch
 
 from vllm_mixprec import reference as ref
 from vllm_mixprec.eval.serve import serve_and_ask
+from vllm_mixprec.eval.synthetic import LINEARS, LlamaShape, llama_config, train_tokenizer
 from vllm_mixprec.quant_methods.config import MixPrecScheme
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+E2E_SHAPE = LlamaShape(hidden=1024, layers=4, heads=16, kv_heads=4, inter=2816, vocab=8192, max_pos=4096,
+                       name="e2e")
 
 
-def make_bf16_model(path: str, hidden=1024, layers=4, heads=16, kv_heads=4, inter=2816, vocab=8192):
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def make_bf16_model(path: str, shape: LlamaShape = E2E_SHAPE):
+    from transformers import LlamaForCausalLM
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:200]
-    tok.train(files, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>", "<unk>"],
-                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(path)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=4096, rope_theta=500000.0, bos_token_id=0, eos_token_id=1,
-                      tie_word_embeddings=False, torch_dtype="bfloat16")
+    train_tokenizer(path, shape.vocab)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = LlamaForCausalLM(llama_config(shape)).to(torch.bfloat16)
     model.save_pretrained(path)
     return model
 

@@ -3,6 +3,7 @@
   vllm-mixprec fetch smollm2-135m            # or qwen2.5-coder-1.5b, or text
   vllm-mixprec quantize MODEL_DIR OUT_DIR --scheme w4a8 --smooth --gptq --kv kv4 --smooth-attention
   vllm-mixprec eval DIR [DIR ...] --text lcet10 botchan --tokens 4096 [--kv kv4] [--backend vllm]
+  vllm-mixprec ab --out OUT [--arms ...] [--workloads ...]   # A/B against bf16, Marlin, Machete, FP8 (GPU)
 
 Exit status: 0 on success, 2 on a usage or input error (missing folder, unsupported
 architecture, bad group size, existing output), 1 on any other failure.
@@ -118,6 +119,12 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_ab(args) -> int:
+    from .eval import ab
+
+    return ab.main(args.ab_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-mixprec", description=__doc__.split("\n\n")[0])
     p.add_argument("-v", "--verbose", action="store_true")
@@ -167,11 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quiet", action="store_true")
     e.add_argument("--json", help="write the result rows here")
     e.set_defaults(func=cmd_eval)
+
+    a = sub.add_parser("ab", add_help=False, help="A/B harness against bf16, Marlin, Machete and FP8 "
+                       "through vLLM (GPU; `vllm-mixprec ab --help` lists its options)")
+    a.set_defaults(func=cmd_ab)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "ab":  # everything after `ab` belongs to the harness's own parser
+        args.ab_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.threads:
         import torch

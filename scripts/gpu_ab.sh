@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The A/B harness of issue #6 (benchmarks/ab.py, docs/AB.md) on the offline GPU host, in stages that
+# each fit one 10-minute call of the device tool. After the vLLM bundle is installed:
+#   bash .gpu/part1/install-on-host.sh stash .gpu/part1 && bash .gpu/part2/install-on-host.sh install .gpu/part2 \
+#     && . /tmp/mixprec-site/env.sh && bash scripts/gpu_ab.sh setup
+# then, one call each (on the same warm host: checkpoints, build and results survive between calls):
+#   bash scripts/gpu_ab.sh ckpt                         # random Llama-3-8B checkpoints (bf16, GPTQ, mixprec, KV4)
+#   bash scripts/gpu_ab.sh throughput w4a8kv4 marlin    # `vllm bench throughput` on these arms
+#   bash scripts/gpu_ab.sh serve w4a8kv4                # `vllm serve` + `vllm bench serve` concurrency sweep
+#   bash scripts/gpu_ab.sh longctx w4a8kv4 bf16         # shared/baselines/kv_baseline.py's long-context run
+#   bash scripts/gpu_ab.sh throughput,longctx fp8       # several workloads in one call
+#   bash scripts/gpu_ab.sh report                       # the table and the issue's targets so far
+# Arms: bf16 marlin machete fp8 w4a8 w4a8kv4 (default: all six) and marlin-int8.
+# A workload stage resumes: what ab.jsonl already has as ok is skipped, so the same command can be
+# repeated after a call ran out of time. Results accumulate in $AB_RESULTS on the host and are
+# copied to $OUT after every finished run (ab.jsonl, ab.json, ab-logs.tar.gz): a killed call loses
+# nothing it finished. Draw the plots where matplotlib is: vllm-mixprec ab --replot DIR_WITH_AB_JSONL.
+# Settings (environment):
+#   AB_LAYERS   decoder layers (32 = Llama-3-8B; the 2026-11-22 KV baseline's model had 8, vocab 8192)
+#   AB_WORK     checkpoint folder (default /tmp/mixprec-ab; ~28 GB at 32 layers)
+#   AB_RESULTS  results folder on the host (default $AB_WORK/results)
+#   AB_BUDGET   seconds this call may spend (default 540); runs that cannot finish are not started
+#   AB_ARGS     more harness options, e.g. "--num-prompts 400 --concurrency 1,8"
+#   AB_PRIOR    an ab.jsonl from an earlier host (carried in the working tree) merged in first
+#   MIXPREC_KERNEL=cuda   make the mixprec arms fail rather than run without the csrc kernels
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT=${OUT:-$REPO/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+WORK=${AB_WORK:-/tmp/mixprec-ab}
+RES=${AB_RESULTS:-$WORK/results}
+LAYERS=${AB_LAYERS:-32}
+BUDGET=${AB_BUDGET:-540}
+DEFAULT_ARMS=bf16,marlin,machete,fp8,w4a8,w4a8kv4
+
+log() { echo "[gpu_ab $(date +%H:%M:%S)] $*"; }
+
+# The plugin's entry point (gpu_check.sh env writes it) and the packages `vllm bench serve` needs.
+preflight() {
+  if ! python3 -c "import importlib.metadata as m, sys
+sys.exit(not [e for e in m.entry_points(group='vllm.general_plugins') if e.name == 'mixprec'])" 2>/dev/null; then
+    log "registering the plugin (gpu_check.sh env)"
+    bash scripts/gpu_check.sh env > "$OUT/gpu_check-env.log" 2>&1 \
+      || { log "gpu_check.sh env FAILED"; tail -20 "$OUT/gpu_check-env.log"; return 1; }
+  fi
+  python3 -c "import aiohttp, PIL, vllm.benchmarks.serve, vllm.benchmarks.throughput" \
+    || { log "vllm bench cannot import its dependencies (above)"; return 1; }
+  python3 -c "import vllm_mixprec.kernels as k; print('mixprec kernels:', k.describe())" 2>/dev/null | grep -v '^INFO'
+  df -h "$(dirname "$WORK")" | tail -1
+}
+
+stage_setup() {  # register the plugin and build csrc/ (a few minutes on a fresh host)
+  bash scripts/gpu_check.sh env build && preflight
+}
+
+stage_ckpt() {
+  log "checkpoints: $LAYERS layers -> $WORK"
+  timeout -k 20 "$((BUDGET - SECONDS))" python3 -m vllm_mixprec.eval.synthetic --work "$WORK" --layers "$LAYERS" \
+    --ckpts "${AB_CKPTS:-bf16,gptq,mixprec,mixprec-kv4}" 2>&1 | grep --line-buffered -v -E '^(INFO|WARNING)' \
+    | tee "$OUT/ab-ckpt.log"
+  local rc=${PIPESTATUS[0]}
+  du -sh "$WORK"/*/* 2>/dev/null
+  return "$rc"
+}
+
+run_workloads() {  # WORKLOADS [ARM...]
+  local wl=$1; shift
+  local arms; arms=$(IFS=,; echo "${*:-$DEFAULT_ARMS}")
+  preflight || return 1
+  local left=$((BUDGET - SECONDS))
+  log "$wl on $arms, $LAYERS layers, budget ${left} s; results in $RES (copied to $OUT)"
+  # shellcheck disable=SC2086
+  timeout -k 30 "$((left + 20))" python3 benchmarks/ab.py --out "$RES" --mirror "$OUT" --work "$WORK" \
+    --layers "$LAYERS" --workloads "$wl" --arms "$arms" --resume --budget "$left" \
+    ${AB_PRIOR:+--prior "$AB_PRIOR"} ${AB_ARGS:-} 2>&1 | tee "$OUT/ab-${wl//,/-}.log"
+  return "${PIPESTATUS[0]}"
+}
+
+stage_report() {
+  python3 benchmarks/ab.py --replot "$RES" 2>&1 | grep -v -E '^(INFO|WARNING)'
+  cp "$RES"/ab.jsonl "$RES"/ab.json "$OUT"/ 2>/dev/null
+  return 0
+}
+
+stage_clean() {  # frees the disk: checkpoints go, results stay
+  rm -rf "$WORK"/llama3-8b-L* "$WORK"/tokenizer && log "checkpoints removed from $WORK"
+}
+
+[ $# -ge 1 ] || { awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 2; }
+stage=$1; shift
+case "$stage" in
+  setup|ckpt|report|clean) "stage_$stage" ;;
+  *) for w in ${stage//,/ }; do
+       case "$w" in
+         throughput|serve|longctx) ;;
+         *) echo "unknown stage $w (setup ckpt throughput serve longctx report clean)" >&2; exit 2 ;;
+       esac
+     done
+     run_workloads "$stage" "$@" ;;
+esac
+status=$?
+log "done, status $status (0 ok, 1 a run failed, 3 budget left work undone: repeat the command); files in $OUT:"
+ls -la "$OUT"
+exit $status
