@@ -5,14 +5,17 @@
   vllm-mixprec eval DIR [DIR ...] --text lcet10 botchan --tokens 4096 [--kv kv4] [--backend vllm]
   vllm-mixprec ab --out OUT [--arms ...] [--workloads ...]   # A/B against bf16, Marlin, Machete, FP8 (GPU)
 
-Exit status: 0 on success, 2 on a usage or input error (missing folder, unsupported
-architecture, bad group size, existing output), 1 on any other failure.
+Exit status: 0 on success, 2 on a usage or input error (missing or unreadable folder,
+corrupt config.json or safetensors, missing or non-finite source tensors, unsupported
+architecture, bad group size, existing output), 1 on any other failure (e.g. a full disk:
+the output folder is then not created, see quantize/export.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,10 +37,14 @@ def _model_dir(arg: str) -> Path:
             raise CliError(f"model {arg!r} is not cached yet: run `vllm-mixprec fetch {arg}`")
         return cached
     p = Path(arg)
-    if not p.is_dir():
-        raise CliError(f"model folder {arg} does not exist")
-    if not (p / "config.json").is_file():
-        raise CliError(f"{arg} has no config.json (not a Hugging Face model folder)")
+    try:
+        if not p.is_dir():
+            raise CliError(f"model folder {arg} does not exist")
+        if not (p / "config.json").is_file():
+            raise CliError(f"{arg} has no config.json (not a Hugging Face model folder)")
+    except PermissionError as e:
+        raise CliError(f"cannot access {e.filename or arg}: permission denied; make the folder "
+                       f"readable (chmod -R a+rX {arg}) or run as its owner") from e
     return p
 
 
@@ -62,13 +69,28 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def _check_output(out: Path, overwrite: bool) -> None:
+    """Before any work (a quantization can take an hour): the output can be created."""
+    try:
+        if out.exists() and not overwrite:
+            raise CliError(f"output {out} already exists (pass --overwrite to replace it)")
+        parent = out.absolute().parent
+        while not parent.exists():
+            parent = parent.parent
+    except PermissionError as e:
+        raise CliError(f"cannot access the output path {e.filename or out}: permission denied; "
+                       "choose an output folder you can write to") from e
+    if not os.access(parent, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise CliError(f"cannot create {out}: {parent} is not writable; choose an output folder "
+                       "you can write to (or fix its permissions)")
+
+
 def cmd_quantize(args) -> int:
     from .quantize import calibration, pipeline
 
     src = _model_dir(args.model)
     out = Path(args.output)
-    if out.exists() and not args.overwrite:
-        raise CliError(f"output {out} already exists (pass --overwrite to replace it)")
+    _check_output(out, args.overwrite)
     opts = pipeline.QuantOptions(
         weight_scheme=args.scheme, group_size=args.group_size, kv_scheme=args.kv, smooth=args.smooth,
         smooth_attention=args.smooth_attention, smooth_attention_alpha=args.smooth_attention_alpha,
@@ -78,10 +100,14 @@ def cmd_quantize(args) -> int:
     try:
         opts.validate()
         config = pipeline.load_config(src)
+        pipeline.check_source(src)
         pipeline.check_shapes(config, opts)
     except (ValueError, calibration.UnsupportedModelError) as e:
         raise CliError(str(e)) from e
-    summary = pipeline.quantize_model(src, out, opts, overwrite=args.overwrite)
+    try:
+        summary = pipeline.quantize_model(src, out, opts, overwrite=args.overwrite)
+    except pipeline.SourceError as e:  # found while loading: missing or non-finite tensors
+        raise CliError(str(e)) from e
     rows = []
     for info in summary["layers"]:
         alpha = info.get("alpha")

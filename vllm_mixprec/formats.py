@@ -69,7 +69,7 @@ def lqq_dequant_lanes(q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor)
     """LiquidQuant level-2 dequantisation in uint8 arithmetic: ((q*step + offset) ^ 0x80) as int8.
 
     q, step, offset broadcast together; every intermediate must fit a byte, which
-    `lqq_lanes_fit` checks. This is the exact bit recipe the kernels use (IMAD + XOR).
+    `lqq_param_errors` checks for a whole layer. This is the exact bit recipe the kernels use (IMAD + XOR).
     """
     s = q.to(torch.int32) * step.to(torch.int32) + offset.to(torch.int32)
     return (s ^ 0x80).to(torch.uint8).view(torch.int8)
@@ -82,6 +82,46 @@ def lqq_dequant_packed_word(word: int, step: int, offset: int) -> int:
     """
     r = (word * step + offset * 0x01010101) & 0xFFFFFFFF
     return r ^ 0x80808080
+
+
+W4_OFFSET_RANGE = (128 - W8_PROTECT, 128 + W8_PROTECT)  # a = 128 + min, min in [-119, 119]
+
+
+def lqq_group_max_code(qweight: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """uint8 [N, num_groups]: the largest 4-bit code q of each group of a packed qweight."""
+    n = qweight.shape[0]
+    q = torch.maximum(qweight & 0xF, qweight >> 4)  # both nibbles of a byte share a group
+    return q.reshape(n, num_groups, -1).amax(-1)
+
+
+def lqq_param_errors(qweight: torch.Tensor, group_scale: torch.Tensor,
+                     group_offset: torch.Tensor) -> list[str]:
+    """What is wrong with a layer's packed LiquidQuant tensors (empty list: nothing).
+
+    The kernels compute q*step + offset in 8-bit lanes: a value above 255 carries into the
+    next weight and silently corrupts it. A correct exporter never writes one (FORMAT.md),
+    so a checkpoint that has one is refused at load instead of serving wrong numbers.
+    """
+    errs = []
+    if group_scale.numel():
+        lo, hi = int(group_scale.min()), int(group_scale.max())
+        if lo < 1 or hi > MAX_GROUP_STEP:
+            errs.append(f"group_scale has values outside [1, {MAX_GROUP_STEP}] (found [{lo}, {hi}])")
+    if group_offset.numel():
+        lo, hi = int(group_offset.min()), int(group_offset.max())
+        if lo < W4_OFFSET_RANGE[0] or hi > W4_OFFSET_RANGE[1]:
+            errs.append(f"group_offset has values outside [{W4_OFFSET_RANGE[0]}, "
+                        f"{W4_OFFSET_RANGE[1]}] (found [{lo}, {hi}])")
+    if qweight.numel() and group_scale.numel():
+        top = (lqq_group_max_code(qweight, group_scale.shape[1]).to(torch.int32)
+               * group_scale.to(torch.int32) + group_offset.to(torch.int32))
+        bad = top > 255
+        if bool(bad.any()):
+            n, g = (int(i) for i in bad.nonzero()[0])
+            errs.append(f"{int(bad.sum())} group(s) have q*group_scale + group_offset > 255 "
+                        f"(first: row {n}, group {g}: {int(top[n, g])}), which overflows the "
+                        "8-bit dequantization lanes")
+    return errs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,16 @@ import torch
 from . import formats as F
 
 _EPS = 1e-8
+_NAN = float("nan")
+
+
+def _poison_nonfinite(scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """NaN where a row of `rows` [..., K] holds a NaN or an Inf (docs/RELIABILITY.md).
+
+    A non-finite activation or K/V row is never turned into finite codes: its scale becomes
+    NaN, so everything computed from the row is NaN, visibly, and other rows are untouched.
+    """
+    return torch.where(torch.isfinite(rows).all(dim=-1), scale, torch.full_like(scale, _NAN))
 
 
 def _div(t: torch.Tensor, c: float) -> torch.Tensor:
@@ -22,8 +32,13 @@ def _div(t: torch.Tensor, c: float) -> torch.Tensor:
 # --- weights: LiquidQuant two-level quantisation ---------------------------------------
 
 def quantize_w8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Level 1: W [N, K] float -> (w8 int8 in [-119, 119], channel_scale float32 [N])."""
+    """Level 1: W [N, K] float -> (w8 int8 in [-119, 119], channel_scale float32 [N]).
+
+    Non-finite weights are refused (ValueError): NaN would become arbitrary int8 codes."""
     w = w.detach().to(torch.float64)
+    if not bool(torch.isfinite(w).all()):
+        rows = (~torch.isfinite(w)).any(1).nonzero().flatten().tolist()
+        raise ValueError(f"weight has NaN/Inf values in row(s) {rows[:8]}; refusing to quantize it")
     scale = (w.abs().amax(dim=1) / F.W8_PROTECT).clamp_min(_EPS)
     w8 = torch.round(w / scale[:, None]).clamp_(-F.W8_PROTECT, F.W8_PROTECT)
     return w8.to(torch.int8), scale.to(torch.float32)
@@ -102,12 +117,15 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
     """Per-token symmetric int8: x [M, K] -> (int8 [M, K], float32 scale [M]).
 
     `smooth` [K], when given, divides x first (SmoothQuant scale not folded offline).
+    A row holding a NaN or an Inf gets a NaN scale and zero codes: its GEMM output row is NaN.
     """
     xf = x.to(torch.float32)
     if smooth is not None:
         xf = xf / smooth.to(torch.float32)
-    scale = _div(xf.abs().amax(dim=-1).clamp_min(_EPS), F.A8_MAX)
-    q = torch.round(xf / scale[:, None]).clamp_(-F.A8_MAX, F.A8_MAX).to(torch.int8)
+    finite = torch.isfinite(xf)
+    scale = _poison_nonfinite(_div(xf.abs().amax(dim=-1).clamp_min(_EPS), F.A8_MAX), xf)
+    q = torch.round(xf / scale[:, None]).clamp_(-F.A8_MAX, F.A8_MAX)
+    q = torch.where(finite.all(-1, keepdim=True), q, 0).to(torch.int8)
     return q, scale
 
 
@@ -126,7 +144,9 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
                                                    xf.new_ones(xf.shape[0]))
     rest = xf[:, k8:]
     s4 = _div(rest.abs().amax(dim=-1).clamp_min(_EPS), F.A4_MAX) if rest.shape[1] else xf.new_ones(xf.shape[0])
+    s4 = _poison_nonfinite(s4, rest)
     q4 = torch.round(rest / s4[:, None]).clamp_(-F.A4_MAX, F.A4_MAX)
+    q4 = torch.where(torch.isfinite(rest).all(-1, keepdim=True), q4, 0)
     return x8, s8, F.pack_int4(q4), s4
 
 
@@ -180,18 +200,22 @@ def quantize_kv(x: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tenso
     kv4: asymmetric, returns (codes uint8 [T, H, D/2] packed, scale f16 [T, H], zero f16 [T, H]).
     kv8: symmetric, returns (codes int8 [T, H, D], scale f32 [T, H], None).
     Codes are computed from the stored (rounded) scale and zero, so that dequantisation
-    reproduces exactly what the kernels see.
+    reproduces exactly what the kernels see. A (token, head) row holding a NaN or an Inf is
+    stored with a NaN scale and zero codes (and, kv4, a NaN zero): attention over it is NaN.
     """
     xf = x.to(torch.float32)
+    finite = torch.isfinite(xf).all(-1, keepdim=True)
     if scheme == "kv4":
         mn, mx = xf.amin(-1), xf.amax(-1)
-        scale = _div(mx - mn, 15).clamp_min(1e-4).to(torch.float16)
-        zero = mn.to(torch.float16)
+        scale = _poison_nonfinite(_div(mx - mn, 15).clamp_min(1e-4), xf).to(torch.float16)
+        zero = _poison_nonfinite(mn, xf).to(torch.float16)
         q = torch.round((xf - zero.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15)
+        q = torch.where(finite, q, 0)
         return F.pack_nibbles(q.to(torch.uint8)), scale, zero
     if scheme == "kv8":
-        scale = _div(xf.abs().amax(-1), 127).clamp_min(1e-8)
-        q = torch.round(xf / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+        scale = _poison_nonfinite(_div(xf.abs().amax(-1), 127).clamp_min(1e-8), xf)
+        q = torch.round(xf / scale[..., None]).clamp_(-127, 127)
+        q = torch.where(finite, q, 0).to(torch.int8)
         return q, scale, None
     raise ValueError(f"kv scheme {scheme!r} is not one of ('kv4', 'kv8')")
 
@@ -295,7 +319,8 @@ def store_kv_residual(key: torch.Tensor, value: torch.Tensor, res_k: torch.Tenso
 
     res_k/res_v are [P*B, H, D]; the token at slot blk*B + off of a block with pool slot
     p = slot_of_block[blk] >= 0 goes to row p*B + off. K is stored as the pages see it
-    (divided by k_smooth), rounded to the pool dtype.
+    (divided by k_smooth), rounded to the pool dtype. A row holding a NaN or an Inf is
+    stored as all NaN, as its page entry is (quantize_kv).
     """
     if k_smooth is not None:
         key = key.float() / k_smooth.float()
@@ -305,8 +330,13 @@ def store_kv_residual(key: torch.Tensor, value: torch.Tensor, res_k: torch.Tenso
     p = slot_of_block[blk].long()
     has = p >= 0
     rows = p[has] * block_size + off[has]
-    res_k[rows] = key[keep][has].to(res_k.dtype)
-    res_v[rows] = value[keep][has].to(res_v.dtype)
+
+    def copy(x):  # a (token, head) row holding a NaN/Inf is copied as all NaN (quantize_kv)
+        x = x[keep][has]
+        return torch.where(torch.isfinite(x).all(-1, keepdim=True), x, _NAN)
+
+    res_k[rows] = copy(key).to(res_k.dtype)
+    res_v[rows] = copy(value).to(res_v.dtype)
 
 
 def gather_kv_residual(cache: torch.Tensor, layout: F.KVPageLayout, block_table: torch.Tensor,

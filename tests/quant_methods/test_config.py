@@ -1,4 +1,6 @@
-"""MixPrecConfig: round trip and errors that name the bad field."""
+"""MixPrecConfig: round trip and errors that name the bad field and the fix."""
+import re
+
 import pytest
 
 from vllm_mixprec.quant_methods.config import MixPrecConfig, MixPrecConfigError, MixPrecScheme
@@ -20,33 +22,57 @@ def test_w4ax_round_trip():
     assert MixPrecScheme.from_dict(d).to_dict() == d
 
 
-@pytest.mark.parametrize("change,field", [
-    ({"group_size": 32}, "group_size"),
-    ({"group_size": "64"}, "group_size"),
-    ({"weight_scheme": "w4a4"}, "weight_scheme"),
-    ({"weight_bits": 3}, "weight_bits"),
-    ({"act_bits": 4}, "act_bits"),
-    ({"kv_scheme": "kv2"}, "kv_scheme"),
-    ({"format_version": 2}, "format_version"),
-    ({"quant_method": "gptq"}, "quant_method"),
-    ({"a8_fraction": 0.5}, "a8_fraction"),
-    ({"weight_scheme": "w4ax", "act_bits": "4/8", "a8_fraction": 1.5}, "a8_fraction"),
-    ({"weight_scheme": "w4ax", "act_bits": "4/8"}, "a8_fraction"),
-    ({"ignored_layers": "lm_head"}, "ignored_layers"),
-    ({"runtime_smooth": "yes"}, "runtime_smooth"),
-    ({"bogus": 1}, "bogus"),
+# (bad value, field the error must name, the fix it must spell out)
+@pytest.mark.parametrize("change,field,fix", [
+    ({"group_size": 32}, "group_size", "--group-size 64"),
+    ({"group_size": "64"}, "group_size", "--group-size 64"),
+    ({"group_size": 64.0}, "group_size", "--group-size 64"),
+    ({"weight_scheme": "w4a4"}, "weight_scheme", "--scheme w4a8"),
+    ({"weight_bits": 3}, "weight_bits", "set it to 4"),
+    ({"weight_bits": 8}, "weight_bits", "set it to 4"),
+    ({"act_bits": 4}, "act_bits", "set it to 8"),
+    ({"act_bits": True}, "act_bits", "set it to 8"),
+    ({"kv_scheme": "kv2"}, "kv_scheme", "--kv none"),
+    ({"format_version": 2}, "format_version", "upgrade vllm_mixprec"),
+    ({"quant_method": "gptq"}, "quant_method", "without --quantization mixprec"),
+    ({"a8_fraction": 0.5}, "a8_fraction", "remove the field"),
+    ({"weight_scheme": "w4ax", "act_bits": "4/8", "a8_fraction": 1.5}, "a8_fraction", "--a8-fraction"),
+    ({"weight_scheme": "w4ax", "act_bits": "4/8"}, "a8_fraction", "--a8-fraction"),
+    ({"ignored_layers": "lm_head"}, "ignored_layers", r'e\.g\. \["lm_head"\]'),
+    ({"runtime_smooth": "yes"}, "runtime_smooth", "JSON booleans"),
+    ({"kv_residual_tokens": 129}, "kv_residual_tokens", r"integer in \[0, 128\]"),
+    ({"kv_residual_tokens": -1}, "kv_residual_tokens", "remove it to use the default"),
+    ({"kv_residual_tokens": "16"}, "kv_residual_tokens", "remove it to use the default"),
+    ({"bogus": 1}, "bogus", "Upgrade vllm_mixprec, or remove the field"),
 ])
-def test_bad_field_is_named(change, field):
-    with pytest.raises(MixPrecConfigError, match=field):
+def test_bad_field_is_named(change, field, fix):
+    with pytest.raises(MixPrecConfigError, match=field) as e:
         MixPrecConfig.from_config(dict(GOOD, **change))
+    assert re.search(fix, str(e.value)), str(e.value)
 
 
 @pytest.mark.parametrize("missing", MixPrecScheme.REQUIRED)
 def test_missing_field_is_named(missing):
     d = dict(GOOD)
     del d[missing]
-    with pytest.raises(MixPrecConfigError, match=missing):
+    with pytest.raises(MixPrecConfigError, match=missing) as e:
         MixPrecConfig.from_config(d)
+    assert "re-export the checkpoint with `vllm-mixprec quantize`" in str(e.value)
+
+
+def test_kv_residual_tokens_reaches_the_backend(vllm_tp1, monkeypatch):
+    """The checkpoint's kv_residual_tokens is what the CUSTOM backend uses (it used to be
+    accepted by the loader and then silently ignored: the backend read an attribute that
+    MixPrecConfig did not have)."""
+    from vllm_mixprec.attention_backend import residual as R
+
+    monkeypatch.delenv(R.ENV_TOKENS, raising=False)
+    cfg = MixPrecConfig.from_config(dict(GOOD, kv_residual_tokens=48))
+    assert cfg.scheme.to_dict()["kv_residual_tokens"] == 48
+    monkeypatch.setattr(vllm_tp1, "quant_config", cfg)
+    assert R.residual_tokens(vllm_tp1, 16) == 48
+    monkeypatch.setattr(vllm_tp1, "quant_config", MixPrecConfig.from_config(dict(GOOD)))
+    assert R.residual_tokens(vllm_tp1, 16) == 16  # absent: the default, one block
 
 
 def test_override_claims_only_mixprec_checkpoints():

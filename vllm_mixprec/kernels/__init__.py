@@ -22,9 +22,20 @@ from . import cuda as _cuda
 logger = logging.getLogger("vllm.mixprec")  # a child of vLLM's logger: its handler prints us
 
 IMPLS = ("cuda", "triton", "reference")
-_FORCED = os.environ.get("MIXPREC_KERNEL")  # tests and A/B runs: force one implementation
-if _FORCED is not None and _FORCED not in IMPLS:
-    raise ValueError(f"MIXPREC_KERNEL={_FORCED!r} is not one of {IMPLS}")
+_UNFORCE = "unset MIXPREC_KERNEL to let the plugin choose"
+
+
+def forced_impl(environ=os.environ) -> str | None:
+    """MIXPREC_KERNEL (tests and A/B runs: force one implementation), validated."""
+    v = environ.get("MIXPREC_KERNEL")
+    if v is not None and v.strip() == "":
+        return None
+    if v is not None and v not in IMPLS:
+        raise ValueError(f"MIXPREC_KERNEL={v!r} is not one of {IMPLS}; set one of them or {_UNFORCE}")
+    return v
+
+
+_FORCED = forced_impl()
 
 
 def _triton_available() -> bool:
@@ -45,11 +56,33 @@ def describe() -> str:
 logger.info("vllm_mixprec kernels: %s", describe())
 
 
-def select_impl(device: torch.device) -> str:
-    """The implementation a layer on `device` will use."""
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def select_impl(device: torch.device, prefix: str = "") -> str:
+    """The implementation a layer on `device` will use (at load time: errors come at start-up)."""
+    where = f"{prefix}: " if prefix else ""
+    if _FORCED == "cuda":
+        if not _cuda.available():
+            raise RuntimeError(f"{where}MIXPREC_KERNEL=cuda but the csrc ops are not built "
+                               f"({_cuda.load_error()}); rebuild with `pip install -e .` where nvcc "
+                               f"is present, or {_UNFORCE}")
+        if device.type != "cuda":
+            raise RuntimeError(f"{where}MIXPREC_KERNEL=cuda but the weights are on {device}; the "
+                               f"csrc ops run on CUDA GPUs only: {_UNFORCE}")
+        if not _cuda.supports_device(device):
+            raise RuntimeError(f"{where}MIXPREC_KERNEL=cuda but {device} is below sm80, which the "
+                               f"csrc ops need: {_UNFORCE}")
+    if _FORCED == "triton":
+        if not _triton_available():
+            raise RuntimeError(f"{where}MIXPREC_KERNEL=triton but Triton is not installed: "
+                               f"`pip install triton`, or {_UNFORCE}")
+        if device.type != "cuda" and not _interpreting():
+            raise RuntimeError(f"{where}MIXPREC_KERNEL=triton but the weights are on {device}; "
+                               "Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 for "
+                               f"debugging): {_UNFORCE}")
     if _FORCED is not None:
-        if _FORCED == "cuda" and not _cuda.available():
-            raise RuntimeError(f"MIXPREC_KERNEL=cuda but the csrc ops are not built: {_cuda.load_error()}")
         return _FORCED
     if device.type != "cuda":
         return "reference"
@@ -109,8 +142,11 @@ _PARAMS = ("qweight", "group_scale", "group_offset", "channel_scale", "input_smo
 
 def prepare_linear(layer: torch.nn.Module, weight_scheme: str, prefix: str) -> None:
     """After loading: pick the kernel, repack for it, and swap vLLM parameters for plain ones."""
-    impl = select_impl(layer.qweight.device)
+    impl = select_impl(layer.qweight.device, prefix)
     if weight_scheme == "w4ax" and impl == "cuda" and not _cuda.has_w4ax():
+        if _FORCED == "cuda":
+            logger.warning("vllm_mixprec: %s: MIXPREC_KERNEL=cuda, but the csrc build has no "
+                           "w4ax GEMM; this layer uses the Triton kernel", prefix)
         impl = "triton"
     for name in _PARAMS:
         if hasattr(layer, name):

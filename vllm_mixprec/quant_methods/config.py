@@ -11,8 +11,10 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 from .. import formats as F
+from ..attention_backend.residual import MAX_RESIDUAL_TOKENS as MAX_KV_RESIDUAL_TOKENS
 
 FORMAT_VERSION = 1
+REEXPORT = "re-export the checkpoint with `vllm-mixprec quantize`"
 
 
 class MixPrecConfigError(ValueError):
@@ -29,6 +31,7 @@ class MixPrecScheme:
     a8_fraction: float | None = None  # W4Ax only: share of 128-channel blocks kept at 8 bits
     ignored_layers: tuple[str, ...] = ()
     runtime_smooth: bool = False  # layers carry input_smooth [K] (smoothing not folded)
+    kv_residual_tokens: int | None = None  # newest tokens the CUSTOM backend keeps in 16 bits
 
     REQUIRED = ("quant_method", "format_version", "weight_scheme", "weight_bits", "act_bits",
                 "group_size", "kv_scheme")
@@ -47,43 +50,63 @@ class MixPrecScheme:
         if unknown:
             raise MixPrecConfigError(
                 f"quantization_config has unknown field(s) {unknown}; this reader knows "
-                f"{sorted(cls.REQUIRED + cls.OPTIONAL)} (is the checkpoint from a newer vllm_mixprec?)")
+                f"{sorted(cls.REQUIRED + cls.OPTIONAL)}. Is the checkpoint from a newer "
+                "vllm_mixprec? Upgrade vllm_mixprec, or remove the field if it was added by hand")
         if str(cfg["quant_method"]).lower() != "mixprec":
-            raise MixPrecConfigError(f"quantization_config.quant_method={cfg['quant_method']!r}, expected 'mixprec'")
+            raise MixPrecConfigError(
+                f"quantization_config.quant_method={cfg['quant_method']!r}, expected 'mixprec'; serve "
+                "this checkpoint without --quantization mixprec")
         if cfg["format_version"] != FORMAT_VERSION:
             raise MixPrecConfigError(
                 f"quantization_config.format_version={cfg['format_version']!r}; this reader supports "
-                f"{FORMAT_VERSION}")
+                f"{FORMAT_VERSION}: upgrade vllm_mixprec, or {REEXPORT}")
         ws = cfg["weight_scheme"]
         if ws not in F.WEIGHT_SCHEMES:
-            raise MixPrecConfigError(f"quantization_config.weight_scheme={ws!r} is not one of {F.WEIGHT_SCHEMES}")
-        if cfg["weight_bits"] != 4:
-            raise MixPrecConfigError(f"quantization_config.weight_bits={cfg['weight_bits']!r}; only 4 is supported")
+            raise MixPrecConfigError(f"quantization_config.weight_scheme={ws!r} is not one of "
+                                     f"{F.WEIGHT_SCHEMES}; {REEXPORT} --scheme w4a8 (or w4ax)")
+        if cfg["weight_bits"] != 4 or isinstance(cfg["weight_bits"], bool):
+            raise MixPrecConfigError(f"quantization_config.weight_bits={cfg['weight_bits']!r}; mixprec "
+                                     f"weights are 4-bit only: set it to 4 or {REEXPORT}")
         want_act = 8 if ws == "w4a8" else "4/8"
-        if cfg["act_bits"] != want_act:
+        if cfg["act_bits"] != want_act or isinstance(cfg["act_bits"], bool):
             raise MixPrecConfigError(
-                f"quantization_config.act_bits={cfg['act_bits']!r}; weight_scheme {ws!r} needs {want_act!r}")
+                f"quantization_config.act_bits={cfg['act_bits']!r}; weight_scheme {ws!r} needs "
+                f"{want_act!r}: set it to {want_act!r} or {REEXPORT}")
         gs = cfg["group_size"]
-        if gs not in F.SUPPORTED_GROUP_SIZES:
+        if gs not in F.SUPPORTED_GROUP_SIZES or not isinstance(gs, int) or isinstance(gs, bool):
             raise MixPrecConfigError(
-                f"quantization_config.group_size={gs!r} is not one of {F.SUPPORTED_GROUP_SIZES}")
+                f"quantization_config.group_size={gs!r} is not one of {F.SUPPORTED_GROUP_SIZES}; "
+                f"{REEXPORT} --group-size 64 (or 128)")
         kv = cfg["kv_scheme"]
         if kv not in F.KV_SCHEMES:
-            raise MixPrecConfigError(f"quantization_config.kv_scheme={kv!r} is not one of {F.KV_SCHEMES}")
+            raise MixPrecConfigError(f"quantization_config.kv_scheme={kv!r} is not one of "
+                                     f"{F.KV_SCHEMES}; {REEXPORT} --kv none (or kv8, kv4)")
         frac = cfg.get("a8_fraction")
         if ws == "w4ax":
-            if not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
+            if (not isinstance(frac, (int, float)) or isinstance(frac, bool)
+                    or not 0.0 <= frac <= 1.0):
                 raise MixPrecConfigError(
-                    f"quantization_config.a8_fraction={frac!r}; weight_scheme 'w4ax' needs a number in [0, 1]")
+                    f"quantization_config.a8_fraction={frac!r}; weight_scheme 'w4ax' needs a number "
+                    f"in [0, 1]: {REEXPORT} --scheme w4ax --a8-fraction 0.25")
         elif frac is not None:
-            raise MixPrecConfigError("quantization_config.a8_fraction is only valid with weight_scheme 'w4ax'")
+            raise MixPrecConfigError("quantization_config.a8_fraction is only valid with weight_scheme "
+                                     "'w4ax'; remove the field (or set weight_scheme to 'w4ax')")
         ignored = cfg.get("ignored_layers", [])
         if not isinstance(ignored, list) or not all(isinstance(x, str) for x in ignored):
-            raise MixPrecConfigError("quantization_config.ignored_layers must be a list of module-name patterns")
+            raise MixPrecConfigError(f"quantization_config.ignored_layers={ignored!r} must be a list of "
+                                     'module-name patterns, e.g. ["lm_head"]')
         smooth = cfg.get("runtime_smooth", False)
         if not isinstance(smooth, bool):
-            raise MixPrecConfigError(f"quantization_config.runtime_smooth={smooth!r} must be true or false")
-        return cls(ws, gs, kv, None if frac is None else float(frac), tuple(ignored), smooth)
+            raise MixPrecConfigError(f"quantization_config.runtime_smooth={smooth!r} must be true or "
+                                     "false (JSON booleans, not strings)")
+        res = cfg.get("kv_residual_tokens")
+        if res is not None and (not isinstance(res, int) or isinstance(res, bool)
+                                or not 0 <= res <= MAX_KV_RESIDUAL_TOKENS):
+            raise MixPrecConfigError(
+                f"quantization_config.kv_residual_tokens={res!r} must be an integer in "
+                f"[0, {MAX_KV_RESIDUAL_TOKENS}] (0 disables the 16-bit residual window); fix the "
+                "field, or remove it to use the default (the KV block size)")
+        return cls(ws, gs, kv, None if frac is None else float(frac), tuple(ignored), smooth, res)
 
     def to_dict(self) -> dict[str, Any]:
         d = {"quant_method": "mixprec", "format_version": FORMAT_VERSION,
@@ -93,6 +116,8 @@ class MixPrecScheme:
              "ignored_layers": list(self.ignored_layers), "runtime_smooth": self.runtime_smooth}
         if self.a8_fraction is not None:
             d["a8_fraction"] = self.a8_fraction
+        if self.kv_residual_tokens is not None:
+            d["kv_residual_tokens"] = self.kv_residual_tokens
         return d
 
 
@@ -107,6 +132,11 @@ class MixPrecConfig(QuantizationConfig):
 
     def __repr__(self) -> str:
         return f"MixPrecConfig({self.scheme})"
+
+    @property
+    def kv_residual_tokens(self) -> int | None:
+        """quantization_config.kv_residual_tokens, read by attention_backend/residual.py."""
+        return self.scheme.kv_residual_tokens
 
     def get_name(self) -> str:
         return "mixprec"

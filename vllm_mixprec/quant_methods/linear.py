@@ -16,22 +16,35 @@ from .. import formats as F
 from .. import kernels
 
 
-def _checked_loader(prefix: str, name: str, loader):
-    """vLLM's loaders assert on a shape mismatch; say which tensor and what was expected."""
+REEXPORT = "re-export the checkpoint with `vllm-mixprec quantize`"
+
+
+def _checked_loader(layer: torch.nn.Module, prefix: str, name: str, loader):
+    """vLLM's loaders assert on a shape mismatch; say which tensor and what was expected.
+
+    Every successful load is recorded in layer.mixprec_loaded[name] (the shard ids), because
+    vLLM does not check that a quantized checkpoint provided every parameter: a missing
+    tensor would otherwise be served as uninitialised memory (see _check_complete).
+    """
 
     def load(param, loaded_weight, *args, **kwargs):
         want = param.dtype
         if loaded_weight.dtype != want:
             raise ValueError(
                 f"{prefix}.{name}: checkpoint dtype {loaded_weight.dtype}, expected {want} "
-                "(docs/FORMAT.md); re-export with `vllm-mixprec quantize`")
+                f"(docs/FORMAT.md); {REEXPORT}")
+        shard = args[0] if args else kwargs.get("loaded_shard_id")
         try:
-            return loader(param, loaded_weight, *args, **kwargs)
+            out = loader(param, loaded_weight, *args, **kwargs)
         except (AssertionError, RuntimeError) as e:  # vLLM asserts, or narrow() overruns
             raise ValueError(
                 f"{prefix}.{name}: checkpoint shape {tuple(loaded_weight.shape)} does not fit the "
-                f"layer's parameter {tuple(param.shape)} (shard {args[0] if args else None!r}); "
-                "the checkpoint is truncated or was exported for another model") from e
+                f"layer's parameter {tuple(param.shape)} (shard {shard!r}); "
+                "the checkpoint is truncated or was exported for another model: "
+                f"{REEXPORT} from the model you are serving") from e
+        got = layer.mixprec_loaded.setdefault(name, set())
+        got.update(shard if isinstance(shard, (tuple, list)) else (shard,))
+        return out
 
     return load
 
@@ -56,13 +69,21 @@ class MixPrecLinearMethod(LinearMethodBase):
         if self.scheme.weight_scheme == "w4ax":
             if is_row_parallel:
                 raise ValueError(f"{self.prefix}: weight_scheme 'w4ax' permutes all of K and does not "
-                                 "support row-parallel sharding (tensor_parallel_size > 1) yet")
-            F.W4ActLayout(k, 0)  # K must be a multiple of the 128-channel block
+                                 "support row-parallel sharding (tensor_parallel_size > 1) yet; serve "
+                                 "it with --tensor-parallel-size 1, or re-export with --scheme w4a8")
+            if k % F.ACT_BLOCK:
+                raise ValueError(f"{self.prefix}: input size {k} is not a multiple of {F.ACT_BLOCK}, "
+                                 "which weight_scheme 'w4ax' needs (activation blocks); re-export "
+                                 "with --scheme w4a8")
         wl = extra_weight_attrs["weight_loader"]
 
         def reg(name, param):
-            param._weight_loader = _checked_loader(self.prefix, name, wl)
+            param._weight_loader = _checked_loader(layer, self.prefix, name, wl)
             layer.register_parameter(name, param)
+            layer.mixprec_params.append(name)
+
+        layer.mixprec_params, layer.mixprec_loaded = [], {}
+        layer.mixprec_num_shards = len(output_partition_sizes)
 
         reg("qweight", PackedvLLMParameter(
             data=torch.empty(n, k // 2, dtype=torch.uint8), input_dim=1, output_dim=0,
@@ -83,29 +104,55 @@ class MixPrecLinearMethod(LinearMethodBase):
         layer.mixprec_out_features = n
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self._check_complete(layer)
         self._validate(layer)
         kernels.prepare_linear(layer, self.scheme.weight_scheme, self.prefix)
 
+    def _check_complete(self, layer: torch.nn.Module) -> None:
+        """Every parameter (and, in a merged layer, every shard of it) came from the checkpoint.
+
+        vLLM's loader only tracks missing weights for unquantized models, so without this a
+        checkpoint lacking e.g. `k_proj.group_offset` would load and serve garbage."""
+        loaded = layer.mixprec_loaded
+        shards = layer.mixprec_num_shards
+        missing = []
+        for name in layer.mixprec_params:  # ours; vLLM's own (the bias) are not checked here
+            got = loaded.get(name, set())
+            if None in got or len(got) >= shards:
+                continue
+            missing.append(name if not got else f"{name} (shards loaded: {sorted(map(str, got))} "
+                                                 f"of {shards})")
+        if missing:
+            hint = ("every linear layer that is not in quantization_config.ignored_layers needs "
+                    "qweight, group_scale, group_offset and channel_scale (docs/FORMAT.md)")
+            raise ValueError(
+                f"{self.prefix}: tensor(s) {missing} were not in the checkpoint; {hint}. The "
+                f"checkpoint is incomplete (a missing or truncated shard?): {REEXPORT}, or list "
+                "the layer in ignored_layers if it was left in 16 bits")
+
     def _validate(self, layer: torch.nn.Module) -> None:
         """Values a correct exporter never writes; catching them here beats wrong outputs."""
-        gs = layer.group_scale.data
-        if gs.numel() and (int(gs.min()) < 1 or int(gs.max()) > F.MAX_GROUP_STEP):
-            raise ValueError(f"{self.prefix}.group_scale has values outside [1, {F.MAX_GROUP_STEP}]; "
-                             "the checkpoint is corrupt or not LiquidQuant (docs/FORMAT.md)")
-        go = layer.group_offset.data
-        lo, hi = 128 - F.W8_PROTECT, 128 + F.W8_PROTECT
-        if go.numel() and (int(go.min()) < lo or int(go.max()) > hi):
-            raise ValueError(f"{self.prefix}.group_offset has values outside [{lo}, {hi}]; "
-                             "the checkpoint is corrupt (docs/FORMAT.md)")
+        errs = F.lqq_param_errors(layer.qweight.data, layer.group_scale.data,
+                                  layer.group_offset.data)
         cs = layer.channel_scale.data
         if not bool(torch.isfinite(cs).all()) or bool((cs <= 0).any()):
-            raise ValueError(f"{self.prefix}.channel_scale has non-finite or non-positive values")
+            errs.append("channel_scale has non-finite or non-positive values")
+        if self.scheme.runtime_smooth:
+            sm = layer.input_smooth.data
+            if not bool(torch.isfinite(sm).all()) or bool((sm <= 0).any()):
+                errs.append("input_smooth has non-finite or non-positive values (activations "
+                            "are divided by it)")
         if self.scheme.weight_scheme == "w4ax":
             k = layer.mixprec_in_features
             perm = layer.act_perm.data.long()
             if not torch.equal(torch.sort(perm).values, torch.arange(k, device=perm.device)):
-                raise ValueError(f"{self.prefix}.act_perm is not a permutation of range({k})")
-            F.W4ActLayout(k, int(layer.a8_blocks.data[0]))
+                errs.append(f"act_perm is not a permutation of range({k})")
+            blocks = int(layer.a8_blocks.data[0])
+            if not 0 <= blocks <= k // F.ACT_BLOCK:
+                errs.append(f"a8_blocks={blocks} is outside [0, K/{F.ACT_BLOCK} = {k // F.ACT_BLOCK}]")
+        if errs:
+            raise ValueError(f"{self.prefix}: " + "; ".join(errs) + ". The checkpoint is corrupt "
+                             f"or not mixprec format_version 1 (docs/FORMAT.md): {REEXPORT}")
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:

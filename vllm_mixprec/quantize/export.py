@@ -1,7 +1,9 @@
 """Write a checkpoint folder atomically: safetensors shards, config.json, tokenizer files.
 
-Everything is written into a hidden temp folder next to the target and renamed into place
-at the end, so a crash or a full disk never leaves a complete-looking output.
+Everything is written into a hidden temp folder next to the target, flushed to disk
+(fsync), and renamed into place at the end, so a crash, a full disk or a power loss never
+leaves a complete-looking output: the target either does not exist (or still holds the
+previous output, with --overwrite) or holds the whole new checkpoint.
 """
 from __future__ import annotations
 
@@ -46,6 +48,22 @@ def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torc
     return shards
 
 
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file of `folder`, then the folder itself (its directory entries)."""
+    for f in sorted(folder.iterdir()):
+        if f.is_file():
+            _fsync_path(f)
+    _fsync_path(folder)
+
+
 def write_checkpoint(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict,
                      source_dir: str | Path, quantization_config: dict | None,
                      overwrite: bool = False, shard_bytes: int = SHARD_BYTES) -> Path:
@@ -81,13 +99,19 @@ def write_checkpoint(out_dir: str | Path, tensors: dict[str, torch.Tensor], conf
                 shutil.copy2(Path(source_dir) / fn, tmp / fn)
         fix_config(tmp)  # rope_theta / torch_dtype / tokenizer_class fix-ups
         tmp.chmod(0o755)
+        _fsync_tree(tmp)  # the data is on disk before the name says "complete"
         if out.exists():  # overwrite: move the old one aside first, so a crash keeps one of them
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)
-            tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except BaseException:
+                old.rename(out)  # put the previous output back
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)
+        _fsync_path(out.parent)  # the rename itself
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -25,6 +25,84 @@ from .smooth_attention import center_k_bias, fold_smooth_attention, smooth_atten
 SCHEMES = ("w4a8", "w4ax", "gptq-w4a16", "none")
 
 
+class SourceError(ValueError):
+    """The source model folder cannot be quantized; the message names the file or tensor and
+    says how to fix it. `vllm-mixprec quantize` exits with status 2 on it."""
+
+
+def _not_regular(path: Path) -> SourceError:
+    return SourceError(f"{path} is not a regular file (a FIFO, device or folder would block or "
+                       "fail the read); replace it with the real file from the original model")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        if not path.is_file():  # reading a FIFO would hang
+            raise _not_regular(path)
+        text = path.read_text()
+    except PermissionError as e:
+        raise SourceError(f"{path}: permission denied; make it readable (chmod a+r {path}) or run "
+                          "as its owner") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise SourceError(f"{path}: cannot be read ({type(e).__name__}: {e}); restore the file "
+                          "from the original model") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SourceError(f"{path} is not valid JSON ({e}); the file is truncated or corrupt: "
+                          "restore it from the original model") from e
+    if not isinstance(data, dict):
+        raise SourceError(f"{path} holds a JSON {type(data).__name__}, not an object; restore it "
+                          "from the original model")
+    return data
+
+
+def check_source(model_dir: str | Path) -> None:
+    """Cheap checks of a source folder before any work: readable JSON files, every shard the
+    index names present, and safetensors headers that parse and cover their files."""
+    from safetensors import safe_open
+
+    d = Path(model_dir)
+    _read_json(d / "config.json")
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        wm = _read_json(index).get("weight_map")
+        if not isinstance(wm, dict):
+            raise SourceError(f"{index} has no weight_map; restore it from the original model")
+        gone = sorted({f for f in wm.values() if not (d / f).is_file()})
+        if gone:
+            raise SourceError(f"{index} names shard(s) {gone} that are missing from {d}; "
+                              "download the missing files again")
+    files = sorted(d.glob("*.safetensors"))
+    if not files and not any(d.glob("*.bin")):
+        raise SourceError(f"{d} has no *.safetensors (or *.bin) weights; is the download complete?")
+    for f in files:
+        if not f.is_file():
+            raise _not_regular(f)
+        try:
+            open(f, "rb").close()
+        except PermissionError as e:
+            raise SourceError(f"{f}: permission denied; make it readable (chmod a+r {f}) or run "
+                              "as its owner") from e
+        try:
+            with safe_open(str(f), "pt") as h:
+                h.keys()
+        except Exception as e:  # noqa: BLE001 - SafetensorError has no importable base here
+            raise SourceError(f"{f} is not a readable safetensors file ({e}); it is truncated or "
+                              "corrupt: download or convert the model again") from e
+
+
+def check_finite(tensors, what: str, fix: str = "repair or re-download the source model") -> None:
+    """Refuse NaN/Inf in floating tensors, naming the first tensor that has them."""
+    for name, t in tensors:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = ~torch.isfinite(t)
+            raise SourceError(
+                f"{name}: {int(bad.sum())} of {t.numel()} values are NaN or Inf "
+                f"({int(torch.isnan(t).sum())} NaN) in {what}; the quantizer refuses non-finite "
+                f"weights: {fix}")
+
+
 @dataclasses.dataclass
 class QuantOptions:
     weight_scheme: str = "w4a8"  # w4a8 | w4ax | gptq-w4a16 (standard GPTQ checkpoint) | none
@@ -238,8 +316,13 @@ def load_config(model_dir: str | Path):
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json (not a Hugging Face model folder)")
     # before AutoConfig, which has its own (less helpful) error for unknown model types
-    C.check_architecture_names(json.loads((model_dir / "config.json").read_text()).get("architectures"))
-    config = AutoConfig.from_pretrained(model_dir)
+    C.check_architecture_names(_read_json(model_dir / "config.json").get("architectures"))
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        raise SourceError(f"{model_dir / 'config.json'}: transformers cannot read it "
+                          f"({type(e).__name__}: {e}); fix the field it names or restore the "
+                          "file from the original model") from e
     C.check_architecture(config)
     return config
 
@@ -258,8 +341,21 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, opts: QuantOption
     if Path(out_dir).exists() and not overwrite:
         raise FileExistsError(f"output {out_dir} already exists (pass --overwrite to replace it)")
     t_start = time.time()
+    check_source(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16, attn_implementation="sdpa", output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise SourceError(f"{model_dir}: transformers cannot load the weights "
+                          f"({type(e).__name__}: {e}); the checkpoint does not match its "
+                          "config.json or is corrupt: download or convert it again") from e
+    missing = sorted(set(info.get("missing_keys") or []) | set(info.get("mismatched_keys") or []))
+    if missing:  # transformers would fill them with random values: never quantize those
+        raise SourceError(f"{model_dir}: tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                          "are missing from the checkpoint (or have the wrong shape); download "
+                          "or convert the model again")
+    check_finite(model.state_dict().items(), f"the source checkpoint {model_dir}")
     model.eval().requires_grad_(False)
     tokens = C.calibration_batches(tok, load_text(opts.calib_text), opts.calib_samples, opts.calib_seqlen)
     kwargs = C.decoder_kwargs(model, tokens.shape[1])
@@ -273,6 +369,11 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, opts: QuantOption
     for i in bar:
         with torch.no_grad():
             t, hidden, info = quantize_layer(layers[i], i, hidden, kwargs, config, opts)
+        try:  # finite inputs, non-finite outputs: degenerate calibration statistics
+            check_finite(t.items(), f"the quantized output of layer {i}",
+                         "retry without --smooth/--smooth-attention, or with more --calib-samples")
+        except SourceError as e:
+            raise RuntimeError(str(e)) from None
         tensors.update(t)
         infos.append(info)
         layers[i] = torch.nn.Identity()  # done: free its memory
@@ -284,7 +385,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, opts: QuantOption
             continue
         tensors[name] = p.detach().to(torch.bfloat16)
     t_quant = time.time() - t_start - t_load
-    src_cfg = json.loads((model_dir / "config.json").read_text())
+    src_cfg = _read_json(model_dir / "config.json")
     path = write_checkpoint(out_dir, tensors, src_cfg, model_dir, quantization_config(opts), overwrite)
     return {"output": str(path), "layers": infos, "calibration_tokens": int(tokens.numel()),
             "seconds_load": t_load, "seconds_quantize": t_quant,

@@ -43,6 +43,8 @@ _MAX_K4 = 131072  # 16 * 7 * 128 * K4 < 2**31
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # 1.5 * 2**23: in fp32, (v + M) - M rounds |v| < 2**22 half to even, like torch.round
 _ROUND_MAGIC = tl.constexpr(12582912.0)
+_INF = tl.constexpr(float("inf"))
+# No NaN global: Triton re-checks globals by ==, and NaN != NaN fails every launch.
 
 
 # ======================================================================================
@@ -264,15 +266,27 @@ def _act_values(xrow, perm_ptr, smooth_ptr, j, mask, HAS_PERM: tl.constexpr,
 
 @triton.jit
 def _codes(v, scale, QMAX: tl.constexpr):
-    """round(v / scale) half to even, clamped to [-QMAX, QMAX]; bit-exact with torch."""
+    """round(v / scale) half to even, clamped to [-QMAX, QMAX]; bit-exact with torch.
+    A NaN scale (non-finite row) gives zero codes, as in the reference."""
     q = tl.math.div_rn(v, scale)
     q = (q + _ROUND_MAGIC) - _ROUND_MAGIC
-    return tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int8)
+    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    return tl.where(scale == scale, q, 0.0).to(tl.int8)
 
 
 @triton.jit
-def _scale_of(amax, QMAX: tl.constexpr):
-    return tl.math.div_rn(tl.maximum(amax, _EPS), QMAX * 1.0)
+def _num_nonfinite(v0, v1):
+    """Count of NaN/Inf values in two tiles. GPU max reductions drop NaN (max.f32), so the
+    amax alone cannot see it; an integer sum can."""
+    return (tl.sum(tl.where(tl.abs(v0) < _INF, 0, 1).to(tl.int32))
+            + tl.sum(tl.where(tl.abs(v1) < _INF, 0, 1).to(tl.int32)))
+
+
+@triton.jit
+def _scale_of(amax, nonfinite, QMAX: tl.constexpr):
+    """amax / QMAX, or NaN for a row holding a NaN/Inf (reference._poison_nonfinite)."""
+    s = tl.math.div_rn(tl.maximum(amax, _EPS), QMAX * 1.0)
+    return tl.where(nonfinite == 0, s, float("nan"))
 
 
 @triton.jit
@@ -312,16 +326,19 @@ def _quant_segment(xrow, perm_ptr, smooth_ptr, qrow, j0, n, QMAX: tl.constexpr,
         mask = b < nb
         v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, b, mask, PAIRS, HAS_PERM,
                                  HAS_SMOOTH)
-        scale = _scale_of(tl.maximum(tl.max(tl.abs(v0)), tl.max(tl.abs(v1))), QMAX)
+        scale = _scale_of(tl.maximum(tl.max(tl.abs(v0)), tl.max(tl.abs(v1))),
+                          _num_nonfinite(v0, v1), QMAX)
         tl.store(qrow + b, _encode(v0, v1, scale, QMAX, PAIRS), mask=mask)
     else:
         amax = 0.0
+        bad = 0
         for ci in range(NCHUNK):
             mask = ci * BLOCK + b < nb
             v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, ci * BLOCK + b, mask, PAIRS,
                                      HAS_PERM, HAS_SMOOTH)
             amax = tl.maximum(amax, tl.maximum(tl.max(tl.abs(v0)), tl.max(tl.abs(v1))))
-        scale = _scale_of(amax, QMAX)
+            bad += _num_nonfinite(v0, v1)
+        scale = _scale_of(amax, bad, QMAX)
         for ci in range(NCHUNK):
             mask = ci * BLOCK + b < nb
             v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, ci * BLOCK + b, mask, PAIRS,

@@ -21,6 +21,8 @@ from ... import formats as F
 # fp32 values below 2**22: adding and removing 1.5*2**23 rounds to nearest-even, which is
 # torch.round's rule (libdevice.rint is not available in the CPU interpreter).
 _RNE_MAGIC = tl.constexpr(12582912.0)
+_INF = tl.constexpr(float("inf"))
+# No NaN global: Triton re-checks globals by ==, and NaN != NaN fails every launch.
 
 
 class KVResidual(NamedTuple):
@@ -76,30 +78,43 @@ def _quantize_store_row(src_ptr, smooth_ptr, codes_ptr, meta_ptr, slab, off,
             xb = tl.math.div_rn(xb, tl.load(smooth_ptr + 2 * c + 1).to(tl.float32))
         mn = tl.minimum(tl.min(xa, 0), tl.min(xb, 0))
         mx = tl.maximum(tl.max(xa, 0), tl.max(xb, 0))
-        scale = tl.maximum(tl.math.div_rn(mx - mn, 15.0), 1e-4).to(tl.float16)
-        zero = mn.to(tl.float16)
+        # a row with a NaN/Inf is stored with NaN scale and zero and zero codes (reference:
+        # _poison_nonfinite); GPU min/max reductions drop NaN, hence the explicit count
+        ok = (tl.sum(tl.where(tl.abs(xa) < _INF, 0, 1).to(tl.int32))
+              + tl.sum(tl.where(tl.abs(xb) < _INF, 0, 1).to(tl.int32))) == 0
+        scale = tl.maximum(tl.math.div_rn(mx - mn, 15.0), 1e-4)
+        scale = tl.where(ok, scale, float("nan")).to(tl.float16)
+        zero = tl.where(ok, mn, float("nan")).to(tl.float16)
         s32 = scale.to(tl.float32)
         z32 = zero.to(tl.float32)
-        qa = tl.clamp(round_half_even(tl.math.div_rn(xa - z32, s32)), 0.0, 15.0).to(tl.uint8)
-        qb = tl.clamp(round_half_even(tl.math.div_rn(xb - z32, s32)), 0.0, 15.0).to(tl.uint8)
+        qa = tl.clamp(round_half_even(tl.math.div_rn(xa - z32, s32)), 0.0, 15.0)
+        qb = tl.clamp(round_half_even(tl.math.div_rn(xb - z32, s32)), 0.0, 15.0)
+        qa = tl.where(ok, qa, 0.0).to(tl.uint8)
+        qb = tl.where(ok, qb, 0.0).to(tl.uint8)
         tl.store(codes_ptr + slab + code_plane * B * C + off * C + c, qa | (qb << 4))
         tl.store(meta_ptr + meta_index(slab, off, 2 * meta_plane, B, C, 2), scale)
         tl.store(meta_ptr + meta_index(slab, off, 2 * meta_plane + 1, B, C, 2), zero)
-        if HAS_RES:
+        if HAS_RES:  # the 16-bit copy of a non-finite row is all NaN, like its page entry
             dst = res_ptr + res_row + 2 * c
-            tl.store(dst, xa.to(res_ptr.dtype.element_ty), mask=res_ok)
-            tl.store(dst + 1, xb.to(res_ptr.dtype.element_ty), mask=res_ok)
+            ra = tl.where(ok, xa, float("nan")).to(res_ptr.dtype.element_ty)
+            rb = tl.where(ok, xb, float("nan")).to(res_ptr.dtype.element_ty)
+            tl.store(dst, ra, mask=res_ok)
+            tl.store(dst + 1, rb, mask=res_ok)
     else:
         d = tl.arange(0, D)
         x = tl.load(src_ptr + d).to(tl.float32)
         if HAS_SMOOTH:
             x = tl.math.div_rn(x, tl.load(smooth_ptr + d).to(tl.float32))
+        ok = tl.sum(tl.where(tl.abs(x) < _INF, 0, 1).to(tl.int32)) == 0  # see kv4
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 127.0), 1e-8)
+        scale = tl.where(ok, scale, float("nan"))
         q = tl.clamp(round_half_even(tl.math.div_rn(x, scale)), -127.0, 127.0)
+        q = tl.where(ok, q, 0.0)
         tl.store(codes_ptr + slab + code_plane * B * D + off * D + d, q.to(tl.int8))
         tl.store(meta_ptr + meta_index(slab, off, meta_plane, B, D, 4), scale)
-        if HAS_RES:
-            tl.store(res_ptr + res_row + d, x.to(res_ptr.dtype.element_ty), mask=res_ok)
+        if HAS_RES:  # see kv4
+            rx = tl.where(ok, x, float("nan")).to(res_ptr.dtype.element_ty)
+            tl.store(res_ptr + res_row + d, rx, mask=res_ok)
 
 
 @triton.jit

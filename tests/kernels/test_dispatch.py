@@ -1,0 +1,69 @@
+"""kernels.select_impl / prepare_linear: a forced kernel that this machine cannot run is
+refused when the weights are loaded (start-up), naming MIXPREC_KERNEL and the fix, instead
+of failing inside the first forward pass with a dispatcher error."""
+import pytest
+import torch
+
+from vllm_mixprec import kernels
+from vllm_mixprec import reference as ref
+from vllm_mixprec.quant_methods.config import MixPrecConfig
+
+CPU = torch.device("cpu")
+BASE = {"quant_method": "mixprec", "format_version": 1, "weight_scheme": "w4a8", "weight_bits": 4,
+        "act_bits": 8, "group_size": 64, "kv_scheme": "none"}
+
+
+@pytest.mark.parametrize("value", ["cuda12", "Triton", "ref"])
+def test_unknown_mixprec_kernel_value(value):
+    with pytest.raises(ValueError, match=rf"MIXPREC_KERNEL='{value}' is not one of .*unset MIXPREC_KERNEL"):
+        kernels.forced_impl({"MIXPREC_KERNEL": value})
+    assert kernels.forced_impl({"MIXPREC_KERNEL": ""}) is None
+    assert kernels.forced_impl({"MIXPREC_KERNEL": "triton"}) == "triton"
+
+
+def test_forced_cuda_on_a_cpu_layer_is_refused_at_load(vllm_tp1, seeded, monkeypatch):
+    """The csrc library loads on this machine (it is built), but the weights are on the CPU:
+    the old check (`_cuda.available()` only) let it through and the first GEMM died in the
+    dispatcher ("Could not run 'mixprec_C::quantize_act' with arguments from the 'CPU' backend")."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    monkeypatch.setattr(kernels, "_FORCED", "cuda")
+    layer = RowParallelLinear(256, 128, bias=False, quant_config=MixPrecConfig.from_config(BASE),
+                              params_dtype=torch.float16, prefix="model.layers.5.mlp.down_proj")
+    for name, t in ref.quantize_weight_lqq(torch.randn(128, 256, generator=seeded), 64).items():
+        getattr(layer, name).weight_loader(getattr(layer, name), t)
+    with pytest.raises(RuntimeError) as e:
+        layer.quant_method.process_weights_after_loading(layer)
+    msg = str(e.value)
+    assert "model.layers.5.mlp.down_proj: MIXPREC_KERNEL=cuda" in msg, msg
+    assert "unset MIXPREC_KERNEL" in msg, msg
+    if kernels._cuda.available():
+        assert "weights are on cpu" in msg, msg
+    else:
+        assert "csrc ops are not built" in msg and "pip install -e ." in msg, msg
+
+
+def test_forced_cuda_without_the_built_ops(monkeypatch):
+    """As on a machine where the extension was never compiled (or fails to load)."""
+    monkeypatch.setattr(kernels, "_FORCED", "cuda")
+    monkeypatch.setattr(kernels._cuda, "available", lambda: False)
+    monkeypatch.setattr(kernels._cuda, "load_error", lambda: "no vllm_mixprec/_C*.so")
+    with pytest.raises(RuntimeError, match=r"MIXPREC_KERNEL=cuda but the csrc ops are not built "
+                                           r"\(no vllm_mixprec/_C\*\.so\); rebuild with `pip install "
+                                           r"-e \.`.*unset MIXPREC_KERNEL"):
+        kernels.select_impl(CPU)
+
+
+def test_forced_triton_needs_a_gpu_or_the_interpreter(monkeypatch):
+    monkeypatch.setattr(kernels, "_FORCED", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match=r"MIXPREC_KERNEL=triton but the weights are on cpu.*"
+                                           r"TRITON_INTERPRET=1.*unset MIXPREC_KERNEL"):
+        kernels.select_impl(CPU, "lm")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels.select_impl(CPU) == "triton"
+
+
+def test_unforced_cpu_uses_the_reference(monkeypatch):
+    monkeypatch.setattr(kernels, "_FORCED", None)
+    assert kernels.select_impl(CPU) == "reference"
