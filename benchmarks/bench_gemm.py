@@ -4,7 +4,8 @@
 Measured in the same run, on the same random data sizes:
   ours_triton        Triton w4a8_gemm alone (int8 activations already quantised)
   ours_triton_q      quantize_act + w4a8_gemm (what a linear layer costs)
-  ours_cuda          torch.ops.mixprec.w4a8_linear with impl "cuda" (when the csrc ops are built)
+  ours_cuda          torch.ops.mixprec.w4a8_linear with impl "cuda" on weights repacked once into
+                     the csrc layout (quantize_act + the auto-selected kernel)
   marlin_w4a16       Marlin, uint4b8 group 128, fp16 activations (apply_gptq_marlin_linear)
   marlin_w4a8        Marlin with its own int8 activations (VLLM_MARLIN_INPUT_DTYPE=int8 path)
   machete_w4a16      Machete, uint4b8 group 128, fp16 activations
@@ -129,6 +130,11 @@ def random_lqq(N: int, K: int, G: int, device):
     }
 
 
+def setup_of(name: str) -> str:
+    """The weight setup a method times: the Triton variants share "ours"."""
+    return "ours" if name in ("ours_triton", "ours_triton_q") else name
+
+
 class Methods:
     """Builds, per shape, each method's weights; per M, a callable per weight copy."""
 
@@ -139,7 +145,8 @@ class Methods:
         self.wanted = wanted
         self.w16 = (torch.randn(N, K, device=self.dev) / math.sqrt(K)).half()  # [N, K]
         self.setups = {}
-        for name, fn in (("ours", self._ours), ("marlin_w4a16", self._marlin16),
+        for name, fn in (("ours", self._ours), ("ours_cuda", self._ours_cuda),
+                         ("marlin_w4a16", self._marlin16),
                          ("marlin_w4a8", self._marlin8), ("machete_w4a16", self._machete),
                          ("cublas_bf16", self._bf16), ("int8_mm", self._int8)):
             if any(m.startswith(name) for m in wanted):
@@ -156,6 +163,15 @@ class Methods:
     def _ours(self):
         t = random_lqq(self.N, self.K, self.group_size, self.dev)
         return self._copies(t, sum(v.numel() * v.element_size() for v in t.values()))
+
+    def _ours_cuda(self):
+        """The csrc kernel's layout, repacked once per copy (as process_weights_after_loading does)."""
+        from vllm_mixprec.kernels import cuda as kcuda
+        if not kcuda.available():
+            raise RuntimeError(f"csrc ops not built: {kcuda.load_error()}")
+        weight_bytes, copies = self._ours()
+        return weight_bytes, [kcuda.pack_weights(t["qweight"], t["group_scale"], t["group_offset"],
+                                                 t["channel_scale"]) for t in copies]
 
     def _marlin(self, act):
         import torch
@@ -208,7 +224,7 @@ class Methods:
         import torch
         from vllm_mixprec.kernels.triton import gemm as tg
         K, dev = self.K, self.dev
-        base = "ours" if name.startswith("ours") else name
+        base = setup_of(name)
         _, copies = self.setups[base]
         out = []
         for t in copies:
@@ -223,10 +239,7 @@ class Methods:
                 out.append(lambda t=t, xb=xb: tg.w4a8_gemm(
                     *tg.quantize_act(xb), t["qweight"], t["group_scale"], t["group_offset"],
                     t["channel_scale"], None, torch.bfloat16, config=config))
-            elif name == "ours_cuda":
-                from vllm_mixprec.kernels import cuda as kcuda
-                if not kcuda.available():
-                    raise RuntimeError(f"csrc ops not built: {kcuda.load_error()}")
+            elif name == "ours_cuda":  # quantize_act + the auto-selected csrc GEMM, prepacked
                 xb = x16.bfloat16()
                 out.append(lambda t=t, xb=xb: torch.ops.mixprec.w4a8_linear(
                     xb, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"],
@@ -261,7 +274,7 @@ class Methods:
 
     def bytes_moved(self, name: str, M: int) -> int:
         """Weight bytes + activation bytes (input and output) of one call."""
-        base = "ours" if name.startswith("ours") else name
+        base = setup_of(name)
         wbytes = self.setups[base][0]
         a_in = {"cublas_bf16": 2, "marlin_w4a16": 2, "machete_w4a16": 2, "marlin_w4a8": 2,
                 "ours_triton_q": 2, "ours_cuda": 2}.get(name, 1)
@@ -347,7 +360,7 @@ def main(argv=None) -> int:
                 except Exception as e:
                     row["ours_check_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             for name in args.methods:
-                base = "ours" if name.startswith("ours") else name
+                base = setup_of(name)
                 if base not in meth.setups:
                     row["methods"][name] = {"error": errors.get(base, "not set up")}
                     continue

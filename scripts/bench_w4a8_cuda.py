@@ -62,6 +62,7 @@ def main():
     ap.add_argument("--full", action="store_true", help="all shapes (default: the 70B up-projection only)")
     ap.add_argument("--no-marlin", action="store_true")
     ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256, 1024, 4096])
     ap.add_argument("--no-graph", action="store_true", help="time with do_bench instead of CUDA graphs")
     ap.add_argument("--splits-sweep", action="store_true",
                     help="also time the decode kernels (0, 1) at M <= 16 with 1..8 K splits")
@@ -73,7 +74,7 @@ def main():
     shapes = [(8192, 28672)]  # (K, N)
     if args.full:
         shapes += [(4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096), (28672, 8192)]
-    ms = [1, 4, 16, 32, 64, 128, 256, 1024, 4096]
+    ms = args.ms
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows = []
     for k, n in shapes:

@@ -3,7 +3,8 @@
 #   bash .gpu/part2/install-on-host.sh install .gpu/part2 && . /tmp/mixprec-site/env.sh \
 #     && bash scripts/gpu_check.sh [STAGE...]
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
-# bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) sanitize e2e
+# test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) tune_attn sanitize
+# profile e2e
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -82,6 +83,8 @@ stage_test_kernels() {
 }
 stage_test_other() { pytest_gpu pytest-gpu-other 540 tests --ignore=tests/kernels; }
 stage_test() { local rc=0; stage_test_kernels || rc=1; stage_test_other || rc=1; return $rc; }
+# Only the csrc GEMM tests (after a change to csrc/gemm: ~2 minutes instead of test_kernels' 4.5)
+stage_test_csrc() { pytest_gpu pytest-gpu-csrc 360 tests/kernels/test_cuda_gemm.py tests/kernels/test_cuda_gemm_wgmma.py; }
 
 run_bench() {  # NAME TIMEOUT CMD...: one benchmark, its log in $OUT/NAME.log
   local name=$1 limit=$2; shift 2
@@ -90,11 +93,13 @@ run_bench() {  # NAME TIMEOUT CMD...: one benchmark, its log in $OUT/NAME.log
 }
 
 stage_bench_gemm() { run_bench bench_gemm 420 python3 benchmarks/bench_gemm.py --out "$OUT"; }
-stage_bench_cuda() { run_bench bench_w4a8_cuda 400 python3 scripts/bench_w4a8_cuda.py --splits-sweep --out "$OUT"; }
+stage_bench_cuda() { run_bench bench_w4a8_cuda 400 python3 scripts/bench_w4a8_cuda.py --ms 1 4 16 32 64 256 1024 4096 --out "$OUT"; }
 stage_bench_attn() { run_bench bench_attention 420 python3 benchmarks/bench_attention.py --out "$OUT"; }
 stage_bench() { stage_bench_gemm; stage_bench_attn; }
+stage_tune_attn() { run_bench bench_attention_tune 500 python3 benchmarks/bench_attention.py --tune --out "$OUT"; }
 stage_diag() { timeout 300 bash scripts/diag_cxx_throw.sh 2>&1 | tee "$OUT/diag_cxx_throw.log" | tail -30; }
-stage_sanitize() { OUT=$OUT timeout 400 bash scripts/sanitize_gemm.sh 2>&1 | tail -30; }
+stage_profile() { OUT=$OUT timeout 400 bash scripts/profile_ncu.sh gemm attn 2>&1 | tail -20; }
+stage_sanitize() { OUT=$OUT timeout 540 bash scripts/sanitize.sh cuda triton 2>&1 | tail -30; }
 
 stage_e2e() {
   log "end to end: random-weight checkpoint -> vllm serve --quantization mixprec"

@@ -1,6 +1,7 @@
 // Per-token symmetric int8 activations for the W4A8 GEMM (reference.quantize_act):
 //   v = x / smooth (float32, IEEE division), scale = max(amax|v|, 1e-8) / 127,
 //   q = clamp(rint_half_even(v / scale), -127, 127).
+//   A row holding NaN or +-Inf gets scale NaN and zero codes (reference._poison_nonfinite).
 // One CTA per token row; 16-byte loads; the second pass re-reads the row from L1/L2.
 
 #include <cuda_bf16.h>
@@ -45,7 +46,15 @@ __device__ __forceinline__ float load1(const float* p) { return *p; }
 __device__ __forceinline__ float load1(const __half* p) { return __half2float(*p); }
 __device__ __forceinline__ float load1(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 
+// |v|, with NaN mapped to +inf: fmaxf drops NaN, so a row holding one would otherwise get a
+// finite scale and finite garbage outputs. An infinite amax marks the row non-finite.
+__device__ __forceinline__ float abs_or_inf(float v) {
+  const float a = fabsf(v);
+  return a <= 3.402823466e38f ? a : __int_as_float(0x7f800000);
+}
+
 __device__ __forceinline__ int8_t quantize_one(float v, float scale) {
+  if (scale != scale) return 0;  // non-finite row (reference._poison_nonfinite): NaN scale, zero codes
   int q = __float2int_rn(v / scale);  // round half to even, like torch.round
   q = q > 127 ? 127 : (q < -127 ? -127 : q);
   return static_cast<int8_t>(q);
@@ -89,17 +98,17 @@ __global__ void quantize_act_int8_kernel(const T* __restrict__ x, int64_t x_row_
         for (int j = 0; j < 8; ++j) v[j] = v[j] / s[j];
       }
 #pragma unroll
-      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, abs_or_inf(v[j]));
     }
   } else {
     for (int i = threadIdx.x; i < K; i += blockDim.x) {
       float v = load1(xr + i);
       if (smooth != nullptr) v = v / load1(smooth + i);
-      amax = fmaxf(amax, fabsf(v));
+      amax = fmaxf(amax, abs_or_inf(v));
     }
   }
   amax = block_max(amax, s_red);
-  const float sc = fmaxf(amax, 1e-8f) / 127.0f;
+  const float sc = isinf(amax) ? __int_as_float(0x7fffffff) : fmaxf(amax, 1e-8f) / 127.0f;
   if (threadIdx.x == 0) scale[row] = sc;
 
   if constexpr (kVec) {

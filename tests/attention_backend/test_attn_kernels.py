@@ -11,8 +11,8 @@ import torch
 from vllm_mixprec import formats as F
 from vllm_mixprec import reference as ref
 from vllm_mixprec.attention_backend import residual as R
-from vllm_mixprec.kernels.triton.attention import (decode_attention, paged_attention,
-                                                   prefill_attention)
+from vllm_mixprec.kernels.triton.attention import (decode_attention, decode_config,
+                                                   paged_attention, prefill_attention)
 from vllm_mixprec.kernels.triton.kv_cache import KVResidual, quantize_and_store
 
 from attn_helpers import DEVICE, make_batch, slots_of, tolerance
@@ -147,6 +147,36 @@ def test_paged_attention_gpu(scheme, dtype, group, head_dim, fast_unpack, monkey
                           batch.k_smooth)
     torch.testing.assert_close(out.double().cpu(), batch.reference(head_dim ** -0.5),
                                **tolerance(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("cfg", ["64,4,3", "128,2,2", "32,4,3"])
+def test_paged_attention_gpu_decode_configs(scheme, cfg, monkeypatch):
+    """Every decode config decode_config() may pick (or a tuning run forces) is exact."""
+    monkeypatch.setenv("MIXPREC_ATTN_DECODE_CFG", cfg)
+    torch.manual_seed(3)
+    dtype, head_dim = torch.bfloat16, 128
+    rows = [(1, 3000), (1, 17), (1, 1025), (1, 129), (1, 4096)]
+    batch = make_batch(scheme, dtype, head_dim, 4, 4, rows, residual_tokens=16, writer=_writer)
+    out = paged_attention(batch.q, batch.cache, batch.layout, batch.block_table,
+                          batch.seq_lens, batch.qsl, head_dim ** -0.5, batch.residual,
+                          batch.k_smooth)
+    torch.testing.assert_close(out.double().cpu(), batch.reference(head_dim ** -0.5),
+                               **tolerance(dtype))
+
+
+def test_decode_config_choice(monkeypatch):
+    monkeypatch.delenv("MIXPREC_ATTN_DECODE_CFG", raising=False)
+    assert decode_config(128, "kv4", num_rows=64, num_kv_heads=8, num_sms=132) == (128, 2, 2)
+    assert decode_config(128, "kv4", num_rows=1, num_kv_heads=8, num_sms=132) == (64, 4, 3)
+    assert decode_config(128, "kv8", num_rows=64, num_kv_heads=8, num_sms=132) == (64, 4, 3)
+    assert decode_config(256, "kv4", num_rows=64, num_kv_heads=8, num_sms=132) == (32, 4, 3)
+    monkeypatch.setenv("MIXPREC_ATTN_DECODE_CFG", "32,8,2")
+    assert decode_config(128, "kv4", num_rows=64, num_kv_heads=8) == (32, 8, 2)
+    monkeypatch.setenv("MIXPREC_ATTN_DECODE_CFG", "32,8")
+    with pytest.raises(ValueError, match="MIXPREC_ATTN_DECODE_CFG"):
+        decode_config(128)
 
 
 @pytest.mark.gpu

@@ -155,7 +155,7 @@ def _prepared_layer(n, k, g, gen):
     return layer, (qw, gs, go, cs)
 
 
-@pytest.mark.parametrize("m,n,k", [(4, 64, 4096), (3, 1024, 1024), (100, 256, 512)])
+@pytest.mark.parametrize("m,n,k", [(4, 64, 4096), (3, 1024, 1024), (1, 8192, 2048), (100, 256, 512)])
 def test_cuda_graph_capture_and_replay(m, n, k):
     """(4, 64, 4096) takes split-K: the workspace memset and counters are captured too."""
     gen = _gen(42)

@@ -10,16 +10,11 @@ from vllm_mixprec import kernels  # noqa: F401  (registers torch.ops.mixprec.*)
 from vllm_mixprec import reference as ref
 
 HAS_CUDA = torch.cuda.is_available()
-CSRC_NAN = pytest.mark.xfail(
-    strict=True, reason="csrc/quant/quantize_act_int8.cu takes amax with fmaxf, which drops NaN: "
-                        "a NaN activation becomes code 0 with a finite scale (finite garbage). "
-                        "Fix there (count non-finite values, store a NaN scale), then remove this mark")
-
 IMPLS = [pytest.param("reference", "cpu", id="reference-cpu"),
          pytest.param("triton", "cpu", id="triton-interpreter",
                       marks=pytest.mark.skipif(HAS_CUDA, reason="the GPU runs triton-cuda")),
          pytest.param("triton", "cuda", id="triton-cuda", marks=pytest.mark.gpu),
-         pytest.param("cuda", "cuda", id="csrc-cuda", marks=[pytest.mark.gpu, CSRC_NAN])]
+         pytest.param("cuda", "cuda", id="csrc-cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(autouse=True)

@@ -241,18 +241,21 @@ def emulate_w4a8_dequant_reference(packed: torch.Tensor, gparams: torch.Tensor) 
 
 # --- ops --------------------------------------------------------------------------------
 
+def pack_weights(qweight: torch.Tensor, group_scale: torch.Tensor, group_offset: torch.Tensor,
+                 channel_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors -> the kernel layout w4a8_gemm takes without repacking per call."""
+    packed, gparams = repack_w4a8(qweight, group_scale, group_offset)
+    return {"qweight": packed, "group_scale": gparams,
+            "group_offset": torch.empty(0, dtype=torch.uint8, device=packed.device),
+            "channel_scale": channel_scale.to(torch.float32).contiguous()}
+
+
 def prepare_weights(layer: torch.nn.Module) -> None:
     """Repack the loaded checkpoint tensors into the kernel layout, once, on their device."""
-    packed, gparams = repack_w4a8(layer.qweight.data, layer.group_scale.data, layer.group_offset.data)
-    dev = packed.device
-
-    def put(name, t):
+    tensors = pack_weights(layer.qweight.data, layer.group_scale.data, layer.group_offset.data,
+                           layer.channel_scale.data)
+    for name, t in tensors.items():
         layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-
-    put("qweight", packed)
-    put("group_scale", gparams)
-    put("group_offset", torch.empty(0, dtype=torch.uint8, device=dev))
-    put("channel_scale", layer.channel_scale.data.to(torch.float32).contiguous())
     layer.mixprec_cuda_layout = "w4a8_mma_v1"
 
 

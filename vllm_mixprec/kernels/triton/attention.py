@@ -527,9 +527,23 @@ def _env_cfg(name: str, n: int) -> tuple[int, ...] | None:
     return vals
 
 
-def decode_config(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the decode kernel."""
-    return _env_cfg("MIXPREC_ATTN_DECODE_CFG", 3) or ((64 if head_dim <= 128 else 32), 4, 3)
+def decode_config(head_dim: int, scheme: str = "kv4", num_rows: int = 0,
+                  num_kv_heads: int = 1, num_sms: int = 132) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the decode kernel; a function of the batch, not of
+    the lengths, so that a captured CUDA graph stays valid.
+
+    KV4, D <= 128, at least one (row, kv head) per SM: (128, 2, 2), from `bench_attention.py
+    --tune` on the H100 (2026-11-23): 64 x 8K 0.360 ms against 0.521 ms for (64, 4, 3).
+    Fewer rows keep (64, 4, 3): 1 x 1K 23.7 us against 26.9 us (1 x 32K: equal). KV8 and
+    D = 256 keep the untuned defaults."""
+    cfg = _env_cfg("MIXPREC_ATTN_DECODE_CFG", 3)
+    if cfg:
+        return cfg
+    if head_dim > 128:
+        return 32, 4, 3
+    if scheme == "kv4" and num_rows * num_kv_heads >= num_sms:
+        return 128, 2, 2
+    return 64, 4, 3
 
 
 def prefill_config(head_dim: int, group: int) -> tuple[int, int, int, int]:
@@ -607,7 +621,9 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
     num_q_heads, num_kv_heads = q.shape[1], cache.shape[1]
     group = num_q_heads // num_kv_heads
     cache_args, smooth, res, has_res, block_r = _common_args(q, cache, layout, residual, k_smooth)
-    block_n, warps, stages = decode_config(layout.head_dim)
+    sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
+        if q.is_cuda else 8
+    block_n, warps, stages = decode_config(layout.head_dim, layout.scheme, num_rows, num_kv_heads, sms)
     finish = num_splits > 1 or has_res
     if finish and (part_o is None or part_lse is None
                    or part_o.shape[0] < num_rows * num_splits):

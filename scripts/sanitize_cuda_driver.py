@@ -1,6 +1,6 @@
-"""Small driver for compute-sanitizer: every W4A8 kernel variant and quantize_act once.
+"""Small driver for compute-sanitizer: every csrc W4A8 kernel variant and quantize_act once.
 
-Run by scripts/sanitize_gemm.sh; it exits non-zero if a result is wrong, so the sanitizer
+Run by scripts/sanitize.sh; it exits non-zero if a result is wrong, so the sanitizer
 log and the exit code both count.
 """
 import os
@@ -38,6 +38,9 @@ def main() -> int:
         (33, 208, 512, 64, 2, 1), (64, 144, 640, 128, 2, 3), (65, 208, 512, 64, 3, 1),
         (200, 80, 384, 128, 3, 2), (5, 32, 128, 64, 3, 1),
     ]
+    if cuda.has_wgmma():  # sm_90a kernels 4..6: partial CTA tiles in M and N, split-K
+        cases += [(64, 256, 512, 64, 4, 1), (130, 272, 1024, 128, 5, 2), (300, 128, 640, 64, 6, 1),
+                  (65, 512, 8192, 128, 4, 3)]
     for m, n, k, g, kernel, splits in cases:
         qw, gs, go = lqq(n, k, g, gen)
         cs = torch.rand(n, generator=gen, device=DEV) * 1e-3 + 1e-4

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Nsight Compute profiles of the two decode hot spots, for the notes on where time goes:
+#   gemm: the csrc W4A8 decode GEMM at M=1, K x N = 8192 x 28672 (after quantize_act)
+#   attn: the Triton KV4 decode attention kernel at batch 64 x 8K context (GQA 32/8, d=128)
+# Usage (GPU host, extension built): OUT=... bash scripts/profile_ncu.sh [gemm] [attn]
+set -u
+cd "$(dirname "$0")/.." || exit 2
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT_DIR="${OUT:-$PWD/out}/ncu"
+mkdir -p "$OUT_DIR"
+NCU="$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)"
+[ -z "$NCU" ] && { echo "ncu not found"; exit 2; }
+SECTIONS=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis
+          --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats)
+targets=("$@")
+[ ${#targets[@]} -eq 0 ] && targets=(gemm attn)
+for t in "${targets[@]}"; do
+  case $t in
+    gemm)
+      "$NCU" "${SECTIONS[@]}" -k regex:w4a8_decode_kernel --launch-skip 5 --launch-count 1 \
+        python3 - > "$OUT_DIR/gemm-m1.txt" 2>&1 <<'PY'
+import torch
+from vllm_mixprec.kernels import cuda
+g = torch.Generator(device="cuda").manual_seed(0)
+n, k = 28672, 8192
+qw = torch.randint(0, 256, (n, k // 2), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+gs = torch.randint(1, 17, (n, k // 64), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+go = torch.full((n, k // 64), 9, device="cuda", dtype=torch.uint8)
+pq, gp = cuda.repack_w4a8(qw, gs, go)
+cs = torch.rand(n, device="cuda", generator=g) * 1e-3
+x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=g)
+for _ in range(8):
+    xq, xs = cuda.quantize_act(x)
+    torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, 0)
+torch.cuda.synchronize()
+PY
+      ;;
+    attn)
+      "$NCU" "${SECTIONS[@]}" -k regex:_paged_attn_kernel --launch-skip 3 --launch-count 1 \
+        python3 benchmarks/bench_attention.py --batch 64 --ctx 8192 --methods mixprec-kv4 --rep-ms 5 \
+        --out "$OUT_DIR" > "$OUT_DIR/attn-kv4-64x8k.txt" 2>&1 ;;
+    *) echo "unknown target $t (gemm, attn)"; exit 2 ;;
+  esac
+  echo "== $t: $(grep -E 'Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy' "$OUT_DIR"/*"${t:0:4}"*.txt | head -6 | tr -s ' ')"
+done

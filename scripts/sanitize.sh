@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over our kernels.
+# Usage (GPU host, repo root, extension built): scripts/sanitize.sh [cuda] [triton]
+#   SANITIZE_TOOLS="racecheck" runs a subset of the four tools.
+#   cuda:   scripts/sanitize_cuda_driver.py, every csrc kernel (mma.sync, wgmma, quantize_act)
+#   triton: a pytest -m gpu selection that launches every Triton kernel (W4A8/W4Ax GEMM and
+#           activation quantizers, KV quantize-and-store, paged decode/prefill attention)
+# Logs go to $OUT (or ./out)/sanitize; exits non-zero if a tool or a driver fails.
+# No kernel filter: torch's own kernels are checked too; summary.txt counts the reports that
+# name our kernels separately.
+set -u
+PY="${PYTHON:-python3}"
+cd "$(dirname "$0")/.." || exit 2
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT_DIR="${OUT:-$PWD/out}/sanitize"
+mkdir -p "$OUT_DIR"
+CS="$(command -v compute-sanitizer || true)"
+for cand in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
+            /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+  [ -z "$CS" ] && [ -x "$cand" ] && CS="$cand"
+done
+if [ -z "$CS" ]; then
+  echo "compute-sanitizer not found (PATH, /usr/local/cuda*/bin)" | tee "$OUT_DIR/summary.txt"
+  exit 2
+fi
+"$CS" --version > "$OUT_DIR/version.txt" 2>&1
+targets=("$@")
+[ ${#targets[@]} -eq 0 ] && targets=(cuda triton)
+TRITON_TESTS=(
+  "tests/kernels/test_triton_gemm.py::test_gpu_w4ax"
+  "tests/attention_backend/test_attn_kernels.py::test_paged_attention_gpu"
+)
+status=0
+: > "$OUT_DIR/summary.txt"
+for target in "${targets[@]}"; do
+  case $target in
+    cuda) cmd=("$PY" scripts/sanitize_cuda_driver.py)
+          ours_re="w4a8_(decode|tiled|wgmma)[a-z_]*kernel|quantize_act_int8_kernel" ;;
+    triton) cmd=("$PY" -m pytest -m gpu -q -p no:cacheprovider -x "${TRITON_TESTS[@]}"
+                 -k "test_gpu_w4ax or (1-4-128 and dtype1)")
+          ours_re="_(paged_attn|decode_finish|quant|w4a8|w4ax|gemm|store)[a-z0-9_]*" ;;
+    *) echo "unknown target $target (cuda, triton)"; exit 2 ;;
+  esac
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+    extra=""
+    [ "$tool" = "memcheck" ] && extra="--leak-check no"
+    [ "$tool" = "racecheck" ] && extra="--racecheck-report all"
+    log="$OUT_DIR/$target-$tool.log"
+    start=$(date +%s)
+    # shellcheck disable=SC2086
+    "$CS" --tool "$tool" $extra --error-exitcode 99 "${cmd[@]}" > "$log" 2>&1
+    rc=$?
+    summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -1)
+    ours=$(grep -E "^=========.*(Invalid|Race|Uninitialized|Barrier|hazard)" -A3 "$log" | grep -cE "$ours_re")
+    result=$(grep -E "^failures:|passed|failed" "$log" | tail -1)
+    line="$target $tool: rc=$rc | ${summary:-no summary} | reports naming our kernels: $ours | ${result:-driver did not finish} ($(( $(date +%s) - start ))s)"
+    echo "$line" | tee -a "$OUT_DIR/summary.txt"
+    [ "$rc" -ne 0 ] && status=1
+  done
+done
+exit $status
