@@ -4,7 +4,7 @@
 #     && bash scripts/gpu_check.sh [STAGE...]
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) tune_attn sanitize
-# profile e2e
+# profile e2e load
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -104,6 +104,13 @@ stage_sanitize() { OUT=$OUT timeout 540 bash scripts/sanitize.sh cuda triton 2>&
 stage_e2e() {
   log "end to end: random-weight checkpoint -> vllm serve --quantization mixprec"
   timeout 500 python3 scripts/e2e_serve.py --out "$OUT" 2>&1 | tee "$OUT/e2e.log" | tail -40
+  return "${PIPESTATUS[0]}"
+}
+
+# Load on loopback (issue #7): $OUT/load.json, $OUT/serve-load.log; 540 s inside, the timeout is a backstop
+stage_load() {
+  log "load on loopback: vllm serve W4A8 + KV4, 256 concurrent streams x 3 rounds"
+  timeout 580 python3 scripts/load_serve.py --out "$OUT" --budget 540 2>&1 | tee "$OUT/load.log" | tail -40
   return "${PIPESTATUS[0]}"
 }
 
