@@ -65,7 +65,10 @@ def main():
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256, 1024, 4096])
     ap.add_argument("--no-graph", action="store_true", help="time with do_bench instead of CUDA graphs")
     ap.add_argument("--splits-sweep", action="store_true",
-                    help="also time the decode kernels (0, 1) at M <= 16 with 1..8 K splits")
+                    help="also time the decode kernels (0, 1) at M <= 16 with 1..8 K splits, and the "
+                         "auto-selected kernel at M >= 64 with 1, 2, 4 splits (the wgmma split heuristic)")
+    ap.add_argument("--shapes", nargs="+", metavar="KxN",
+                    help="K x N shapes to time instead of the default/--full set, e.g. 4096x6144")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "bench_w4a8_cuda.json"))
     args = ap.parse_args()
     global USE_GRAPHS
@@ -74,6 +77,13 @@ def main():
     shapes = [(8192, 28672)]  # (K, N)
     if args.full:
         shapes += [(4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096), (28672, 8192)]
+    if args.shapes:
+        try:
+            shapes = [tuple(int(v) for v in sh.lower().split("x")) for sh in args.shapes]
+        except ValueError:
+            ap.error(f"--shapes: expected KxN integers, got {args.shapes}")
+        if any(len(sh) != 2 for sh in shapes):
+            ap.error(f"--shapes: expected KxN, got {args.shapes}")
     ms = args.ms
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows = []
@@ -110,6 +120,9 @@ def main():
                 for kernel in (0, 1):
                     for splits in (1, 2, 3, 4, 8):
                         row[f"gemm_k{kernel}_s{splits}_us"] = bench(lambda: gemm(kernel, splits))
+            if args.splits_sweep and m >= 64:
+                for splits in (1, 2, 4):
+                    row[f"gemm_k-1_s{splits}_us"] = bench(lambda: gemm(-1, splits))
             row["quantize_act_us"] = bench(lambda: cuda.quantize_act(x))
 
             def linear():  # what the layer runs: quantize, then the auto-selected GEMM
