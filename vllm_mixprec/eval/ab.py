@@ -414,41 +414,28 @@ class Harness:
 
     # workloads
     def run_throughput(self, arm: Arm, ckpt: str, lim: float) -> None:
-        name = f"{self.model}-{arm.name}-throughput"
-        log, out_json = self.out / "logs" / f"{name}.log", self.out / "raw" / f"{name}.json"
-        out_json.unlink(missing_ok=True)
-        cmd = throughput_cmd(arm, ckpt, self.o, str(out_json))
-        rc, secs = self.run_child(cmd, log, lim, dict(arm.env))
-        text = _tail(log, 10**7)
-        facts = S.log_facts(text)
-        kw = dict(cmd=show(cmd), wall_s=round(secs, 1), facts=facts, log=f"logs/{log.name}")
-        metrics, err = _parsed(parse_throughput, str(out_json), text) if rc == 0 and out_json.exists() else (None, None)
-        if metrics is not None:
-            e = self.entry(arm, "throughput", ckpt, "ok", metrics=metrics, **kw)
-        elif err:
-            e = self.entry(arm, "throughput", ckpt, "failed", error=err, log_tail=_tail(log), **kw)
-        else:
-            e = self.entry(arm, "throughput", ckpt, "timeout" if rc is None else "failed",
-                           error=f"timeout after {lim:.0f} s" if rc is None else f"exit {rc}",
-                           log_tail=_tail(log), **kw)
-        self.report_entry(e)
+        self._run_json_workload(arm, ckpt, lim, "throughput", throughput_cmd, parse_throughput)
 
     def run_longctx(self, arm: Arm, ckpt: str, lim: float) -> None:
-        name = f"{self.model}-{arm.name}-longctx"
+        self._run_json_workload(arm, ckpt, lim, "longctx", longctx_cmd,
+                                lambda path, _text: json.loads(Path(path).read_text()))
+
+    def _run_json_workload(self, arm: Arm, ckpt: str, lim: float, workload: str, make_cmd, parse) -> None:
+        """One child that writes a JSON result: run it, parse(json_path, log_text), record the entry."""
+        name = f"{self.model}-{arm.name}-{workload}"
         log, out_json = self.out / "logs" / f"{name}.log", self.out / "raw" / f"{name}.json"
         out_json.unlink(missing_ok=True)
-        cmd = longctx_cmd(arm, ckpt, self.o, str(out_json))
+        cmd = make_cmd(arm, ckpt, self.o, str(out_json))
         rc, secs = self.run_child(cmd, log, lim, dict(arm.env))
-        facts = S.log_facts(_tail(log, 10**7))
-        kw = dict(cmd=show(cmd), wall_s=round(secs, 1), facts=facts, log=f"logs/{log.name}")
-        metrics, err = _parsed(lambda p: json.loads(Path(p).read_text()), str(out_json)) \
-            if rc == 0 and out_json.exists() else (None, None)
+        text = _tail(log, 10**7)
+        kw = dict(cmd=show(cmd), wall_s=round(secs, 1), facts=S.log_facts(text), log=f"logs/{log.name}")
+        metrics, err = _parsed(parse, str(out_json), text) if rc == 0 and out_json.exists() else (None, None)
         if metrics is not None:
-            e = self.entry(arm, "longctx", ckpt, "ok", metrics=metrics, **kw)
+            e = self.entry(arm, workload, ckpt, "ok", metrics=metrics, **kw)
         elif err:
-            e = self.entry(arm, "longctx", ckpt, "failed", error=err, log_tail=_tail(log), **kw)
+            e = self.entry(arm, workload, ckpt, "failed", error=err, log_tail=_tail(log), **kw)
         else:
-            e = self.entry(arm, "longctx", ckpt, "timeout" if rc is None else "failed",
+            e = self.entry(arm, workload, ckpt, "timeout" if rc is None else "failed",
                            error=f"timeout after {lim:.0f} s" if rc is None else f"exit {rc}",
                            log_tail=_tail(log), **kw)
         self.report_entry(e)
