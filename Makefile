@@ -32,8 +32,13 @@ demo: $(STAMP)
 	$(PY) -m vllm_mixprec.demo
 
 # Packs vLLM for the offline GPU host (see scripts/gpu_check.sh)
-gpu-bundle:
+# .gpu/pyextra: hypothesis (pure Python) for the property tests on the GPU host, which lacks it
+gpu-bundle: $(STAMP)
 	bash ../shared/gpu/make-bundle.sh .gpu
+	rm -rf .gpu/pyextra && mkdir -p .gpu/pyextra
+	$(PY) -c "import hypothesis, sortedcontainers, os; print(os.path.dirname(os.path.dirname(hypothesis.__file__)))" \
+	  | xargs -I{} sh -c 'cd {} && cp -r hypothesis sortedcontainers _hypothesis_*.py hypothesis-*.dist-info sortedcontainers-*.dist-info $(CURDIR)/.gpu/pyextra/'
+	find .gpu/pyextra -name __pycache__ -prune -exec rm -rf {} +
 
 clean:
 	rm -rf build vllm_mixprec/_C*.so

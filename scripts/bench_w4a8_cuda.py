@@ -66,7 +66,7 @@ def main():
     ap.add_argument("--no-graph", action="store_true", help="time with do_bench instead of CUDA graphs")
     ap.add_argument("--splits-sweep", action="store_true",
                     help="also time the decode kernels (0, 1) at M <= 16 with 1..8 K splits, and the "
-                         "auto-selected kernel at M >= 64 with 1, 2, 4 splits (the wgmma split heuristic)")
+                         "wgmma kernels 4, 5, 6 at M >= 64 with 1, 2, 4 splits (the wgmma tile/split heuristic)")
     ap.add_argument("--shapes", nargs="+", metavar="KxN",
                     help="K x N shapes to time instead of the default/--full set, e.g. 4096x6144")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "bench_w4a8_cuda.json"))
@@ -120,9 +120,10 @@ def main():
                 for kernel in (0, 1):
                     for splits in (1, 2, 3, 4, 8):
                         row[f"gemm_k{kernel}_s{splits}_us"] = bench(lambda: gemm(kernel, splits))
-            if args.splits_sweep and m >= 64:
-                for splits in (1, 2, 4):
-                    row[f"gemm_k-1_s{splits}_us"] = bench(lambda: gemm(-1, splits))
+            if args.splits_sweep and m >= 64 and cuda.has_wgmma():  # every wgmma tile x split count
+                for kernel in (4, 5, 6):
+                    for splits in (1, 2, 4):
+                        row[f"gemm_k{kernel}_s{splits}_us"] = bench(lambda: gemm(kernel, splits))
             row["quantize_act_us"] = bench(lambda: cuda.quantize_act(x))
 
             def linear():  # what the layer runs: quantize, then the auto-selected GEMM

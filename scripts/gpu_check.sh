@@ -4,7 +4,7 @@
 #     && bash scripts/gpu_check.sh [STAGE...]
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) tune_attn sanitize
-# profile e2e load
+# profile e2e load property sweep_splits
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -65,10 +65,11 @@ stage_build() {
 #   test_kernels (tests/kernels, the wgmma file last under its own timeout), test_other (the
 #   rest); `test` runs both. -v names every test in the log, so a killed run still shows
 #   where it was; --durations lists the slow ones.
-pytest_gpu() {  # NAME TIMEOUT ARGS...
+pytest_gpu() { pytest_logged "$1" "$2" -m gpu "${@:3}"; }
+pytest_logged() {  # NAME TIMEOUT ARGS...
   local name=$1 limit=$2; shift 2
-  log "pytest -m gpu $*"
-  timeout "$limit" python3 -m pytest -m gpu -v -rfE --durations=15 -p no:cacheprovider \
+  log "pytest $*"
+  timeout "$limit" python3 -m pytest -v -rfE --durations=15 -p no:cacheprovider \
     --junitxml="$OUT/$name.xml" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -25
@@ -86,6 +87,16 @@ stage_test() { local rc=0; stage_test_kernels || rc=1; stage_test_other || rc=1;
 # Only the csrc GEMM tests (after a change to csrc/gemm: ~2 minutes instead of test_kernels' 4.5)
 stage_test_csrc() { pytest_gpu pytest-gpu-csrc 360 tests/kernels/test_cuda_gemm.py tests/kernels/test_cuda_gemm_wgmma.py; }
 
+# Property tests (hypothesis) on the device, csrc and Triton kernels included. They are not
+# gpu-marked (the Triton ones run on the CPU in CI too), so `-m gpu` leaves them out. The host has
+# no hypothesis: carry .gpu/pyextra (`make gpu-bundle` copies it from the local venv).
+stage_property() {
+  [ -d "$REPO/.gpu/pyextra" ] && export PYTHONPATH=$REPO/.gpu/pyextra:$PYTHONPATH
+  python3 -c "import hypothesis" 2>/dev/null || { log "no hypothesis on the path: carry .gpu/pyextra"; return 1; }
+  pytest_logged pytest-property 540 tests/kernels/test_cuda_properties.py tests/kernels/test_triton_properties.py \
+    tests/attention_backend/test_kv_properties.py tests/test_formats_properties.py tests/test_reference_properties.py
+}
+
 run_bench() {  # NAME TIMEOUT CMD...: one benchmark, its log in $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   log "$name: $*"
@@ -94,6 +105,11 @@ run_bench() {  # NAME TIMEOUT CMD...: one benchmark, its log in $OUT/NAME.log
 
 stage_bench_gemm() { run_bench bench_gemm 420 python3 benchmarks/bench_gemm.py --out "$OUT"; }
 stage_bench_cuda() { run_bench bench_w4a8_cuda 400 python3 scripts/bench_w4a8_cuda.py --ms 1 4 16 32 64 256 1024 4096 --out "$OUT"; }
+# The wgmma tile x split-K grid of the layer shapes where the split heuristic was seen to miss
+stage_sweep_splits() {
+  run_bench bench_w4a8_cuda_splits 400 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
+    14336x4096 8192x10240 --ms 64 256 1024 2048 --splits-sweep --no-marlin --out "$OUT/splits_sweep.json"
+}
 stage_bench_attn() { run_bench bench_attention 420 python3 benchmarks/bench_attention.py --out "$OUT"; }
 stage_bench() { stage_bench_gemm; stage_bench_attn; }
 stage_tune_attn() { run_bench bench_attention_tune 500 python3 benchmarks/bench_attention.py --tune --out "$OUT"; }
@@ -107,10 +123,11 @@ stage_e2e() {
   return "${PIPESTATUS[0]}"
 }
 
-# Load on loopback (issue #7): $OUT/load.json, $OUT/serve-load.log; 540 s inside, the timeout is a backstop
+# Load on loopback (issue #7): $OUT/load.json, $OUT/serve-load.log; LOAD_BUDGET (540) s inside, the timeout is a backstop
 stage_load() {
   log "load on loopback: vllm serve W4A8 + KV4, 256 concurrent streams x 3 rounds"
-  timeout 580 python3 scripts/load_serve.py --out "$OUT" --budget 540 2>&1 | tee "$OUT/load.log" | tail -40
+  local budget=${LOAD_BUDGET:-540}
+  timeout $((budget + 40)) python3 scripts/load_serve.py --out "$OUT" --budget "$budget" 2>&1 | tee "$OUT/load.log" | tail -40
   return "${PIPESTATUS[0]}"
 }
 
