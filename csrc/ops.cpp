@@ -13,6 +13,7 @@
 #include <atomic>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "gemm/w4a8_gemm.h"
 
@@ -217,6 +218,18 @@ bool w4a8_wgmma_available(int64_t device) {
   return w4a8_wgmma_supported();
 }
 
+// The (kernel, splits) that w4a8_gemm would launch for a problem, without a GPU: tests check the
+// planner on the CPU and benchmarks record it. wgmma picks between the wgmma kernels (ids 4..6),
+// otherwise the mma.sync ones (0..3); kernel/splits as in w4a8_gemm (-1 and 0 choose).
+std::vector<int64_t> w4a8_plan(int64_t M, int64_t N, int64_t K, int64_t group_size, int64_t num_sms,
+                               int64_t kernel, int64_t splits, bool wgmma) {
+  W4A8Plan plan{};
+  const char* err = wgmma ? w4a8_wgmma_make_plan(M, N, K, group_size, num_sms, kernel, splits, &plan)
+                          : w4a8_make_plan(M, N, K, group_size, num_sms, kernel, splits, &plan);
+  TORCH_CHECK(err == nullptr, "mixprec_C::w4a8_plan: ", err ? err : "");
+  return {static_cast<int64_t>(plan.kernel), plan.splits};
+}
+
 }  // namespace
 }  // namespace mixprec
 
@@ -228,6 +241,8 @@ TORCH_LIBRARY(mixprec_C, m) {
       "Tensor? bias, ScalarType out_dtype, int kernel_id=-1, int splits=0) -> Tensor");
   // No tensor arguments: registered with its (device-independent) kernel directly.
   m.def("w4a8_wgmma_available(int device) -> bool", &mixprec::w4a8_wgmma_available);
+  m.def("w4a8_plan(int M, int N, int K, int group_size, int num_sms, int kernel_id, int splits, bool wgmma) -> int[]",
+        &mixprec::w4a8_plan);
 }
 
 TORCH_LIBRARY_IMPL(mixprec_C, CUDA, m) {

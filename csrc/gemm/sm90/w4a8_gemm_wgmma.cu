@@ -686,6 +686,29 @@ cudaError_t launch_typed(const WParams& p, const W4A8Plan& plan, cudaStream_t st
 
 constexpr int kStagesMinPerSplit = 4;  // 512 k per split at least: pipeline fill stays amortised
 
+long long ctas_of(int kernel, int M, int N) {
+  const Cfg c = cfg_of(kernel);
+  return static_cast<long long>(ceil_div(M, c.tok)) * ceil_div(N / 16, 2 * c.blocks * 4);
+}
+
+// Estimated microseconds of one wgmma launch on an H100 SXM. Filling the SMs (the old rule) is
+// not enough: a partial last wave costs a whole wave, and every split writes and reads back an
+// int32 M x N partial sum, which at M >= 256 costs more than the wave it saves. Fitted to the
+// 144-point kernel x split sweep of 2026-11-23 (csrc/gemm/NOTES.md, "Choosing the tile and the
+// split"): rms error 8%; fitted without any one of its four shapes, it still picks within 2% of
+// the best measured choice on that shape.
+double wgmma_estimate_us(int kernel, int splits, long long ctas, int n_stages, int M, int N, int num_sms) {
+  const double stage_us = kernel == 4 ? 0.912 : kernel == 5 ? 0.615 : 1.025;  // one 128-deep K stage
+  constexpr double kWaveUs = 2.89;                 // prologue and epilogue, per wave
+  constexpr double kSplitUs = 10.0;                // the split-K reduction's fixed cost
+  constexpr double kPartialBytesPerUs = 2.56e6;    // int32 partials written, then read back
+  const long long sms = num_sms > 0 ? num_sms : 1;
+  const long long waves = (ctas * splits + sms - 1) / sms;
+  double us = static_cast<double>(waves) * (ceil_div(n_stages, splits) * stage_us + kWaveUs);
+  if (splits > 1) us += kSplitUs + 2.0 * splits * static_cast<double>(M) * N * 4 / kPartialBytesPerUs;
+  return us;
+}
+
 }  // namespace
 
 // wgmma kernels run iff the current device is sm_90 and the image chosen for it is the sm_90a
@@ -724,32 +747,30 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
   if (group_size < kChunkK || group_size % kChunkK || ((group_size / kChunkK) & (group_size / kChunkK - 1)))
     return "w4a8_gemm: group size must be 64 times a power of two (64, 128, ...)";
   if (K % group_size) return "w4a8_gemm: K must be a multiple of the group size";
-  if (kernel == -1) kernel = M <= 64 ? 5 : 4;
-  if (kernel < 4 || kernel > 6) return "w4a8_gemm: the wgmma kernels are 4, 5 and 6";
-  const Cfg c = cfg_of(kernel);
-  const int row_tiles_cta = 2 * c.blocks * 4;
-  const long long ctas = static_cast<long long>(ceil_div(M, c.tok)) * ceil_div(N / 16, row_tiles_cta);
+  if (kernel != -1 && (kernel < 4 || kernel > 6)) return "w4a8_gemm: the wgmma kernels are 4, 5 and 6";
   const int n_stages = ceil_div(K / kChunkK, 2);
-  if (splits <= 0) {
-    // Fewest splits that fill >= 80% of the SM slots of the waves they take (one CTA per SM);
-    // failing that, the best filling. 112 CTAs on 132 SMs stay unsplit: 224 would take two
-    // waves for the same work plus the partial-sum traffic.
-    int most = n_stages / kStagesMinPerSplit;
-    if (most > 16) most = 16;
-    if (most < 1) most = 1;
-    const long long sms = num_sms > 0 ? num_sms : 1;
-    double best = -1.0;
-    splits = 1;
-    for (int s = 1; s <= most; ++s) {
-      const long long work = ctas * s;
-      const double fill = static_cast<double>(work) / (static_cast<double>((work + sms - 1) / sms) * sms);
-      if (fill > best + 1e-9) {
-        best = fill;
-        splits = s;
+  int most = n_stages / kStagesMinPerSplit;  // splits to try when choosing
+  if (most > 16) most = 16;
+  if (most < 1) most = 1;
+  // Candidates: the requested kernel, or 4 and 5 (6 never won the sweep); the requested split
+  // count, or 1..most. The least estimated time wins.
+  const int k_lo = kernel == -1 ? 4 : kernel, k_hi = kernel == -1 ? 5 : kernel;
+  const int s_lo = splits > 0 ? splits : 1, s_hi = splits > 0 ? splits : most;
+  double best_us = 0.0;
+  int best_kernel = k_lo, best_splits = s_lo;
+  for (int k = k_lo; k <= k_hi; ++k) {
+    for (int s = s_lo; s <= s_hi; ++s) {
+      const double us = wgmma_estimate_us(k, s, ctas_of(k, M, N), n_stages, M, N, num_sms);
+      if ((k == k_lo && s == s_lo) || us < best_us) {
+        best_us = us;
+        best_kernel = k;
+        best_splits = s;
       }
-      if (fill >= 0.8) break;
     }
   }
+  kernel = best_kernel;
+  splits = best_splits;
+  const long long ctas = ctas_of(kernel, M, N);
   if (splits > n_stages) splits = n_stages;
   splits = ceil_div(n_stages, ceil_div(n_stages, splits));  // no empty split
   if (ctas * splits > 0x7FFFFFFFLL || splits > 65535) return "w4a8_gemm: problem too large for the grid";
