@@ -32,13 +32,17 @@ demo: $(STAMP)
 	$(PY) -m vllm_mixprec.demo
 
 # Packs vLLM for the offline GPU host (see scripts/gpu_check.sh)
-# .gpu/pyextra: hypothesis (pure Python) for the property tests on the GPU host, which lacks it
+# .gpu/pyextra: hypothesis for the property tests on the GPU host, which lacks it. Its wheel has a
+# native part, so it is the host's build (CPython 3.12, x86_64) of the version CI uses.
+HOST_PY := 3.12
 gpu-bundle: $(STAMP)
 	bash ../shared/gpu/make-bundle.sh .gpu
-	rm -rf .gpu/pyextra && mkdir -p .gpu/pyextra
-	$(PY) -c "import hypothesis, sortedcontainers, os; print(os.path.dirname(os.path.dirname(hypothesis.__file__)))" \
-	  | xargs -I{} sh -c 'cd {} && cp -r hypothesis sortedcontainers _hypothesis_*.py hypothesis-*.dist-info sortedcontainers-*.dist-info $(CURDIR)/.gpu/pyextra/'
-	find .gpu/pyextra -name __pycache__ -prune -exec rm -rf {} +
+	rm -rf .gpu/pyextra .gpu/pyextra-wheels
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(HOST_PY) \
+	  --platform manylinux_2_17_x86_64 -d .gpu/pyextra-wheels sortedcontainers \
+	  "hypothesis==$$($(PY) -c 'import hypothesis; print(hypothesis.__version__)')"
+	for w in .gpu/pyextra-wheels/*.whl; do $(PY) -m zipfile -e "$$w" .gpu/pyextra; done
+	rm -rf .gpu/pyextra-wheels
 
 clean:
 	rm -rf build vllm_mixprec/_C*.so
