@@ -4,7 +4,7 @@
 #     && bash scripts/gpu_check.sh [STAGE...]
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) tune_attn sanitize
-# profile e2e load property sweep_splits
+# profile e2e load property sweep_splits tp tp_kv4
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -128,6 +128,17 @@ stage_load() {
   log "load on loopback: vllm serve W4A8 + KV4, 256 concurrent streams x 3 rounds"
   local budget=${LOAD_BUDGET:-540}
   timeout $((budget + 40)) python3 scripts/load_serve.py --out "$OUT" --budget "$budget" 2>&1 | tee "$OUT/load.log" | tail -40
+  return "${PIPESTATUS[0]}"
+}
+
+# TP=2 against TP=1 (issue #7), on nvidia-h200-x2: greedy tokens of random-weight Llama and Qwen2
+# shapes (scripts/tp_check.py). Two models a call: each needs 2 vLLM starts.
+stage_tp() { run_tp llama-none,qwen2-none; }
+stage_tp_kv4() { run_tp llama-kv4,qwen2-kv4; }
+run_tp() {
+  log "TP=2 vs TP=1 on $1 ($(python3 -c 'import torch; print(torch.cuda.device_count())') GPUs)"
+  timeout 580 python3 scripts/tp_check.py --out "$OUT" --models "$1" 2>&1 | grep -v -E '^(INFO|WARNING)' \
+    | tee "$OUT/tp-$1.log" | tail -20
   return "${PIPESTATUS[0]}"
 }
 

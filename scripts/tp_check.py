@@ -1,0 +1,155 @@
+"""Tensor parallelism on the GPU host (issue #7): the same mixprec checkpoint served by vLLM at
+TP=1 and TP=2 (NCCL, one process per GPU) must give the same greedy tokens.
+
+Run on nvidia-h200-x2 after the bundle and `gpu_check.sh env build`:
+  python3 scripts/tp_check.py --out $OUT          # or: bash scripts/gpu_check.sh tp
+
+Checkpoints (random weights, built here; RTN W4A8 g64 like scripts/e2e_serve.py):
+  llama: hidden 1024, 4 layers, GQA 16/4 (the e2e shape);
+  qwen2: hidden 1536, 4 layers, GQA 12/2, q/k/v biases, untied lm_head (Qwen2.5-1.5B's widths,
+         so 2 KV heads split 1 per rank and down_proj's K = 8960 splits into 4480 = 70 groups);
+each with a bf16 KV cache (`-none`) and with KV4 through the CUSTOM backend (`-kv4`).
+Random weights give flat logits, where a different all-reduce order may flip a near-tie, so
+besides exact agreement the result records, per prompt, the first diverging step and the
+logprob gap between the two candidates there (a real sharding bug diverges at step 0 with a
+large gap). The real models cannot reach the host (64 MiB per call) and SmolLM2's 9 heads do not
+split in 2; docs/RELIABILITY.md says so.
+
+NVLink multicast stays off (device KINDS.md): NCCL_NVLS_ENABLE=0 and friends are forced in the
+children's environment, and vLLM's custom all-reduce is disabled. The parent never touches CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n", "class Stack:",
+           "Once upon a time", "for i in range(10):", "SELECT * FROM", "# Sort a list in place"]
+MAX_TOKENS = 32
+TOPK = 5
+
+
+def build(work: str, names: list[str]) -> dict[str, str]:
+    """name ("llama-none", "qwen2-kv4", ...) -> checkpoint folder, built unless already there."""
+    import shutil
+
+    import torch
+    from e2e_serve import E2E_SHAPE, export_mixprec, make_bf16_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = {n: os.path.join(work, f"{n.split('-')[0]}-w4a8-{n.split('-')[1]}") for n in names}
+    todo = [n for n in names if not os.path.exists(os.path.join(out[n], "config.json"))]
+    llama_src, qwen_src = os.path.join(work, "llama-bf16"), os.path.join(work, "qwen2-bf16")
+    models = {}
+    if any(n.startswith("llama") for n in todo):
+        models["llama"] = (make_bf16_model(llama_src, E2E_SHAPE), llama_src)
+    if any(n.startswith("qwen2") for n in todo):
+        if not os.path.exists(os.path.join(llama_src, "tokenizer.json")):
+            make_bf16_model(llama_src, E2E_SHAPE)  # for its tokenizer
+        os.makedirs(qwen_src, exist_ok=True)
+        for f in os.listdir(llama_src):
+            if f.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(os.path.join(llama_src, f), qwen_src)
+        torch.manual_seed(1)
+        cfg = Qwen2Config(vocab_size=8192, hidden_size=1536, intermediate_size=8960, num_hidden_layers=4,
+                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
+                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16")
+        qwen = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+        with torch.no_grad():  # Qwen2's q/k/v biases are real and large; HF initialises them to 0
+            for layer in qwen.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+        qwen.save_pretrained(qwen_src)
+        models["qwen2"] = (qwen, qwen_src)
+    for n in todo:
+        model, src = models[n.split("-")[0]]
+        export_mixprec(model, src, out[n], n.split("-")[1])
+    return out
+
+
+def child(ckpt: str, tp: int, kv: str, out_file: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(model=ckpt, quantization="mixprec", tensor_parallel_size=tp, max_model_len=1024,
+                  gpu_memory_utilization=0.5, disable_custom_all_reduce=True, seed=0)
+    if kv == "kv4":
+        kwargs.update(kv_cache_dtype="int4_per_token_head", attention_backend="CUSTOM")
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOPK, ignore_eos=True)
+    res = []
+    for o in llm.generate(PROMPTS, params):
+        c = o.outputs[0]
+        res.append({"tokens": list(c.token_ids),
+                    "top": [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]})
+    with open(out_file, "w") as f:
+        json.dump(res, f)
+
+
+def compare(a: list[dict], b: list[dict]) -> dict:
+    """Per prompt: first step where TP=1 and TP=2 pick different tokens, and how close a call it was."""
+    rows = []
+    for pa, pb in zip(a, b):
+        step = next((i for i, (x, y) in enumerate(zip(pa["tokens"], pb["tokens"])) if x != y), None)
+        row = {"identical": step is None, "first_diff": step}
+        if step is not None:  # TP=1's logprobs of its own pick and of TP=2's pick at that step
+            top = pa["top"][step]
+            mine, theirs = top.get(str(pa["tokens"][step])), top.get(str(pb["tokens"][step]))
+            row["gap"] = None if mine is None or theirs is None else mine - theirs
+        rows.append(row)
+    return {"identical": sum(r["identical"] for r in rows), "prompts": len(rows), "per_prompt": rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--work", default="/tmp/mixprec-tp")
+    ap.add_argument("--models", default="llama-none,qwen2-none,llama-kv4,qwen2-kv4",
+                    help="comma-separated {llama,qwen2}-{none,kv4}; ~3 min each (4 vLLM starts)")
+    ap.add_argument("--child", nargs=4, metavar=("CKPT", "TP", "KV", "OUT_JSON"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child[0], int(args.child[1]), args.child[2], args.child[3])
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    names = args.models.split(",")
+    bad = [n for n in names if n not in ("llama-none", "qwen2-none", "llama-kv4", "qwen2-kv4")]
+    if bad:
+        ap.error(f"unknown --models {bad}: use llama-none, qwen2-none, llama-kv4, qwen2-kv4")
+    ckpts = build(args.work, names)
+    env = {**os.environ, **NO_MULTICAST}
+    summary, ok = {}, True
+    for name, ckpt in ckpts.items():
+        runs = {}
+        for tp in (1, 2):
+            res = os.path.join(args.work, f"{name}-tp{tp}.json")
+            log = os.path.join(args.out, f"tp-{name}-tp{tp}.log")
+            t0 = time.monotonic()
+            with open(log, "w") as f:
+                rc = subprocess.run([sys.executable, __file__, "--child", ckpt, str(tp), name.split("-")[1], res],
+                                    env=env, stdout=f, stderr=subprocess.STDOUT, timeout=420).returncode
+            runs[tp] = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1)}
+            if rc == 0:
+                runs[tp]["result"] = json.load(open(res))
+        entry = {f"tp{tp}": {k: v for k, v in r.items() if k != "result"} for tp, r in runs.items()}
+        if all(r["rc"] == 0 for r in runs.values()):
+            entry.update(compare(runs[1]["result"], runs[2]["result"]))
+            ok &= entry["identical"] == entry["prompts"]
+        else:
+            ok = False
+        summary[name] = entry
+        print(name, json.dumps({k: v for k, v in entry.items() if k != "per_prompt"}), flush=True)
+    with open(os.path.join(args.out, f"tp-{'_'.join(names)}.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print("TP", "PASS" if ok else "FAIL (see tp.json: first_diff and gap per prompt)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())

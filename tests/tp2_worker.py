@@ -1,0 +1,106 @@
+"""One rank of the CPU tensor-parallel test (tests/quant_methods/test_linear_tp.py).
+
+Run as `python tp2_worker.py RANK WORLD INIT_FILE OUT_FILE`: joins vLLM's TP group over gloo,
+builds vLLM's real merged and row-parallel layers with the mixprec method, loads the WHOLE
+checkpoint tensors of `make_case()` through their weight loaders (which must cut this rank's
+shard: q/k/v heads, gate/up halves, K slices of down_proj, and the matching group parameters),
+and saves what the rank computes on the shared input. The test reassembles the ranks' outputs
+and compares them with the unsharded reference. `make_case` is imported by the test too, so the
+tensors are drawn once, in one place.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+GROUP = 64
+HIDDEN, HEAD, HEADS = 256, 64, 4
+INTER = 384  # 192 per rank at TP=2: 3 groups of 64
+
+
+def make_case(kv_heads: int) -> dict:
+    """Full (unsharded) checkpoint tensors and inputs of one decoder layer's linears."""
+    from vllm_mixprec import reference as ref
+
+    g = torch.Generator().manual_seed(1234 + kv_heads)
+
+    def lqq(n, k):
+        return ref.quantize_weight_lqq(torch.randn(n, k, generator=g), GROUP)
+
+    return {
+        "qkv": {"q": lqq(HEADS * HEAD, HIDDEN), "k": lqq(kv_heads * HEAD, HIDDEN),
+                "v": lqq(kv_heads * HEAD, HIDDEN)},
+        "gate_up": [lqq(INTER, HIDDEN), lqq(INTER, HIDDEN)],
+        "down": lqq(HIDDEN, INTER),
+        "x": torch.randn(3, HIDDEN, generator=g).half(),
+        "x_down": torch.randn(3, INTER, generator=g).half(),
+    }
+
+
+def _load(layer, tensors, shard_id):
+    for name, t in tensors.items():
+        p = getattr(layer, name)
+        if shard_id is None:
+            p.weight_loader(p, t)
+        else:
+            p.weight_loader(p, t, shard_id)
+
+
+def run_rank(rank: int, world: int, init_file: str, out_file: str) -> None:
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                                   RowParallelLinear)
+
+    from vllm_mixprec.quant_methods.config import MixPrecConfig
+
+    base = {"quant_method": "mixprec", "format_version": 1, "weight_scheme": "w4a8", "weight_bits": 4,
+            "act_bits": 8, "group_size": GROUP, "kv_scheme": "none"}
+    out = {}
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
+                                     distributed_init_method=f"file://{init_file}", backend="gloo")
+        initialize_model_parallel(world, 1)
+        cfg = MixPrecConfig.from_config(base)
+        for kv_heads in (2, 1):  # 1 KV head at TP=2: vLLM replicates it on both ranks
+            case = make_case(kv_heads)
+            qkv = QKVParallelLinear(HIDDEN, HEAD, HEADS, kv_heads, bias=False, quant_config=cfg,
+                                    params_dtype=torch.float16, prefix="model.layers.0.self_attn.qkv_proj")
+            for sid in ("v", "q", "k"):
+                _load(qkv, case["qkv"][sid], sid)
+            qkv.quant_method.process_weights_after_loading(qkv)
+            out[f"qkv_kv{kv_heads}"] = qkv.quant_method.apply(qkv, case["x"])
+
+            gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], bias=False, quant_config=cfg,
+                                                 params_dtype=torch.float16, prefix="model.layers.0.mlp.gate_up_proj")
+            _load(gate_up, case["gate_up"][1], 1)
+            _load(gate_up, case["gate_up"][0], 0)
+            gate_up.quant_method.process_weights_after_loading(gate_up)
+            out[f"gate_up_kv{kv_heads}"] = gate_up.quant_method.apply(gate_up, case["x"])
+
+            down = RowParallelLinear(INTER, HIDDEN, bias=False, quant_config=cfg, params_dtype=torch.float16,
+                                     prefix="model.layers.0.mlp.down_proj")
+            _load(down, case["down"], None)
+            down.quant_method.process_weights_after_loading(down)
+            part = INTER // world
+            # the rank's partial sum; vLLM's all-reduce adds them (the test adds them here)
+            out[f"down_kv{kv_heads}"] = down.quant_method.apply(down, case["x_down"][:, rank * part:(rank + 1) * part])
+            out[f"shapes_kv{kv_heads}"] = {n: tuple(getattr(qkv, n).shape) for n in qkv.mixprec_params}
+
+        for what, kwargs in (("w4ax_row", dict(weight_scheme="w4ax", act_bits="4/8", a8_fraction=0.25)),
+                             ("g128_row", dict(group_size=128))):
+            try:
+                RowParallelLinear(INTER if what == "g128_row" else 512, HIDDEN, bias=False,
+                                  quant_config=MixPrecConfig.from_config(dict(base, **kwargs)),
+                                  params_dtype=torch.float16, prefix="model.layers.0.mlp.down_proj")
+                out[what] = "no error"
+            except ValueError as e:
+                out[what] = str(e)
+    torch.save(out, out_file)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run_rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
