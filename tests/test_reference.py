@@ -10,6 +10,12 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def _block_magnitudes(m, k, gen, lo, hi):
+    """N(0, 1) activations whose 128-channel blocks range in magnitude from 10^lo to 10^hi."""
+    mag = torch.logspace(lo, hi, k // F.ACT_BLOCK).repeat_interleave(F.ACT_BLOCK)
+    return torch.randn(m, k, generator=gen) * mag
+
+
 def test_quantize_act_per_token(seeded):
     x = torch.randn(9, 256, generator=seeded) * torch.logspace(-2, 2, 9)[:, None]
     q, s = ref.quantize_act(x)
@@ -41,18 +47,84 @@ def test_w4a8_gemm_matches_float64(seeded):
     assert _rel(y, x @ w.T + bias) < 0.15
 
 
-def test_w4ax_gemm_all_8bit_equals_w4a8(seeded):
-    m, n, k = 3, 32, 256
+def test_w4ax_gemm_one_8bit_block_equals_w4a8(seeded):
+    """K = one activation block, all 8-bit: the block scale is the token scale."""
+    m, n, k = 3, 32, F.ACT_BLOCK
     w = torch.randn(n, k, generator=seeded)
     t = ref.quantize_weight_lqq(w, 64)
     x = torch.randn(m, k, generator=seeded)
     ident = torch.arange(k, dtype=torch.int32)
     x8, s8, x4, s4 = ref.quantize_act_w4ax(x, ident, k)
-    assert x4.shape == (m, 0)
+    assert x4.shape == (m, 0) and s4.shape == (m, 0)
     args = (t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"])
     y = ref.w4ax_gemm(x8, s8, x4, s4, *args, out_dtype=torch.float64)
     xq, xs = ref.quantize_act(x)
+    assert torch.equal(x8, xq) and torch.equal(s8[:, 0], xs)
     assert torch.allclose(y, ref.w4a8_gemm(xq, xs, *args, out_dtype=torch.float64))
+
+
+def test_w4ax_scales_per_token_block(seeded):
+    m, k, k8 = 4, 640, 256
+    x = _block_magnitudes(m, k, seeded, -3, 3)
+    perm = torch.randperm(k, generator=seeded).to(torch.int32)
+    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, k8)
+    assert x8.shape == (m, k8) and s8.shape == (m, 2) and x4.shape == (m, (k - k8) // 2)
+    assert s4.shape == (m, 3) and s8.dtype == s4.dtype == torch.float32
+    blocks = x[:, perm.long()].double().view(m, -1, F.ACT_BLOCK).abs().amax(-1)
+    assert torch.equal(s8, (blocks[:, :2] / F.A8_MAX).float())
+    assert torch.equal(s4, (blocks[:, 2:] / F.A4_MAX).float())
+    # every block's largest value maps to the end of its grid, whatever its magnitude
+    q4 = F.unpack_int4(x4).view(m, 3, F.ACT_BLOCK)
+    assert q4.abs().amax(-1).eq(F.A4_MAX).all()
+    assert x8.view(m, 2, F.ACT_BLOCK).abs().amax(-1).eq(F.A8_MAX).all()
+    # and the dequantization is within half a step of each block's own scale
+    xd = ref.dequantize_act_w4ax(x8, s8, x4, s4).double()
+    step = torch.cat([s8, s4], 1).double().repeat_interleave(F.ACT_BLOCK, 1)
+    assert ((xd - x[:, perm.long()].double()).abs() <= 0.5 * step * (1 + 1e-6)).all()
+
+
+def test_w4ax_small_4bit_block_keeps_its_resolution(seeded):
+    """Two 4-bit blocks 10^4 apart in magnitude. With one scale per token (the old format) the
+    small block rounds to zero; with one per (token, block) it keeps 4-bit resolution. The
+    weights are zero on the large block, so the output is the small block's contribution."""
+    m, n, k = 6, 48, 2 * F.ACT_BLOCK
+    x = torch.randn(m, k, generator=seeded, dtype=torch.float64)
+    x[:, :F.ACT_BLOCK] *= 100.0
+    x[:, F.ACT_BLOCK:] *= 0.01
+    w = torch.randn(n, k, generator=seeded, dtype=torch.float64)
+    w[:, :F.ACT_BLOCK] = 0
+    t = ref.quantize_weight_lqq(w, 64)
+    ident = torch.arange(k, dtype=torch.int32)
+    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, ident, 0)
+    assert s4.shape == (m, 2) and (s4[:, 0] > 1000 * s4[:, 1]).all()
+    y = ref.w4ax_gemm(x8, s8, x4, s4, t["qweight"], t["group_scale"], t["group_offset"],
+                      t["channel_scale"], out_dtype=torch.float64)
+    w_hat = ref.dequantize_weight(t["qweight"], t["group_scale"], t["group_offset"],
+                                  t["channel_scale"], torch.float64)
+    assert (w_hat[:, :F.ACT_BLOCK] == 0).all()
+    exact = x @ w_hat.T  # float64: the activations' quantization error alone
+    assert _rel(y, exact) < 0.25
+    # the old per-token scale, max|x4| / 7 over both blocks, leaves nothing of the small block
+    per_token = x.abs().amax(1, keepdim=True).float().double() / F.A4_MAX
+    old = (torch.round(x / per_token).clamp(-7, 7) * per_token) @ w_hat.T
+    assert _rel(old, exact) > 0.99
+
+
+def test_w4ax_gemm_matches_float64(seeded):
+    """Per-block exact integer dots, each times its block scale: equal (to float64 rounding) to
+    the dequantized activations times the dequantized weights, plus bias."""
+    m, n, k, k8 = 5, 40, 512, 128
+    x = _block_magnitudes(m, k, seeded, -2, 2)
+    t = ref.quantize_weight_lqq(torch.randn(n, k, generator=seeded, dtype=torch.float64), 128)
+    bias = torch.randn(n, generator=seeded, dtype=torch.float64)
+    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, torch.arange(k), k8)
+    y = ref.w4ax_gemm(x8, s8, x4, s4, t["qweight"], t["group_scale"], t["group_offset"],
+                      t["channel_scale"], bias, torch.float64)
+    xd = torch.cat([x8.double(), F.unpack_int4(x4).double()], 1) * torch.cat(
+        [s8, s4], 1).double().repeat_interleave(F.ACT_BLOCK, 1)
+    w_hat = ref.dequantize_weight(t["qweight"], t["group_scale"], t["group_offset"],
+                                  t["channel_scale"], torch.float64)
+    assert _rel(y, xd @ w_hat.T + bias) < 1e-12
 
 
 def test_w4ax_permutation_is_consistent(seeded):
@@ -64,9 +136,24 @@ def test_w4ax_permutation_is_consistent(seeded):
     t = ref.quantize_weight_lqq(w[:, perm.long()], 64)
     x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, k8)
     assert x8.shape == (m, k8) and x4.shape == (m, (k - k8) // 2)
+    assert s8.shape == (m, 1) and s4.shape == (m, 3)
     y = ref.w4ax_gemm(x8, s8, x4, s4, t["qweight"], t["group_scale"], t["group_offset"],
                       t["channel_scale"], out_dtype=torch.float64)
     assert _rel(y, x.double() @ w.double().T) < 0.25  # 4-bit activations on 3/4 of K
+
+
+def test_w4ax_nonfinite_row_poisons_every_block(seeded):
+    """A NaN/Inf anywhere in a token row: NaN in all of its scales (both parts), zero codes."""
+    m, k, k8 = 3, 512, 128
+    x = torch.randn(m, k, generator=seeded)
+    x[1, 400] = float("inf")  # lands in some 4-bit block after the permutation below
+    perm = torch.randperm(k, generator=seeded)
+    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, k8)
+    assert torch.isnan(s8[1]).all() and torch.isnan(s4[1]).all()
+    assert (x8[1] == 0).all() and (x4[1] == 0).all()
+    assert torch.isfinite(s8[[0, 2]]).all() and torch.isfinite(s4[[0, 2]]).all()
+    with pytest.raises(ValueError, match="k8=64"):
+        ref.quantize_act_w4ax(x, perm, 64)
 
 
 @pytest.mark.parametrize("scheme", ["kv4", "kv8"])

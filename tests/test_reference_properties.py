@@ -102,6 +102,35 @@ def test_quantize_act_properties(xb):
 
 
 @settings(max_examples=60)
+@given(xb=activations((128, 256, 384)), seed=st.integers(0, 2**16))
+def test_quantize_act_w4ax_properties(xb, seed):
+    """One symmetric scale per (token, 128-channel block): max|block| / 127 (8-bit part) or
+    / 7 (4-bit part), correctly rounded; a poisoned row has NaN in every scale of both parts
+    and zero codes."""
+    x, bad = xb
+    m, k = x.shape
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(k, generator=g).to(torch.int32)
+    b8 = int(torch.randint(0, k // F.ACT_BLOCK + 1, (1,), generator=g))  # 8-bit blocks
+    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, b8 * F.ACT_BLOCK)
+    assert s8.shape == (m, b8) and s4.shape == (m, k // F.ACT_BLOCK - b8)
+    q = torch.cat([x8.double(), F.unpack_int4(x4).double()], 1)
+    s = torch.cat([s8, s4], 1)
+    nb = k // F.ACT_BLOCK
+    qmax = torch.tensor([F.A8_MAX] * b8 + [F.A4_MAX] * (nb - b8), dtype=torch.float64)
+    assert torch.isnan(s[bad]).all() and (q[bad] == 0).all()
+    good = ~bad
+    if good.any():
+        xp = x.float()[good][:, perm.long()].double()
+        eps = float(torch.tensor(1e-8, dtype=torch.float32))  # the clamp is applied in fp32
+        amax = xp.view(xp.shape[0], -1, F.ACT_BLOCK).abs().amax(-1).clamp_min(eps)
+        assert torch.equal(s[good], (amax / qmax).float())  # correctly rounded
+        step = s[good].double().repeat_interleave(F.ACT_BLOCK, 1)
+        assert (q[good].abs() <= qmax.repeat_interleave(F.ACT_BLOCK)).all()
+        assert ((xp - q[good] * step).abs() <= 0.5 * step * (1 + 1e-5)).all()
+
+
+@settings(max_examples=60)
 @given(data=st.data(), seed=st.integers(0, 2**16), w4ax=st.booleans())
 def test_linear_op_nonfinite_rows_become_nan(data, seed, w4ax):
     """The CPU linear path (the registered torch op, impl 'reference'): a poisoned row's

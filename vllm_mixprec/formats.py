@@ -14,9 +14,11 @@ W4 (LiquidQuant, "lqq") weights of a linear layer with W of shape [N, K] (out, i
   Tensors: qweight uint8 [N, K/2] (k even in the low nibble), group_scale uint8 [N, K/G],
   group_offset uint8 [N, K/G], channel_scale float32 [N].
 
-A8: per-token symmetric int8 activations, scale = amax / 127.
-A4 (W4Ax): per-token symmetric int4 in [-7, 7], two per byte (k even in the low nibble,
-  two's complement nibbles), scale = amax / 7.
+A8 (W4A8): per-token symmetric int8 activations, scale = amax / 127.
+A8/A4 (W4Ax): channels permuted, then K is cut into ACT_BLOCK-channel blocks; the first
+  num_a8_blocks are int8 (scale = block amax / 127), the rest int4 in [-7, 7] (scale = block
+  amax / 7), two per byte (k even in the low nibble, two's complement nibbles). One scale per
+  (token, block): float32 [M, num_a8_blocks] and [M, num_a4_blocks] (W4ActLayout).
 
 KV pages: see KVPageLayout.
 """
@@ -166,6 +168,13 @@ class W4ActLayout:
         if not 0 <= self.num_a8_blocks <= self.in_features // ACT_BLOCK:
             raise ValueError(f"num_a8_blocks={self.num_a8_blocks} out of range for K={self.in_features}")
 
+    @classmethod
+    def from_k8(cls, in_features: int, k8: int) -> "W4ActLayout":
+        """The layout whose 8-bit part is the first k8 channels (validated)."""
+        if k8 % ACT_BLOCK:
+            raise ValueError(f"k8={k8} is not a multiple of {ACT_BLOCK} (W4Ax block)")
+        return cls(in_features, k8 // ACT_BLOCK)
+
     @property
     def k8(self) -> int:
         return self.num_a8_blocks * ACT_BLOCK
@@ -173,6 +182,10 @@ class W4ActLayout:
     @property
     def k4(self) -> int:
         return self.in_features - self.k8
+
+    @property
+    def num_a4_blocks(self) -> int:
+        return self.k4 // ACT_BLOCK
 
 
 # --- KV cache pages --------------------------------------------------------------------

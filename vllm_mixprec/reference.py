@@ -112,6 +112,25 @@ def dequantize_weight(qweight, group_scale, group_offset, channel_scale,
 
 # --- activations ------------------------------------------------------------------------
 
+def _quantize_sym(xb: torch.Tensor, qmax: int, rows: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric codes of xb [M, B, L], one scale per (token, block): (float codes [M, B, L]
+    in [-qmax, qmax], float32 scale [M, B] = max|block| / qmax).
+
+    `rows` [M, K] is each token's whole row: a row holding a NaN or an Inf anywhere gets NaN
+    in all of its scales and zero codes, so everything computed from it is NaN.
+    """
+    scale = _poison_nonfinite(_div(xb.abs().amax(dim=-1).clamp_min(_EPS), qmax), rows[:, None, :])
+    q = torch.round(xb / scale[..., None]).clamp_(-qmax, qmax)
+    return torch.where(torch.isfinite(rows).all(-1)[:, None, None], q, 0), scale
+
+
+def _act_input(x: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
+    """x in float32, divided by `smooth` [K] when given (SmoothQuant scale not folded offline)."""
+    xf = x.to(torch.float32)
+    return xf if smooth is None else xf / smooth.to(torch.float32)
+
+
 def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric int8: x [M, K] -> (int8 [M, K], float32 scale [M]).
@@ -119,35 +138,42 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
     `smooth` [K], when given, divides x first (SmoothQuant scale not folded offline).
     A row holding a NaN or an Inf gets a NaN scale and zero codes: its GEMM output row is NaN.
     """
-    xf = x.to(torch.float32)
-    if smooth is not None:
-        xf = xf / smooth.to(torch.float32)
-    finite = torch.isfinite(xf)
-    scale = _poison_nonfinite(_div(xf.abs().amax(dim=-1).clamp_min(_EPS), F.A8_MAX), xf)
-    q = torch.round(xf / scale[:, None]).clamp_(-F.A8_MAX, F.A8_MAX)
-    q = torch.where(finite.all(-1, keepdim=True), q, 0).to(torch.int8)
-    return q, scale
+    xf = _act_input(x, smooth)
+    q, scale = _quantize_sym(xf[:, None, :], F.A8_MAX, xf)
+    return q[:, 0].to(torch.int8), scale[:, 0]
 
 
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
                       smooth: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W4Ax activations: permute channels, first k8 to int8, the rest to packed int4.
+    """W4Ax activations: permute channels, first k8 to int8, the rest to packed int4, with one
+    symmetric scale per (token, ACT_BLOCK-channel block) (COMET's FMPQ: an outlier-free 4-bit
+    block keeps its own resolution instead of sharing the token's largest 4-bit value).
 
-    Returns (x8 int8 [M, k8], s8 float32 [M], x4 uint8 [M, (K-k8)/2], s4 float32 [M]).
+    Returns (x8 int8 [M, k8], s8 float32 [M, k8/128], x4 uint8 [M, (K-k8)/2],
+    s4 float32 [M, (K-k8)/128]). A row holding a NaN or an Inf gets NaN in all of its scales
+    (both parts) and zero codes.
     """
-    xf = x.to(torch.float32)
-    if smooth is not None:
-        xf = xf / smooth.to(torch.float32)
-    xf = xf[:, perm.long()]
-    x8, s8 = quantize_act(xf[:, :k8]) if k8 else (xf.new_zeros(xf.shape[0], 0, dtype=torch.int8),
-                                                   xf.new_ones(xf.shape[0]))
-    rest = xf[:, k8:]
-    s4 = _div(rest.abs().amax(dim=-1).clamp_min(_EPS), F.A4_MAX) if rest.shape[1] else xf.new_ones(xf.shape[0])
-    s4 = _poison_nonfinite(s4, rest)
-    q4 = torch.round(rest / s4[:, None]).clamp_(-F.A4_MAX, F.A4_MAX)
-    q4 = torch.where(torch.isfinite(rest).all(-1, keepdim=True), q4, 0)
-    return x8, s8, F.pack_int4(q4), s4
+    xf = _act_input(x, smooth)[:, perm.long()]
+    m, k = xf.shape
+    lay = F.W4ActLayout.from_k8(k, k8)
+    blocks = xf.view(m, k // F.ACT_BLOCK, F.ACT_BLOCK)
+    q8, s8 = _quantize_sym(blocks[:, :lay.num_a8_blocks], F.A8_MAX, xf)
+    q4, s4 = _quantize_sym(blocks[:, lay.num_a8_blocks:], F.A4_MAX, xf)
+    return q8.reshape(m, k8).to(torch.int8), s8, F.pack_int4(q4.reshape(m, lay.k4)), s4
+
+
+def _w4ax_codes_and_scales(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor,
+                           s4: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both parts of a W4Ax activation as one: (int8 codes [M, K], scales [M, K/ACT_BLOCK])."""
+    return torch.cat([x8, F.unpack_int4(x4)], dim=1), torch.cat([s8, s4], dim=1)
+
+
+def dequantize_act_w4ax(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Tensor
+                        ) -> torch.Tensor:
+    """Inverse of quantize_act_w4ax, float32 [M, K] in the permuted channel order."""
+    q, s = _w4ax_codes_and_scales(x8, s8, x4, s4)
+    return q.to(torch.float32) * s.repeat_interleave(F.ACT_BLOCK, dim=1)
 
 
 # --- GEMM -------------------------------------------------------------------------------
@@ -172,11 +198,16 @@ def w4ax_gemm(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Te
               qweight: torch.Tensor, group_scale: torch.Tensor, group_offset: torch.Tensor,
               channel_scale: torch.Tensor, bias: torch.Tensor | None = None,
               out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """W4Ax: the 8-bit and 4-bit K ranges accumulate separately, then combine in the epilogue."""
-    w8 = dequantize_weight_w8(qweight, group_scale, group_offset)
-    k8 = x8.shape[1]
-    y = _int_gemm(x8, w8[:, :k8]) * s8.to(torch.float64)[:, None]
-    y = y + _int_gemm(F.unpack_int4(x4), w8[:, k8:]) * s4.to(torch.float64)[:, None]
+    """W4Ax: y[m, n] = channel_scale[n] * sum_b s[m, b] * (sum_{k in block b} xq[m, k] w8[n, k])
+    + bias[n], over the ACT_BLOCK-channel blocks b of both parts (s = [s8 | s4]): each block's
+    exact integer dot product is scaled by its own activation scale, then the blocks are summed."""
+    w8 = dequantize_weight_w8(qweight, group_scale, group_offset).to(torch.float64)
+    xq, s = _w4ax_codes_and_scales(x8, s8, x4, s4)
+    xq, s = xq.to(torch.float64), s.to(torch.float64)
+    y = torch.zeros(xq.shape[0], w8.shape[0], dtype=torch.float64)
+    for b in range(s.shape[1]):  # exact integer dot of block b (_int_gemm), times its scales
+        blk = slice(b * F.ACT_BLOCK, (b + 1) * F.ACT_BLOCK)
+        y.addcmul_(xq[:, blk] @ w8[:, blk].T, s[:, b, None])
     y = y * channel_scale.to(torch.float64)[None, :]
     if bias is not None:
         y = y + bias.to(torch.float64)

@@ -100,18 +100,25 @@ def test_quantize_act_ties_and_zero_rows():
     assert torch.equal(q.cpu(), q_ref) and torch.equal(s.cpu(), s_ref)
 
 
-def test_quantize_act_two_pass(monkeypatch, seeded):
-    """Rows longer than the register budget take two passes; same bits."""
-    monkeypatch.setattr(tg, "_MAX_ROW_VALUES", 64)
+@pytest.mark.parametrize("budget", [64, 256])
+def test_quantize_act_two_pass(monkeypatch, budget, seeded):
+    """Rows longer than the register budget take two passes; same bits. W4Ax chunks hold
+    whole blocks: one per chunk (budget 64), or two with the last chunk half masked (256)."""
+    monkeypatch.setattr(tg, "_MAX_ROW_VALUES", budget)
     x = _act(3, 256, seeded, torch.float16)
     sm = (torch.rand(256, generator=seeded) + 0.5).to(DEV)
     q, s = tg.quantize_act(x, sm)
     q_ref, s_ref = ref.quantize_act(x.cpu(), sm.cpu())
     assert torch.equal(q.cpu(), q_ref) and torch.equal(s.cpu(), s_ref)
-    perm = torch.randperm(256, generator=seeded).to(DEV)
+    x = _act(3, 512, seeded, torch.float16)
+    sm = (torch.rand(512, generator=seeded) + 0.5).to(DEV)
+    perm = torch.randperm(512, generator=seeded).to(DEV)
+    x[1, 7] = float("inf")  # a poisoned row: NaN in every block scale of both parts
     got = tg.quantize_act_w4ax(x, perm, 128, sm)
-    for a, b in zip(got, ref.quantize_act_w4ax(x.cpu(), perm.cpu(), 128, sm.cpu())):
-        assert torch.equal(a.cpu(), b)
+    want = ref.quantize_act_w4ax(x.cpu(), perm.cpu(), 128, sm.cpu())
+    assert torch.isnan(want[1][1]).all() and torch.isnan(want[3][1]).all()
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu().nan_to_num(-1.0), b.nan_to_num(-1.0))
 
 
 @pytest.mark.parametrize("k,k8", [(256, 0), (256, 128), (256, 256), (384, 128)])
@@ -200,6 +207,36 @@ def test_w4ax_gemm_matches_reference(k8, cfg, bias, seeded):
                      out=out, config=_CONFIGS[cfg])
     assert y.data_ptr() == out.data_ptr()
     assert_close_to_f64(y, _ref_w4ax(x8, s8, x4, s4, t, b), torch.float16)
+
+
+@pytest.mark.parametrize("cfg", ["default", "swap_split3", "noswap_split2"])
+def test_w4ax_block_scales_keep_small_blocks(cfg, seeded):
+    """Quantize + GEMM on 4-bit blocks 10^4 apart in magnitude, weights zero on the large one:
+    each block's own scale keeps the small block's 4-bit resolution (one scale per token
+    rounded it to zero). Split-K sums fp32 partials in split order: same bits every run."""
+    m, n, k = 5, 72, 3 * F.ACT_BLOCK
+    x = torch.randn(m, k, generator=seeded, dtype=torch.float64)
+    x[:, F.ACT_BLOCK:2 * F.ACT_BLOCK] *= 1e4
+    w = torch.randn(n, k, generator=seeded, dtype=torch.float64)
+    w[:, F.ACT_BLOCK:2 * F.ACT_BLOCK] = 0
+    t = {name: v.to(DEV) for name, v in ref.quantize_weight_lqq(w, 64).items()}
+    perm = torch.arange(k, device=DEV)
+    xa = x.to(DEV, torch.float32)
+    x8, s8, x4, s4 = tg.quantize_act_w4ax(xa, perm, F.ACT_BLOCK)
+    assert s8.shape == (m, 1) and s4.shape == (m, 2)
+
+    def run():
+        return tg.w4ax_gemm(x8, s8, x4, s4, t["qweight"], t["group_scale"], t["group_offset"],
+                            t["channel_scale"], None, torch.float32, config=_CONFIGS[cfg])
+
+    y = run()
+    assert torch.equal(y, run())
+    assert_close_to_f64(y, _ref_w4ax(x8, s8, x4, s4, t, None), torch.float32)
+    cpu = {k_: v.cpu() for k_, v in t.items()}
+    w_hat = ref.dequantize_weight(cpu["qweight"], cpu["group_scale"], cpu["group_offset"],
+                                  cpu["channel_scale"], torch.float64)
+    exact = x @ w_hat.T
+    assert float((y.cpu().double() - exact).norm() / exact.norm()) < 0.2
 
 
 def test_w4a8_gemm_strided_views(seeded):
@@ -311,6 +348,14 @@ def test_shape_errors(seeded):
     with pytest.raises(ValueError, match="x8"):
         tg.w4ax_gemm(xq[:, :64], xs, xq[:, :96].view(torch.uint8), xs, t["qweight"],
                      t["group_scale"], t["group_offset"], t["channel_scale"])
+    x8, s8, x4, s4 = tg.quantize_act_w4ax(xq.float(), torch.arange(256, device=DEV), 128)
+    w4ax_w = (t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"])
+    with pytest.raises(ValueError, match="s8"):  # one scale per token: the old format
+        tg.w4ax_gemm(x8, s8[:, 0], x4, s4, *w4ax_w)
+    with pytest.raises(ValueError, match="s4"):
+        tg.w4ax_gemm(x8, s8, x4, torch.cat([s4, s4], 1), *w4ax_w)
+    with pytest.raises(ValueError, match="block_k"):  # a k-iteration must lie in one block
+        tg.w4ax_gemm(x8, s8, x4, s4, *w4ax_w, config=tg.GemmConfig(16, 64, 256))
 
 
 def test_dtype_errors(seeded):

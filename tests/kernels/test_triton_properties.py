@@ -7,7 +7,8 @@ kept small because the interpreter is slow. On a GPU the same tests run on the d
 
 Properties:
   * quantize_act / quantize_act_w4ax are bit-exact with the reference, including the
-    non-finite policy (NaN scale and zero codes for a row holding a NaN or an Inf);
+    non-finite policy (NaN scale, W4Ax: NaN in every block scale, and zero codes for a row
+    holding a NaN or an Inf);
   * the GEMMs equal the float64 reference within one rounding of the output dtype, a
     poisoned activation row gives a NaN output row, and the other rows are untouched.
 """
@@ -77,7 +78,10 @@ def test_quantize_act_w4ax_matches_reference(xbs, seed):
     k8 = 128 * int(torch.randint(0, k // 128 + 1, (1,), generator=g))
     want = ref.quantize_act_w4ax(x, perm, k8, smooth)
     got = tg.quantize_act_w4ax(x.to(DEV), perm.to(DEV), k8, None if smooth is None else smooth.to(DEV))
+    # one scale per (token, 128-channel block); a poisoned row: NaN in all of them
+    assert got[1].shape == (x.shape[0], k8 // 128) and got[3].shape == (x.shape[0], (k - k8) // 128)
     _same_codes_and_scales(got, want, bad)
+    assert torch.isnan(torch.cat([got[1], got[3]], 1).cpu()[bad]).all()
 
 
 def _close_to_f64(y, r, out_dtype):

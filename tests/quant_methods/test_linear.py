@@ -123,6 +123,7 @@ def test_w4ax_layer(vllm_tp1, seeded):
     x = torch.randn(3, k, generator=seeded).half()
     y = layer.quant_method.apply(layer, x)
     x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, 128)
+    assert s8.shape == (3, 1) and s4.shape == (3, 3)  # one scale per (token, 128-channel block)
     expect = ref.w4ax_gemm(x8, s8, x4, s4, t["qweight"], t["group_scale"], t["group_offset"],
                            t["channel_scale"], out_dtype=torch.float64)
     assert float((y.double() - expect).norm() / expect.norm()) < 1e-3

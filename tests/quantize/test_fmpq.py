@@ -30,10 +30,11 @@ def test_outliers_go_to_the_8bit_blocks():
 
 def test_permuted_layer_is_the_same_gemm_and_matches_float64():
     g = torch.Generator().manual_seed(1)
-    n, k, gs = 32, 256, 64
+    n, k, gs = 32, 512, 64
     w = torch.randn(n, k, generator=g, dtype=torch.float64) * 0.05
     x = torch.randn(9, k, generator=g)
     x[:, [3, 77, 200]] *= 60
+    x[:, 300:] *= 0.1  # 4-bit blocks of different magnitudes after the permutation
     perm = fmpq.outlier_permutation(x.abs().amax(0))
     wp = fmpq.permute_weight(w, perm)
     assert torch.allclose(x.double()[:, perm.long()] @ wp.T, x.double() @ w.T)
@@ -41,15 +42,13 @@ def test_permuted_layer_is_the_same_gemm_and_matches_float64():
     t.update(act_perm=perm, a8_blocks=torch.tensor([1], dtype=torch.int32))
     mod = MixPrecLinear(t, None, "w4ax")
     y = mod(x).double()
-    # float64 oracle written out: dequantized weights times fake-quantized activations
+    # float64 oracle written out: dequantized weights times fake-quantized activations, one
+    # scale per (token, 128-channel block): the first block 8-bit, the other three 4-bit
     wq = lqq.dequantize(t)
-    xp = x.double()[:, perm.long()]
-    s8 = xp[:, :128].abs().amax(1, keepdim=True).float().double() / 127
-    x8 = torch.round(xp[:, :128] / s8).clamp(-127, 127) * s8
-    rest = xp[:, 128:]
-    s4 = rest.abs().amax(1, keepdim=True) / 7
-    x4 = torch.round(rest / s4).clamp(-7, 7) * s4
-    want = torch.cat([x8, x4], 1) @ wq.T
+    xb = x.double()[:, perm.long()].view(9, k // 128, 128)
+    qmax = torch.tensor([127.0, 7.0, 7.0, 7.0], dtype=torch.float64)[:, None]
+    s = (xb.abs().amax(-1, keepdim=True).float().double() / qmax).float().double()
+    want = (torch.round(xb / s).clamp(-qmax, qmax) * s).view(9, k) @ wq.T
     assert torch.allclose(y, want, rtol=1e-4, atol=1e-4)
     # the outliers in 8 bits beat all-4-bit activations by a wide margin
     all4 = MixPrecLinear({**t, "a8_blocks": torch.tensor([0], dtype=torch.int32)}, None, "w4ax")(x).double()

@@ -1,9 +1,9 @@
 """COMET FMPQ for W4Ax: outlier channels go to 8-bit blocks, the rest of K runs at 4 bits.
 
-Activations are split only along K into 128-channel blocks (formats.ACT_BLOCK). The
-channels with the largest calibration |x| are permuted to the front, so that the first
-`a8_blocks` blocks hold them and are quantized to int8; the weight's K is permuted the
-same way, so the GEMM is unchanged. Layers that share an input (q/k/v, gate/up) must share
+Activations are split only along K into 128-channel blocks (formats.ACT_BLOCK), each with
+its own per-token scale. The channels with the largest calibration |x| are permuted to the
+front, so that the first `a8_blocks` blocks hold them and are quantized to int8; the
+weight's K is permuted the same way, so the GEMM is unchanged. Layers that share an input (q/k/v, gate/up) must share
 the permutation, because vLLM fuses them into one GEMM.
 """
 from __future__ import annotations
@@ -40,6 +40,4 @@ def fake_w4ax(x: torch.Tensor, w: torch.Tensor, group_size: int, perm: torch.Ten
     """Float simulation of a W4Ax layer (RTN LQQ weights on permuted K)."""
     t = ref.quantize_weight_lqq(permute_weight(w, perm), group_size)
     wq = ref.dequantize_weight(t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"])
-    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, k8)
-    xd = torch.cat([x8.float() * s8[:, None], ref.F.unpack_int4(x4).float() * s4[:, None]], dim=1)
-    return xd @ wq.T
+    return ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, perm, k8)) @ wq.T

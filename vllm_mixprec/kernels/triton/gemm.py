@@ -10,17 +10,21 @@ GEMM design (LiquidGEMM's recipe, within what Triton controls):
     they are dequantized to exact int8 in registers with LiquidQuant's lane arithmetic:
     per 32-bit word, 4 byte lanes at a time, (q * s + a) ^ 0x80 (formats.py). No lane
     carries, so one IMAD and one XOR serve four weights;
-  * int8 x int8 -> int32 tensor-core dots over the whole of K: the group parameters make
-    the weights exact int8, so no per-group float rescaling is needed in the main loop;
-  * the epilogue applies x_scale[m] * channel_scale[n] (+ bias) once;
+  * int8 x int8 -> int32 tensor-core dots: the group parameters make the weights exact
+    int8, so no per-group float rescaling is needed in the main loop. W4A8 sums over the
+    whole of K in int32 and its epilogue applies x_scale[m] * channel_scale[n] (+ bias) once;
   * by default the weight tile is the left operand (Y^T = W X^T, "swap AB"): the tokens
     become the narrow MMA dimension (16 at decode), and on Hopper the dequantized weights
     can feed wgmma from registers;
-  * split-K for small M: partial int32 sums are added with integer atomics into a zeroed
-    workspace, and the last CTA of a tile (per-tile arrival counter) applies the epilogue.
-    Integer addition is exact and associative, so the result is deterministic, bit for bit.
-W4Ax is the same kernel with a second K range whose activations are int4 (sign-extended
-to int8 in registers) and a second int32 accumulator; W4A8 is the case k8 == K.
+  * split-K for small M: the last CTA of a tile (per-tile arrival counter) applies the
+    epilogue. W4A8 adds its int32 partial sums with integer atomics into a zeroed workspace;
+    W4Ax stores one fp32 partial plane per split, which the last CTA sums in split order.
+    Either way the result does not depend on the arrival order: deterministic, bit for bit.
+W4Ax is the same kernel with a second K range whose activations are int4 (moved to the high
+nibble of int8 lanes in registers) and one activation scale per (token, ACT_BLOCK-channel
+block) (COMET): BK divides ACT_BLOCK, so each k-iteration's exact int32 partial lies in one
+block, and the K loop converts it to fp32 and multiplies it by its rows' block scale into
+an fp32 accumulator; the epilogue applies channel_scale[n] (+ bias).
 
 Everything is CUDA-graph capturable: no host syncs, only shape arithmetic on the host.
 """
@@ -28,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 
 import torch
@@ -39,7 +42,7 @@ from ... import formats as F
 
 _EPS = tl.constexpr(1e-8)  # reference._EPS
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_K4 = 131072  # 16 * 7 * 128 * K4 < 2**31
+_ACT_BLOCK = tl.constexpr(F.ACT_BLOCK)
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # 1.5 * 2**23: in fp32, (v + M) - M rounds |v| < 2**22 half to even, like torch.round
 _ROUND_MAGIC = tl.constexpr(12582912.0)
@@ -141,11 +144,17 @@ def _act_tile(x_ptr, stride_x, offs_m, m_mask, kx, BM: tl.constexpr, BK: tl.cons
 
 
 @triton.jit
-def _k_loop(acc, x_ptr, stride_x, it_lo, it_hi, it_x0, qw_ptr, gs_ptr, go_ptr,
+def _k_loop(acc, x_ptr, stride_x, s_ptr, stride_s, it_lo, it_hi, it_x0, qw_ptr, gs_ptr, go_ptr,
             offs_m, m_mask, offs_n, n_mask, K, stride_qw, stride_g,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr,
-            INT4: tl.constexpr, SWAP_AB: tl.constexpr, USE_ASM: tl.constexpr):
-    """acc += int8 GEMM over weight k-iterations [it_lo, it_hi); activation iteration it - it_x0."""
+            INT4: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+            USE_ASM: tl.constexpr):
+    """acc += GEMM over weight k-iterations [it_lo, it_hi); activation iteration it - it_x0.
+
+    BLOCK_SCALES=False (W4A8): acc is int32, the exact sum over the iterations.
+    BLOCK_SCALES=True (W4Ax): acc is fp32; each iteration's exact int32 partial lies in one
+    activation block (BK divides ACT_BLOCK) and is added times its rows' scale of that block,
+    s[m, (it - it_x0) * BK / ACT_BLOCK] (/ 16 for INT4: the codes are 16 * value)."""
     rows = offs_n.to(tl.int64)
     step, off = _group_params(gs_ptr, go_ptr, rows, n_mask, it_lo * BK, K, stride_g, BK, G)
     for it in range(it_lo, it_hi):
@@ -155,7 +164,16 @@ def _k_loop(acc, x_ptr, stride_x, it_lo, it_hi, it_x0, qw_ptr, gs_ptr, go_ptr,
                                     BK, G)
         w = _weight_tile(qw_ptr, step, off, rows, n_mask, it * BK, stride_qw, BN, BK, G, USE_ASM)
         x = _act_tile(x_ptr, stride_x, offs_m, m_mask, (it - it_x0) * BK, BM, BK, INT4, USE_ASM)
-        if SWAP_AB:
+        if BLOCK_SCALES:
+            sc = tl.load(s_ptr + offs_m.to(tl.int64) * stride_s + (it - it_x0) * BK // _ACT_BLOCK,
+                         mask=m_mask, other=0.0)
+            if INT4:
+                sc = sc * 0.0625
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(x), out_dtype=tl.int32).to(tl.float32) * sc[None, :]
+            else:
+                acc += tl.dot(x, tl.trans(w), out_dtype=tl.int32).to(tl.float32) * sc[:, None]
+        elif SWAP_AB:
             acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.int32)  # [BN, BM]
         else:
             acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.int32)  # [BM, BN]
@@ -164,13 +182,14 @@ def _k_loop(acc, x_ptr, stride_x, it_lo, it_hi, it_x0, qw_ptr, gs_ptr, go_ptr,
 
 
 @triton.jit
-def _store_output(acc8, acc4, mm, nn, mask, s8_ptr, s4_ptr, cs_ptr, bias_ptr, out_ptr,
-                  stride_out, HAS_A4: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y = (acc8 * s8[m] + acc4 / 16 * s4[m]) * channel_scale[n] + bias[n] -> out dtype
-    (acc4 sums 16 * the int4 codes, see _act_tile; the division is exact)."""
-    y = acc8.to(tl.float32) * tl.load(s8_ptr + mm, mask=mask, other=0.0)
-    if HAS_A4:
-        y += acc4.to(tl.float32) * (tl.load(s4_ptr + mm, mask=mask, other=0.0) * 0.0625)
+def _store_output(acc, mm, nn, mask, s8_ptr, cs_ptr, bias_ptr, out_ptr, stride_out,
+                  BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y = acc * channel_scale[n] + bias[n] -> out dtype. W4A8 (int32 acc) first multiplies
+    by the token scale s8[m]; W4Ax's fp32 acc already holds its block scales."""
+    if BLOCK_SCALES:
+        y = acc
+    else:
+        y = acc.to(tl.float32) * tl.load(s8_ptr + mm, mask=mask, other=0.0)
     y = y * tl.load(cs_ptr + nn, mask=mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + nn, mask=mask, other=0.0).to(tl.float32)
@@ -194,12 +213,13 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 @triton.jit
 def _lqq_gemm_kernel(
         x8_ptr, s8_ptr, x4_ptr, s4_ptr, qw_ptr, gs_ptr, go_ptr, cs_ptr, bias_ptr, out_ptr, ws_ptr,
-        M, N, K, K8, stride_x8, stride_x4, stride_out, stride_qw, stride_g,
-        G: tl.constexpr, HAS_A4: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-        SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr):
+        cnt_ptr, M, N, K, K8, stride_x8, stride_x4, stride_s8, stride_s4, stride_out, stride_qw,
+        stride_g, G: tl.constexpr, HAS_A4: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+        HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr,
+        USE_ASM: tl.constexpr):
     """Y[M, N] from int8 activations on k < K8 (x8) and int4 ones on k >= K8 (x4, as int32
-    words). Grid: (tiles, SPLIT_K)."""
+    words; W4Ax only). Grid: (tiles, SPLIT_K)."""
     pid, pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -214,41 +234,48 @@ def _lqq_gemm_kernel(
     it1 = min(it0 + chunk, T)
 
     if SWAP_AB:
-        acc8 = tl.zeros((BN, BM), dtype=tl.int32)
+        acc = tl.zeros((BN, BM), dtype=tl.int32)
         mm = offs_m[None, :]
         nn = offs_n[:, None]
     else:
-        acc8 = tl.zeros((BM, BN), dtype=tl.int32)
+        acc = tl.zeros((BM, BN), dtype=tl.int32)
         mm = offs_m[:, None]
         nn = offs_n[None, :]
     mask = (mm < M) & (nn < N)
-    acc4 = acc8
-    acc8 = _k_loop(acc8, x8_ptr, stride_x8, it0, min(it1, T8), 0, qw_ptr, gs_ptr, go_ptr,
-                   offs_m, m_mask, offs_n, n_mask, K, stride_qw, stride_g,
-                   BM, BN, BK, G, False, SWAP_AB, USE_ASM)
+    if BLOCK_SCALES:
+        acc = acc.to(tl.float32)
+    acc = _k_loop(acc, x8_ptr, stride_x8, s8_ptr, stride_s8, it0, min(it1, T8), 0, qw_ptr,
+                  gs_ptr, go_ptr, offs_m, m_mask, offs_n, n_mask, K, stride_qw, stride_g,
+                  BM, BN, BK, G, False, SWAP_AB, BLOCK_SCALES, USE_ASM)
     if HAS_A4:
-        acc4 = _k_loop(acc4, x4_ptr, stride_x4, max(it0, T8), it1, T8, qw_ptr, gs_ptr, go_ptr,
-                       offs_m, m_mask, offs_n, n_mask, K, stride_qw, stride_g,
-                       BM, BN, BK, G, True, SWAP_AB, USE_ASM)
+        acc = _k_loop(acc, x4_ptr, stride_x4, s4_ptr, stride_s4, max(it0, T8), it1, T8, qw_ptr,
+                      gs_ptr, go_ptr, offs_m, m_mask, offs_n, n_mask, K, stride_qw, stride_g,
+                      BM, BN, BK, G, True, SWAP_AB, BLOCK_SCALES, USE_ASM)
 
     if SPLIT_K == 1:
-        _store_output(acc8, acc4, mm, nn, mask, s8_ptr, s4_ptr, cs_ptr, bias_ptr, out_ptr,
-                      stride_out, HAS_A4, HAS_BIAS)
+        _store_output(acc, mm, nn, mask, s8_ptr, cs_ptr, bias_ptr, out_ptr, stride_out,
+                      BLOCK_SCALES, HAS_BIAS)
     else:
-        # exact int32 partials into the zeroed workspace; the last CTA of the tile to
-        # arrive owns the epilogue. Integer sums do not depend on the arrival order.
-        ws = ws_ptr + mm * N + nn
-        tl.atomic_add(ws, acc8, mask=mask, sem="relaxed")
-        if HAS_A4:
-            tl.atomic_add(ws + M * N, acc4, mask=mask, sem="relaxed")
+        # partials into the workspace; the last CTA of the tile to arrive owns the epilogue.
+        # W4A8: exact int32 atomics into one zeroed plane. W4Ax: one fp32 plane per split,
+        # summed in split order. Neither result depends on the arrival order.
+        tile = mm.to(tl.int64) * N + nn
+        if BLOCK_SCALES:
+            tl.store(ws_ptr + tile + tl.program_id(1).to(tl.int64) * M * N, acc, mask=mask)
+        else:
+            tl.atomic_add(ws_ptr + tile, acc, mask=mask, sem="relaxed")
         tl.debug_barrier()  # all of this CTA's partials are issued before it arrives
-        counter = ws_ptr + (2 if HAS_A4 else 1) * M * N + pid
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
-            acc8 = tl.load(ws, mask=mask, other=0, cache_modifier=".cg")  # from L2
-            if HAS_A4:
-                acc4 = tl.load(ws + M * N, mask=mask, other=0, cache_modifier=".cg")
-            _store_output(acc8, acc4, mm, nn, mask, s8_ptr, s4_ptr, cs_ptr, bias_ptr, out_ptr,
-                          stride_out, HAS_A4, HAS_BIAS)
+        if tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1:
+            if BLOCK_SCALES:
+                acc = tl.zeros_like(acc)
+                part = ws_ptr + tile
+                for _ in range(SPLIT_K):
+                    acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")  # from L2
+                    part += M * N
+            else:
+                acc = tl.load(ws_ptr + tile, mask=mask, other=0, cache_modifier=".cg")
+            _store_output(acc, mm, nn, mask, s8_ptr, cs_ptr, bias_ptr, out_ptr, stride_out,
+                          BLOCK_SCALES, HAS_BIAS)
 
 
 # --- activation quantisation ----------------------------------------------------------
@@ -312,59 +339,126 @@ def _encode(v0, v1, scale, QMAX: tl.constexpr, PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _quant_segment(xrow, perm_ptr, smooth_ptr, qrow, j0, n, QMAX: tl.constexpr,
-                   PAIRS: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
-                   HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr):
-    """Per-token symmetric codes of columns [j0, j0+n) -> qrow; returns the scale.
+def _amax(v0, v1):
+    return tl.maximum(tl.max(tl.abs(v0)), tl.max(tl.abs(v1)))
 
-    PAIRS=False: int8 codes, one per byte. PAIRS=True: int4 codes, two per byte (even j low).
-    BLOCK counts output bytes per chunk. NCHUNK == 1 keeps the row in registers (one pass
-    over x); longer rows are read twice, the second time mostly from L2."""
-    nb = n // 2 if PAIRS else n  # output bytes
-    b = tl.arange(0, BLOCK)
-    if NCHUNK == 1:
-        mask = b < nb
-        v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, b, mask, PAIRS, HAS_PERM,
-                                 HAS_SMOOTH)
-        scale = _scale_of(tl.maximum(tl.max(tl.abs(v0)), tl.max(tl.abs(v1))),
-                          _num_nonfinite(v0, v1), QMAX)
-        tl.store(qrow + b, _encode(v0, v1, scale, QMAX, PAIRS), mask=mask)
+
+@triton.jit
+def _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, R: tl.constexpr, BB: tl.constexpr,
+                  PAIRS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr):
+    """Chunk c of a segment of nb output bytes at column j0: R rows of BB bytes. Returns the
+    values behind the bytes (v0, v1 [R, BB], zero where masked), the byte offsets and mask."""
+    bb = (c * R + tl.arange(0, R))[:, None] * BB + tl.arange(0, BB)[None, :]
+    mask = bb < nb
+    v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, bb, mask, PAIRS, HAS_PERM,
+                             HAS_SMOOTH)
+    return v0, v1, bb, mask
+
+
+@triton.jit
+def _segment_stats(xrow, perm_ptr, smooth_ptr, j0, nb, R: tl.constexpr, BB: tl.constexpr,
+                   NCHUNK: tl.constexpr, PAIRS: tl.constexpr, HAS_PERM: tl.constexpr,
+                   HAS_SMOOTH: tl.constexpr):
+    """(max |x|, number of NaN/Inf) over a whole segment, chunk by chunk."""
+    amax = 0.0
+    bad = 0
+    for c in range(NCHUNK):
+        v0, v1, bb, mask = _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, R, BB, PAIRS,
+                                         HAS_PERM, HAS_SMOOTH)
+        amax = tl.maximum(amax, _amax(v0, v1))
+        bad += _num_nonfinite(v0, v1)
+    return amax, bad
+
+
+@triton.jit
+def _encode_chunk(v0, v1, bb, mask, c, nb, qrow, srow, amax, bad, QMAX: tl.constexpr,
+                  PAIRS: tl.constexpr, PER_BLOCK: tl.constexpr, R: tl.constexpr,
+                  BB: tl.constexpr):
+    """Codes of chunk c (_chunk_values) -> qrow, and its scales -> srow.
+
+    PER_BLOCK: each row of the chunk is one activation block with its own scale (its max |x|),
+    stored at srow[block]. Else one scale for the segment, from `amax` (over all of it), at
+    srow[0]. `bad` counts the NaN/Inf values of the token's whole row: any makes every scale
+    NaN and every code zero (reference._quantize_sym)."""
+    if PER_BLOCK:
+        blk = c * R + tl.arange(0, R)
+        scale = _scale_of(tl.maximum(tl.max(tl.abs(v0), axis=1), tl.max(tl.abs(v1), axis=1)),
+                          bad, QMAX)
+        tl.store(srow + blk, scale, mask=blk * BB < nb)
+        scale = scale[:, None]
     else:
-        amax = 0.0
-        bad = 0
-        for ci in range(NCHUNK):
-            mask = ci * BLOCK + b < nb
-            v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, ci * BLOCK + b, mask, PAIRS,
-                                     HAS_PERM, HAS_SMOOTH)
-            amax = tl.maximum(amax, tl.maximum(tl.max(tl.abs(v0)), tl.max(tl.abs(v1))))
-            bad += _num_nonfinite(v0, v1)
         scale = _scale_of(amax, bad, QMAX)
-        for ci in range(NCHUNK):
-            mask = ci * BLOCK + b < nb
-            v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, ci * BLOCK + b, mask, PAIRS,
-                                     HAS_PERM, HAS_SMOOTH)
-            tl.store(qrow + ci * BLOCK + b, _encode(v0, v1, scale, QMAX, PAIRS), mask=mask)
-    return scale
+        tl.store(srow, scale)
+    tl.store(qrow + bb, _encode(v0, v1, scale, QMAX, PAIRS), mask=mask)
+
+
+@triton.jit
+def _encode_segment(xrow, perm_ptr, smooth_ptr, j0, nb, qrow, srow, amax, bad,
+                    QMAX: tl.constexpr, PAIRS: tl.constexpr, PER_BLOCK: tl.constexpr,
+                    R: tl.constexpr, BB: tl.constexpr, NCHUNK: tl.constexpr,
+                    HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr):
+    """_encode_chunk over a whole segment, reading it chunk by chunk."""
+    for c in range(NCHUNK):
+        v0, v1, bb, mask = _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, R, BB, PAIRS,
+                                         HAS_PERM, HAS_SMOOTH)
+        _encode_chunk(v0, v1, bb, mask, c, nb, qrow, srow, amax, bad, QMAX, PAIRS, PER_BLOCK,
+                      R, BB)
 
 
 @triton.jit
 def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_ptr,
-                      K, K8, stride_x, stride_x8, stride_x4,
+                      K, K8, stride_x, stride_x8, stride_x4, stride_s8, stride_s4,
                       HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                      HAS_A8: tl.constexpr, HAS_A4: tl.constexpr,
-                      BLOCK8: tl.constexpr, NCHUNK8: tl.constexpr,
-                      BLOCK4: tl.constexpr, NCHUNK4: tl.constexpr):
-    """One row per program: columns [0, K8) -> int8 (x8, s8), [K8, K) -> packed int4 (x4, s4)."""
+                      HAS_A8: tl.constexpr, HAS_A4: tl.constexpr, PER_BLOCK: tl.constexpr,
+                      ONE_PASS: tl.constexpr, R8: tl.constexpr, BB8: tl.constexpr,
+                      NCHUNK8: tl.constexpr, R4: tl.constexpr, BB4: tl.constexpr,
+                      NCHUNK4: tl.constexpr):
+    """One row per program: columns [0, K8) -> int8 (x8, s8), [K8, K) -> packed int4 (x4, s4).
+
+    Scales: one per segment (quantize_act), or one per ACT_BLOCK-channel block (PER_BLOCK,
+    W4Ax: chunk rows are blocks). ONE_PASS keeps the whole row in registers (x is read once);
+    longer rows are read twice, the second time mostly from L2."""
     row = tl.program_id(0).to(tl.int64)
     xrow = x_ptr + row * stride_x
-    if HAS_A8:
-        s8 = _quant_segment(xrow, perm_ptr, smooth_ptr, x8_ptr + row * stride_x8, 0, K8,
-                            127, False, BLOCK8, NCHUNK8, HAS_PERM, HAS_SMOOTH)
-        tl.store(s8_ptr + row, s8)
-    if HAS_A4:
-        s4 = _quant_segment(xrow, perm_ptr, smooth_ptr, x4_ptr + row * stride_x4, K8, K - K8,
-                            7, True, BLOCK4, NCHUNK4, HAS_PERM, HAS_SMOOTH)
-        tl.store(s4_ptr + row, s4)
+    q8 = x8_ptr + row * stride_x8
+    q4 = x4_ptr + row * stride_x4
+    sr8 = s8_ptr + row * stride_s8
+    sr4 = s4_ptr + row * stride_s4
+    N4 = (K - K8) // 2  # bytes of the int4 part
+    amax8 = 0.0
+    amax4 = 0.0
+    bad = 0
+    if ONE_PASS:
+        if HAS_A8:
+            a0, a1, ab, am = _chunk_values(xrow, perm_ptr, smooth_ptr, 0, K8, 0, R8, BB8, False,
+                                           HAS_PERM, HAS_SMOOTH)
+            amax8 = _amax(a0, a1)
+            bad += _num_nonfinite(a0, a1)
+        if HAS_A4:
+            b0, b1, bb, bm = _chunk_values(xrow, perm_ptr, smooth_ptr, K8, N4, 0, R4, BB4, True,
+                                           HAS_PERM, HAS_SMOOTH)
+            amax4 = _amax(b0, b1)
+            bad += _num_nonfinite(b0, b1)
+        if HAS_A8:
+            _encode_chunk(a0, a1, ab, am, 0, K8, q8, sr8, amax8, bad, 127, False, PER_BLOCK,
+                          R8, BB8)
+        if HAS_A4:
+            _encode_chunk(b0, b1, bb, bm, 0, N4, q4, sr4, amax4, bad, 7, True, PER_BLOCK, R4, BB4)
+    else:
+        if HAS_A8:
+            amax8, bad8 = _segment_stats(xrow, perm_ptr, smooth_ptr, 0, K8, R8, BB8, NCHUNK8,
+                                         False, HAS_PERM, HAS_SMOOTH)
+            bad += bad8
+        if HAS_A4:
+            amax4, bad4 = _segment_stats(xrow, perm_ptr, smooth_ptr, K8, N4, R4, BB4, NCHUNK4,
+                                         True, HAS_PERM, HAS_SMOOTH)
+            bad += bad4
+        if HAS_A8:
+            _encode_segment(xrow, perm_ptr, smooth_ptr, 0, K8, q8, sr8, amax8, bad, 127, False,
+                            PER_BLOCK, R8, BB8, NCHUNK8, HAS_PERM, HAS_SMOOTH)
+        if HAS_A4:
+            _encode_segment(xrow, perm_ptr, smooth_ptr, K8, N4, q4, sr4, amax4, bad, 7, True,
+                            PER_BLOCK, R4, BB4, NCHUNK4, HAS_PERM, HAS_SMOOTH)
 
 
 # ======================================================================================
@@ -509,7 +603,10 @@ def _output(M: int, N: int, out_dtype, device, out) -> torch.Tensor:
 # --- GEMM launch ------------------------------------------------------------------------
 
 def _launch_gemm(x8, s8, x4, s4, qweight, group_scale, group_offset, channel_scale, bias,
-                 out, K8: int, G: int, config: GemmConfig | None) -> torch.Tensor:
+                 out, K8: int, G: int, config: GemmConfig | None, block_scales: bool
+                 ) -> torch.Tensor:
+    """block_scales: W4Ax (s8/s4 [M, blocks] per ACT_BLOCK-channel block), else W4A8 (K8 == K,
+    s8 [M] per token)."""
     M, N = out.shape
     K = qweight.shape[1] * 2
     if M == 0 or N == 0:
@@ -518,24 +615,34 @@ def _launch_gemm(x8, s8, x4, s4, qweight, group_scale, group_offset, channel_sca
     qw32 = qweight.view(torch.int32)  # 8 nibbles per word (K % 64 == 0: rows stay aligned)
     # an empty part is never read, but the launcher wants a real pointer of the right type
     x8 = x8 if x8.numel() else x4.view(torch.int8)
+    s8 = s8 if s8.numel() else s4
     x4w = _int32_words(x4) if has_a4 else qw32
+    s4 = s4 if has_a4 else s8
     if config is None:
-        config = default_config(M, N, K, math.gcd(K, K8), _num_sms(out.device))
+        config = default_config(M, N, K, F.ACT_BLOCK if block_scales else K, _num_sms(out.device))
     bk = config.block_k
     if K % bk or K8 % bk or bk % 64:
         raise ValueError(f"config.block_k={bk} must be a multiple of 64 dividing K={K} and k8={K8}")
+    if block_scales and F.ACT_BLOCK % bk:
+        raise ValueError(f"config.block_k={bk} must divide the W4Ax activation block "
+                         f"({F.ACT_BLOCK}): each k-iteration takes one block's scale")
     iters = K // bk
     split = _effective_split(iters, config.split_k)
     tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
-    if split > 1:  # int32 partial planes + one arrival counter per tile, zeroed per call
-        ws = torch.zeros((2 if has_a4 else 1) * M * N + tiles, dtype=torch.int32, device=out.device)
-    else:
-        ws = channel_scale  # never dereferenced
+    if split == 1:
+        ws = cnt = channel_scale  # never dereferenced
+    elif block_scales:  # one fp32 partial plane per split (each fully written) + counters
+        ws = torch.empty(split * M * N, dtype=torch.float32, device=out.device)
+        cnt = torch.zeros(tiles, dtype=torch.int32, device=out.device)
+    else:  # one int32 partial plane + one arrival counter per tile, zeroed per call
+        ws = torch.zeros(M * N + tiles, dtype=torch.int32, device=out.device)
+        cnt = ws[M * N:]
     _lqq_gemm_kernel[(tiles, split)](
         x8, s8, x4w, s4, qw32, group_scale, group_offset, channel_scale,
-        bias if bias is not None else channel_scale, out, ws,
-        M, N, K, K8, x8.stride(0), x4w.stride(0), out.stride(0), qw32.stride(0), K // G,
-        G=G, HAS_A4=has_a4, HAS_BIAS=bias is not None,
+        bias if bias is not None else channel_scale, out, ws, cnt,
+        M, N, K, K8, x8.stride(0), x4w.stride(0), s8.stride(0), s4.stride(0), out.stride(0),
+        qw32.stride(0), K // G,
+        G=G, HAS_A4=has_a4, BLOCK_SCALES=block_scales, HAS_BIAS=bias is not None,
         BM=config.block_m, BN=config.block_n, BK=bk, SPLIT_K=split,
         SWAP_AB=config.swap_ab, GROUP_M=config.group_m, USE_ASM=not _interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages)
@@ -559,7 +666,7 @@ def w4a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
     x_scale = x_scale.contiguous()
     return _launch_gemm(xq, x_scale, xq, x_scale, _row_major(qweight), group_scale.contiguous(),
                         group_offset.contiguous(), channel_scale.contiguous(),
-                        None if bias is None else bias.contiguous(), out, K, G, config)
+                        None if bias is None else bias.contiguous(), out, K, G, config, False)
 
 
 def w4ax_gemm(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Tensor,
@@ -567,7 +674,9 @@ def w4ax_gemm(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Te
               channel_scale: torch.Tensor, bias: torch.Tensor | None = None,
               out_dtype: torch.dtype = torch.float16, *, out: torch.Tensor | None = None,
               config: GemmConfig | None = None) -> torch.Tensor:
-    """W4Ax: int8 activations on the first k8 (permuted) channels, packed int4 on the rest."""
+    """W4Ax: int8 activations on the first k8 (permuted) channels, packed int4 on the rest;
+    s8 [M, k8/128] and s4 [M, (K-k8)/128]: one scale per (token, ACT_BLOCK-channel block).
+    config.block_k must divide ACT_BLOCK."""
     _check_dtype("x8", x8, torch.int8)
     _check_dtype("x4", x4, torch.uint8)
     _check_dtype("s8", s8, torch.float32)
@@ -577,18 +686,17 @@ def w4ax_gemm(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Te
     M, k8 = x8.shape
     K = k8 + 2 * x4.shape[1]
     _check_shape("x4", x4, (M, x4.shape[1]))
-    _check_shape("s8", s8, (M,))
-    _check_shape("s4", s4, (M,))
     if k8 % F.ACT_BLOCK:
         raise ValueError(f"x8: k8={k8} is not a multiple of {F.ACT_BLOCK} (W4Ax block)")
-    if K - k8 > _MAX_K4:  # the int4 part accumulates 16 * x * w in int32
-        raise ValueError(f"x4: {K - k8} 4-bit channels exceed {_MAX_K4} (int32 accumulator)")
+    lay = F.W4ActLayout.from_k8(K, k8)
+    _check_shape("s8", s8, (M, lay.num_a8_blocks))
+    _check_shape("s4", s4, (M, lay.num_a4_blocks))
     G = _check_weights(K, qweight, group_scale, group_offset, channel_scale, bias)
     out = _output(M, qweight.shape[0], out_dtype, x8.device, out)
     return _launch_gemm(_row_major(x8), s8.contiguous(), _row_major(x4), s4.contiguous(),
                         _row_major(qweight), group_scale.contiguous(), group_offset.contiguous(),
                         channel_scale.contiguous(), None if bias is None else bias.contiguous(),
-                        out, k8, G, config)
+                        out, k8, G, config, True)
 
 
 # --- activation quantisation ------------------------------------------------------------
@@ -596,29 +704,42 @@ def w4ax_gemm(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Te
 _MAX_ROW_VALUES = 32768  # values held in registers per chunk; longer rows take two passes
 
 
-def _segment_blocks(n_bytes: int, values_per_byte: int) -> tuple[int, int]:
-    block = min(_pow2_at_least(n_bytes, 16), _MAX_ROW_VALUES // values_per_byte)
-    return block, max(1, triton.cdiv(n_bytes, block))
+def _segment_chunks(n_bytes: int, values_per_byte: int, block_bytes: int | None
+                    ) -> tuple[int, int, int]:
+    """(rows R, bytes per row BB, chunks) of a segment of n_bytes output bytes. block_bytes:
+    a row is one scale block (W4Ax) and a chunk holds whole blocks; None: one row per chunk."""
+    budget = _MAX_ROW_VALUES // values_per_byte  # bytes
+    if block_bytes is None:
+        bb = min(_pow2_at_least(n_bytes, 16), budget)
+        return 1, bb, max(1, triton.cdiv(n_bytes, bb))
+    n_blocks = n_bytes // block_bytes
+    r = max(1, min(_pow2_at_least(n_blocks, 1), budget // block_bytes))
+    return r, block_bytes, max(1, triton.cdiv(n_blocks, r))
 
 
-def _num_warps_for(block: int) -> int:
-    return max(1, min(16, block // 512))
+def _num_warps_for(values: int) -> int:
+    return max(1, min(16, values // 512))
 
 
-def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4) -> None:
+def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool) -> None:
     M, K = x.shape
     if M == 0:
         return
-    b8, c8 = _segment_blocks(k8, 1)
-    b4, c4 = _segment_blocks((K - k8) // 2, 2)
+    r8, b8, c8 = _segment_chunks(k8, 1, F.ACT_BLOCK if per_block else None)
+    r4, b4, c4 = _segment_chunks((K - k8) // 2, 2, F.ACT_BLOCK // 2 if per_block else None)
+    values = [r8 * b8] * (k8 > 0) + [2 * r4 * b4] * (k8 < K)  # per chunk, of each segment
+    one_pass = c8 == 1 and c4 == 1 and sum(values) <= _MAX_ROW_VALUES
     x8 = x8 if x8.numel() else x4.view(torch.int8)  # placeholders of empty parts (unread)
     x4 = x4 if x4.numel() else x8.view(torch.uint8)
+    s8 = s8 if s8.numel() else s4
+    s4 = s4 if s4.numel() else s8
     _quant_act_kernel[(M,)](
         x, perm if perm is not None else x, smooth if smooth is not None else x,
-        x8, s8, x4, s4, K, k8, x.stride(0), x8.stride(0), x4.stride(0),
-        HAS_PERM=perm is not None, HAS_SMOOTH=smooth is not None,
-        HAS_A8=k8 > 0, HAS_A4=k8 < K, BLOCK8=b8, NCHUNK8=c8, BLOCK4=b4, NCHUNK4=c4,
-        num_warps=_num_warps_for(max(b8 if k8 else 0, 2 * b4 if k8 < K else 0)))
+        x8, s8, x4, s4, K, k8, x.stride(0), x8.stride(0), x4.stride(0), s8.stride(0),
+        s4.stride(0), HAS_PERM=perm is not None, HAS_SMOOTH=smooth is not None,
+        HAS_A8=k8 > 0, HAS_A4=k8 < K, PER_BLOCK=per_block, ONE_PASS=one_pass,
+        R8=r8, BB8=b8, NCHUNK8=c8, R4=r4, BB4=b4, NCHUNK4=c4,
+        num_warps=_num_warps_for(sum(values) if one_pass else max(values)))
 
 
 def _check_act(x: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
@@ -641,29 +762,30 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
     M, K = x.shape
     q = torch.empty((M, K), dtype=torch.int8, device=x.device)
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
-    _launch_quant(x, None, smooth.contiguous() if smooth is not None else None, K, q, s, q, s)
+    _launch_quant(x, None, smooth.contiguous() if smooth is not None else None, K, q, s, q, s,
+                  per_block=False)
     return q, s
 
 
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
                       smooth: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W4Ax activations: permute channels, first k8 to int8, the rest to packed int4.
+    """W4Ax activations: permute channels, first k8 to int8, the rest to packed int4, one
+    scale per (token, ACT_BLOCK-channel block); bit-exact with the reference.
 
-    Returns (x8 int8 [M, k8], s8 float32 [M], x4 uint8 [M, (K-k8)/2], s4 float32 [M]); the
-    scale of an empty part is 1, as in the reference."""
+    Returns (x8 int8 [M, k8], s8 float32 [M, k8/128], x4 uint8 [M, (K-k8)/2],
+    s4 float32 [M, (K-k8)/128])."""
     x = _check_act(x, smooth)
     M, K = x.shape
     _check_shape("perm", perm, (K,))
     if perm.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"perm has dtype {perm.dtype}; expected torch.int32 or torch.int64")
-    if not 0 <= k8 <= K or (K - k8) % 2:
-        raise ValueError(f"k8={k8} must lie in [0, K={K}] with K - k8 even")
+    lay = F.W4ActLayout.from_k8(K, k8)
     dev = x.device
     x8 = torch.empty((M, k8), dtype=torch.int8, device=dev)
-    x4 = torch.empty((M, (K - k8) // 2), dtype=torch.uint8, device=dev)
-    s8 = torch.ones((M,), dtype=torch.float32, device=dev)
-    s4 = torch.ones((M,), dtype=torch.float32, device=dev)
+    x4 = torch.empty((M, lay.k4 // 2), dtype=torch.uint8, device=dev)
+    s8 = torch.empty((M, lay.num_a8_blocks), dtype=torch.float32, device=dev)
+    s4 = torch.empty((M, lay.num_a4_blocks), dtype=torch.float32, device=dev)
     _launch_quant(x, perm.contiguous(), smooth.contiguous() if smooth is not None else None,
-                  k8, x8, s8, x4, s4)
+                  k8, x8, s8, x4, s4, per_block=True)
     return x8, s8, x4, s4
