@@ -27,6 +27,17 @@ class CliError(Exception):
     """An input problem: printed as one line, exit status 2."""
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    """argparse type for "0,1,27": a comma-separated list of non-negative integers."""
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: layer indices are >= 0")
+    return vals
+
+
 def _model_dir(arg: str) -> Path:
     """A folder path, or a known model name that has been fetched."""
     from .quantize import models
@@ -131,7 +142,8 @@ def cmd_eval(args) -> int:
         folder = _model_dir(arg)
         t0 = time.time()
         res = evaluate(folder, args.text, args.tokens, args.window, args.kv, args.backend,
-                       progress=not args.quiet, kv_residual=args.kv_residual)
+                       progress=not args.quiet, kv_residual=args.kv_residual,
+                       kv_skip_layers=args.kv_skip_layers)
         secs = time.time() - t0
         for text, r in res.items():
             if base is None:
@@ -196,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-residual", type=int, default=0,
                    help="cpu: each position reads its newest R keys in 16 bits (decode with the "
                         "backend's residual window); 0 = all keys quantized (prefill)")
+    e.add_argument("--kv-skip-layers", type=_int_list, default=(), metavar="I,J",
+                   help="cpu: these layers keep K and V in 16 bits (per-layer KV precision experiment)")
     e.add_argument("--backend", default="cpu", choices=["cpu", "vllm"])
     e.add_argument("--quiet", action="store_true")
     e.add_argument("--json", help="write the result rows here")

@@ -119,3 +119,18 @@ def test_residual_attention_limits():
     vv = torch.cat([vq[:, :, :t - 2], v[:, :, t - 2:t + 1]], dim=2)
     want = ref.attention(tr(q)[t:t + 1], tr(kk), tr(vv), 0.25)
     assert torch.allclose(got[t].double(), want[0], atol=1e-5)
+
+
+def test_kv_skip_layers(folders):
+    """Skipping every layer is the 16-bit result; skipping some lies strictly between."""
+    text = [str(folders["text"])]
+    run = lambda **kw: next(iter(P.evaluate(folders["src"], text, n_tokens=256, window=64, **kw).values()))["ppl"]  # noqa: E731
+    full, kv4 = run(), run(kv_scheme="kv4")
+    assert run(kv_scheme="kv4", kv_skip_layers=(0, 1)) == pytest.approx(full, rel=1e-6)
+    part = run(kv_scheme="kv4", kv_skip_layers=(1,))
+    assert part not in (pytest.approx(full, rel=1e-6), pytest.approx(kv4, rel=1e-6))
+    with pytest.raises(ValueError, match=r"kv skip layers \[2\] are not layers of this model \(0..1\)"):
+        run(kv_scheme="kv4", kv_skip_layers=(2,))
+    with pytest.raises(ValueError, match="CPU-path options"):
+        P.evaluate(folders["src"], text, n_tokens=256, window=64, kv_scheme="kv4", backend="vllm",
+                   kv_skip_layers=(0,))

@@ -264,3 +264,12 @@ def test_every_file_is_flushed_before_the_rename(tmp_path, monkeypatch):
     assert {p.name for p in out.iterdir()} <= names  # every file, before the rename
     assert len(list(out.glob("*.safetensors"))) == 3
     assert synced[-1] == str(tmp_path)  # and the parent folder after it
+
+
+@pytest.mark.parametrize("value,why", [("a,b", "not a comma-separated list of integers"),
+                                       ("0,-1", "layer indices are >= 0")])
+def test_eval_kv_skip_layers_is_checked(value, why, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", "some-folder", "--kv-skip-layers", value])
+    assert e.value.code == 2
+    assert why in capsys.readouterr().err

@@ -49,15 +49,20 @@ def residual_attention(query, key, value, key_q, value_q, scaling: float, residu
     return out.transpose(1, 2).to(query.dtype)
 
 
-def register_kv_attention(scheme: str, residual: int = 0) -> str:
+def register_kv_attention(scheme: str, residual: int = 0, skip_layers: tuple[int, ...] = ()) -> str:
     """An attention implementation that fake-quantizes K and V, then runs SDPA
-    (or, with residual > 0, keeps each query's newest `residual` keys in 16 bits)."""
+    (or, with residual > 0, keeps each query's newest `residual` keys in 16 bits).
+    Layers in skip_layers keep their whole K and V in 16 bits (a per-layer KV precision
+    experiment: the backend has no such option yet)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    name = f"mixprec_{scheme}_r{residual}"
+    skip = frozenset(skip_layers)
+    name = f"mixprec_{scheme}_r{residual}_skip{'-'.join(map(str, sorted(skip)))}"
 
     def attention(module, query, key, value, attention_mask, **kwargs):
+        if getattr(module, "layer_idx", None) in skip:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         kq, vq = fake_quant_kv(key, scheme), fake_quant_kv(value, scheme)
         if residual <= 0:
             return sdpa_attention_forward(module, query, kq, vq, attention_mask, **kwargs)
@@ -69,10 +74,15 @@ def register_kv_attention(scheme: str, residual: int = 0) -> str:
     return name
 
 
-def set_kv_scheme(model, scheme: str, residual: int = 0) -> None:
+def set_kv_scheme(model, scheme: str, residual: int = 0, skip_layers: tuple[int, ...] = ()) -> None:
     if scheme not in F.KV_SCHEMES:
         raise ValueError(f"kv scheme {scheme!r} is not one of {F.KV_SCHEMES}")
-    model.config._attn_implementation = "sdpa" if scheme == "none" else register_kv_attention(scheme, residual)
+    n_layers = model.config.num_hidden_layers
+    bad = [i for i in skip_layers if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"kv skip layers {bad} are not layers of this model (0..{n_layers - 1})")
+    model.config._attn_implementation = ("sdpa" if scheme == "none"
+                                         else register_kv_attention(scheme, residual, tuple(skip_layers)))
 
 
 def read_config(folder: Path) -> dict:
@@ -183,12 +193,14 @@ def perplexity_vllm(folder: str | Path, ids: torch.Tensor, n_tokens: int = 4096,
 
 def evaluate(folder: str | Path, texts: list[str], n_tokens: int = 4096, window: int = 1024,
              kv_scheme: str | None = None, backend: str = "cpu", progress: bool = False,
-             tokenizer_dir: str | Path | None = None, kv_residual: int = 0) -> dict[str, dict]:
+             tokenizer_dir: str | Path | None = None, kv_residual: int = 0,
+             kv_skip_layers: tuple[int, ...] = ()) -> dict[str, dict]:
     """Perplexity of a folder on each text; kv_scheme None = the checkpoint's own.
 
     kv_residual R > 0 (cpu only): every position reads its newest R keys in 16 bits, as
     decoding with the attention backend's residual window does; 0: all keys quantized, as
-    a prefill does (the backend's pages).
+    a prefill does (the backend's pages). kv_skip_layers (cpu only): layers whose K and V
+    stay in 16 bits.
     """
     from transformers import AutoTokenizer
 
@@ -200,9 +212,11 @@ def evaluate(folder: str | Path, texts: list[str], n_tokens: int = 4096, window:
     tok = AutoTokenizer.from_pretrained(tokenizer_dir or folder)
     ids = {t: tokenize(tok, load_text(t)) for t in texts}
     if backend == "vllm":
+        if kv_residual or kv_skip_layers:
+            raise ValueError("kv_residual and kv_skip_layers are CPU-path options (backend='cpu')")
         return {t: perplexity_vllm(folder, ids[t], n_tokens, window, kv) for t in texts}
     if backend != "cpu":
         raise ValueError(f"backend {backend!r} is not 'cpu' or 'vllm'")
     model, _ = load_model_cpu(folder)
-    set_kv_scheme(model, kv, kv_residual)
+    set_kv_scheme(model, kv, kv_residual, tuple(kv_skip_layers))
     return {t: perplexity_cpu(model, ids[t], n_tokens, window, progress) for t in texts}
