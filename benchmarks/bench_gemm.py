@@ -6,6 +6,8 @@ Measured in the same run, on the same random data sizes:
   ours_triton_q      quantize_act + w4a8_gemm (what a linear layer costs)
   ours_cuda          torch.ops.mixprec.w4a8_linear with impl "cuda" on weights repacked once into
                      the csrc layout (quantize_act + the auto-selected kernel)
+  ours_w4ax_triton_q Triton quantize_act_w4ax + w4ax_gemm, 25% of the 128-channel blocks at 8 bits
+                     (W4Ax, COMET's FMPQ; Hopper widens the int4 blocks to int8 in registers)
   marlin_w4a16       Marlin, uint4b8 group 128, fp16 activations (apply_gptq_marlin_linear)
   marlin_w4a8        Marlin with its own int8 activations (VLLM_MARLIN_INPUT_DTYPE=int8 path)
   machete_w4a16      Machete, uint4b8 group 128, fp16 activations
@@ -44,7 +46,7 @@ L2_BYTES = 50 * 2 ** 20
 MAX_COPIES = 16
 GROUP = 128  # Marlin/Machete group size (ours: --group-size, 128 by default, same bytes)
 
-METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "marlin_w4a16", "marlin_w4a8",
+METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "ours_w4ax_triton_q", "marlin_w4a16", "marlin_w4a8",
            "machete_w4a16", "cublas_bf16", "int8_mm")
 
 
@@ -132,7 +134,7 @@ def random_lqq(N: int, K: int, G: int, device):
 
 def setup_of(name: str) -> str:
     """The weight setup a method times: the Triton variants share "ours"."""
-    return "ours" if name in ("ours_triton", "ours_triton_q") else name
+    return "ours" if name in ("ours_triton", "ours_triton_q", "ours_w4ax_triton_q") else name
 
 
 class Methods:
@@ -239,6 +241,15 @@ class Methods:
                 out.append(lambda t=t, xb=xb: tg.w4a8_gemm(
                     *tg.quantize_act(xb), t["qweight"], t["group_scale"], t["group_offset"],
                     t["channel_scale"], None, torch.bfloat16, config=config))
+            elif name == "ours_w4ax_triton_q":  # the same weights read as permuted along K
+                if K % 128:
+                    raise RuntimeError("W4Ax needs K to be a multiple of 128")
+                xb = x16.bfloat16()
+                perm = torch.randperm(K, device=dev).to(torch.int32)
+                k8 = 128 * max(1, round(0.25 * K / 128))
+                out.append(lambda t=t, xb=xb, perm=perm, k8=k8: tg.w4ax_gemm(
+                    *tg.quantize_act_w4ax(xb, perm, k8), t["qweight"], t["group_scale"], t["group_offset"],
+                    t["channel_scale"], None, torch.bfloat16, config=config))
             elif name == "ours_cuda":  # quantize_act + the auto-selected csrc GEMM, prepacked
                 xb = x16.bfloat16()
                 out.append(lambda t=t, xb=xb: torch.ops.mixprec.w4a8_linear(
@@ -277,7 +288,7 @@ class Methods:
         base = setup_of(name)
         wbytes = self.setups[base][0]
         a_in = {"cublas_bf16": 2, "marlin_w4a16": 2, "machete_w4a16": 2, "marlin_w4a8": 2,
-                "ours_triton_q": 2, "ours_cuda": 2}.get(name, 1)
+                "ours_triton_q": 2, "ours_cuda": 2, "ours_w4ax_triton_q": 2}.get(name, 1)
         a_out = 4 if name == "int8_mm" else 2
         return wbytes + M * self.K * a_in + M * self.N * a_out
 
@@ -426,7 +437,8 @@ def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms):
 
 # --- output ----------------------------------------------------------------------------------
 
-_SHORT = {"ours_triton": "tri", "ours_triton_q": "tri+q", "ours_cuda": "cuda", "marlin_w4a16": "mar16",
+_SHORT = {"ours_triton": "tri", "ours_triton_q": "tri+q", "ours_cuda": "cuda", "ours_w4ax_triton_q": "w4ax",
+          "marlin_w4a16": "mar16",
           "marlin_w4a8": "mar8", "machete_w4a16": "mach", "cublas_bf16": "bf16", "int8_mm": "i8mm"}
 
 
