@@ -49,21 +49,43 @@ def residual_attention(query, key, value, key_q, value_q, scaling: float, residu
     return out.transpose(1, 2).to(query.dtype)
 
 
-def register_kv_attention(scheme: str, residual: int = 0, skip_layers: tuple[int, ...] = ()) -> str:
+def rotated_k_bias(bias: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE_p(b) for every position: k_proj's bias [Hkv * D] rotated by cos/sin [T, D]
+    (rotate-half convention) -> [1, Hkv, T, D] float32."""
+    b = bias.float().view(-1, 1, head_dim)
+    half = head_dim // 2
+    rot = torch.cat([-b[..., half:], b[..., :half]], dim=-1)
+    return (b * cos.float()[None] + rot * sin.float()[None])[None]
+
+
+def register_kv_attention(scheme: str, residual: int = 0, skip_layers: tuple[int, ...] = (),
+                          rotary=None) -> str:
     """An attention implementation that fake-quantizes K and V, then runs SDPA
     (or, with residual > 0, keeps each query's newest `residual` keys in 16 bits).
     Layers in skip_layers keep their whole K and V in 16 bits (a per-layer KV precision
-    experiment: the backend has no such option yet)."""
+    experiment: the backend has no such option yet). With `rotary` (the model's rotary
+    embedding), K is quantized bias-aware: K - RoPE_p(b), b = k_proj's bias, and RoPE_p(b) is
+    added back exactly after dequantization, as a kernel adding q.RoPE_p(b) would (the
+    backend does not yet); positions are 0..T-1 of each window."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     skip = frozenset(skip_layers)
-    name = f"mixprec_{scheme}_r{residual}_skip{'-'.join(map(str, sorted(skip)))}"
+    name = (f"mixprec_{scheme}_r{residual}_skip{'-'.join(map(str, sorted(skip)))}"
+            f"{'_biasaware' if rotary is not None else ''}")
+
+    def quant_k(module, key):
+        bias = getattr(getattr(module, "k_proj", None), "bias", None)
+        if rotary is None or bias is None:
+            return fake_quant_kv(key, scheme)
+        cos, sin = rotary(key, torch.arange(key.shape[2])[None])
+        rb = rotated_k_bias(bias, key.shape[-1], cos[0], sin[0])
+        return (fake_quant_kv((key.float() - rb).to(key.dtype), scheme).float() + rb).to(key.dtype)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         if getattr(module, "layer_idx", None) in skip:
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        kq, vq = fake_quant_kv(key, scheme), fake_quant_kv(value, scheme)
+        kq, vq = quant_k(module, key), fake_quant_kv(value, scheme)
         if residual <= 0:
             return sdpa_attention_forward(module, query, kq, vq, attention_mask, **kwargs)
         if attention_mask is not None:
@@ -74,15 +96,17 @@ def register_kv_attention(scheme: str, residual: int = 0, skip_layers: tuple[int
     return name
 
 
-def set_kv_scheme(model, scheme: str, residual: int = 0, skip_layers: tuple[int, ...] = ()) -> None:
+def set_kv_scheme(model, scheme: str, residual: int = 0, skip_layers: tuple[int, ...] = (),
+                  bias_aware: bool = False) -> None:
     if scheme not in F.KV_SCHEMES:
         raise ValueError(f"kv scheme {scheme!r} is not one of {F.KV_SCHEMES}")
     n_layers = model.config.num_hidden_layers
     bad = [i for i in skip_layers if not 0 <= i < n_layers]
     if bad:
         raise ValueError(f"kv skip layers {bad} are not layers of this model (0..{n_layers - 1})")
+    rotary = model.model.rotary_emb if bias_aware else None
     model.config._attn_implementation = ("sdpa" if scheme == "none"
-                                         else register_kv_attention(scheme, residual, tuple(skip_layers)))
+                                         else register_kv_attention(scheme, residual, tuple(skip_layers), rotary))
 
 
 def read_config(folder: Path) -> dict:
@@ -194,13 +218,14 @@ def perplexity_vllm(folder: str | Path, ids: torch.Tensor, n_tokens: int = 4096,
 def evaluate(folder: str | Path, texts: list[str], n_tokens: int = 4096, window: int = 1024,
              kv_scheme: str | None = None, backend: str = "cpu", progress: bool = False,
              tokenizer_dir: str | Path | None = None, kv_residual: int = 0,
-             kv_skip_layers: tuple[int, ...] = ()) -> dict[str, dict]:
+             kv_skip_layers: tuple[int, ...] = (), kv_bias_aware: bool = False) -> dict[str, dict]:
     """Perplexity of a folder on each text; kv_scheme None = the checkpoint's own.
 
     kv_residual R > 0 (cpu only): every position reads its newest R keys in 16 bits, as
     decoding with the attention backend's residual window does; 0: all keys quantized, as
     a prefill does (the backend's pages). kv_skip_layers (cpu only): layers whose K and V
-    stay in 16 bits.
+    stay in 16 bits. kv_bias_aware (cpu only): K quantized as K - RoPE_p(k_proj.bias), the
+    rotated bias added back after dequantization.
     """
     from transformers import AutoTokenizer
 
@@ -212,11 +237,12 @@ def evaluate(folder: str | Path, texts: list[str], n_tokens: int = 4096, window:
     tok = AutoTokenizer.from_pretrained(tokenizer_dir or folder)
     ids = {t: tokenize(tok, load_text(t)) for t in texts}
     if backend == "vllm":
-        if kv_residual or kv_skip_layers:
-            raise ValueError("kv_residual and kv_skip_layers are CPU-path options (backend='cpu')")
+        if kv_residual or kv_skip_layers or kv_bias_aware:
+            raise ValueError("kv_residual, kv_skip_layers and kv_bias_aware are CPU-path options "
+                             "(backend='cpu')")
         return {t: perplexity_vllm(folder, ids[t], n_tokens, window, kv) for t in texts}
     if backend != "cpu":
         raise ValueError(f"backend {backend!r} is not 'cpu' or 'vllm'")
     model, _ = load_model_cpu(folder)
-    set_kv_scheme(model, kv, kv_residual, tuple(kv_skip_layers))
+    set_kv_scheme(model, kv, kv_residual, tuple(kv_skip_layers), kv_bias_aware)
     return {t: perplexity_cpu(model, ids[t], n_tokens, window, progress) for t in texts}
