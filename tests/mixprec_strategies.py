@@ -48,6 +48,20 @@ def float_tensor(draw, shape: tuple[int, ...], dtype: torch.dtype, dist: str | N
     return x.to(dtype)
 
 
+@st.composite
+def activations(draw, rows, cols):
+    """(x [M, K], poisoned-row mask, optional smoothing scale [K]) for the activation
+    quantizers; rows and cols are strategies for M and K."""
+    m, k = draw(rows), draw(cols)
+    x = float_tensor(draw, (m, k), draw(st.sampled_from((torch.float16, torch.bfloat16, torch.float32))))
+    bad = poison_rows(draw, x)
+    smooth = None
+    if draw(st.booleans()):
+        g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+        smooth = (torch.rand(k, generator=g) * 4 + 0.25).to(x.dtype)
+    return x, bad, smooth
+
+
 def poison_rows(draw, x: torch.Tensor) -> torch.Tensor:
     """Maybe put NaN/Inf values into some rows (dim 0 of a [M, K] or [T, H, D] tensor);
     returns the bool mask of poisoned rows (shape x.shape[:-1])."""

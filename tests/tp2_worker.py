@@ -14,6 +14,7 @@ import os
 import sys
 
 import torch
+from linear_helpers import load_tensors
 
 GROUP = 64
 HIDDEN, HEAD, HEADS = 256, 64, 4
@@ -39,15 +40,6 @@ def make_case(kv_heads: int) -> dict:
     }
 
 
-def _load(layer, tensors, shard_id):
-    for name, t in tensors.items():
-        p = getattr(layer, name)
-        if shard_id is None:
-            p.weight_loader(p, t)
-        else:
-            p.weight_loader(p, t, shard_id)
-
-
 def run_rank(rank: int, world: int, init_file: str, out_file: str) -> None:
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -69,20 +61,20 @@ def run_rank(rank: int, world: int, init_file: str, out_file: str) -> None:
             qkv = QKVParallelLinear(HIDDEN, HEAD, HEADS, kv_heads, bias=False, quant_config=cfg,
                                     params_dtype=torch.float16, prefix="model.layers.0.self_attn.qkv_proj")
             for sid in ("v", "q", "k"):
-                _load(qkv, case["qkv"][sid], sid)
+                load_tensors(qkv, case["qkv"][sid], sid)
             qkv.quant_method.process_weights_after_loading(qkv)
             out[f"qkv_kv{kv_heads}"] = qkv.quant_method.apply(qkv, case["x"])
 
             gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], bias=False, quant_config=cfg,
                                                  params_dtype=torch.float16, prefix="model.layers.0.mlp.gate_up_proj")
-            _load(gate_up, case["gate_up"][1], 1)
-            _load(gate_up, case["gate_up"][0], 0)
+            load_tensors(gate_up, case["gate_up"][1], 1)
+            load_tensors(gate_up, case["gate_up"][0], 0)
             gate_up.quant_method.process_weights_after_loading(gate_up)
             out[f"gate_up_kv{kv_heads}"] = gate_up.quant_method.apply(gate_up, case["x"])
 
             down = RowParallelLinear(INTER, HIDDEN, bias=False, quant_config=cfg, params_dtype=torch.float16,
                                      prefix="model.layers.0.mlp.down_proj")
-            _load(down, case["down"], None)
+            load_tensors(down, case["down"], None)
             down.quant_method.process_weights_after_loading(down)
             part = INTER // world
             # the rank's partial sum; vLLM's all-reduce adds them (the test adds them here)

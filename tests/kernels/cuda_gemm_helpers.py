@@ -5,6 +5,20 @@ DEV = "cuda"
 EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -20}
 
 
+def skip_without_csrc_ops():
+    """pytest.skip unless there is a CUDA GPU (sm80+) and the csrc ops are built."""
+    import pytest
+
+    from vllm_mixprec.kernels import cuda
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not cuda.available():
+        pytest.skip(f"csrc ops not built: {cuda.load_error()}")
+    if not cuda.supports_device(torch.device(DEV)):
+        pytest.skip("the csrc ops need sm80+")
+
+
 def _gen(seed):
     return torch.Generator(device=DEV).manual_seed(seed)
 

@@ -13,7 +13,8 @@ import torch
 from vllm_mixprec import reference as ref
 from vllm_mixprec.kernels import cuda
 
-from cuda_gemm_helpers import DEV, _gen, check_close, poison, random_act, random_lqq
+from cuda_gemm_helpers import (DEV, _gen, check_close, poison, random_act, random_lqq,
+                               skip_without_csrc_ops)
 
 pytestmark = pytest.mark.gpu
 
@@ -21,12 +22,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _need_ops():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not cuda.available():
-        pytest.skip(f"csrc ops not built: {cuda.load_error()}")
-    if not cuda.supports_device(torch.device(DEV)):
-        pytest.skip("the csrc ops need sm80+")
+    skip_without_csrc_ops()
 
 
 

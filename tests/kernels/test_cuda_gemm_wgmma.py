@@ -15,7 +15,8 @@ import torch
 from vllm_mixprec import reference as ref
 from vllm_mixprec.kernels import cuda
 
-from cuda_gemm_helpers import DEV, _gen, check_close, poison, random_act, random_lqq
+from cuda_gemm_helpers import (DEV, _gen, check_close, poison, random_act, random_lqq,
+                               skip_without_csrc_ops)
 
 # kernel id -> (m64 blocks per consumer warpgroup, tokens per CTA); mirrors Wg4/Wg5/Wg6.
 CONFIGS = {4: (2, 128), 5: (2, 64), 6: (1, 256)}
@@ -197,10 +198,7 @@ def test_kernel_id_plumbing_without_gpu():
 
 @pytest.fixture
 def need_wgmma():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not cuda.available():
-        pytest.skip(f"csrc ops not built: {cuda.load_error()}")
+    skip_without_csrc_ops()
     if not cuda.has_wgmma(torch.device(DEV)):
         pytest.skip("no wgmma kernel here (needs an sm_90 GPU and an sm_90a build)")
 

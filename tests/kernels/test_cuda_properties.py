@@ -22,7 +22,8 @@ hypothesis = pytest.importorskip("hypothesis")
 import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from mixprec_strategies import float_tensor, poison_rows  # noqa: E402
+from cuda_gemm_helpers import skip_without_csrc_ops  # noqa: E402
+from mixprec_strategies import activations, float_tensor  # noqa: E402
 
 from vllm_mixprec import reference as ref  # noqa: E402
 from vllm_mixprec.kernels import cuda  # noqa: E402
@@ -35,12 +36,7 @@ _EPS_OUT = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32:
 
 @pytest.fixture(autouse=True)
 def _need_ops():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not cuda.available():
-        pytest.skip(f"csrc ops not built: {cuda.load_error()}")
-    if not cuda.supports_device(torch.device(DEV)):
-        pytest.skip("the csrc ops need sm80+")
+    skip_without_csrc_ops()
 
 
 def _kernels() -> list[int]:
@@ -48,21 +44,8 @@ def _kernels() -> list[int]:
     return [-1, 0, 1, 2, 3] + ([4, 5, 6] if torch.cuda.is_available() and cuda.has_wgmma() else [])
 
 
-@st.composite
-def activations(draw):
-    m = draw(st.integers(1, 40))
-    k = 64 * draw(st.integers(1, 12))
-    x = float_tensor(draw, (m, k), draw(st.sampled_from((torch.float16, torch.bfloat16, torch.float32))))
-    bad = poison_rows(draw, x)
-    smooth = None
-    if draw(st.booleans()):
-        g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-        smooth = (torch.rand(k, generator=g) * 4 + 0.25).to(x.dtype)
-    return x, bad, smooth
-
-
 @settings(max_examples=150)
-@given(activations())
+@given(activations(st.integers(1, 40), st.integers(1, 12).map(lambda i: 64 * i)))
 def test_quantize_act_matches_reference(xbs):
     x, bad, smooth = xbs
     want_q, want_s = ref.quantize_act(x, smooth)

@@ -20,7 +20,7 @@ hypothesis = pytest.importorskip("hypothesis")
 import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from mixprec_strategies import float_tensor, poison_rows  # noqa: E402
+from mixprec_strategies import activations, float_tensor, poison_rows  # noqa: E402
 
 from vllm_mixprec import reference as ref  # noqa: E402
 from vllm_mixprec.kernels.triton import gemm as tg  # noqa: E402
@@ -46,20 +46,8 @@ def _same_codes_and_scales(got, want, bad):
             assert torch.equal(g, w), (g, w)
 
 
-@st.composite
-def activations(draw, k_choices):
-    m, k = draw(st.integers(1, 4)), draw(st.sampled_from(k_choices))
-    x = float_tensor(draw, (m, k), draw(st.sampled_from((torch.float16, torch.bfloat16, torch.float32))))
-    bad = poison_rows(draw, x)
-    smooth = None
-    if draw(st.booleans()):
-        g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-        smooth = (torch.rand(k, generator=g) * 4 + 0.25).to(x.dtype)
-    return x, bad, smooth
-
-
 @settings(max_examples=80)
-@given(activations((64, 128, 192, 256, 320)))
+@given(activations(st.integers(1, 4), st.sampled_from((64, 128, 192, 256, 320))))
 def test_quantize_act_matches_reference(xbs):
     x, bad, smooth = xbs
     want = ref.quantize_act(x, smooth)
@@ -69,7 +57,8 @@ def test_quantize_act_matches_reference(xbs):
 
 
 @settings(max_examples=40)
-@given(xbs=activations((128, 256, 384)), seed=st.integers(0, 2**16))
+@given(xbs=activations(st.integers(1, 4), st.sampled_from((128, 256, 384))),
+       seed=st.integers(0, 2**16))
 def test_quantize_act_w4ax_matches_reference(xbs, seed):
     x, bad, smooth = xbs
     k = x.shape[1]

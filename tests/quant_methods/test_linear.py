@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from linear_helpers import load_tensors
 from vllm_mixprec import reference as ref
 from vllm_mixprec.quant_methods.config import MixPrecConfig
 
@@ -12,15 +13,6 @@ BASE = {"quant_method": "mixprec", "format_version": 1, "weight_scheme": "w4a8",
 def _shard(n, k, gen, g=64):
     w = torch.randn(n, k, generator=gen)
     return w, ref.quantize_weight_lqq(w, g)
-
-
-def _load(layer, tensors, shard_id):
-    for name, t in tensors.items():
-        p = getattr(layer, name)
-        if shard_id is None:
-            p.weight_loader(p, t)
-        else:
-            p.weight_loader(p, t, shard_id)
 
 
 def _check_apply(layer, tensors_by_shard, m, k, gen, dtype=torch.float16):
@@ -46,7 +38,7 @@ def test_qkv_merged_loading(vllm_tp1, seeded):
     for sid, n in (("q", nh * head), ("k", nkv * head), ("v", nkv * head)):
         _, shards[sid] = _shard(n, hidden, seeded)
     for sid in ("v", "q", "k"):  # checkpoint order must not matter
-        _load(layer, shards[sid], sid)
+        load_tensors(layer, shards[sid], sid)
     _check_apply(layer, [shards["q"], shards["k"], shards["v"]], 5, hidden, seeded)
 
 
@@ -56,8 +48,8 @@ def test_gate_up_merged_loading(vllm_tp1, seeded):
                                        quant_config=MixPrecConfig.from_config(BASE),
                                        params_dtype=torch.bfloat16, prefix="model.layers.0.mlp.gate_up_proj")
     shards = [_shard(384, 256, seeded)[1] for _ in range(2)]
-    _load(layer, shards[1], 1)
-    _load(layer, shards[0], 0)
+    load_tensors(layer, shards[1], 1)
+    load_tensors(layer, shards[0], 0)
     _check_apply(layer, shards, 3, 256, seeded, torch.bfloat16)
 
 
@@ -66,7 +58,7 @@ def test_row_parallel_with_bias(vllm_tp1, seeded):
     layer = RowParallelLinear(384, 128, bias=True, quant_config=MixPrecConfig.from_config(BASE),
                               params_dtype=torch.float16, prefix="model.layers.0.mlp.down_proj")
     _, t = _shard(128, 384, seeded)
-    _load(layer, t, None)
+    load_tensors(layer, t, None)
     layer.bias.data.copy_(torch.randn(128, generator=seeded))
     layer.quant_method.process_weights_after_loading(layer)
     x = torch.randn(4, 384, generator=seeded).half()
@@ -94,7 +86,7 @@ def test_corrupt_group_params_refused(vllm_tp1, seeded):
                               params_dtype=torch.float16, prefix="model.layers.3.mlp.down_proj")
     _, t = _shard(128, 256, seeded)
     t["group_scale"][5, 1] = 0
-    _load(layer, t, None)
+    load_tensors(layer, t, None)
     with pytest.raises(ValueError, match="group_scale has values outside"):
         layer.quant_method.process_weights_after_loading(layer)
 
@@ -117,7 +109,7 @@ def test_w4ax_layer(vllm_tp1, seeded):
     perm = torch.randperm(k, generator=seeded).to(torch.int32)
     t = ref.quantize_weight_lqq(w[:, perm.long()], 64)
     t.update(act_perm=perm, a8_blocks=torch.tensor([1], dtype=torch.int32))
-    _load(layer, t, None)
+    load_tensors(layer, t, None)
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.mixprec_k8 == 128
     x = torch.randn(3, k, generator=seeded).half()
