@@ -204,7 +204,7 @@ def w4ax_gemm(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Te
     w8 = dequantize_weight_w8(qweight, group_scale, group_offset).to(torch.float64)
     xq, s = _w4ax_codes_and_scales(x8, s8, x4, s4)
     xq, s = xq.to(torch.float64), s.to(torch.float64)
-    y = torch.zeros(xq.shape[0], w8.shape[0], dtype=torch.float64)
+    y = torch.zeros(xq.shape[0], w8.shape[0], dtype=torch.float64, device=xq.device)
     for b in range(s.shape[1]):  # exact integer dot of block b (_int_gemm), times its scales
         blk = slice(b * F.ACT_BLOCK, (b + 1) * F.ACT_BLOCK)
         y.addcmul_(xq[:, blk] @ w8[:, blk].T, s[:, b, None])
@@ -286,7 +286,7 @@ def gather_kv(cache: torch.Tensor, layout: F.KVPageLayout, block_table: torch.Te
               seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantised K and V [seq_len, H, D] (float32) of one sequence."""
     planes = F.kv_planes(cache, layout)
-    pos = torch.arange(seq_len)
+    pos = torch.arange(seq_len, device=cache.device)
     blk = block_table[pos // layout.block_size].long()
     off = pos % layout.block_size
     out = []
@@ -311,8 +311,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     kd, vd = kd.repeat_interleave(rep, dim=1), vd.repeat_interleave(rep, dim=1)
     s = torch.einsum("qhd,khd->hqk", qd, kd) * scale
     if causal:
-        qpos = torch.arange(tk - tq, tk)[:, None]
-        s = s.masked_fill(torch.arange(tk)[None, :] > qpos, float("-inf"))
+        qpos = torch.arange(tk - tq, tk, device=s.device)[:, None]
+        s = s.masked_fill(torch.arange(tk, device=s.device)[None, :] > qpos, float("-inf"))
     p = torch.softmax(s, dim=-1)
     return torch.einsum("hqk,khd->qhd", p, vd)
 
@@ -325,7 +325,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
     q [T, Hq, D] with sequence i's queries at query_start_loc[i]:query_start_loc[i+1],
     which are the last positions of its seq_lens[i] tokens (all already in the cache).
     """
-    out = torch.empty(q.shape, dtype=torch.float64)
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     for i in range(seq_lens.shape[0]):
         s, e = int(query_start_loc[i]), int(query_start_loc[i + 1])
         if e == s:
@@ -381,7 +381,7 @@ def gather_kv_residual(cache: torch.Tensor, layout: F.KVPageLayout, block_table:
         return k, v
     res_k, res_v, slot_of_block, tags, r = residual
     b = layout.block_size
-    pos = torch.arange(max(seq_len - r, 0), seq_len)
+    pos = torch.arange(max(seq_len - r, 0), seq_len, device=block_table.device)
     blk = block_table[pos // b].long()
     off = pos % b
     p = slot_of_block[blk].long()
@@ -404,7 +404,7 @@ def paged_attention_residual(q: torch.Tensor, cache: torch.Tensor, layout: F.KVP
     if k_smooth is not None:
         rep = q.shape[1] // k_smooth.shape[0]
         q = (q.float() * k_smooth.float().repeat_interleave(rep, dim=0)).to(q.dtype)
-    out = torch.zeros(q.shape, dtype=torch.float64)
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     for i in range(seq_lens.shape[0]):
         s, e = int(query_start_loc[i]), int(query_start_loc[i + 1])
         if e == s:

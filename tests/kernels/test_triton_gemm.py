@@ -135,6 +135,27 @@ def test_quantize_act_w4ax_bit_exact(k, k8, smooth, m, seeded):
         assert torch.equal(a.cpu(), b), name
 
 
+@pytest.mark.parametrize("k,k8", [(4096, 0), (4096, 1024), (4096, 4096), (14336, 3584),
+                                  (8192, 2048), (28672, 7168), (1536, 384)])
+@pytest.mark.parametrize("w4ax", [False, True])
+def test_quant_launch_num_warps_is_power_of_two(k, k8, w4ax, monkeypatch):
+    """The interpreter ignores num_warps; the GPU compiler refuses any that is not a power of
+    two (found on the H100, 2026-11-23: K=4096 with 25% 8-bit blocks asked for 10 warps)."""
+    seen = []
+
+    class Capture:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(kw["num_warps"])
+
+    monkeypatch.setattr(tg, "_quant_act_kernel", Capture())
+    x = torch.randn(2, k, dtype=torch.bfloat16)
+    if w4ax:
+        tg.quantize_act_w4ax(x, torch.arange(k), k8)
+    else:
+        tg.quantize_act(x)
+    assert len(seen) == 1 and seen[0] in (1, 2, 4, 8, 16), seen
+
+
 # --- GEMM (CPU interpreter and GPU) -----------------------------------------------------
 
 _CONFIGS = {

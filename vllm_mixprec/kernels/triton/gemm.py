@@ -718,7 +718,9 @@ def _segment_chunks(n_bytes: int, values_per_byte: int, block_bytes: int | None
 
 
 def _num_warps_for(values: int) -> int:
-    return max(1, min(16, values // 512))
+    """About 512 values per warp; Triton needs a power of two (a W4Ax chunk of 8-bit plus
+    4-bit blocks can hold e.g. 5120 values)."""
+    return 1 << max(0, min(4, (values // 512).bit_length() - 1))
 
 
 def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool) -> None:
