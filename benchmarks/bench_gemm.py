@@ -13,6 +13,8 @@ Measured in the same run, on the same random data sizes:
   machete_w4a16      Machete, uint4b8 group 128, fp16 activations
   cublas_bf16        torch.nn.functional.linear in bf16
   int8_mm            torch._int_mm (cuBLAS W8A8, M > 16 only)
+  fp8_w8a8           what `--quantization fp8` runs on a bf16 checkpoint: dynamic per-tensor fp8
+                     activation quant (scaled_fp8_quant) + CUTLASS cutlass_scaled_mm, bf16 out
 
 Every callable is captured in a CUDA graph and its replays are timed with
 triton.testing.do_bench(return_mode="median") (which also flushes L2 before each replay).
@@ -47,7 +49,7 @@ MAX_COPIES = 16
 GROUP = 128  # Marlin/Machete group size (ours: --group-size, 128 by default, same bytes)
 
 METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "ours_w4ax_triton_q", "marlin_w4a16", "marlin_w4a8",
-           "machete_w4a16", "cublas_bf16", "int8_mm")
+           "machete_w4a16", "cublas_bf16", "int8_mm", "fp8_w8a8")
 
 
 def parse_args(argv=None):
@@ -150,7 +152,8 @@ class Methods:
         for name, fn in (("ours", self._ours), ("ours_cuda", self._ours_cuda),
                          ("marlin_w4a16", self._marlin16),
                          ("marlin_w4a8", self._marlin8), ("machete_w4a16", self._machete),
-                         ("cublas_bf16", self._bf16), ("int8_mm", self._int8)):
+                         ("cublas_bf16", self._bf16), ("int8_mm", self._int8),
+                         ("fp8_w8a8", self._fp8)):
             if any(m.startswith(name) for m in wanted):
                 try:
                     self.setups[name] = fn()
@@ -219,6 +222,13 @@ class Methods:
         w8 = torch.randint(-127, 128, (self.N, self.K), dtype=torch.int8, device=self.dev)
         return self._copies({"w8": w8}, w8.numel())
 
+    def _fp8(self):
+        import torch
+        from vllm import _custom_ops as ops
+        wq, ws = ops.scaled_fp8_quant(self.w16.bfloat16())  # per-tensor, as the online method does
+        t = {"wt": wq.t(), "ws": ws}  # [K, N] column-major, cutlass_scaled_mm's B
+        return self._copies(t, wq.numel())
+
     # --- per M -------------------------------------------------------------------------
 
     def calls(self, name: str, M: int, config=None):
@@ -266,6 +276,14 @@ class Methods:
             elif name == "cublas_bf16":
                 xb = x16.bfloat16()
                 out.append(lambda t=t, xb=xb: torch.nn.functional.linear(xb, t["w"]))
+            elif name == "fp8_w8a8":
+                from vllm import _custom_ops as ops
+                xb = x16.bfloat16()
+
+                def fp8_call(t=t, xb=xb):
+                    xq, xs = ops.scaled_fp8_quant(xb)
+                    return ops.cutlass_scaled_mm(xq, t["wt"], xs, t["ws"], torch.bfloat16)
+                out.append(fp8_call)
             elif name == "int8_mm":
                 if M <= 16:
                     raise RuntimeError("torch._int_mm needs M > 16")
@@ -287,7 +305,7 @@ class Methods:
         """Weight bytes + activation bytes (input and output) of one call."""
         base = setup_of(name)
         wbytes = self.setups[base][0]
-        a_in = {"cublas_bf16": 2, "marlin_w4a16": 2, "machete_w4a16": 2, "marlin_w4a8": 2,
+        a_in = {"cublas_bf16": 2, "fp8_w8a8": 2, "marlin_w4a16": 2, "machete_w4a16": 2, "marlin_w4a8": 2,
                 "ours_triton_q": 2, "ours_cuda": 2, "ours_w4ax_triton_q": 2}.get(name, 1)
         a_out = 4 if name == "int8_mm" else 2
         return wbytes + M * self.K * a_in + M * self.N * a_out
@@ -439,7 +457,14 @@ def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms):
 
 _SHORT = {"ours_triton": "tri", "ours_triton_q": "tri+q", "ours_cuda": "cuda", "ours_w4ax_triton_q": "w4ax",
           "marlin_w4a16": "mar16",
-          "marlin_w4a8": "mar8", "machete_w4a16": "mach", "cublas_bf16": "bf16", "int8_mm": "i8mm"}
+          "marlin_w4a8": "mar8", "machete_w4a16": "mach", "cublas_bf16": "bf16", "int8_mm": "i8mm", "fp8_w8a8": "fp8"}
+_RATIOS = (("ours_cuda", "marlin_w4a16"), ("ours_cuda", "fp8_w8a8"), ("ours_triton_q", "marlin_w4a16"))
+
+
+def _ratio(row, ours: str, other: str):
+    """other's time / ours (> 1: ours is faster), or None where either did not run."""
+    a, b = row["methods"].get(ours, {}).get("ms"), row["methods"].get(other, {}).get("ms")
+    return b / a if a and b else None
 
 
 def format_row(row) -> str:
@@ -447,21 +472,22 @@ def format_row(row) -> str:
     for name, v in row["methods"].items():
         cells.append(f"{_SHORT[name]}={v['ms'] * 1e3:7.1f}us" if "ms" in v else f"{_SHORT[name]}=   n/a  ")
     err = row.get("ours_rel_err")
-    sp = row["methods"].get("ours_triton", {}).get("speedup_vs_marlin_w4a16")
+    sp = _ratio(row, "ours_cuda", "marlin_w4a16") or _ratio(row, "ours_triton", "marlin_w4a16")
     tail = (f" err={err:.1e}" if err is not None else "") + (f" x{sp:.2f}" if sp else "")
     return f"K={row['K']:5d} N={row['N']:5d} M={row['M']:5d} " + " ".join(cells) + tail
 
 
 def print_table(report) -> None:
     names = [n for n in METHODS if any(n in r["methods"] for r in report["results"])]
-    head = f"{'KxN':>12} {'M':>5} " + " ".join(f"{_SHORT[n]:>8}" for n in names) + "  tri/mar16 tri+q/mar16"
+    head = (f"{'KxN':>12} {'M':>5} " + " ".join(f"{_SHORT[n]:>8}" for n in names) + "  "
+            + " ".join(f"{_SHORT[a] + '/' + _SHORT[b]:>10}" for a, b in _RATIOS))
     print(f"\n{report['device']}: time per call in us (CUDA graphs, median)\n{head}")
     for r in report["results"]:
         cells = []
         for n in names:
             v = r["methods"].get(n, {})
             cells.append(f"{v['ms'] * 1e3:8.1f}" if "ms" in v else f"{'-':>8}")
-        sp = [r["methods"].get(n, {}).get("speedup_vs_marlin_w4a16") for n in ("ours_triton", "ours_triton_q")]
+        sp = [_ratio(r, a, b) for a, b in _RATIOS]
         sps = " ".join(f"{s:9.2f}x" if s else f"{'-':>10}" for s in sp)
         print(f"{r['K']:>5}x{r['N']:<6} {r['M']:>5} " + " ".join(cells) + "  " + sps)
 
@@ -474,7 +500,8 @@ def plot(report, out_dir) -> None:
     except ImportError:
         print("matplotlib is not installed: no plots")
         return
-    for name, suffix in (("ours_triton", ""), ("ours_triton_q", "_with_quant")):
+    # the csrc linear is what vLLM runs on sm_90; the Triton linear is the portable path
+    for name, suffix in (("ours_cuda", ""), ("ours_triton_q", "_triton")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         shapes = sorted({(r["K"], r["N"]) for r in report["results"]})
         for K, N in shapes:
