@@ -4,7 +4,7 @@
 #     && bash scripts/gpu_check.sh [STAGE...]
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) tune_attn sanitize
-# profile e2e load property sweep_splits tp tp_kv4
+# profile e2e load property sweep_splits tp tp_kv4 recheck bench_fp8
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -97,6 +97,20 @@ stage_property() {
     tests/attention_backend/test_kv_properties.py tests/test_formats_properties.py tests/test_reference_properties.py
 }
 
+# What failed or was new in the last device session, in one short call (~2 min): the W4Ax Triton
+# GPU tests, the csrc GEMM property, and the attention GPU tests of bias-aware K.
+stage_recheck() {
+  local rc=0
+  pytest_gpu pytest-gpu-recheck 200 tests/kernels/test_triton_gemm.py tests/attention_backend \
+    -k "w4ax or num_warps or bias" || rc=1
+  stage_property_cuda_gemm || rc=1
+  return $rc
+}
+stage_property_cuda_gemm() {
+  [ -d "$REPO/.gpu/pyextra" ] && export PYTHONPATH=$REPO/.gpu/pyextra:$PYTHONPATH
+  pytest_logged pytest-property-cuda 200 tests/kernels/test_cuda_properties.py
+}
+
 run_bench() {  # NAME TIMEOUT CMD...: one benchmark, its log in $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   log "$name: $*"
@@ -104,6 +118,12 @@ run_bench() {  # NAME TIMEOUT CMD...: one benchmark, its log in $OUT/NAME.log
 }
 
 stage_bench_gemm() { run_bench bench_gemm 420 python3 benchmarks/bench_gemm.py --out "$OUT"; }
+# The Llama-3-8B layers at decode and prefill M against FP8 W8A8 (what `--quantization fp8` runs)
+stage_bench_fp8() {
+  run_bench bench_gemm_fp8 300 python3 benchmarks/bench_gemm.py --shapes 4096x6144,4096x4096,4096x28672,14336x4096 \
+    --ms 1,16,256,1024,4096 --methods ours_cuda,fp8_w8a8,marlin_w4a16,cublas_bf16,ours_triton_q,ours_w4ax_triton_q \
+    --out "$OUT/fp8"
+}
 stage_bench_cuda() { run_bench bench_w4a8_cuda 400 python3 scripts/bench_w4a8_cuda.py --ms 1 4 16 32 64 256 1024 4096 --out "$OUT"; }
 # The wgmma tile x split-K grid of the layer shapes where the split heuristic was seen to miss
 stage_sweep_splits() {
