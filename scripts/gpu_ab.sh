@@ -9,6 +9,7 @@
 #   bash scripts/gpu_ab.sh serve w4a8kv4                # `vllm serve` + `vllm bench serve` concurrency sweep
 #   bash scripts/gpu_ab.sh longctx w4a8kv4 bf16         # shared/baselines/kv_baseline.py's long-context run
 #   bash scripts/gpu_ab.sh throughput,longctx fp8       # several workloads in one call
+#   bash scripts/gpu_ab.sh profile w4a8kv4 fp8 marlin   # one decode step's GPU time by op class, per arm
 #   bash scripts/gpu_ab.sh report                       # the table and the issue's targets so far
 # Arms: bf16 marlin machete fp8 w4a8 w4a8kv4 (default: all six) and marlin-int8.
 # A workload stage resumes: what ab.jsonl already has as ok is skipped, so the same command can be
@@ -22,6 +23,8 @@
 #   AB_BUDGET   seconds this call may spend (default 540); runs that cannot finish are not started
 #   AB_ARGS     more harness options, e.g. "--num-prompts 400 --concurrency 1,8"
 #   AB_PRIOR    an ab.jsonl from an earlier host (carried in the working tree) merged in first
+#   AB_PROFILE_ARGS   more step_profile options for `profile`, e.g. "--steps 3 --timed-steps 8"
+#   AB_PROFILE_REDO=1 `profile` reruns the arms whose result is already in $AB_RESULTS/profile
 #   MIXPREC_KERNEL=cuda   make the mixprec arms fail rather than run without the csrc kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,6 +82,62 @@ run_workloads() {  # WORKLOADS [ARM...]
   return "${PIPESTATUS[0]}"
 }
 
+# `profile ARM...` (default w4a8kv4 fp8 marlin): vllm_mixprec/eval/step_profile.py per arm, batch 256,
+# context 1024, on the same checkpoints as `throughput`, then its --compare table and bar chart.
+# Results stay in $RES/profile; to $OUT go step_profile-<arm>.json, step_profile-compare.{txt,png}
+# and step_profile-logs.tar.gz (each arm's full log and its torch trace). An arm already done is
+# skipped; an arm is not started with less than AB_PROFILE_MIN (150) s of budget left.
+PROFILE_ARMS=w4a8kv4,fp8,marlin
+VLLM_LOG_RE='^(\([A-Za-z_0-9]+ pid=[0-9]+\) )?(INFO|DEBUG|WARNING) [0-9]{2}-[0-9]{2} '
+
+stage_profile() {
+  local arms=("$@") dir=$RES/profile rc=0 arm left st f
+  [ ${#arms[@]} -gt 0 ] || IFS=, read -ra arms <<< "$PROFILE_ARMS"
+  preflight || return 1
+  mkdir -p "$dir/logs"
+  for arm in "${arms[@]}"; do
+    if [ -s "$dir/step_profile-$arm.json" ] && [ -z "${AB_PROFILE_REDO:-}" ]; then
+      log "profile $arm: done earlier ($dir/step_profile-$arm.json)"
+      cp "$dir/step_profile-$arm.json" "$OUT"/
+      continue
+    fi
+    left=$((BUDGET - SECONDS))
+    if [ "$left" -lt "${AB_PROFILE_MIN:-150}" ]; then
+      log "profile $arm: not started, ${left} s of budget left (repeat the command)"
+      [ "$rc" -eq 1 ] || rc=3
+      continue
+    fi
+    log "profile $arm: $LAYERS layers, batch 256, context 1024, budget ${left} s"
+    # shellcheck disable=SC2086
+    timeout -k 20 "$((left - 10))" python3 -m vllm_mixprec.eval.step_profile --ckpt "$WORK" --layers "$LAYERS" \
+      --arm "$arm" --batch 256 --context 1024 --out "$dir" ${AB_PROFILE_ARGS:-} 2>&1 \
+      | tee "$dir/logs/step_profile-$arm.log" | grep --line-buffered -v -E "$VLLM_LOG_RE"
+    st=${PIPESTATUS[0]}
+    if [ "$st" -ne 0 ] || [ ! -s "$dir/step_profile-$arm.json" ]; then
+      log "profile $arm FAILED (exit $st); the log ends:"
+      tail -25 "$dir/logs/step_profile-$arm.log"
+      rc=1
+    else
+      cp "$dir/step_profile-$arm.json" "$OUT"/
+    fi
+  done
+  local files=()
+  for arm in "${arms[@]}"; do
+    [ -s "$dir/step_profile-$arm.json" ] && files+=("$dir/step_profile-$arm.json")
+  done
+  if [ ${#files[@]} -gt 0 ]; then
+    python3 -m vllm_mixprec.eval.step_profile --compare "${files[@]}" --out "$OUT" | tee "$OUT/step_profile-compare.txt"
+  fi
+  f=$OUT/step_profile-logs.tar.gz
+  # shellcheck disable=SC2046
+  tar czf "$f" -C "$dir" logs $(cd "$dir" && ls -d traces-* 2>/dev/null)
+  if [ "$(stat -c %s "$f")" -gt $((15 * 1024 * 1024)) ]; then
+    log "traces too large to bring back (16 MB a file): $f holds the logs only; the traces stay in $dir"
+    tar czf "$f" -C "$dir" logs
+  fi
+  return "$rc"
+}
+
 stage_report() {
   python3 benchmarks/ab.py --replot "$RES" 2>&1 | grep -v -E '^(INFO|WARNING)'
   cp "$RES"/ab.jsonl "$RES"/ab.json "$OUT"/ 2>/dev/null
@@ -93,10 +152,11 @@ stage_clean() {  # frees the disk: checkpoints go, results stay
 stage=$1; shift
 case "$stage" in
   setup|ckpt|report|clean) "stage_$stage" ;;
+  profile) stage_profile "$@" ;;
   *) for w in ${stage//,/ }; do
        case "$w" in
          throughput|serve|longctx) ;;
-         *) echo "unknown stage $w (setup ckpt throughput serve longctx report clean)" >&2; exit 2 ;;
+         *) echo "unknown stage $w (setup ckpt throughput serve longctx profile report clean)" >&2; exit 2 ;;
        esac
      done
      run_workloads "$stage" "$@" ;;
