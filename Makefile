@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mixprec-installed
 
-.PHONY: test test-fast demo csrc gpu-bundle clean
+.PHONY: test test-fast demo csrc gpu-bundle gpu-models clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,18 @@ gpu-bundle: $(STAMP)
 	  "hypothesis==$$($(PY) -c 'import hypothesis; print(hypothesis.__version__)')"
 	for w in .gpu/pyextra-wheels/*.whl; do $(PY) -m zipfile -e "$$w" .gpu/pyextra; done
 	rm -rf .gpu/pyextra-wheels
+
+# The real SmolLM2-135M (bf16, rebuilt from the blocks of the GGUF it was converted from), the
+# `make demo` W4A8+KV8 checkpoint (its embedding shared with bf16) and the eval texts, packed into
+# parts of <= 60 MiB for the offline GPU host: scripts/gpu_models.sh says how they travel there.
+CACHE ?= $(or $(VLLM_MIXPREC_CACHE),$(HOME)/.cache/vllm_mixprec)
+gpu-models: $(STAMP)
+	@test -f $(CACHE)/demo-smollm2-w4a8-kv8/config.json || { echo "no demo checkpoint in $(CACHE): run make demo first"; exit 1; }
+	$(PY) -c "from vllm_mixprec.quantize import models as m; m.fetch_gguf('smollm2-135m'); [m.fetch_text(t) for t in m.EVAL_TEXTS]"
+	$(PY) -m vllm_mixprec.eval.modelpack pack --out .gpu/models \
+	  --item text/lcet10.txt=$(CACHE)/text/lcet10.txt --item text/botchan.txt=$(CACHE)/text/botchan.txt \
+	  --item models/smollm2-135m=$(CACHE)/models/smollm2-135m --gguf models/smollm2-135m=$(CACHE)/gguf/smollm2-135m.gguf \
+	  --item demo-smollm2-w4a8-kv8=$(CACHE)/demo-smollm2-w4a8-kv8
 
 clean:
 	rm -rf build vllm_mixprec/_C*.so

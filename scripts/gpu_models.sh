@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The real models on the offline GPU host: SmolLM2-135M bf16, the `make demo` W4A8+KV8 checkpoint and
+# the eval texts travel as the parts `make gpu-models` writes (.gpu/models/partK, <= 60 MiB each:
+# 3 parts, of which the last is ~18 MiB), then scripts/real_model_check.py runs there (issues #5, #6).
+#
+# Device calls (the `run` tool), back to back so that the host stays warm (it goes ~30 s after a call
+# ends, and with it /root/mixprec-stash, /root/mixprec-models and /tmp/mixprec-site):
+#   1. carry [".gpu/part1"]          bash .gpu/part1/install-on-host.sh stash .gpu/part1
+#   2. carry [".gpu/models/part1"]   bash scripts/gpu_models.sh stash .gpu/models/part1
+#   3. carry [".gpu/models/part2"]   bash scripts/gpu_models.sh stash .gpu/models/part2
+#   4. carry [".gpu/models/part3"]   bash scripts/gpu_models.sh stash .gpu/models/part3
+#   5. carry [".gpu/part2"]          bash scripts/gpu_models.sh check bf16,bf16-kv8,bf16-kv4
+#        installs the vLLM bundle (part 2 + the stashed part 1), registers the plugin (gpu_check.sh
+#        env), assembles the models (sha256-checked), then the greedy arms (compiled, CUDA graphs)
+#   6. no carry                      bash scripts/gpu_models.sh check rest
+#        every arm not yet done on this host (w4a8-kv8, w4a8: perplexity, eager); repeat it while
+#        real_model_check.json says arms are missing (exit status 3)
+# Each call with timeout_s 600. The verdict is $OUT/real_model_check.json (status of the call, and
+# all_arms_on_this_host for the whole check) and $OUT/real_model_check.log. A host lost between
+# calls shows as "parts [...] were not stashed" or "part 1 is missing": start again at call 1.
+#
+#   bash scripts/gpu_models.sh stash PARTDIR     keep one part in $MODELS (/root/mixprec-models); idempotent
+#   bash scripts/gpu_models.sh assemble          rebuild the folders from every part; fails naming missing parts
+#   bash scripts/gpu_models.sh check [ARMS]      bundle + plugin + assemble, then real_model_check.py --arms ARMS
+#                                                (default rest) within CHECK_BUDGET s (default: what is left of 570)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+MODELS=${MIXPREC_MODELS:-/root/mixprec-models}
+OUT=${OUT:-$REPO/out}
+SITE=/tmp/mixprec-site
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+log() { echo "[gpu_models $(date +%H:%M:%S)] $*"; }
+
+pack() { python3 -m vllm_mixprec.eval.modelpack "$@" --dest "$MODELS"; }
+
+vllm_ready() {
+  if [ ! -f "$SITE/env.sh" ]; then
+    [ -d "$REPO/.gpu/part2" ] || { log "no vLLM in $SITE and no .gpu/part2 here: carry .gpu/part2 (call 5)"; return 1; }
+    log "installing the vLLM bundle"
+    bash "$REPO/.gpu/part2/install-on-host.sh" install "$REPO/.gpu/part2" || return 1
+  fi
+  . "$SITE/env.sh"
+  OUT=$OUT bash "$REPO/scripts/gpu_check.sh" env > "$OUT/gpu_check_env.log" 2>&1 \
+    || { log "gpu_check.sh env FAILED"; tail -20 "$OUT/gpu_check_env.log"; return 1; }
+  tail -3 "$OUT/gpu_check_env.log"
+}
+
+step=${1:-}
+case "$step" in
+  stash) pack stash "${2:?usage: gpu_models.sh stash PARTDIR}" ;;
+  assemble) pack assemble ;;
+  check)
+    mkdir -p "$OUT"
+    vllm_ready || exit 1
+    pack assemble || exit 1
+    budget=${CHECK_BUDGET:-$((570 - SECONDS))}
+    log "real_model_check.py --arms ${2:-rest} --budget $budget"
+    exec timeout $((budget + 25)) python3 scripts/real_model_check.py --models-dir "$MODELS" --out "$OUT" \
+      --arms "${2:-rest}" --budget "$budget"
+    ;;
+  *) echo "usage: gpu_models.sh stash PARTDIR | assemble | check [ARMS]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,542 @@
+"""The real SmolLM2-135M through `vllm serve` on the GPU host (issues #5 and #6).
+
+  python3 scripts/real_model_check.py --models-dir /root/mixprec-models --out $OUT [--arms ...] [--budget S]
+  python3 scripts/real_model_check.py --cpu-reference REF.json     # here, on the CPU: the reference numbers
+
+The models come to the host through `make gpu-models` / scripts/gpu_models.sh (eval/modelpack.py);
+--models-dir has the layout of ~/.cache/vllm_mixprec (models/smollm2-135m, demo-smollm2-w4a8-kv8,
+text/*.txt). Servers ("arms"), each one `vllm serve` on 127.0.0.1, one after the other:
+
+  bf16      the bf16 folder, vLLM defaults (compiled, CUDA graphs, bf16 KV): the greedy reference,
+            and perplexity `bf16`
+  bf16-kv8  + --kv-cache-dtype int8_per_token_head --attention-backend CUSTOM (compiled): greedy
+            tokens must equal bf16's for >= MIN_AGREE tokens of every prompt (issue #5)
+  bf16-kv4  the same with int4_per_token_head, --enforce-eager (saves a compile): greedy agreement
+            reported, no pass criterion
+  w4a8-kv8  the mixprec W4A8 demo checkpoint with its KV8 (--quantization mixprec + the KV8
+            flags, --enforce-eager, MIXPREC_KV_RESIDUAL=0): perplexity `w4a8-kv8`
+  w4a8      the same weights with a 16-bit KV cache (a copy of the folder whose config says
+            kv_scheme none; --enforce-eager): perplexity `w4a8`
+
+Perplexity (issue #6): prompt logprobs (`prompt_logprobs: 0`, `max_tokens: 1`) of the very token
+windows the CPU path (eval/perplexity.py: tokenize + windows) scores, sent as token ids, so no
+BOS or other special token is added; the server's echoed `prompt_token_ids` are checked. The CPU
+numbers come from REF.json (written by --cpu-reference with `evaluate()`, the code behind
+`vllm-mixprec eval`), which also pins the checkpoint files and the token ids by sha256. PASS
+within PPL_RTOL relative. The residual window is off in the KV8 perplexity arm because the CPU path
+quantizes every key (kv_residual 0); with it on, a 1024-token prefill reads its last 16 keys in
+16 bits.
+
+Results of every arm run on this host are merged into MODELS_DIR/.results/real_model_check.json,
+so the check may be split over several device calls (--arms); each call writes the merged record
+to OUT/real_model_check.json, a readable OUT/real_model_check.log and OUT/serve-ARM.log. Exit 0
+when every criterion of the arms run in this call holds, 1 on a failure, 3 when the budget left
+an arm out. The parent process never touches CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ..quantize.models import sha256_file
+
+TEXTS = ("lcet10", "botchan")
+N_TOKENS = 4096
+WINDOW = 1024
+MODELS = {"smollm2-135m": "models/smollm2-135m", "demo-smollm2-w4a8-kv8": "demo-smollm2-w4a8-kv8"}
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three primary colors are", "import numpy as np\n\n", "Water boils at",
+           "The best way to learn a new language is", "In 1969, Neil Armstrong")
+GREEDY_TOKENS = 64
+MIN_AGREE = 32
+TOPK = 5
+PPL_RTOL = 0.01
+MAX_MODEL_LEN = 2048
+REQUEST_TIMEOUT_S = 120.0
+STARTUP_LIMIT_S = 300.0
+STOP_S = 45.0  # serve.stop: 30 s SIGTERM grace, then SIGKILL
+DEFAULT_REFERENCE = Path(__file__).resolve().parents[2] / "benchmarks/results/cpu-reference/smollm2-ppl.json"
+KV_NONE_DIR = Path("/tmp/mixprec-realcheck")  # the kv_scheme-none copies (links and a config)
+KV8 = ("--kv-cache-dtype", "int8_per_token_head", "--attention-backend", "CUSTOM")
+KV4 = ("--kv-cache-dtype", "int4_per_token_head", "--attention-backend", "CUSTOM")
+
+
+@dataclasses.dataclass(frozen=True)
+class PplRun:
+    name: str
+    model: str  # key of MODELS
+    kv: str  # the KV scheme the CPU path fake-quantizes
+
+
+PPL_RUNS = {r.name: r for r in (PplRun("bf16", "smollm2-135m", "none"),
+                                  PplRun("w4a8-kv8", "demo-smollm2-w4a8-kv8", "kv8"),
+                                  PplRun("w4a8", "demo-smollm2-w4a8-kv8", "none"))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    name: str
+    model: str  # key of MODELS
+    flags: tuple[str, ...] = ()
+    eager: bool = False
+    env: tuple[tuple[str, str], ...] = ()
+    greedy: str | None = None  # "reference", "criterion" (>= MIN_AGREE) or "report"
+    ppl: str | None = None  # a PPL_RUNS name
+    kv_none_copy: bool = False  # serve a copy of the folder whose config says kv_scheme none
+    est_s: float = 180.0  # start-up (torch.compile, CUDA graphs) + requests + stop, for the budget
+
+    def cmd_flags(self) -> list[str]:
+        return [*self.flags, *(["--enforce-eager"] if self.eager else [])]
+
+
+ARMS = {a.name: a for a in (
+    Arm("bf16", "smollm2-135m", greedy="reference", ppl="bf16"),
+    Arm("bf16-kv8", "smollm2-135m", KV8, greedy="criterion"),
+    Arm("bf16-kv4", "smollm2-135m", KV4, eager=True, greedy="report", est_s=110.0),
+    Arm("w4a8-kv8", "demo-smollm2-w4a8-kv8", ("--quantization", "mixprec", *KV8), eager=True,
+        env=(("MIXPREC_KV_RESIDUAL", "0"),), ppl="w4a8-kv8", est_s=110.0),
+    Arm("w4a8", "demo-smollm2-w4a8-kv8", ("--quantization", "mixprec"), eager=True, ppl="w4a8",
+        kv_none_copy=True, est_s=110.0),
+)}
+
+
+def ids_sha256(windows: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(windows, separators=(",", ":")).encode()).hexdigest()
+
+
+def token_windows(model_dir: str | Path, text: str, n_tokens: int = N_TOKENS, window: int = WINDOW) -> list[list[int]]:
+    """The windows the CPU path scores: the folder's tokenizer, no special tokens (perplexity.evaluate)."""
+    from transformers import AutoTokenizer
+
+    from ..quantize.models import load_text
+    from .perplexity import tokenize, windows
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return [w.tolist() for w in windows(tokenize(tok, load_text(text)), n_tokens, window)]
+
+
+# --- the CPU reference (run here, committed) ------------------------------------------------------
+
+def model_files(models_dir: Path, model: str) -> dict[str, str]:
+    folder = models_dir / MODELS[model]
+    return {f: sha256_file(folder / f) for f in ("config.json", "model.safetensors", "tokenizer.json")}
+
+
+def cpu_reference(models_dir: Path, out: Path, runs: list[str], command: str) -> dict:
+    import torch
+    import transformers
+
+    from ..quantize.models import TEXTS as KNOWN_TEXTS
+    from .perplexity import evaluate
+
+    ref = {"about": "CPU reference perplexity (vllm_mixprec.eval.perplexity.evaluate, the code of "
+                    "`vllm-mixprec eval`) for scripts/real_model_check.py",
+           "command": command, "date": datetime.date.today().isoformat(),
+           "torch": torch.__version__, "transformers": transformers.__version__,
+           "n_tokens": N_TOKENS, "window": WINDOW,
+           "texts": {t: KNOWN_TEXTS[t].sha256 for t in TEXTS},
+           "models": {m: model_files(models_dir, m) for m in sorted({PPL_RUNS[r].model for r in runs})},
+           "runs": {}}
+    for name in runs:
+        run = PPL_RUNS[name]
+        folder = models_dir / MODELS[run.model]
+        t0 = time.time()
+        res = evaluate(folder, list(TEXTS), N_TOKENS, WINDOW, kv_scheme=run.kv)
+        ref["runs"][name] = {
+            "model": run.model, "kv": run.kv, "seconds": round(time.time() - t0, 1),
+            "texts": {t: {**res[t], "ids_sha256": ids_sha256(token_windows(folder, t))} for t in TEXTS}}
+        print(name, {t: round(r["ppl"], 4) for t, r in res.items()}, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(ref, indent=1) + "\n")
+    return ref
+
+
+# --- talking to a server --------------------------------------------------------------------------
+
+def post_json(url: str, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"HTTP {e.code} from {url}: {e.read()[:500]!r}") from e
+
+
+def greedy_body(model: str, prompt: str, max_tokens: int = GREEDY_TOKENS) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": TOPK, "return_token_ids": True, "return_tokens_as_token_ids": True}
+
+
+def parse_greedy(resp: dict) -> dict:
+    """One greedy completion -> {"tokens": [ids], "top": [{id: logprob}] per step}."""
+    choice = resp["choices"][0]
+    tokens = choice.get("token_ids")
+    lp = choice.get("logprobs") or {}
+    top = lp.get("top_logprobs")
+    if tokens is None or top is None:
+        raise ValueError("the response has no token_ids or top_logprobs (return_token_ids / logprobs ignored?)")
+    if len(top) != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens but {len(top)} top_logprobs entries")
+    steps = []
+    for entry in top:
+        step = {}
+        for key, val in (entry or {}).items():
+            if not key.startswith("token_id:"):
+                raise ValueError(f"top_logprobs key {key!r} is not 'token_id:N' (return_tokens_as_token_ids ignored?)")
+            step[int(key.split(":", 1)[1])] = float(val)
+        steps.append(step)
+    return {"tokens": [int(t) for t in tokens], "top": steps, "text": choice.get("text", "")}
+
+
+def compare_greedy(ref: list[dict], other: list[dict], min_agree: int = MIN_AGREE) -> dict:
+    """Per prompt: identical leading tokens, the first divergence and the logprob gap there
+    (each side's logprob of its own pick minus its logprob of the other side's pick; None when
+    that token is outside the side's top-k)."""
+    if len(ref) != len(other):
+        raise ValueError(f"{len(ref)} reference completions but {len(other)} to compare")
+    rows = []
+    for i, (a, b) in enumerate(zip(ref, other)):
+        n = min(len(a["tokens"]), len(b["tokens"]))
+        step = next((j for j in range(n) if a["tokens"][j] != b["tokens"][j]), None)
+        row = {"prompt": i, "agree": n if step is None else step, "compared": n, "first_diff": step}
+        if step is not None:
+            ta, tb = a["tokens"][step], b["tokens"][step]
+            row.update(ref_token=ta, other_token=tb,
+                       ref_gap=_gap(a["top"][step], ta, tb), other_gap=_gap(b["top"][step], tb, ta))
+        row["pass"] = row["agree"] >= min_agree
+        rows.append(row)
+    return {"min_agree": min_agree, "prompts": len(rows), "passed": sum(r["pass"] for r in rows),
+            "pass": bool(rows) and all(r["pass"] for r in rows), "per_prompt": rows}
+
+
+def _gap(top: dict[int, float], mine: int, theirs: int) -> float | None:
+    if mine not in top or theirs not in top:
+        return None
+    return top[mine] - top[theirs]
+
+
+def ppl_body(model: str, ids: list[int]) -> dict:
+    return {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0,
+            "return_token_ids": True}
+
+
+def window_nll(resp: dict, ids: list[int]) -> tuple[float, int]:
+    """Sum of -log p(ids[t] | ids[:t]) over t >= 1 from a prompt_logprobs response, and the count."""
+    choice = resp["choices"][0]
+    echoed = choice.get("prompt_token_ids")
+    if echoed is not None and list(echoed) != list(ids):
+        where = next((i for i, (x, y) in enumerate(zip(echoed, ids)) if x != y), min(len(echoed), len(ids)))
+        raise ValueError(f"the server scored other token ids than sent ({len(echoed)} vs {len(ids)} ids, first "
+                         f"difference at {where}; a BOS added?)")
+    plp = choice.get("prompt_logprobs")
+    if plp is None or len(plp) != len(ids):
+        raise ValueError(f"prompt_logprobs has {None if plp is None else len(plp)} entries for {len(ids)} ids")
+    nll = 0.0
+    for t in range(1, len(ids)):
+        entry = plp[t] or {}
+        val = entry.get(str(ids[t]), entry.get(ids[t]))
+        if val is None:
+            raise ValueError(f"prompt_logprobs[{t}] has no entry for token {ids[t]}")
+        lp = float(val["logprob"] if isinstance(val, dict) else val)
+        if not math.isfinite(lp) or lp <= -9999.0:
+            raise ValueError(f"prompt_logprobs[{t}] of token {ids[t]} is {lp}")
+        nll -= lp
+    return nll, len(ids) - 1
+
+
+def compare_ppl(got: dict[str, dict], ref: dict[str, dict], rtol: float = PPL_RTOL) -> dict:
+    """got/ref: text -> {"nll", "tokens"} ({"ppl"} optional). Relative difference of the perplexities."""
+    rows, ok = {}, True
+    for text, r in ref.items():
+        g = got.get(text)
+        if g is None:
+            rows[text] = {"pass": False, "error": "not measured"}
+            ok = False
+            continue
+        if g["tokens"] != r["tokens"]:
+            rows[text] = {"pass": False, "error": f"{g['tokens']} tokens scored, the reference {r['tokens']}"}
+            ok = False
+            continue
+        p_got, p_ref = math.exp(g["nll"] / g["tokens"]), math.exp(r["nll"] / r["tokens"])
+        rel = p_got / p_ref - 1
+        rows[text] = {"ppl_vllm": p_got, "ppl_cpu": p_ref, "rel": rel, "tokens": g["tokens"], "pass": abs(rel) <= rtol}
+        ok &= rows[text]["pass"]
+    return {"rtol": rtol, "pass": ok and bool(rows), "texts": rows}
+
+
+# --- one arm --------------------------------------------------------------------------------------
+
+def kv_none_copy(folder: Path, dst: Path) -> Path:
+    """A folder with the same files (links) whose config says kv_scheme none (a 16-bit KV cache)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in folder.iterdir():
+        target = dst / f.name
+        if f.name == "config.json":
+            cfg = json.loads(f.read_text())
+            cfg["quantization_config"]["kv_scheme"] = "none"
+            target.write_text(json.dumps(cfg, indent=1) + "\n")
+        elif not target.exists():
+            target.symlink_to(f.resolve())
+    return dst
+
+
+def run_arm(arm: Arm, folder: Path, out: Path, windows: dict[str, list[list[int]]], deadline: float,
+            log=print) -> dict:
+    from . import serve as S
+    from .ab import free_port
+
+    port = free_port()
+    extra = ["--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.5", *arm.cmd_flags()]
+    cmd = S.serve_cmd(str(folder), port, extra)
+    log_path = out / f"serve-{arm.name}.log"
+    res = {"cmd": " ".join(cmd[2:]), "env": dict(arm.env), "mode": "eager" if arm.eager else "compiled + CUDA graphs"}
+    t0 = time.time()
+    proc = S.start(cmd, str(log_path), dict(arm.env))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        err = S.wait_healthy(proc, url, max(10.0, min(STARTUP_LIMIT_S, deadline - time.time() - STOP_S)))
+        if err:
+            res["error"] = err
+            return res
+        res["startup_s"] = round(time.time() - t0, 1)
+        log(f"  {arm.name}: healthy after {res['startup_s']} s")
+        if arm.greedy:
+            res["greedy"] = [parse_greedy(post_json(url + "/v1/completions", greedy_body(str(folder), p)))
+                             for p in PROMPTS]
+        if arm.ppl:
+            ppl = {}
+            for text, ws in windows.items():
+                nll, count = 0.0, 0
+                for w in ws:
+                    a, b = window_nll(post_json(url + "/v1/completions", ppl_body(str(folder), w)), w)
+                    nll, count = nll + a, count + b
+                ppl[text] = {"nll": nll, "tokens": count, "ppl": math.exp(nll / count)}
+            res["ppl"] = ppl
+        res["requests_s"] = round(time.time() - t0 - res["startup_s"], 1)
+    except (OSError, RuntimeError, ValueError, KeyError) as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        S.stop(proc)
+        res["wall_s"] = round(time.time() - t0, 1)
+        try:
+            res["facts"] = S.log_facts(log_path.read_text(errors="replace"))
+        except OSError:
+            pass
+    return res
+
+
+# --- the verdict ----------------------------------------------------------------------------------
+
+def verdict(arms: dict[str, dict], reference: dict, names: list[str]) -> dict:
+    """Criteria of the arms `names` from the merged arm results: greedy and perplexity rows."""
+    checks = []
+    ref_greedy = (arms.get("bf16") or {}).get("greedy")
+    for name in names:
+        arm, res = ARMS[name], arms.get(name) or {}
+        if "error" in res:
+            checks.append({"arm": name, "what": "server", "criterion": True, "pass": False, "error": res["error"]})
+            continue
+        if arm.greedy in ("criterion", "report"):
+            if ref_greedy is None or "greedy" not in res:
+                checks.append({"arm": name, "what": "greedy", "criterion": arm.greedy == "criterion", "pass": False,
+                               "error": "no bf16 reference completions" if ref_greedy is None else "not measured"})
+            else:
+                checks.append({"arm": name, "what": "greedy", "criterion": arm.greedy == "criterion",
+                               **compare_greedy(ref_greedy, res["greedy"])})
+        if arm.ppl:
+            cpu = reference["runs"].get(arm.ppl)
+            if cpu is None:
+                checks.append({"arm": name, "what": "ppl", "criterion": True, "pass": False,
+                               "error": f"the CPU reference has no run {arm.ppl!r}"})
+            else:
+                want = {t: {"nll": v["nll"], "tokens": v["tokens"]} for t, v in cpu["texts"].items()}
+                checks.append({"arm": name, "what": "ppl", "criterion": True,
+                               **compare_ppl(res.get("ppl") or {}, want)})
+    failed = [c for c in checks if c["criterion"] and not c["pass"]]
+    return {"pass": not failed, "checks": checks}
+
+
+def report_lines(v: dict, arms: dict[str, dict]) -> list[str]:
+    lines = []
+    for c in v["checks"]:
+        tag = ("PASS" if c["pass"] else "FAIL") if c["criterion"] else "info"
+        res = arms.get(c["arm"]) or {}
+        head = f"[{tag}] {c['arm']:9s} {c['what']:6s}"
+        if "error" in c:
+            lines.append(f"{head} {c['error']}")
+        elif c["what"] == "greedy":
+            lines.append(f"{head} {c['passed']}/{c['prompts']} prompts agree with bf16 for >= {c['min_agree']} "
+                         f"tokens ({res.get('mode')})")
+            for r in c["per_prompt"]:
+                if r["first_diff"] is None:
+                    lines.append(f"      prompt {r['prompt']}: identical for all {r['compared']} tokens")
+                else:
+                    lines.append(f"      prompt {r['prompt']}: {r['agree']} identical, then {r['ref_token']} (bf16) vs "
+                                 f"{r['other_token']}; gap bf16 {_fmt(r['ref_gap'])}, this arm {_fmt(r['other_gap'])}")
+        else:
+            for text, r in c["texts"].items():
+                if "error" in r:
+                    lines.append(f"{head} {text}: {r['error']}")
+                else:
+                    lines.append(f"{head} {text}: vLLM {r['ppl_vllm']:.4f} vs CPU {r['ppl_cpu']:.4f} "
+                                 f"({100 * r['rel']:+.3f}%, {r['tokens']} tokens, {res.get('mode')})")
+    return lines
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a (outside top-%d)" % TOPK if x is None else f"{x:.3f}"
+
+
+# --- main -----------------------------------------------------------------------------------------
+
+def call_status(passed: bool, incomplete: bool) -> str:
+    return "FAIL" if not passed else ("INCOMPLETE" if incomplete else "PASS")
+
+
+def check_inputs(models_dir: Path, reference: dict, names: list[str]) -> list[str]:
+    """Everything the arms need is there, and is what the CPU reference was computed on."""
+    problems = []
+    for m in sorted({ARMS[n].model for n in names}):
+        folder = models_dir / MODELS[m]
+        if not (folder / "config.json").is_file():
+            problems.append(f"{folder} is not a model folder (run scripts/gpu_models.sh assemble)")
+            continue
+        for f, sha in reference.get("models", {}).get(m, {}).items():
+            if not (folder / f).is_file() or sha256_file(folder / f) != sha:
+                problems.append(f"{folder / f} is not the file the CPU reference used (sha256 differs)")
+    if any(ARMS[n].ppl for n in names):
+        problems += [f"{models_dir / 'text' / t}.txt is missing" for t in TEXTS
+                     if not (models_dir / "text" / f"{t}.txt").is_file()]
+    return problems
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="real_model_check.py", description=__doc__.split("\n")[0])
+    p.add_argument("--models-dir", type=Path, help="the assembled models (default ~/.cache/vllm_mixprec)")
+    p.add_argument("--out", type=Path, help="where the JSON, the log and the server logs go")
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help=f"comma-separated, in order, of {', '.join(ARMS)}; or `rest`: those not yet run on this host")
+    p.add_argument("--budget", type=float, default=540.0,
+                   help="seconds for the whole call: an arm that cannot finish in what is left is not started")
+    p.add_argument("--reference", type=Path, default=DEFAULT_REFERENCE, help="the CPU reference JSON")
+    p.add_argument("--fresh", action="store_true", help="forget the arm results merged on this host before")
+    p.add_argument("--cpu-reference", type=Path, metavar="JSON",
+                   help="instead: compute the CPU reference perplexities here and write them to JSON")
+    p.add_argument("--runs", default=",".join(PPL_RUNS), help="with --cpu-reference: which runs")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.cpu_reference is None:
+        if args.out is None or args.models_dir is None:
+            p.error("--models-dir and --out are required (or --cpu-reference JSON)")
+        args.arm_list = [a for a in args.arms.split(",") if a]
+        bad = [a for a in args.arm_list if a not in ARMS] if args.arm_list != ["rest"] else []
+        if bad or not args.arm_list:
+            p.error(f"unknown --arms {bad}: known {', '.join(ARMS)}")
+        if args.budget <= 0:
+            p.error("--budget must be positive")
+    else:
+        args.run_list = [r for r in args.runs.split(",") if r]
+        bad = [r for r in args.run_list if r not in PPL_RUNS]
+        if bad or not args.run_list:
+            p.error(f"unknown --runs {bad}: known {', '.join(PPL_RUNS)}")
+    if args.models_dir is None:
+        from ..quantize.models import cache_dir
+        args.models_dir = cache_dir()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    models_dir = args.models_dir.resolve()
+    os.environ["VLLM_MIXPREC_CACHE"] = str(models_dir)  # load_text finds (and sha-checks) text/NAME.txt there
+    if args.cpu_reference is not None:
+        command = "python3 scripts/real_model_check.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        cpu_reference(models_dir, args.cpu_reference, args.run_list, command)
+        return 0
+    t_start = time.time()
+    deadline = t_start + args.budget
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = open(out / "real_model_check.log", "a")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        log_file.write(msg + "\n")
+        log_file.flush()
+
+    if not args.reference.is_file():
+        log(f"FAIL: no CPU reference at {args.reference}")
+        return 1
+    reference = json.loads(args.reference.read_text())
+    store = models_dir / ".results" / "real_model_check.json"
+    merged = {} if args.fresh or not store.is_file() else json.loads(store.read_text()).get("arms", {})
+    if args.arm_list == ["rest"]:
+        args.arm_list = [n for n in ARMS if n not in merged]
+        log(f"arms not yet run on this host: {', '.join(args.arm_list) or 'none'}")
+    problems = check_inputs(models_dir, reference, args.arm_list)
+    if problems:
+        for msg in problems:
+            log(f"FAIL: {msg}")
+        return 1
+    windows = {}
+    for name in args.arm_list:
+        arm = ARMS[name]
+        if arm.ppl and arm.ppl not in windows:
+            folder = models_dir / MODELS[arm.model]
+            ws = {t: token_windows(folder, t) for t in TEXTS}
+            cpu = reference["runs"].get(arm.ppl, {}).get("texts", {})
+            for t, w in ws.items():
+                if t in cpu and ids_sha256(w) != cpu[t]["ids_sha256"]:
+                    log(f"FAIL: the {t} token ids of {arm.ppl} differ from the ones the CPU reference scored "
+                        "(another tokenizer version?)")
+                    return 1
+            windows[arm.ppl] = ws
+    skipped = []
+    for name in args.arm_list:
+        arm = ARMS[name]
+        left = deadline - time.time()
+        if left < arm.est_s:
+            log(f"{name}: not started, {left:.0f} s left of --budget and it needs ~{arm.est_s:.0f} s")
+            skipped.append(name)
+            continue
+        folder = models_dir / MODELS[arm.model]
+        if arm.kv_none_copy:
+            folder = kv_none_copy(folder, KV_NONE_DIR / f"{folder.name}-kvnone")
+        log(f"{name}: vllm serve {folder} {' '.join(arm.cmd_flags())}")
+        res = run_arm(arm, folder, out, windows.get(arm.ppl, {}) if arm.ppl else {}, deadline, log)
+        res["date"] = datetime.datetime.now().isoformat(timespec="seconds")
+        merged[name] = res
+        store.parent.mkdir(parents=True, exist_ok=True)
+        store.write_text(json.dumps({"arms": merged}, indent=1) + "\n")
+        log(f"{name}: {'ERROR ' + res['error'] if 'error' in res else 'done'} in {res['wall_s']} s")
+    ran = [n for n in args.arm_list if n not in skipped]
+    missing = [n for n in ARMS if n not in merged]
+    v_all = verdict(merged, reference, [n for n in ARMS if n in merged])
+    v = verdict(merged, reference, ran) if ran else v_all  # nothing ran: say where the whole check stands
+    for line in report_lines(v, merged):
+        log(line)
+    status = call_status(v["pass"], bool(skipped or (not ran and missing)))
+    summary = {"status": status, "arms_this_call": ran, "skipped": skipped, "seconds": round(time.time() - t_start, 1),
+               "verdict": v, "all_arms_on_this_host": {"status": call_status(v_all["pass"], bool(missing)),
+                                                        "missing": missing, "verdict": v_all},
+               "reference": {"path": str(args.reference), "command": reference.get("command")},
+               "criteria": {"greedy_min_agree": MIN_AGREE, "greedy_tokens": GREEDY_TOKENS, "ppl_rtol": PPL_RTOL},
+               "arms": merged}
+    (out / "real_model_check.json").write_text(json.dumps(summary, indent=1) + "\n")
+    log(f"REAL MODEL CHECK {status} (this call: {', '.join(ran) or 'nothing'}); all arms on this host: "
+        f"{summary['all_arms_on_this_host']['status']}" + (f", not run yet: {', '.join(missing)}" if missing else ""))
+    return {"PASS": 0, "FAIL": 1, "INCOMPLETE": 3}[status]
