@@ -30,7 +30,7 @@ def make_case(kv_heads: int) -> dict:
     def lqq(n, k):
         return ref.quantize_weight_lqq(torch.randn(n, k, generator=g), GROUP)
 
-    return {
+    case = {
         "qkv": {"q": lqq(HEADS * HEAD, HIDDEN), "k": lqq(kv_heads * HEAD, HIDDEN),
                 "v": lqq(kv_heads * HEAD, HIDDEN)},
         "gate_up": [lqq(INTER, HIDDEN), lqq(INTER, HIDDEN)],
@@ -38,6 +38,9 @@ def make_case(kv_heads: int) -> dict:
         "x": torch.randn(3, HIDDEN, generator=g).half(),
         "x_down": torch.randn(3, INTER, generator=g).half(),
     }
+    case["qkv_bias"] = {sid: torch.randn(n * HEAD, generator=g).half()
+                        for sid, n in (("q", HEADS), ("k", kv_heads), ("v", kv_heads))}
+    return case
 
 
 def run_rank(rank: int, world: int, init_file: str, out_file: str) -> None:
@@ -46,6 +49,7 @@ def run_rank(rank: int, world: int, init_file: str, out_file: str) -> None:
     from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                                    RowParallelLinear)
 
+    from vllm_mixprec.quant_methods import k_bias
     from vllm_mixprec.quant_methods.config import MixPrecConfig
 
     base = {"quant_method": "mixprec", "format_version": 1, "weight_scheme": "w4a8", "weight_bits": 4,
@@ -58,12 +62,15 @@ def run_rank(rank: int, world: int, init_file: str, out_file: str) -> None:
         cfg = MixPrecConfig.from_config(base)
         for kv_heads in (2, 1):  # 1 KV head at TP=2: vLLM replicates it on both ranks
             case = make_case(kv_heads)
-            qkv = QKVParallelLinear(HIDDEN, HEAD, HEADS, kv_heads, bias=False, quant_config=cfg,
+            qkv = QKVParallelLinear(HIDDEN, HEAD, HEADS, kv_heads, bias=True, quant_config=cfg,
                                     params_dtype=torch.float16, prefix="model.layers.0.self_attn.qkv_proj")
             for sid in ("v", "q", "k"):
                 load_tensors(qkv, case["qkv"][sid], sid)
+                qkv.bias.weight_loader(qkv.bias, case["qkv_bias"][sid], sid)
             qkv.quant_method.process_weights_after_loading(qkv)
-            out[f"qkv_kv{kv_heads}"] = qkv.quant_method.apply(qkv, case["x"])
+            out[f"qkv_kv{kv_heads}"] = qkv.quant_method.apply(qkv, case["x"])  # no bias added
+            # what bias-aware K quantization gets: this rank's kv heads of k_proj's bias
+            out[f"k_bias_kv{kv_heads}"] = k_bias._qkv_k_bias.pop("model.layers.0.self_attn")
 
             gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], bias=False, quant_config=cfg,
                                                  params_dtype=torch.float16, prefix="model.layers.0.mlp.gate_up_proj")

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
+
 import torch
 
 # --- weights ---------------------------------------------------------------------------
@@ -274,6 +276,65 @@ def kv_planes(cache: torch.Tensor, layout: KVPageLayout) -> dict[str, torch.Tens
     for name in [n for n in off if n.endswith(("scale", "zero"))]:
         out[name] = raw[:, :, off[name]: off[name] + b * meta_bytes].view(meta_dtype)
     return out
+
+
+# --- bias-aware K (what the K planes hold for a model whose k projection has a bias) -------
+#
+# With a KRopeBias b (k_proj's bias of each kv head, the model's RoPE inverse frequencies),
+# the K planes (and the 16-bit residual copy) of the token at cache position p hold
+#     (K - RoPE_p(b)) / k_smooth        (k_smooth = 1 without SmoothAttention)
+# and readers add q . RoPE_p(b) back to the scores. RoPE_p is neox style (rotate-half: d
+# pairs with d + D/2) over the whole head, the angle of pair i being p * inv_freq[i], taken
+# in fixed point: phase = p * steps[i] mod 2**32 in units of 2**-32 turns, steps[i] =
+# round(inv_freq[i] / (2 pi) * 2**32) (exact integer arithmetic, so that every kernel computes
+# the same angle at any p).
+# `b` may keep only the largest rotary pairs of each head (make_k_rope_bias(num_pairs=...)):
+# the others are zero in `bias`, and `pairs` lists the kept ones, all the readers visit.
+
+ROPE_PHASE_BITS = 32
+MIN_BIAS_PAIRS = 16  # the readers' bias dot has K = pairs: tensor cores need >= 16
+
+
+class KRopeBias(NamedTuple):
+    """bias float32 [H_kv, D] (zero outside the kept pairs); inv_freq float32 [D/2];
+    steps int64 [D/2] (rope_phase_steps); pairs int32 [H_kv, P] (kept pair indices i < D/2)."""
+
+    bias: torch.Tensor
+    inv_freq: torch.Tensor
+    steps: torch.Tensor
+    pairs: torch.Tensor
+
+
+def rope_phase_steps(inv_freq: torch.Tensor) -> torch.Tensor:
+    """Phase advance per position of each rotary pair, in units of 2**-32 turns (int64)."""
+    turns = inv_freq.to(torch.float64) / (2 * math.pi)
+    return torch.round(turns * 2.0 ** ROPE_PHASE_BITS).to(torch.int64) % (1 << ROPE_PHASE_BITS)
+
+
+def make_k_rope_bias(bias: torch.Tensor, inv_freq: torch.Tensor,
+                     num_pairs: int | None = None) -> KRopeBias:
+    """Validated KRopeBias from k_proj's bias [H_kv, D] (or [H_kv * D], D = 2 * len(inv_freq)).
+
+    num_pairs (None: all D/2) keeps, per head, the rotary pairs (d, d + D/2) of largest bias
+    norm and zeroes the others; a power of two in [16, D/2].
+    """
+    half = inv_freq.numel()
+    bias = bias.detach().to(torch.float32).reshape(-1, 2 * half).clone()
+    inv_freq = inv_freq.detach().to(device=bias.device, dtype=torch.float32).contiguous()
+    if not bool(torch.isfinite(bias).all()) or not bool(torch.isfinite(inv_freq).all()):
+        raise ValueError("k_rope_bias: the k bias or the rotary frequencies hold NaN/Inf")
+    if num_pairs is None or num_pairs >= half:
+        pairs = torch.arange(half, device=bias.device).expand(bias.shape[0], half)
+    else:
+        if num_pairs < MIN_BIAS_PAIRS or num_pairs & (num_pairs - 1):
+            raise ValueError(f"k_rope_bias: num_pairs={num_pairs} is not a power of two in "
+                             f"[{MIN_BIAS_PAIRS}, {half}]")
+        norm = bias[:, :half].square() + bias[:, half:].square()
+        pairs = torch.topk(norm, num_pairs, dim=1).indices.sort(dim=1).values
+        keep = torch.zeros_like(norm, dtype=torch.bool).scatter_(1, pairs, True)
+        bias *= keep.repeat(1, 2)
+    return KRopeBias(bias.contiguous(), inv_freq, rope_phase_steps(inv_freq),
+                     pairs.to(torch.int32).contiguous())
 
 
 def kv_capacity_ratio(scheme: str, head_dim: int) -> float:

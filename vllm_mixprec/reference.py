@@ -6,6 +6,8 @@ mantissa, so the float64 matmul below is an exact int32 GEMM.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import formats as F
@@ -259,16 +261,50 @@ def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor |
     return codes.float() * scale.float()[..., None]
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, layout: F.KVPageLayout,
-                      k_smooth: torch.Tensor | None = None) -> None:
-    """Quantise key/value [T, H, D] and store them at slot_mapping (block*B + offset).
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Neox-style RoPE of x [T, H, D] at positions [T] in float64: x[d] cos + rot(x)[d] sin,
+    rot(x) = cat(-x[D/2:], x[:D/2]), the angle of pair i being p * steps[i] mod 2**32 in units
+    of 2**-32 turns (formats.rope_phase_steps)."""
+    x = x.to(device=positions.device, dtype=torch.float64)
+    half = x.shape[-1] // 2
+    wrap = 1 << F.ROPE_PHASE_BITS
+    ph = (positions.long()[:, None] * steps.to(positions.device)[None, :]) % wrap
+    ang = torch.where(ph >= wrap // 2, ph - wrap, ph).double() * (2 * math.pi / wrap)
+    cos, sin = (torch.cat([t, t], -1)[:, None, :] for t in (ang.cos(), ang.sin()))
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
-    Slots < 0 (vLLM's PAD_SLOT_ID) are skipped. `k_smooth` [H, D] divides K first
-    (SmoothAttention, when it was not folded into k_proj offline).
-    """
+
+def rotate_k_bias(k_bias: F.KRopeBias, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE_p(b) [T, H, D] float64 of the k bias (formats.KRopeBias) at cache positions p [T]."""
+    b = k_bias.bias[None].expand(positions.shape[0], *k_bias.bias.shape)
+    return apply_rope(b, positions, k_bias.steps)
+
+
+def page_key(key: torch.Tensor, k_smooth: torch.Tensor | None = None,
+             k_bias: F.KRopeBias | None = None, positions: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """K as the pages and the residual pool hold it: (K - RoPE_p(b)) / k_smooth, in float32
+    (each part only when given; positions [>=T] are the tokens' cache positions)."""
+    if k_bias is not None:
+        if positions is None:
+            raise ValueError("bias-aware K (k_bias) needs the tokens' cache positions")
+        key = key.float() - rotate_k_bias(k_bias, positions[:key.shape[0]]).float()
     if k_smooth is not None:
         key = key.float() / k_smooth.float()
+    return key
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, layout: F.KVPageLayout,
+                      k_smooth: torch.Tensor | None = None, k_bias: F.KRopeBias | None = None,
+                      positions: torch.Tensor | None = None) -> None:
+    """Quantise key/value [T, H, D] and store them at slot_mapping (block*B + offset).
+
+    Slots < 0 (vLLM's PAD_SLOT_ID) are skipped. K is stored as page_key: reduced by the
+    rotated k bias at the token's cache position (`k_bias`, bias-aware K), then divided by
+    `k_smooth` [H, D] (SmoothAttention, when it was not folded into k_proj offline).
+    """
+    key = page_key(key, k_smooth, k_bias, positions)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blk, off = slots // layout.block_size, slots % layout.block_size
@@ -345,16 +381,16 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
 def store_kv_residual(key: torch.Tensor, value: torch.Tensor, res_k: torch.Tensor,
                       res_v: torch.Tensor, slot_mapping: torch.Tensor,
                       slot_of_block: torch.Tensor, block_size: int,
-                      k_smooth: torch.Tensor | None = None) -> None:
+                      k_smooth: torch.Tensor | None = None, k_bias: F.KRopeBias | None = None,
+                      positions: torch.Tensor | None = None) -> None:
     """Copy the written K/V [T, H, D] of blocks that own a pool slot into res_k/res_v.
 
     res_k/res_v are [P*B, H, D]; the token at slot blk*B + off of a block with pool slot
     p = slot_of_block[blk] >= 0 goes to row p*B + off. K is stored as the pages see it
-    (divided by k_smooth), rounded to the pool dtype. A row holding a NaN or an Inf is
+    (page_key), rounded to the pool dtype. A row holding a NaN or an Inf is
     stored as all NaN, as its page entry is (quantize_kv).
     """
-    if k_smooth is not None:
-        key = key.float() / k_smooth.float()
+    key = page_key(key, k_smooth, k_bias, positions)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blk, off = slots // block_size, slots % block_size
@@ -395,12 +431,17 @@ def gather_kv_residual(cache: torch.Tensor, layout: F.KVPageLayout, block_table:
 def paged_attention_residual(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
                              block_table: torch.Tensor, seq_lens: torch.Tensor,
                              query_start_loc: torch.Tensor, scale: float, residual=None,
-                             k_smooth: torch.Tensor | None = None) -> torch.Tensor:
-    """paged_attention with the residual window and SmoothAttention.
+                             k_smooth: torch.Tensor | None = None,
+                             k_bias: F.KRopeBias | None = None) -> torch.Tensor:
+    """paged_attention with the residual window, SmoothAttention and bias-aware K.
 
     With k_smooth [Hkv, D] the pages hold K / k_smooth, so the query is multiplied by it
-    (rounded back to q's dtype, as the kernels feed it to the tensor cores).
+    (rounded back to q's dtype, as the kernels feed it to the tensor cores). With k_bias
+    the pages hold (K - RoPE_j(b)) / k_smooth at key position j, and every score gets
+    q . RoPE_j(b) back, computed with the unsmoothed query (the same as adding
+    RoPE_j(b) / k_smooth to each dequantised K row, without the rounding of q * k_smooth).
     """
+    q_raw = q
     if k_smooth is not None:
         rep = q.shape[1] // k_smooth.shape[0]
         q = (q.float() * k_smooth.float().repeat_interleave(rep, dim=0)).to(q.dtype)
@@ -409,6 +450,12 @@ def paged_attention_residual(q: torch.Tensor, cache: torch.Tensor, layout: F.KVP
         s, e = int(query_start_loc[i]), int(query_start_loc[i + 1])
         if e == s:
             continue
-        k, v = gather_kv_residual(cache, layout, block_table[i], int(seq_lens[i]), residual)
-        out[s:e] = attention(q[s:e], k, v, scale, causal=True)
+        n = int(seq_lens[i])
+        k, v = gather_kv_residual(cache, layout, block_table[i], n, residual)
+        qi = q[s:e]
+        if k_bias is not None:  # extra columns: [q, q_raw] . [k, RoPE_j(b)]
+            qi = torch.cat([qi.double(), q_raw[s:e].double()], -1)
+            k = torch.cat([k.double(), rotate_k_bias(k_bias, torch.arange(n, device=k.device))],
+                          -1)
+        out[s:e] = attention(qi, k, v, scale, causal=True)
     return out

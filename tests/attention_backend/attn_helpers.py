@@ -25,6 +25,7 @@ class Batch:
     v: list[torch.Tensor]
     residual: KVResidual | None = None
     k_smooth: torch.Tensor | None = None
+    k_bias: F.KRopeBias | None = None
 
     def ref_residual(self):
         r = self.residual
@@ -35,7 +36,28 @@ class Batch:
         return ref.paged_attention_residual(
             self.q.cpu(), self.cache.cpu(), self.layout, self.block_table.cpu(),
             self.seq_lens.cpu(), self.qsl.cpu(), scale, self.ref_residual(),
-            None if self.k_smooth is None else self.k_smooth.cpu())
+            None if self.k_smooth is None else self.k_smooth.cpu(), cpu_k_bias(self.k_bias))
+
+
+def rope_inv_freq(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """vLLM's RotaryEmbedding._compute_inv_freq (default rope, whole head)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+
+def make_k_bias(num_kv_heads: int, head_dim: int, big: float, device=DEVICE,
+                theta: float = 10000.0, num_pairs: int | None = None) -> F.KRopeBias:
+    """A Qwen2-like k bias: small everywhere but a few channels per head of size ~`big`
+    (both halves of the rotary pairs, either sign); num_pairs: make_k_rope_bias's."""
+    bias = torch.randn(num_kv_heads, head_dim)
+    idx = torch.randint(0, head_dim, (num_kv_heads, 4))
+    bias.scatter_(1, idx, big * (torch.rand(num_kv_heads, 4) + 0.5)
+                  * torch.where(torch.rand(num_kv_heads, 4) < 0.5, -1.0, 1.0))
+    return F.make_k_rope_bias(bias.to(device), rope_inv_freq(head_dim, theta).to(device),
+                              num_pairs)
+
+
+def cpu_k_bias(k_bias: F.KRopeBias | None) -> F.KRopeBias | None:
+    return None if k_bias is None else F.KRopeBias(*(t.cpu() for t in k_bias))
 
 
 def slots_of(block_table_row: torch.Tensor, positions: torch.Tensor, block_size: int):
@@ -45,10 +67,12 @@ def slots_of(block_table_row: torch.Tensor, positions: torch.Tensor, block_size:
 def make_batch(scheme: str, dtype: torch.dtype, head_dim: int, num_kv_heads: int, group: int,
                rows: list[tuple[int, int]], block_size: int = 16, residual_tokens: int = 0,
                smooth: bool = False, writer=None, device: str = DEVICE,
-               spare_blocks: int = 3) -> Batch:
+               spare_blocks: int = 3, k_bias: F.KRopeBias | None = None) -> Batch:
     """rows: (query_len, seq_len) per row; every token of every row is written with `writer`
     (quantize_and_store signature; reference.reshape_and_cache + store_kv_residual if None).
-    With residual_tokens > 0, a directory assigns slots exactly as the builder would."""
+    With residual_tokens > 0, a directory assigns slots exactly as the builder would. With
+    k_bias (bias-aware K), K is what a model with that k bias would produce: RoPE_p(x + b),
+    x ~ N(0.3, 2), and the writer gets the cache positions."""
     layout = F.KVPageLayout(scheme, head_dim, block_size)
     max_blocks = max(-(-s // block_size) for _, s in rows) + 1
     nb = len(rows) * max_blocks + spare_blocks
@@ -79,26 +103,33 @@ def make_batch(scheme: str, dtype: torch.dtype, head_dim: int, num_kv_heads: int
         residual = KVResidual(pool_k, pool_v, d.slot_of_block, d.tags, residual_tokens)
     ks, vs = [], []
     for i, (_, s) in enumerate(rows):
-        k = (torch.randn(s, num_kv_heads, head_dim) * 2 + 0.3).to(dtype).to(device)
+        k = torch.randn(s, num_kv_heads, head_dim) * 2 + 0.3
+        pos = torch.arange(s, device=device)
+        if k_bias is not None:  # K = RoPE_p(x + b)
+            k = ref.apply_rope(k + k_bias.bias.cpu(), pos.cpu(), k_bias.steps.cpu())
+        k = k.to(dtype).to(device)
         v = torch.randn(s, num_kv_heads, head_dim).to(dtype).to(device)
-        sm = slots_of(bt[i], torch.arange(s, device=device), block_size)
+        sm = slots_of(bt[i], pos, block_size)
+        kb_args = {} if k_bias is None else dict(k_bias=k_bias, positions=pos)
         if writer is None:
+            kb_cpu = {k_: (v_.cpu() if torch.is_tensor(v_) else cpu_k_bias(v_))
+                      for k_, v_ in kb_args.items()}
             ref.reshape_and_cache(k.cpu(), v.cpu(), cache_cpu := cache.cpu(), sm.cpu(), layout,
-                                  None if k_smooth is None else k_smooth.cpu())
+                                  None if k_smooth is None else k_smooth.cpu(), **kb_cpu)
             cache.copy_(cache_cpu)
             if residual is not None:
                 rk, rv = residual.k.cpu(), residual.v.cpu()
                 ref.store_kv_residual(k.cpu(), v.cpu(), rk, rv, sm.cpu(),
                                       residual.slot_of_block.cpu(), block_size,
-                                      None if k_smooth is None else k_smooth.cpu())
+                                      None if k_smooth is None else k_smooth.cpu(), **kb_cpu)
                 residual.k.copy_(rk)
                 residual.v.copy_(rv)
         else:
-            writer(k, v, cache, sm, layout, k_smooth, residual)
+            writer(k, v, cache, sm, layout, k_smooth, residual, **kb_args)
         ks.append(k)
         vs.append(v)
     q = torch.randn(int(qlens.sum()), num_kv_heads * group, head_dim).to(dtype).to(device)
-    return Batch(layout, cache, bt, seq_lens, qsl, q, ks, vs, residual, k_smooth)
+    return Batch(layout, cache, bt, seq_lens, qsl, q, ks, vs, residual, k_smooth, k_bias)
 
 
 def tolerance(dtype: torch.dtype) -> dict:

@@ -17,7 +17,7 @@ from vllm_mixprec.attention_backend.backend import MixPrecAttentionBackend as Ba
 from vllm_mixprec.attention_backend.impl import MixPrecAttentionImpl
 from vllm_mixprec.attention_backend.metadata import MixPrecAttentionMetadataBuilder
 
-from attn_helpers import DEVICE, tolerance
+from attn_helpers import DEVICE, cpu_k_bias, make_k_bias, tolerance
 
 CARRIERS = ("int4_per_token_head", "int8_per_token_head")
 
@@ -130,35 +130,42 @@ def test_residual_refuses_kv_connectors():
 
 # --- builder + impl, step by step ---------------------------------------------------------
 
-def _fake_vllm_config(cache, num_q_heads, block_size, max_num_seqs=4):
+def _fake_vllm_config(cache, num_q_heads, block_size, max_num_seqs=4, k_rope_bias=None):
     return SimpleNamespace(
         model_config=SimpleNamespace(get_num_attention_heads=lambda pc: num_q_heads),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1, use_ubatching=False),
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs), speculative_config=None,
         compilation_config=SimpleNamespace(
-            static_forward_context={"l0": SimpleNamespace(kv_cache=cache)}),
+            static_forward_context={"l0": SimpleNamespace(kv_cache=cache,
+                                                          k_rope_bias=k_rope_bias)}),
         cache_config=SimpleNamespace(block_size=block_size), kv_transfer_config=None,
         quant_config=None)
 
 
-@pytest.mark.parametrize("carrier,dtype,res", [("int4_per_token_head", torch.float16, 16),
-                                               ("int8_per_token_head", torch.bfloat16, 16),
-                                               ("int4_per_token_head", torch.bfloat16, 0)])
-def test_builder_and_impl_over_steps(carrier, dtype, res, monkeypatch):
+@pytest.mark.parametrize("carrier,dtype,res,bias", [
+    ("int4_per_token_head", torch.float16, 16, False),
+    ("int8_per_token_head", torch.bfloat16, 16, False),
+    ("int4_per_token_head", torch.bfloat16, 0, False),
+    ("int4_per_token_head", torch.bfloat16, 16, True),   # bias-aware K
+    ("int8_per_token_head", torch.float16, 0, True)])
+def test_builder_and_impl_over_steps(carrier, dtype, res, bias, monkeypatch):
     """Chunked prefill then decodes of two requests (rows not ordered decode-first):
-    the output equals attention over the pages, with the newest R tokens in 16 bits."""
+    the output equals attention over the pages, with the newest R tokens in 16 bits. With a
+    k bias, the builder gives the writer each token's cache position, the pages hold
+    K - RoPE_p(b), and the output is attention over those plus RoPE_p(b)."""
     monkeypatch.setenv(R.ENV_TOKENS, str(res))
     hkv, g, d, b, nb = 2, 4, 64, 16, 12
     layout = F.KVPageLayout(F.KV_SCHEME_OF_CARRIER[carrier], d, b)
     cache = torch.zeros(Backend.get_kv_cache_shape(nb, b, hkv, d, carrier),
                         dtype=STR_DTYPE_TO_TORCH_DTYPE[carrier], device=DEVICE)
-    cfg = _fake_vllm_config(cache, hkv * g, b)
+    kb = make_k_bias(hkv, d, 8.0, num_pairs=16) if bias else None
+    cfg = _fake_vllm_config(cache, hkv * g, b, k_rope_bias=kb)
     spec = FullAttentionSpec(block_size=b, num_kv_heads=hkv, head_size=d, head_size_v=d,
                              dtype=cache.dtype, kv_quant_mode=get_kv_quant_mode(carrier))
     builder = MixPrecAttentionMetadataBuilder(spec, ["l0"], cfg, torch.device(DEVICE))
     impl = MixPrecAttentionImpl(hkv * g, d, d ** -0.5, hkv, None, None, carrier)
     impl.vllm_config = cfg
-    layer = SimpleNamespace(layer_name="l0")
+    layer = SimpleNamespace(layer_name="l0", k_rope_bias=kb)
     blocks = {0: [7, 2, 9], 1: [4, 11, 0]}
     hist = {0: ([], []), 1: ([], [])}
     done = {0: 0, 1: 0}
@@ -180,8 +187,15 @@ def test_builder_and_impl_over_steps(carrier, dtype, res, monkeypatch):
             block_table_tensor=bt.to(DEVICE), slot_mapping=sm.to(DEVICE))
         md = builder.build(0, cm)
         assert md.num_decodes == qlens.count(1) and md.num_prefills == len(rows) - md.num_decodes
+        pos = torch.cat([torch.arange(done[r], done[r] + q) for r, q in rows])
+        assert (md.key_positions is None) == (not bias)
+        if bias:
+            assert torch.equal(md.key_positions[:t].cpu().long(), pos)
         q = torch.randn(t, hkv * g, d).to(dtype)
-        k = torch.randn(t, hkv, d).to(dtype)
+        k = torch.randn(t, hkv, d)
+        if bias:  # what a model with this k bias produces: RoPE_p(x + b)
+            k = ref.apply_rope(k + kb.bias.cpu(), pos, kb.steps.cpu())
+        k = k.to(dtype)
         v = torch.randn(t, hkv, d).to(dtype)
         impl._metadata_of = lambda _layer, md=md: md
         impl.do_kv_cache_update(layer, k.to(DEVICE), v.to(DEVICE), cache, sm.to(DEVICE))
@@ -195,8 +209,14 @@ def test_builder_and_impl_over_steps(carrier, dtype, res, monkeypatch):
             done[r] += qn
             # Ideal: pages everywhere except the newest `res` tokens, which are 16-bit exact.
             kk, vv = ref.gather_kv(cache_cpu, layout, bt[i], done[r])
+            rot = 0
+            if bias:  # the pages hold K - RoPE_p(b) (so does the 16-bit copy, rounded)
+                rot = ref.rotate_k_bias(cpu_k_bias(kb), torch.arange(done[r]))
+                kk = kk.double() + rot
             if res:
-                kk[-res:] = torch.cat(hist[r][0]).float()[-res:]
+                rr = rot[-res:] if bias else 0
+                kk[-res:] = ((torch.cat(hist[r][0])[-res:].double() - rr).to(dtype).double()
+                             + rr).to(kk.dtype)
                 vv[-res:] = torch.cat(hist[r][1]).float()[-res:]
             want = ref.attention(q[s:e], kk, vv, d ** -0.5)
             torch.testing.assert_close(out[s:e].double(), want, **tolerance(dtype))

@@ -41,18 +41,24 @@ SCRIPT = textwrap.dedent(r'''
                 "part_lse_ptr": "*fp32", "codes_ptr": "*u8" if kv4 else "*i8",
                 "meta_ptr": "*fp16" if kv4 else "*fp32", "bt_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "smooth_ptr": "*fp32",
+                "kb_ptr": "*fp32", "steps_ptr": "*i64", "pairs_ptr": "*i32",
                 "res_k_ptr": f"*{dt}", "res_v_ptr": f"*{dt}", "sob_ptr": "*i32",
                 "tags_ptr": "*i32"}
 
     DT = {"fp16": tl.float16, "bf16": tl.bfloat16}
     arch = int(sys.argv[1])
-    for kv4, dt, decode, d, g in [(True, "bf16", True, 128, 4), (False, "bf16", True, 128, 8),
-                                  (True, "fp16", False, 64, 4), (False, "fp16", False, 256, 1)]:
+    for kv4, dt, decode, d, g, kb in [
+            (True, "bf16", True, 128, 4, False), (False, "bf16", True, 128, 8, False),
+            (True, "fp16", False, 64, 4, False), (False, "fp16", False, 256, 1, False),
+            (True, "bf16", True, 128, 6, True), (True, "bf16", False, 128, 6, True),
+            (False, "fp16", True, 256, 4, True)]:
         gpad = max(16, triton.next_power_of_2(g)) if decode else triton.next_power_of_2(g)
+        block_n = 64 if d <= 128 else 32
         common = dict(B=16, D=d, G=g, G_PAD=gpad, BLOCK_R=16, NUM_SPLITS=4 if decode else 1,
-                      KV4=kv4, HAS_SMOOTH=True, HAS_RES=True, DT=DT[dt])
+                      KV4=kv4, HAS_SMOOTH=True, HAS_KB=kb, NP=16, KB_V=min(block_n, 64),
+                      HAS_RES=True, DT=DT[dt])
         main = dict(common, BLOCK_M=1 if decode else max(1, 64 // gpad),
-                    BLOCK_N=64 if d <= 128 else 32, DECODE=decode, FAST_UNPACK=True)
+                    BLOCK_N=block_n, DECODE=decode, FAST_UNPACK=True)
         compile_(A._paged_attn_kernel, attn_ptrs(kv4, dt), main, arch, ("qk_scale",),
                  num_warps=4, num_stages=3)
         if decode:
@@ -61,10 +67,12 @@ SCRIPT = textwrap.dedent(r'''
     for kv4 in (True, False):
         ptrs = {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64",
                 "codes_ptr": "*u8" if kv4 else "*i8", "meta_ptr": "*fp16" if kv4 else "*fp32",
-                "smooth_ptr": "*fp32", "res_k_ptr": "*bf16", "res_v_ptr": "*bf16",
-                "slot_of_block_ptr": "*i32"}
-        compile_(K._quantize_store_kernel, ptrs,
-                 dict(B=16, D=128, KV4=kv4, HAS_SMOOTH=True, HAS_RES=True), arch, num_warps=1)
+                "smooth_ptr": "*fp32", "kb_ptr": "*fp32", "steps_ptr": "*i64", "pos_ptr": "*i32",
+                "res_k_ptr": "*bf16", "res_v_ptr": "*bf16", "slot_of_block_ptr": "*i32"}
+        for kb in (False, True):
+            compile_(K._quantize_store_kernel, ptrs, dict(B=16, D=128, KV4=kv4, HAS_SMOOTH=True,
+                                                          HAS_KB=kb, HAS_RES=True),
+                     arch, num_warps=1)
     print("compiled")
 ''')
 

@@ -81,6 +81,18 @@ def test_qkv_shards(ranks, kv_heads):
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
+def test_k_bias_shards(ranks, kv_heads):
+    """Bias-aware K (quant_methods/k_bias.py) gets each rank's own kv heads of k_proj's bias:
+    the K slice of the rank's qkv bias, the replicated head on both ranks when kv_heads = 1."""
+    case = W.make_case(kv_heads)
+    kv_rep, kv_per = max(1, WORLD // kv_heads), max(1, kv_heads // WORLD)
+    for r, out in enumerate(ranks):
+        kv_rank = r // kv_rep
+        want = case["qkv_bias"]["k"].view(kv_heads, W.HEAD)[kv_rank * kv_per:(kv_rank + 1) * kv_per]
+        assert torch.equal(out[f"k_bias_kv{kv_heads}"], want.float()), r
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
 def test_gate_up_shards(ranks, kv_heads):
     case = W.make_case(kv_heads)
     per = W.INTER // WORLD

@@ -10,6 +10,11 @@ SmoothAttention: if the Attention layer carries `k_smooth` [num_kv_heads, head_d
 by the quantization method), K is divided by it before quantisation and Q multiplied by it
 in the kernels; the product q.k is unchanged. Folding it into k_proj/q_proj offline makes
 it free and needs nothing here.
+
+Bias-aware K: if the layer carries `k_rope_bias` (formats.KRopeBias, set after loading by
+quant_methods/k_bias.py when k_proj has a bias), the writer stores
+(K - RoPE_p(b)) / k_smooth at each token's cache position p (metadata.key_positions) and
+the kernels add q . RoPE_p(b) back to every score. No checkpoint change: b is k_proj's bias.
 """
 from __future__ import annotations
 
@@ -68,6 +73,7 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
         self._layouts: dict[int, F.KVPageLayout] = {}
         self._pool: tuple[torch.Tensor, torch.Tensor] | None = None
         self._k_smooth: torch.Tensor | None = None
+        self._k_bias: F.KRopeBias | None = None
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -118,6 +124,18 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
             self._k_smooth = ks.detach().to(torch.float32).contiguous()
         return self._k_smooth
 
+    def _rope_bias(self, layer, device: torch.device) -> F.KRopeBias | None:
+        """layer.k_rope_bias on `device` (moved once; persistent for CUDA graphs)."""
+        kb = getattr(layer, "k_rope_bias", None)
+        if kb is None:
+            return None
+        if self._k_bias is None or self._k_bias.bias.device != device:
+            if tuple(kb.bias.shape) != (self.num_kv_heads, self.head_size):
+                raise ValueError(f"k_rope_bias has bias {tuple(kb.bias.shape)}, expected "
+                                 f"({self.num_kv_heads}, {self.head_size}) (this rank's kv heads)")
+            self._k_bias = F.KRopeBias(*(t.to(device).contiguous() for t in kb))
+        return self._k_bias
+
     @staticmethod
     def _metadata_of(layer) -> MixPrecAttentionMetadata | None:
         if not is_forward_context_available():
@@ -135,9 +153,19 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if kv_cache.numel() == 0 or slot_mapping is None:
             return
-        residual = self._residual(self._metadata_of(layer), key.dtype, key.device)
+        md = self._metadata_of(layer)
+        k_bias = self._rope_bias(layer, key.device)
+        positions = None
+        if k_bias is not None:
+            if md is None:  # a dummy run: nothing will read these slots
+                return
+            positions = md.key_positions
+            if positions is None:
+                raise RuntimeError(f"mixprec: {getattr(layer, 'layer_name', 'a layer')} is "
+                                   "bias-aware but the metadata has no key positions")
+        residual = self._residual(md, key.dtype, key.device)
         quantize_and_store(key, value, kv_cache, slot_mapping, self._layout(kv_cache),
-                           self._smooth(layer), residual)
+                           self._smooth(layer), residual, k_bias, positions)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: MixPrecAttentionMetadata,
@@ -151,12 +179,13 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
         layout = self._layout(kv_cache)
         residual = self._residual(md, query.dtype, query.device)
         k_smooth = self._smooth(layer)
+        k_bias = self._rope_bias(layer, query.device)
         if md.num_decodes:
             decode_attention(query, kv_cache, layout, md.block_table, md.seq_lens,
                              md.query_start_loc, output, self.scale, md.num_reqs,
-                             md.num_splits, md.part_o, md.part_lse, residual, k_smooth)
+                             md.num_splits, md.part_o, md.part_lse, residual, k_smooth, k_bias)
         if md.num_prefills:
             prefill_attention(query, kv_cache, layout, md.block_table, md.seq_lens,
                               md.query_start_loc, output, self.scale, md.num_reqs,
-                              md.max_query_len, residual, k_smooth)
+                              md.max_query_len, residual, k_smooth, k_bias)
         return output

@@ -10,6 +10,14 @@ launches only the decode kernel (and the split merge), whose grid depends on the
 of rows alone, with every tensor it reads persistent (vLLM's runner buffers, our partial
 buffers, the residual directory). Hence UNIFORM_SINGLE_TOKEN_DECODE. Mixed or multi-token
 batches (spec decode, chunked prefill) run eagerly.
+
+Bias-aware K (a layer of the group has `k_rope_bias`): the writer needs each new token's
+cache position, seq_len - query_len + i in its row. build() computes them on the device
+(no sync) into a persistent buffer, `key_positions`, which the store kernel reads (so a
+captured graph reads it at a fixed address). They are derived from seq_lens and
+query_start_loc rather than taken from vLLM's `positions`, because the readers add the
+rotated bias at the cache index, which is what must match (the two agree for the models
+bias-aware K accepts).
 """
 from __future__ import annotations
 
@@ -45,6 +53,7 @@ class MixPrecAttentionMetadata:
     part_o: torch.Tensor | None     # [rows*splits, Hq, D] fp32 split outputs
     part_lse: torch.Tensor | None   # [rows*splits, Hq] fp32 split log2-sum-exp
     residual: R.ResidualDirectory | None
+    key_positions: torch.Tensor | None = None  # [>= num tokens] int32 cache positions
 
 
 def _num_sms(device: torch.device) -> int:
@@ -82,6 +91,8 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
                              "metadata per micro-batch, which the mixprec residual window "
                              f"does not support; set {R.ENV_TOKENS}=0 or disable DBO")
         self.directory: R.ResidualDirectory | None = None
+        self.key_positions: torch.Tensor | None = None
+        self._k_bias_checked = False
 
     def _directory(self) -> R.ResidualDirectory | None:
         """Created at the first build, when the KV cache (hence num_blocks) exists."""
@@ -100,6 +111,30 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
         logger.info("mixprec KV residual: newest %d tokens kept in 16 bits, %d pool slots of "
                     "%d tokens per layer", self.res_tokens, slots, self.block_size)
         return self.directory
+
+    def _key_positions(self, cm: CommonAttentionMetadata) -> torch.Tensor | None:
+        """Cache positions of this step's tokens, if a layer of the group is bias-aware."""
+        if not self._k_bias_checked:  # the layers are loaded before the first build
+            self._k_bias_checked = True
+            ctx = self.vllm_config.compilation_config.static_forward_context
+            if any(getattr(ctx.get(n), "k_rope_bias", None) is not None
+                   for n in self.layer_names):
+                size = getattr(self.vllm_config.scheduler_config, "max_num_batched_tokens",
+                               None) or 8192
+                self.key_positions = torch.zeros(size, dtype=torch.int32, device=self.device)
+        if self.key_positions is None:
+            return None
+        n_tok, n = cm.slot_mapping.shape[0], cm.num_reqs
+        if n_tok > self.key_positions.shape[0]:  # eager batches only: graphs are smaller
+            logger.warning("mixprec: growing the key-position buffer to %d tokens", n_tok)
+            self.key_positions = torch.zeros(n_tok, dtype=torch.int32, device=self.device)
+        if n_tok == 0 or n == 0:
+            return self.key_positions
+        qsl = cm.query_start_loc[:n + 1].to(torch.int32)
+        t = torch.arange(n_tok, dtype=torch.int32, device=qsl.device)
+        row = torch.searchsorted(qsl[1:], t, right=True).clamp_(max=n - 1)  # padding: any row
+        self.key_positions[:n_tok] = t + cm.seq_lens[:n].to(torch.int32)[row] - qsl[row + 1]
+        return self.key_positions
 
     def _splits(self, num_reqs: int) -> int:
         s = decode_num_splits(num_reqs, self.num_kv_heads, self.num_sms)
@@ -124,7 +159,8 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
             seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping, num_decodes=int((qlens == 1).sum()),
             num_prefills=int((qlens > 1).sum()), num_splits=self._splits(n),
-            part_o=self.part_o, part_lse=self.part_lse, residual=directory)
+            part_o=self.part_o, part_lse=self.part_lse, residual=directory,
+            key_positions=self._key_positions(cm))
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> MixPrecAttentionMetadata:

@@ -6,7 +6,7 @@ import fnmatch
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
@@ -184,7 +184,8 @@ class MixPrecConfig(QuantizationConfig):
 
         if isinstance(layer, LinearBase):
             if self.is_layer_ignored(prefix):
-                return UnquantizedLinearMethod()
+                from .k_bias import RecordingUnquantizedLinearMethod
+                return RecordingUnquantizedLinearMethod(prefix)
             from .linear import MixPrecLinearMethod
             return MixPrecLinearMethod(self, prefix)
         if isinstance(layer, Attention):

@@ -14,6 +14,7 @@ from vllm.model_executor.parameter import (BasevLLMParameter, ChannelQuantScaleP
 
 from .. import formats as F
 from .. import kernels
+from . import k_bias
 
 
 REEXPORT = "re-export the checkpoint with `vllm-mixprec quantize`"
@@ -107,6 +108,7 @@ class MixPrecLinearMethod(LinearMethodBase):
         self._check_complete(layer)
         self._validate(layer)
         kernels.prepare_linear(layer, self.scheme.weight_scheme, self.prefix)
+        k_bias.record_qkv_bias(layer, self.prefix)
 
     def _check_complete(self, layer: torch.nn.Module) -> None:
         """Every parameter (and, in a merged layer, every shard of it) came from the checkpoint.

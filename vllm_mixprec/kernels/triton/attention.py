@@ -21,6 +21,17 @@ halves rather than interleaving registers.
 The residual window (attention_backend/residual.py) is one extra "tail" tile of the newest
 R positions: each column takes the 16-bit pool entry when its tag is valid, else the page.
 On GPUs the codes are unpacked with a few PTX bit operations (see _ASM_NIBBLES).
+
+Bias-aware K (HAS_KB, formats.KRopeBias): the pages hold K - RoPE_p(b) (over k_smooth), and
+every score gets q . RoPE_p(b) back. With A_i = q_i b_i + q_{i+D/2} b_{i+D/2} and
+B_i = q_{i+D/2} b_i - q_i b_{i+D/2} over the NP kept rotary pairs i (per query row, once per
+program; the raw query, not the smoothed one), that term is
+    sum_i A_i cos(p w_i) + B_i sin(p w_i).
+For a tile of positions p0 + j*V + v (chunks j of V = KB_V columns), angle addition moves
+the chunk start to the query side: (A, B) rotated by (p0 + jV) w_i (one cos/sin per pair and
+chunk), then one fp16 tensor-core dot each with cos(v w_i) / sin(v w_i) [NP, V], tables that
+depend on nothing but the offsets and are computed once per program. No cos/sin per
+(key, channel), and nothing is loaded per key but the codes.
 """
 from __future__ import annotations
 
@@ -32,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ... import formats as F
-from .kv_cache import KVResidual, cache_views, meta_index, slab_offset
+from .kv_cache import KVResidual, cache_views, kbias_args, meta_index, rope_angle, slab_offset
 
 LOG2E = 1.4426950408889634
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -269,13 +280,72 @@ def _online_softmax(s, m_i, l_i):
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
+@triton.jit
+def _kbias_query(q_ptr, tok, head, rmask, stride_qt, stride_qh, kb_ptr, pairs_ptr, steps_ptr,
+                 D: tl.constexpr, NP: tl.constexpr):
+    """The query side of this kv head's bias term over its NP kept pairs (module docstring):
+    (A, B) [M, NP] fp32 from the raw query rows, kshift [M], a power of two that keeps their
+    rotations in fp16 range (a rotation keeps |(A_i, B_i)|), and the pairs' phase steps."""
+    HALF: tl.constexpr = D // 2
+    i = tl.load(pairs_ptr + tl.arange(0, NP))
+    base = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + i[None, :]
+    q1 = tl.load(base, mask=rmask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(base + HALF, mask=rmask[:, None], other=0.0).to(tl.float32)
+    b1 = tl.load(kb_ptr + i)[None, :]
+    b2 = tl.load(kb_ptr + HALF + i)[None, :]
+    a = q1 * b1 + q2 * b2
+    b = q2 * b1 - q1 * b2
+    amax = tl.max(tl.sqrt(a * a + b * b), 1)
+    kshift = tl.math.exp2(tl.maximum(tl.ceil(tl.math.log2(amax)) - 14.0, 0.0))
+    return a, b, kshift, tl.load(steps_ptr + i)
+
+
+@triton.jit
+def _kbias_tables(steps, V: tl.constexpr):
+    """cos, sin [NP, V] fp16 of the angles of position offsets 0..V-1 (steps [NP])."""
+    ang = rope_angle(tl.arange(0, V)[None, :], steps[:, None])
+    return tl.cos(ang).to(tl.float16), tl.sin(ang).to(tl.float16)
+
+
+@triton.jit
+def _kbias_scores(a, b, kshift, tab_c, tab_s, p0, steps, N: tl.constexpr, V: tl.constexpr):
+    """q . RoPE_p(b) [M, N] fp32 for the positions p = p0 + n, n < N, in chunks of V columns
+    (tables of _kbias_tables(V)); the module docstring has the algebra."""
+    M: tl.constexpr = a.shape[0]
+    NP: tl.constexpr = a.shape[1]
+    J: tl.constexpr = N // V
+    inv = 1.0 / kshift
+    if J == 1:
+        ang = rope_angle(p0, steps)[None, :]
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+        ra = ((a * c + b * s) * inv[:, None]).to(tl.float16)
+        rb = ((b * c - a * s) * inv[:, None]).to(tl.float16)
+        r = tl.dot(ra, tab_c)
+        r = tl.dot(rb, tab_s, r)
+    else:
+        ang = rope_angle(p0 + V * tl.arange(0, J)[:, None], steps[None, :])[None, :, :]
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+        a3 = a[:, None, :]
+        b3 = b[:, None, :]
+        i3 = inv[:, None, None]
+        ra = tl.reshape(((a3 * c + b3 * s) * i3).to(tl.float16), [M * J, NP])
+        rb = tl.reshape(((b3 * c - a3 * s) * i3).to(tl.float16), [M * J, NP])
+        r = tl.dot(ra, tab_c)
+        r = tl.dot(rb, tab_s, r)
+        r = tl.reshape(r, [M, N])
+    return r * kshift[:, None]
+
+
 # --- attention over a range of pages, and over the residual tail ---------------------------
 
 @triton.jit
 def _attend_pages(qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z, t0, t1, page_end,
                   bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch, qk_scale,
+                  kb_a, kb_b, kshift, tab_c, tab_s, kb_steps,
                   B: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, KV4: tl.constexpr,
-                  FAST: tl.constexpr):
+                  FAST: tl.constexpr, HAS_KB: tl.constexpr, KB_V: tl.constexpr):
     """Online softmax over the page tiles [t0, t1) of BLOCK_N block-aligned positions."""
     C: tl.constexpr = D // 2 if KV4 else D
     for it in range(t0, t1):
@@ -288,6 +358,9 @@ def _attend_pages(qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z, 
                                     B, C, BLOCK_N, KV4)
         s = _page_scores(qa16, qb16, qsum, shift, ks, kz, codes_ptr, slab, off, col,
                          B, D, KV4, FAST)
+        if HAS_KB:
+            s += _kbias_scores(kb_a, kb_b, kshift, tab_c, tab_s, it * BLOCK_N, kb_steps,
+                               BLOCK_N, KB_V)
         s = tl.where(col[None, :] & (pos[None, :] <= qpos[:, None]), s * qk_scale, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         acc_a = acc_a * alpha[:, None]
@@ -302,8 +375,9 @@ def _attend_pages(qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z, 
 def _attend_tail(qa, qb, qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z,
                  win, kv_end, bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch,
                  res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, qk_scale,
+                 kb_a, kb_b, kshift, kb_steps,
                  B: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, KV4: tl.constexpr,
-                 DT: tl.constexpr):
+                 DT: tl.constexpr, HAS_KB: tl.constexpr):
     """Positions [win, kv_end) (the newest R): each column takes the 16-bit pool entry when
     its tag is valid, else the page (plain unpack: a tail tile can hold fewer than 4 codes
     per thread)."""
@@ -325,7 +399,11 @@ def _attend_tail(qa, qb, qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, 
     ks, kz, vs, vz = _token_meta(meta_ptr, slab, off, page, B, C, KV4)
     s_pg = _page_scores(qa16, qb16, qsum, shift, ks, kz, codes_ptr, slab, off, page,
                         B, D, KV4, False)
-    s = tl.where(use[None, :], s_res, s_pg) * qk_scale
+    s = tl.where(use[None, :], s_res, s_pg)
+    if HAS_KB:  # pool and page columns both hold K - RoPE_p(b)
+        tab_c, tab_s = _kbias_tables(kb_steps, BLOCK_R)
+        s += _kbias_scores(kb_a, kb_b, kshift, tab_c, tab_s, win, kb_steps, BLOCK_R, BLOCK_R)
+    s = s * qk_scale
     s = tl.where(col[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
     acc_a = acc_a * alpha[:, None]
@@ -384,13 +462,14 @@ def _paged_attn_kernel(
         q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, part_o_ptr, part_lse_ptr,
         codes_ptr, meta_ptr, stride_cb, stride_ch,
         bt_ptr, stride_bt, seq_lens_ptr, qsl_ptr,
-        smooth_ptr, res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, res_tokens,
+        smooth_ptr, kb_ptr, steps_ptr, pairs_ptr,
+        res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, res_tokens,
         num_q_heads, qk_scale,
         B: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, KV4: tl.constexpr,
-        HAS_SMOOTH: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr,
-        FAST_UNPACK: tl.constexpr):
+        HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr, KB_V: tl.constexpr,
+        HAS_RES: tl.constexpr, DT: tl.constexpr, FAST_UNPACK: tl.constexpr):
     """Decode (grid rows x kv_heads x splits; rows of query length 1) or prefill/extend
     (grid rows x kv_heads x query blocks; rows of query length > 1). Decode leaves the
     residual tail to _decode_finish_kernel and writes split partials when one follows."""
@@ -411,6 +490,12 @@ def _paged_attn_kernel(
     qa, qb, qa16, qb16, qsum, shift, tok, head, rmask, qpos, qlen, seq_len = _query_tile(
         q_ptr, stride_qt, stride_qh, smooth_ptr, qsl_ptr, seq_lens_ptr, row, kvh, mb,
         D, G, G_PAD, BLOCK_M, KV4, HAS_SMOOTH, DT)
+    kb_a, kb_b, kshift, kb_steps, tab_c, tab_s = qsum, qsum, shift, qsum, qsum, qsum
+    if HAS_KB:  # (dummies above: unread without HAS_KB)
+        kb_a, kb_b, kshift, kb_steps = _kbias_query(
+            q_ptr, tok, head, rmask, stride_qt, stride_qh, kb_ptr + kvh * D,
+            pairs_ptr + kvh * NP, steps_ptr, D, NP)
+        tab_c, tab_s = _kbias_tables(kb_steps, KB_V)
 
     kv_end = tl.minimum(seq_len, seq_len - qlen + mb * BLOCK_M + BLOCK_M)
     win = seq_len
@@ -436,14 +521,15 @@ def _paged_attn_kernel(
     m_i, l_i, acc_a, acc_b, acc_z = _attend_pages(
         qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z, t0, t1, page_end,
         bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch, qk_scale,
-        B, D, BLOCK_N, KV4, FAST_UNPACK)
+        kb_a, kb_b, kshift, tab_c, tab_s, kb_steps,
+        B, D, BLOCK_N, KV4, FAST_UNPACK, HAS_KB, KB_V)
     if HAS_RES and not DECODE:
         if win < kv_end:
             m_i, l_i, acc_a, acc_b, acc_z = _attend_tail(
                 qa, qb, qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z,
                 win, kv_end, bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch,
                 res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, qk_scale,
-                B, D, BLOCK_R, KV4, DT)
+                kb_a, kb_b, kshift, kb_steps, B, D, BLOCK_R, KV4, DT, HAS_KB)
 
     if DECODE and (NUM_SPLITS > 1 or HAS_RES):  # a partial for _decode_finish_kernel
         pidx = ((row * NUM_SPLITS + x) * num_q_heads + head).to(tl.int64)
@@ -461,11 +547,13 @@ def _decode_finish_kernel(
         q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, part_o_ptr, part_lse_ptr,
         codes_ptr, meta_ptr, stride_cb, stride_ch,
         bt_ptr, stride_bt, seq_lens_ptr, qsl_ptr,
-        smooth_ptr, res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, res_tokens,
+        smooth_ptr, kb_ptr, steps_ptr, pairs_ptr,
+        res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, res_tokens,
         num_q_heads, qk_scale,
         B: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
         BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, KV4: tl.constexpr,
-        HAS_SMOOTH: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr):
+        HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr, KB_V: tl.constexpr,
+        HAS_RES: tl.constexpr, DT: tl.constexpr):
     """Decode epilogue, grid (rows, kv_heads): attend the residual tail, then merge it with
     the split partials (log-sum-exp) and write the output."""
     row = tl.program_id(0)
@@ -485,11 +573,17 @@ def _decode_finish_kernel(
     if HAS_RES:
         win = tl.maximum(seq_len - res_tokens, 0)
         if win < seq_len:
+            kb_a, kb_b, kshift, kb_steps = qsum, qsum, shift, qsum  # unread without HAS_KB
+            if HAS_KB:
+                kb_a, kb_b, kshift, kb_steps = _kbias_query(
+                    q_ptr, tok, head, rmask, stride_qt, stride_qh, kb_ptr + kvh * D,
+                    pairs_ptr + kvh * NP, steps_ptr, D, NP)
             m_i, l_i, acc_a, acc_b, acc_z = _attend_tail(
                 qa, qb, qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z,
                 win, seq_len, bt_ptr + row.to(tl.int64) * stride_bt, kvh, codes_ptr, meta_ptr,
                 stride_cb, stride_ch, res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr,
-                tags_ptr, qk_scale, B, D, BLOCK_R, KV4, DT)
+                tags_ptr, qk_scale, kb_a, kb_b, kshift, kb_steps, B, D, BLOCK_R, KV4, DT,
+                HAS_KB)
     # Fold the V zero column in now: split partials are complete (normalised) outputs.
     acc_a = acc_a + acc_z[:, None]
     acc_b = acc_b + acc_z[:, None]
@@ -586,13 +680,26 @@ def decode_partials_rows(max_rows: int, num_kv_heads: int, num_sms: int | None =
 
 # --- Python entry points -------------------------------------------------------------------
 
-def _common_args(q, cache, layout, residual, k_smooth):
+def kbias_chunk(block_n: int) -> int:
+    """KB_V, the columns per chunk of the bias term's tables ([pairs, KB_V] cos and sin kept
+    for the whole program): the whole tile up to 64 columns, else chunks of 64.
+    MIXPREC_ATTN_KBIAS_CHUNK overrides it (tuning runs; a power of two >= 16)."""
+    v = os.environ.get("MIXPREC_ATTN_KBIAS_CHUNK")
+    return min(block_n, int(v) if v else 64)
+
+
+def _num_pairs(k_bias: F.KRopeBias | None) -> int:
+    return F.MIN_BIAS_PAIRS if k_bias is None else int(k_bias.pairs.shape[-1])
+
+
+def _common_args(q, cache, layout, residual, k_smooth, k_bias):
     codes, meta = cache_views(cache, layout)
     if q.dtype not in _TL_DTYPE:
         raise ValueError(f"query dtype {q.dtype} is not float16/bfloat16")
     if q.shape[-1] != layout.head_dim or q.stride(-1) != 1:
         raise ValueError(f"query must be [T, Hq, {layout.head_dim}] with unit stride on D")
     smooth = q if k_smooth is None else k_smooth.to(torch.float32).contiguous()
+    kb = kbias_args(k_bias, cache.shape[1], layout.head_dim, q)
     if residual is None:
         res = (q, q, 0, 0, q, q, 0)
     else:
@@ -600,7 +707,7 @@ def _common_args(q, cache, layout, residual, k_smooth):
                residual.slot_of_block, residual.tags, int(residual.tokens))
     has_res = residual is not None and residual.tokens > 0
     block_r = max(16, triton.next_power_of_2(residual.tokens)) if has_res else 16
-    return (codes, meta, cache.stride(0), cache.stride(1)), smooth, res, has_res, block_r
+    return (codes, meta, cache.stride(0), cache.stride(1)), (smooth, *kb), res, has_res, block_r
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
@@ -608,7 +715,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
                      query_start_loc: torch.Tensor, out: torch.Tensor, sm_scale: float,
                      num_rows: int, num_splits: int = 1, part_o: torch.Tensor | None = None,
                      part_lse: torch.Tensor | None = None, residual: KVResidual | None = None,
-                     k_smooth: torch.Tensor | None = None) -> None:
+                     k_smooth: torch.Tensor | None = None,
+                     k_bias: F.KRopeBias | None = None) -> None:
     """Attention of the rows of query length 1 (others are left untouched) into `out`.
 
     part_o [>= num_rows*num_splits, Hq, D] fp32 and part_lse [>= ..., Hq] fp32 are needed
@@ -620,7 +728,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
         return
     num_q_heads, num_kv_heads = q.shape[1], cache.shape[1]
     group = num_q_heads // num_kv_heads
-    cache_args, smooth, res, has_res, block_r = _common_args(q, cache, layout, residual, k_smooth)
+    cache_args, opt, res, has_res, block_r = _common_args(q, cache, layout, residual, k_smooth,
+                                                          k_bias)
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else 8
     block_n, warps, stages = decode_config(layout.head_dim, layout.scheme, num_rows, num_kv_heads, sms)
@@ -632,11 +741,13 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
     args = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),
             part_o if finish else q, part_lse if finish else q,
             *cache_args, block_table, block_table.stride(0), seq_lens, query_start_loc,
-            smooth, *res, num_q_heads, sm_scale * LOG2E)
+            *opt, *res, num_q_heads, sm_scale * LOG2E)
     common = dict(B=layout.block_size, D=layout.head_dim, G=group,
                   G_PAD=max(16, triton.next_power_of_2(group)), BLOCK_R=block_r,
                   NUM_SPLITS=num_splits, KV4=layout.scheme == "kv4",
-                  HAS_SMOOTH=k_smooth is not None, HAS_RES=has_res, DT=_TL_DTYPE[q.dtype])
+                  HAS_SMOOTH=k_smooth is not None, HAS_KB=k_bias is not None,
+                  NP=_num_pairs(k_bias), KB_V=kbias_chunk(block_n), HAS_RES=has_res,
+                  DT=_TL_DTYPE[q.dtype])
     _paged_attn_kernel[(num_rows, num_kv_heads, num_splits)](
         *args, BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
         num_warps=warps, num_stages=stages, **common)
@@ -648,23 +759,27 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayo
                       block_table: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, out: torch.Tensor, sm_scale: float,
                       num_rows: int, max_query_len: int, residual: KVResidual | None = None,
-                      k_smooth: torch.Tensor | None = None) -> None:
+                      k_smooth: torch.Tensor | None = None,
+                      k_bias: F.KRopeBias | None = None) -> None:
     """Causal attention of the rows of query length > 1 (others untouched) into `out`."""
     if num_rows == 0 or max_query_len <= 1:
         return
     num_q_heads, num_kv_heads = q.shape[1], cache.shape[1]
     group = num_q_heads // num_kv_heads
-    cache_args, smooth, res, has_res, block_r = _common_args(q, cache, layout, residual, k_smooth)
+    cache_args, opt, res, has_res, block_r = _common_args(q, cache, layout, residual, k_smooth,
+                                                          k_bias)
     block_m, block_n, warps, stages = prefill_config(layout.head_dim, group)
     g_pad = triton.next_power_of_2(group)
     block_m = max(block_m, -(-16 // g_pad))  # tl.dot needs >= 16 rows
     _paged_attn_kernel[(num_rows, num_kv_heads, triton.cdiv(max_query_len, block_m))](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), q, q,
         *cache_args, block_table, block_table.stride(0), seq_lens, query_start_loc,
-        smooth, *res, num_q_heads, sm_scale * LOG2E,
+        *opt, *res, num_q_heads, sm_scale * LOG2E,
         B=layout.block_size, D=layout.head_dim, G=group, G_PAD=g_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_R=block_r, NUM_SPLITS=1, DECODE=False,
-        KV4=layout.scheme == "kv4", HAS_SMOOTH=k_smooth is not None, HAS_RES=has_res,
+        KV4=layout.scheme == "kv4", HAS_SMOOTH=k_smooth is not None,
+        HAS_KB=k_bias is not None, NP=_num_pairs(k_bias), KB_V=kbias_chunk(block_n),
+        HAS_RES=has_res,
         DT=_TL_DTYPE[q.dtype], FAST_UNPACK=fast_unpack(q.device), num_warps=warps,
         num_stages=stages)
 
@@ -673,7 +788,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
                     block_table: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, sm_scale: float,
                     residual: KVResidual | None = None, k_smooth: torch.Tensor | None = None,
-                    num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, out: torch.Tensor | None = None,
+                    k_bias: F.KRopeBias | None = None) -> torch.Tensor:
     """Both paths on a ragged batch (tests, benchmarks): the twin of
     reference.paged_attention_residual. Reads query_start_loc on the host."""
     qsl = query_start_loc.cpu()
@@ -689,10 +805,11 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
             part_lse = torch.empty(num_rows * splits, q.shape[1], dtype=torch.float32,
                                    device=q.device)
         decode_attention(q, cache, layout, block_table, seq_lens, query_start_loc, out,
-                         sm_scale, num_rows, splits, part_o, part_lse, residual, k_smooth)
+                         sm_scale, num_rows, splits, part_o, part_lse, residual, k_smooth,
+                         k_bias)
     max_q = int(qlens.max()) if num_rows else 0
     prefill_attention(q, cache, layout, block_table, seq_lens, query_start_loc, out, sm_scale,
-                      num_rows, max_q, residual, k_smooth)
+                      num_rows, max_q, residual, k_smooth, k_bias)
     return out
 
 

@@ -1,0 +1,200 @@
+"""Bias-aware K quantization: hands k_proj's bias and the model's RoPE to the KV backend.
+
+A model whose k projection has a bias (Qwen2: q/k/v biases) can have K channels that are
+nearly constant and huge (Qwen2.5-Coder-1.5B layer 0: a rotary pair of norm 456, against a
+K std of 2.3), which wrecks per-(token, head) KV4/KV8 codes. The backend then stores
+K - RoPE_p(b) and adds q . RoPE_p(b) back when attending (formats.KRopeBias,
+docs/ATTENTION.md). It needs no checkpoint change: b is k_proj's bias, already loaded.
+
+How b reaches the Attention layer (vLLM 0.26, --quantization mixprec):
+  * vLLM's loader calls process_weights_after_loading on every module in named_modules()
+    order (model_loader/utils.py), so a layer's `self_attn.qkv_proj` (registered before
+    `self_attn.attn` by every vLLM model that has both) is processed before its Attention;
+  * the linear methods (ours, and the unquantized one of ignored layers) call
+    record_qkv_bias: this rank's K slice [q_size : q_size + kv_size] of the (TP-sharded)
+    bias, keyed by the parent prefix "model.layers.N.self_attn";
+  * MixPrecKVCacheMethod.process_weights_after_loading calls attach, which takes that bias,
+    checks the model's RoPE (hf_config) and sets `layer.k_rope_bias` (a formats.KRopeBias)
+    when KV is quantized; the backend reads it like `layer.k_smooth`.
+
+Knobs (environment):
+  MIXPREC_KV_BIAS_AWARE  unset/"auto": on for the layers whose k bias has a rotary pair of
+                         norm >= MIXPREC_KV_BIAS_MIN, for known neox-RoPE architectures;
+                         "0": off; "1": also for architectures not in NEOX_ARCHITECTURES.
+  MIXPREC_KV_BIAS_MIN    that threshold (default 16; 0: every layer with a k bias).
+  MIXPREC_KV_BIAS_PAIRS  rotary pairs per head kept (largest bias first; default 16, the
+                         cheapest; "all" keeps every pair). Qwen2.5's 17th largest pair has
+                         norm <= 4.3 in every layer, the same order as K's own spread.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from vllm.model_executor.layers.linear import QKVParallelLinear, UnquantizedLinearMethod
+
+from .. import formats as F
+
+logger = logging.getLogger("vllm.mixprec")
+
+ENV = "MIXPREC_KV_BIAS_AWARE"
+ENV_MIN = "MIXPREC_KV_BIAS_MIN"
+ENV_PAIRS = "MIXPREC_KV_BIAS_PAIRS"
+DEFAULT_MIN_NORM = 16.0
+DEFAULT_PAIRS = 16
+# vLLM models known to build full-head neox-style (rotate-half) RoPE with get_rope's defaults.
+NEOX_ARCHITECTURES = frozenset({
+    "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "LlamaForCausalLM", "MistralForCausalLM"})
+
+# parent prefix ("model.layers.N.self_attn") -> this rank's k bias [H_kv, D] float32, or None
+# for a QKV layer without bias. Filled by record_qkv_bias, emptied by attach.
+_qkv_k_bias: dict[str, torch.Tensor | None] = {}
+_logged = False
+
+
+def _parent(prefix: str) -> str:
+    return prefix.rsplit(".", 1)[0] if "." in prefix else ""
+
+
+def record_qkv_bias(layer: torch.nn.Module, prefix: str) -> None:
+    """Remember the K part of a merged QKV layer's bias (this TP rank's kv heads)."""
+    if not isinstance(layer, QKVParallelLinear):
+        return
+    bias = getattr(layer, "bias", None)
+    if bias is None:
+        _qkv_k_bias[_parent(prefix)] = None  # overwrite a stale entry of an earlier model
+        return
+    q_size = layer.num_heads * layer.head_size
+    kv_size = layer.num_kv_heads * layer.head_size
+    k = bias.detach()[q_size:q_size + kv_size].to(torch.float32)
+    _qkv_k_bias[_parent(prefix)] = k.reshape(layer.num_kv_heads, layer.head_size).clone()
+
+
+class RecordingUnquantizedLinearMethod(UnquantizedLinearMethod):
+    """vLLM's 16-bit linear method (layers in ignored_layers) that also records a QKV layer's
+    k bias."""
+
+    def __init__(self, prefix: str = ""):
+        super().__init__()
+        self.prefix = prefix
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        record_qkv_bias(layer, self.prefix)
+
+
+def mode(environ=os.environ) -> str:
+    """'auto', 'off' or 'force' from MIXPREC_KV_BIAS_AWARE."""
+    v = environ.get(ENV, "").strip().lower()
+    if v in ("", "auto"):
+        return "auto"
+    if v in ("0", "false", "off", "no"):
+        return "off"
+    if v in ("1", "true", "on", "yes"):
+        return "force"
+    raise ValueError(f"{ENV}={environ[ENV]!r}: expected 0 (off), 1 (on) or auto")
+
+
+def _min_norm(environ=os.environ) -> float:
+    v = environ.get(ENV_MIN, "").strip()
+    try:
+        x = float(v) if v else DEFAULT_MIN_NORM
+    except ValueError:
+        x = -1.0
+    if not x >= 0:
+        raise ValueError(f"{ENV_MIN}={v!r}: expected a number >= 0 (the smallest k-bias pair "
+                         f"norm that turns bias-aware K on; default {DEFAULT_MIN_NORM:g})")
+    return x
+
+
+def _num_pairs(head_dim: int, environ=os.environ) -> int | None:
+    """Pairs per head (None: all) from MIXPREC_KV_BIAS_PAIRS."""
+    v = environ.get(ENV_PAIRS, "").strip().lower()
+    if v == "all" or (v.isdigit() and int(v) >= head_dim // 2):
+        return None
+    n = int(v) if v.isdigit() else DEFAULT_PAIRS if not v else -1
+    if n < F.MIN_BIAS_PAIRS or n & (n - 1):
+        raise ValueError(f"{ENV_PAIRS}={v!r}: expected a power of two >= {F.MIN_BIAS_PAIRS} "
+                         f"or 'all' (default {DEFAULT_PAIRS})")
+    return n
+
+
+def rope_inv_freq(hf_config, head_dim: int, architectures=(), forced: bool = False
+                  ) -> torch.Tensor:
+    """The inverse frequencies [head_dim/2] of vLLM's default RotaryEmbedding for this model,
+    or ValueError naming the config field that asks for a RoPE bias-aware K does not model."""
+    off = f"set {ENV}=0 to quantize K without the bias"
+    rp = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not rp:  # configs vLLM did not standardize
+        rp = dict(getattr(hf_config, "rope_scaling", None) or {})
+        rp.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    bad = []
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind not in (None, "default"):
+        bad.append(f"rope_parameters.rope_type={kind!r} (only the default, unscaled RoPE: "
+                   "scaled variants change the frequencies or multiply cos/sin by an mscale)")
+    for key in ("mrope_section", "use_fope"):
+        if rp.get(key):
+            bad.append(f"rope_parameters.{key}={rp[key]!r}")
+    factor = rp.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    if factor not in (None, 1, 1.0):
+        bad.append(f"partial_rotary_factor={factor!r} (partial rotary)")
+    dim = rp.get("rope_dim")
+    if dim not in (None, head_dim):
+        bad.append(f"rope_parameters.rope_dim={dim!r} (partial rotary; head_dim={head_dim})")
+    if getattr(hf_config, "dual_chunk_attention_config", None):
+        bad.append("dual_chunk_attention_config (dual-chunk RoPE)")
+    archs = [a for a in (architectures or []) if a]
+    if not forced and not any(a in NEOX_ARCHITECTURES for a in archs):
+        bad.append(f"architectures={archs!r} is not known to use full-head neox-style "
+                   f"(rotate-half) RoPE (known: {sorted(NEOX_ARCHITECTURES)}; set {ENV}=1 "
+                   "if it does)")
+    if bad:
+        raise ValueError("bias-aware K quantization (the k projection has a bias and KV is "
+                         "quantized) supports the default neox-style RoPE over the whole "
+                         f"head only; this model has {'; '.join(bad)}. {off}")
+    base = float(rp.get("rope_theta", 10000.0))
+    # vLLM's RotaryEmbeddingBase._compute_inv_freq, bit for bit
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+
+def attach(layer: torch.nn.Module, prefix: str, model_config) -> None:
+    """Set layer.k_rope_bias (formats.KRopeBias) if this Attention layer's K should be
+    quantized bias-aware: KV quantized by the mixprec backend, k_proj with a large bias."""
+    global _logged
+    k_bias = _qkv_k_bias.pop(_parent(prefix), None)
+    m = mode()
+    backend = getattr(getattr(layer, "attn_backend", None), "get_name", lambda: None)()
+    if k_bias is None or m == "off" or backend != "CUSTOM" or \
+            F.KV_SCHEME_OF_CARRIER.get(getattr(layer, "kv_cache_dtype", None)) is None:
+        return
+    half = k_bias.shape[1] // 2
+    norm = float((k_bias[:, :half].square() + k_bias[:, half:].square()).sqrt().max())
+    threshold = _min_norm()
+    if norm < threshold:
+        logger.debug("%s: k bias pair norm %.1f < %s=%g: K quantized as is", prefix, norm,
+                     ENV_MIN, threshold)
+        return
+    heads = getattr(layer, "num_kv_heads", k_bias.shape[0])
+    if tuple(k_bias.shape) != (heads, layer.head_size):
+        raise ValueError(f"{prefix}: the qkv_proj k bias has shape {tuple(k_bias.shape)}, the "
+                         f"attention layer ({heads}, {layer.head_size}) kv heads x head_dim")
+    if model_config is None:
+        raise ValueError(f"{prefix}: bias-aware K quantization needs the model config (RoPE "
+                         f"parameters), and none is set; set {ENV}=0 to quantize K without it")
+    hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    archs = getattr(model_config, "architectures", None) or \
+        getattr(model_config.hf_config, "architectures", None) or []
+    inv_freq = rope_inv_freq(hf, layer.head_size, archs, forced=m == "force")
+    pairs = _num_pairs(layer.head_size)
+    layer.k_rope_bias = F.make_k_rope_bias(k_bias, inv_freq, pairs)
+    if not _logged:
+        _logged = True
+        logger.info("mixprec: the k projection has a bias and KV is quantized: bias-aware K "
+                    "quantization (K - RoPE_p(b) stored, q.RoPE_p(b) added back) on the layers "
+                    "whose largest k-bias pair norm is >= %g (%s), %s rotary pairs per head "
+                    "(%s); %s=0 turns it off", threshold, ENV_MIN, pairs or "all", ENV_PAIRS,
+                    ENV)
+    logger.debug("%s: bias-aware K, largest k-bias pair norm %.1f", prefix, norm)
