@@ -58,6 +58,22 @@ def rotated_k_bias(bias: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: to
     return (b * cos.float()[None] + rot * sin.float()[None])[None]
 
 
+def served_k_bias(bias: torch.Tensor | None, head_dim: int) -> torch.Tensor | None:
+    """The part of k_proj's bias that the backend quantizes around (quant_methods/k_bias.py,
+    under the same MIXPREC_KV_BIAS_MIN / MIXPREC_KV_BIAS_PAIRS settings): None on a layer
+    whose largest bias pair is below the threshold, else the bias with only the kept
+    rotary pairs (the others stay in K)."""
+    from ..quant_methods import k_bias as KB
+
+    if bias is None:
+        return None
+    b = bias.detach().float().reshape(-1, head_dim)
+    half = head_dim // 2
+    if float((b[:, :half].square() + b[:, half:].square()).sqrt().max()) < KB._min_norm():
+        return None
+    return F.make_k_rope_bias(b, torch.ones(half), KB._num_pairs(head_dim)).bias.reshape(-1)
+
+
 def register_kv_attention(scheme: str, residual: int = 0, skip_layers: tuple[int, ...] = (),
                           rotary=None) -> str:
     """An attention implementation that fake-quantizes K and V, then runs SDPA
@@ -75,7 +91,7 @@ def register_kv_attention(scheme: str, residual: int = 0, skip_layers: tuple[int
             f"{'_biasaware' if rotary is not None else ''}")
 
     def quant_k(module, key):
-        bias = getattr(getattr(module, "k_proj", None), "bias", None)
+        bias = served_k_bias(getattr(getattr(module, "k_proj", None), "bias", None), key.shape[-1])
         if rotary is None or bias is None:
             return fake_quant_kv(key, scheme)
         cos, sin = rotary(key, torch.arange(key.shape[2])[None])
