@@ -164,3 +164,21 @@ def test_kv_bias_aware_rescues_large_k_biases(tmp_path):
     run = lambda **kw: next(iter(P.evaluate(src, text, n_tokens=256, window=128, **kw).values()))["ppl"]  # noqa: E731
     full, kv4, aware = run(), run(kv_scheme="kv4"), run(kv_scheme="kv4", kv_bias_aware=True)
     assert abs(aware / full - 1) < 0.25 * abs(kv4 / full - 1), (full, kv4, aware)
+
+
+def test_served_k_bias_mirrors_the_backend_defaults(monkeypatch):
+    """The eval quantizes around exactly the bias the backend would: nothing below
+    MIXPREC_KV_BIAS_MIN, and only the MIXPREC_KV_BIAS_PAIRS largest rotary pairs."""
+    from vllm_mixprec.eval.perplexity import served_k_bias
+
+    d, half = 128, 64
+    b = torch.full((2, d), 0.5)
+    assert served_k_bias(b.reshape(-1), d) is None  # largest pair norm 0.7 < 16
+    b[0, 3], b[1, half + 9] = 300.0, -40.0
+    kept = served_k_bias(b.reshape(-1), d).reshape(2, d)
+    norm = kept[:, :half].square() + kept[:, half:].square()
+    assert ((norm > 0).sum(1) == 16).all()
+    assert kept[0, 3] == 300.0 and kept[1, half + 9] == -40.0
+    monkeypatch.setenv("MIXPREC_KV_BIAS_PAIRS", "all")
+    monkeypatch.setenv("MIXPREC_KV_BIAS_MIN", "0")
+    assert torch.equal(served_k_bias(b.reshape(-1), d).reshape(2, d), b)
