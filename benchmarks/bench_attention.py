@@ -271,19 +271,25 @@ def tune(args) -> list[dict]:
         base = decode_num_splits(batch, HKV)
         for splits in sorted({max(1, base // 2), base, base * 2}):
             run.splits = splits
-            for cfg in [(bn, w, s) for bn in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3)]:
-                os.environ["MIXPREC_ATTN_DECODE_CFG"] = ",".join(map(str, cfg))
+            # (BLOCK_N, warps, stages, register cap; 0 = none): the grid, then register caps
+            # on the occupancy-limited tiles (attention.decode_maxnreg)
+            cfgs = [(bn, w, s, 0) for bn in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3)]
+            cfgs += [(128, 2, 2, r) for r in (128, 168)] + [(128, 4, 2, 128), (64, 2, 2, 128)]
+            for cfg in cfgs:
+                os.environ["MIXPREC_ATTN_DECODE_CFG"] = ",".join(map(str, cfg[:3]))
+                os.environ["MIXPREC_ATTN_DECODE_MAXNREG"] = str(cfg[3])
                 try:
                     ms = time_graph(run, 30)
                 except Exception as e:  # e.g. out of shared memory for big tiles
                     print(f"  {batch}x{ctx} splits={splits} cfg={cfg}: {type(e).__name__}: {e}")
                     continue
                 results.append(dict(batch=batch, ctx=ctx, splits=splits, cfg=cfg, ms=ms))
-                print(f"  {batch}x{ctx} splits={splits} BLOCK_N,warps,stages={cfg}: {ms:.4f} ms")
+                print(f"  {batch}x{ctx} splits={splits} BLOCK_N,warps,stages,maxnreg={cfg}: {ms:.4f} ms")
         best = min((r for r in results if (r["batch"], r["ctx"]) == (batch, ctx)),
                    key=lambda r: r["ms"])
         print(f"best for {batch}x{ctx}: {best}")
     os.environ.pop("MIXPREC_ATTN_DECODE_CFG", None)
+    os.environ.pop("MIXPREC_ATTN_DECODE_MAXNREG", None)
     return results
 
 

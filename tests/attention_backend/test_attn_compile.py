@@ -64,6 +64,13 @@ SCRIPT = textwrap.dedent(r'''
         if decode:
             compile_(A._decode_finish_kernel, attn_ptrs(kv4, dt), common, arch, ("qk_scale",),
                      num_warps=4)
+    # the tuned decode tile under a register cap (attention.decode_maxnreg) reaches ptxas
+    common = dict(B=16, D=128, G=4, G_PAD=16, BLOCK_R=16, NUM_SPLITS=2, KV4=True,
+                  HAS_SMOOTH=False, HAS_KB=False, NP=16, KB_V=64, HAS_RES=True, DT=tl.bfloat16)
+    capped = compile_(A._paged_attn_kernel, attn_ptrs(True, "bf16"),
+                      dict(common, BLOCK_M=1, BLOCK_N=128, DECODE=True, FAST_UNPACK=True), arch,
+                      ("qk_scale",), num_warps=2, num_stages=2, maxnreg=128)
+    assert ".maxnreg 128" in capped.asm["ptx"], "maxnreg did not reach the PTX"
     for kv4 in (True, False):
         ptrs = {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64",
                 "codes_ptr": "*u8" if kv4 else "*i8", "meta_ptr": "*fp16" if kv4 else "*fp32",

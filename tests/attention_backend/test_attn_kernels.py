@@ -179,6 +179,23 @@ def test_decode_config_choice(monkeypatch):
         decode_config(128)
 
 
+def test_decode_maxnreg_env(monkeypatch):
+    from vllm_mixprec.kernels.triton.attention import decode_maxnreg
+    monkeypatch.delenv("MIXPREC_ATTN_DECODE_MAXNREG", raising=False)
+    assert decode_maxnreg() == {}
+    monkeypatch.setenv("MIXPREC_ATTN_DECODE_MAXNREG", "0")
+    assert decode_maxnreg() == {}
+    monkeypatch.setenv("MIXPREC_ATTN_DECODE_MAXNREG", "168")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert decode_maxnreg() == {"maxnreg": 168}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter has no registers to cap
+    assert decode_maxnreg() == {}
+    for bad in ("12", "300", "many"):
+        monkeypatch.setenv("MIXPREC_ATTN_DECODE_MAXNREG", bad)
+        with pytest.raises(ValueError, match="MIXPREC_ATTN_DECODE_MAXNREG"):
+            decode_maxnreg()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_decode_cuda_graph_replay(scheme):

@@ -640,6 +640,21 @@ def decode_config(head_dim: int, scheme: str = "kv4", num_rows: int = 0,
     return 64, 4, 3
 
 
+def decode_maxnreg() -> dict:
+    """Launch option capping the decode kernel's registers per thread, from
+    MIXPREC_ATTN_DECODE_MAXNREG (unset or 0: the compiler's choice). The (128, 2, 2) config
+    uses 255, which holds an SM to 4 CTAs = 8 warps (ncu, 64 x 8K, 2026-11-23: 12.5 %
+    occupancy, 38 % DRAM throughput): `bench_attention.py --tune` weighs a cap (more warps
+    in flight) against the spills it costs."""
+    v = os.environ.get("MIXPREC_ATTN_DECODE_MAXNREG", "").strip()
+    if not v or v == "0":
+        return {}
+    if not v.isdigit() or not 24 <= int(v) <= 255:
+        raise ValueError(f"MIXPREC_ATTN_DECODE_MAXNREG={v!r}: expected 0 (compiler's choice) "
+                         "or a register count in [24, 255]")
+    return {} if os.environ.get("TRITON_INTERPRET") == "1" else {"maxnreg": int(v)}
+
+
 def prefill_config(head_dim: int, group: int) -> tuple[int, int, int, int]:
     """(BLOCK_M query tokens, BLOCK_N, num_warps, num_stages) of the prefill kernel."""
     cfg = _env_cfg("MIXPREC_ATTN_PREFILL_CFG", 4)
@@ -750,7 +765,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
                   DT=_TL_DTYPE[q.dtype])
     _paged_attn_kernel[(num_rows, num_kv_heads, num_splits)](
         *args, BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
-        num_warps=warps, num_stages=stages, **common)
+        num_warps=warps, num_stages=stages, **decode_maxnreg(), **common)
     if finish:
         _decode_finish_kernel[(num_rows, num_kv_heads)](*args, num_warps=4, **common)
 
