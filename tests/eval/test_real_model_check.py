@@ -598,3 +598,16 @@ def test_kv_none_copy(tmp_path):
     assert (dst / "model.safetensors").is_symlink() and (dst / "model.safetensors").read_bytes() == b"weights"
     assert json.loads((src / "config.json").read_text())["quantization_config"]["kv_scheme"] == "kv8"
     RC.kv_none_copy(src, tmp_path / "copy")  # again
+
+
+def test_main_leaves_the_cache_env_as_it_found_it(tmp_path, monkeypatch):
+    """main() points VLLM_MIXPREC_CACHE at --models-dir while it runs; a value leaked past
+    it sent later tests in the same process to a fake text cache (CI, 2026-11-23)."""
+    monkeypatch.delenv("VLLM_MIXPREC_CACHE", raising=False)
+    RC.main(["--models-dir", str(tmp_path), "--out", str(tmp_path / "o"), "--arms", "bf16",
+             "--reference", str(tmp_path / "none.json")])
+    assert "VLLM_MIXPREC_CACHE" not in os.environ
+    monkeypatch.setenv("VLLM_MIXPREC_CACHE", "/somewhere")
+    RC.main(["--models-dir", str(tmp_path), "--out", str(tmp_path / "o"), "--arms", "bf16",
+             "--reference", str(tmp_path / "none.json")])
+    assert os.environ["VLLM_MIXPREC_CACHE"] == "/somewhere"

@@ -462,7 +462,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     models_dir = args.models_dir.resolve()
-    os.environ["VLLM_MIXPREC_CACHE"] = str(models_dir)  # load_text finds (and sha-checks) text/NAME.txt there
+    # load_text finds (and sha-checks) text/NAME.txt there. Restored on return: tests call
+    # main() in-process, and a leaked value sent later tests to a fake cache (CI, 2026-11-23).
+    old = os.environ.get("VLLM_MIXPREC_CACHE")
+    os.environ["VLLM_MIXPREC_CACHE"] = str(models_dir)
+    try:
+        return _run(args, argv, models_dir)
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_MIXPREC_CACHE", None)
+        else:
+            os.environ["VLLM_MIXPREC_CACHE"] = old
+
+
+def _run(args, argv: list[str] | None, models_dir: Path) -> int:
     if args.cpu_reference is not None:
         command = "python3 scripts/real_model_check.py " + " ".join(sys.argv[1:] if argv is None else argv)
         cpu_reference(models_dir, args.cpu_reference, args.run_list, command)
