@@ -90,9 +90,12 @@ stage_test_csrc() { pytest_gpu pytest-gpu-csrc 360 tests/kernels/test_cuda_gemm.
 # Property tests (hypothesis) on the device, csrc and Triton kernels included. They are not
 # gpu-marked (the Triton ones run on the CPU in CI too), so `-m gpu` leaves them out. The host has
 # no hypothesis: carry .gpu/pyextra (`make gpu-bundle` copies it from the local venv).
-stage_property() {
+use_pyextra() {
   [ -d "$REPO/.gpu/pyextra" ] && export PYTHONPATH=$REPO/.gpu/pyextra:$PYTHONPATH
   python3 -c "import hypothesis" 2>/dev/null || { log "no hypothesis on the path: carry .gpu/pyextra"; return 1; }
+}
+stage_property() {
+  use_pyextra || return 1
   pytest_logged pytest-property 540 tests/kernels/test_cuda_properties.py tests/kernels/test_triton_properties.py \
     tests/attention_backend/test_kv_properties.py tests/test_formats_properties.py tests/test_reference_properties.py
 }
@@ -107,7 +110,7 @@ stage_recheck() {
   return $rc
 }
 stage_property_cuda_gemm() {
-  [ -d "$REPO/.gpu/pyextra" ] && export PYTHONPATH=$REPO/.gpu/pyextra:$PYTHONPATH
+  use_pyextra || return 1
   pytest_logged pytest-property-cuda 200 tests/kernels/test_cuda_properties.py
 }
 

@@ -68,10 +68,9 @@ def served_k_bias(bias: torch.Tensor | None, head_dim: int) -> torch.Tensor | No
     if bias is None:
         return None
     b = bias.detach().float().reshape(-1, head_dim)
-    half = head_dim // 2
-    if float((b[:, :half].square() + b[:, half:].square()).sqrt().max()) < KB._min_norm():
+    if KB.largest_pair_norm(b) < KB.min_norm():
         return None
-    return F.make_k_rope_bias(b, torch.ones(half), KB._num_pairs(head_dim)).bias.reshape(-1)
+    return F.make_k_rope_bias(b, torch.ones(head_dim // 2), KB.num_pairs(head_dim)).bias.reshape(-1)
 
 
 def register_kv_attention(scheme: str, residual: int = 0, skip_layers: tuple[int, ...] = (),

@@ -97,7 +97,8 @@ def mode(environ=os.environ) -> str:
     raise ValueError(f"{ENV}={environ[ENV]!r}: expected 0 (off), 1 (on) or auto")
 
 
-def _min_norm(environ=os.environ) -> float:
+def min_norm(environ=os.environ) -> float:
+    """The smallest largest-pair norm that turns bias-aware K on (MIXPREC_KV_BIAS_MIN)."""
     v = environ.get(ENV_MIN, "").strip()
     try:
         x = float(v) if v else DEFAULT_MIN_NORM
@@ -109,7 +110,7 @@ def _min_norm(environ=os.environ) -> float:
     return x
 
 
-def _num_pairs(head_dim: int, environ=os.environ) -> int | None:
+def num_pairs(head_dim: int, environ=os.environ) -> int | None:
     """Pairs per head (None: all) from MIXPREC_KV_BIAS_PAIRS."""
     v = environ.get(ENV_PAIRS, "").strip().lower()
     if v == "all" or (v.isdigit() and int(v) >= head_dim // 2):
@@ -119,6 +120,12 @@ def _num_pairs(head_dim: int, environ=os.environ) -> int | None:
         raise ValueError(f"{ENV_PAIRS}={v!r}: expected a power of two >= {F.MIN_BIAS_PAIRS} "
                          f"or 'all' (default {DEFAULT_PAIRS})")
     return n
+
+
+def largest_pair_norm(k_bias: torch.Tensor) -> float:
+    """The largest rotary-pair norm |(b_i, b_{i+D/2})| of a k bias [H_kv, D]."""
+    half = k_bias.shape[1] // 2
+    return float((k_bias[:, :half].square() + k_bias[:, half:].square()).sqrt().max())
 
 
 def rope_inv_freq(hf_config, head_dim: int, architectures=(), forced: bool = False
@@ -170,9 +177,8 @@ def attach(layer: torch.nn.Module, prefix: str, model_config) -> None:
     if k_bias is None or m == "off" or backend != "CUSTOM" or \
             F.KV_SCHEME_OF_CARRIER.get(getattr(layer, "kv_cache_dtype", None)) is None:
         return
-    half = k_bias.shape[1] // 2
-    norm = float((k_bias[:, :half].square() + k_bias[:, half:].square()).sqrt().max())
-    threshold = _min_norm()
+    norm = largest_pair_norm(k_bias)
+    threshold = min_norm()
     if norm < threshold:
         logger.debug("%s: k bias pair norm %.1f < %s=%g: K quantized as is", prefix, norm,
                      ENV_MIN, threshold)
@@ -188,7 +194,7 @@ def attach(layer: torch.nn.Module, prefix: str, model_config) -> None:
     archs = getattr(model_config, "architectures", None) or \
         getattr(model_config.hf_config, "architectures", None) or []
     inv_freq = rope_inv_freq(hf, layer.head_size, archs, forced=m == "force")
-    pairs = _num_pairs(layer.head_size)
+    pairs = num_pairs(layer.head_size)
     layer.k_rope_bias = F.make_k_rope_bias(k_bias, inv_freq, pairs)
     if not _logged:
         _logged = True
