@@ -17,6 +17,8 @@ L2 flushed between replays). Outputs are checked against FA3 (relative L2 error)
   python benchmarks/bench_attention.py --quick    # batch {1,64} x ctx {1K,8K}
   python benchmarks/bench_attention.py --tune     # sweep mixprec decode configs (BLOCK_N,
                                                   # warps, stages, splits) on two shapes
+  python benchmarks/bench_attention.py --prefill  # prefill/extend: FA3 vs mixprec KV4/KV8,
+                                                  # chunk read from the pages or exact (16-bit)
 Writes <out>/attention-<device>.json and .png and prints a table.
 """
 from __future__ import annotations
@@ -31,6 +33,10 @@ HQ, HKV, D, B = 32, 8, 128, 16
 BYTES_PER_TOKEN_HEAD = {"fa3-bf16": 4 * D, "triton-int4": D + 8, "triton-int8": 2 * D + 8,
                         "mixprec-kv4": D + 8, "mixprec-kv8": 2 * D + 8, "mixprec-kv4-r16": D + 8}
 ALL_METHODS = tuple(BYTES_PER_TOKEN_HEAD)
+# (batch, ctx, chunk): `chunk` new tokens per sequence after ctx - chunk cached ones
+PREFILL_GRID = ((1, 8192, 8192), (8, 2048, 2048), (4, 8192, 1024), (16, 4096, 512))
+PREFILL_METHODS = ("fa3-bf16", "mixprec-kv4", "mixprec-kv4-exact", "mixprec-kv8",
+                   "mixprec-kv8-exact")
 
 
 def parse_args(argv=None):
@@ -42,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
     p.add_argument("--quick", action="store_true", help="batch {1,64} x ctx {1K,8K}, short reps")
     p.add_argument("--tune", action="store_true", help="sweep the mixprec decode configs")
+    p.add_argument("--prefill", action="store_true",
+                   help="prefill/extend grid (PREFILL_GRID) instead of decode")
     p.add_argument("--rep-ms", type=int, default=200, help="do_bench rep time per method")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                  "results"))
@@ -55,19 +63,24 @@ def parse_args(argv=None):
 # --- set-up ----------------------------------------------------------------------------
 
 class Shape:
-    """One grid point: a batch of `batch` sequences of `ctx` tokens, one query token each."""
+    """One grid point: a batch of `batch` sequences of `ctx` tokens, the last `q_len` of
+    each being this step's queries (1: decode)."""
 
-    def __init__(self, batch: int, ctx: int, seed: int):
+    def __init__(self, batch: int, ctx: int, seed: int, q_len: int = 1):
         import torch
         g = torch.Generator(device="cuda").manual_seed(seed)
-        self.batch, self.ctx = batch, ctx
+        self.batch, self.ctx, self.q_len = batch, ctx, q_len
         self.blocks_per_seq = -(-ctx // B)
         self.num_blocks = batch * self.blocks_per_seq + 1
         perm = torch.randperm(self.num_blocks - 1, device="cuda", generator=g) + 1
         self.block_table = perm.view(batch, self.blocks_per_seq).to(torch.int32)
         self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        self.qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-        self.q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda", generator=g)
+        self.qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * q_len
+        self.q = torch.randn(batch * q_len, HQ, D, dtype=torch.bfloat16, device="cuda",
+                             generator=g)
+        # the new tokens' 16-bit K/V, as a layer's forward gets them (filled by chunks())
+        self.new_k = torch.empty(batch * q_len, HKV, D, dtype=torch.bfloat16, device="cuda")
+        self.new_v = torch.empty_like(self.new_k)
         self.scale = D ** -0.5
         self.gen = g
 
@@ -82,7 +95,16 @@ class Shape:
             k = torch.randn(slots.shape[0], HKV, D, dtype=torch.bfloat16, device="cuda",
                             generator=self.gen)
             v = torch.randn(k.shape, dtype=torch.bfloat16, device="cuda", generator=self.gen)
+            n = rows.shape[0]
+            new = slice(s0 * self.q_len, (s0 + n) * self.q_len)
+            self.new_k[new] = k.view(n, self.ctx, HKV, D)[:, self.ctx - self.q_len:].flatten(0, 1)
+            self.new_v[new] = v.view(n, self.ctx, HKV, D)[:, self.ctx - self.q_len:].flatten(0, 1)
             yield slots, k, v
+
+    def attention_flops(self) -> float:
+        """2 GEMMs x 2 flops per causal (query, key) pair and head dim element."""
+        pairs = self.q_len * (self.ctx - self.q_len) + self.q_len * (self.q_len + 1) / 2
+        return 4.0 * self.batch * HQ * D * pairs
 
 
 def setup_fa3(shape: Shape):
@@ -94,14 +116,14 @@ def setup_fa3(shape: Shape):
     writers = [lambda s, k, v: (k_cache.view(-1, HKV, D).index_copy_(0, s, k),
                                 v_cache.view(-1, HKV, D).index_copy_(0, s, v))]
     out = torch.empty_like(shape.q)
-    sched = get_scheduler_metadata(batch_size=shape.batch, max_seqlen_q=1,
+    sched = get_scheduler_metadata(batch_size=shape.batch, max_seqlen_q=shape.q_len,
                                    max_seqlen_k=shape.ctx, num_heads_q=HQ, num_heads_kv=HKV,
                                    headdim=D, cache_seqlens=shape.seq_lens,
                                    qkv_dtype=torch.bfloat16, cu_seqlens_q=shape.qsl,
                                    page_size=B, causal=True)
 
     def run():
-        flash_attn_varlen_func(shape.q, k_cache, v_cache, max_seqlen_q=1,
+        flash_attn_varlen_func(shape.q, k_cache, v_cache, max_seqlen_q=shape.q_len,
                                cu_seqlens_q=shape.qsl, max_seqlen_k=shape.ctx,
                                seqused_k=shape.seq_lens, softmax_scale=shape.scale, causal=True,
                                block_table=shape.block_table, out=out,
@@ -150,11 +172,13 @@ def setup_triton(shape: Shape, carrier: str):
     return writers, run, out
 
 
-def setup_mixprec(shape: Shape, scheme: str, residual_tokens: int = 0, splits: int | None = None):
+def setup_mixprec(shape: Shape, scheme: str, residual_tokens: int = 0, splits: int | None = None,
+                  exact: bool = False):
     import torch
     from vllm_mixprec import formats as F
     from vllm_mixprec.attention_backend import residual as R
-    from vllm_mixprec.kernels.triton.attention import decode_attention, decode_num_splits
+    from vllm_mixprec.kernels.triton.attention import (decode_attention, decode_num_splits,
+                                                       prefill_attention)
     from vllm_mixprec.kernels.triton.kv_cache import KVResidual, quantize_and_store
 
     layout = F.KVPageLayout(scheme, D, B)
@@ -184,8 +208,14 @@ def setup_mixprec(shape: Shape, scheme: str, residual_tokens: int = 0, splits: i
     out = torch.empty_like(shape.q)
 
     def run():
-        decode_attention(shape.q, cache, layout, shape.block_table, shape.seq_lens, shape.qsl,
-                         out, shape.scale, shape.batch, run.splits, part_o, part_lse, res)
+        if shape.q_len > 1:
+            prefill_attention(shape.q, cache, layout, shape.block_table, shape.seq_lens,
+                              shape.qsl, out, shape.scale, shape.batch, shape.q_len, res,
+                              chunk_kv=(shape.new_k, shape.new_v) if exact else None)
+        else:
+            decode_attention(shape.q, cache, layout, shape.block_table, shape.seq_lens,
+                             shape.qsl, out, shape.scale, shape.batch, run.splits, part_o,
+                             part_lse, res)
     run.splits = splits or decode_num_splits(shape.batch, HKV)  # --tune changes it
     run.directory = directory
     return [write], run, out
@@ -198,7 +228,8 @@ def setup(method: str, shape: Shape, **kw):
         return setup_triton(shape, {"triton-int4": "int4_per_token_head",
                                     "triton-int8": "int8_per_token_head"}[method])
     scheme = "kv4" if "kv4" in method else "kv8"
-    return setup_mixprec(shape, scheme, 16 if method.endswith("-r16") else 0, **kw)
+    return setup_mixprec(shape, scheme, 16 if method.endswith("-r16") else 0,
+                         exact=method.endswith("-exact"), **kw)
 
 
 # --- timing ----------------------------------------------------------------------------
@@ -236,8 +267,12 @@ def run_shape(shape: Shape, methods, rep_ms: int) -> list[dict]:
     rows = []
     for m, (_, run, out) in built.items():
         ms = time_graph(run, rep_ms)
-        gbs = shape.batch * shape.ctx * HKV * BYTES_PER_TOKEN_HEAD[m] / ms / 1e6
-        rows.append(dict(batch=shape.batch, ctx=shape.ctx, method=m, ms=ms, gb_per_s=gbs))
+        row = dict(batch=shape.batch, ctx=shape.ctx, q_len=shape.q_len, method=m, ms=ms)
+        if shape.q_len == 1:
+            row["gb_per_s"] = shape.batch * shape.ctx * HKV * BYTES_PER_TOKEN_HEAD[m] / ms / 1e6
+        else:
+            row["tflop_per_s"] = shape.attention_flops() / ms / 1e9
+        rows.append(row)
     ref = built.get("fa3-bf16")
     for r in rows:
         if ref is not None:
@@ -296,12 +331,14 @@ def tune(args) -> list[dict]:
 # --- reporting ---------------------------------------------------------------------------
 
 def print_table(rows):
-    hdr = f"{'batch':>5} {'ctx':>6} {'method':<16} {'ms':>9} {'GB/s':>7} {'x FA3':>6} {'relerr':>7}"
+    hdr = (f"{'batch':>5} {'ctx':>6} {'q_len':>5} {'method':<18} {'ms':>9} {'GB/s|TF/s':>9} "
+           f"{'x FA3':>6} {'relerr':>7}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['batch']:>5} {r['ctx']:>6} {r['method']:<16} {r['ms']:>9.4f} "
-              f"{r['gb_per_s']:>7.0f} {r.get('speedup_vs_fa3', float('nan')):>6.2f} "
+        rate = r.get("gb_per_s", r.get("tflop_per_s", float("nan")))
+        print(f"{r['batch']:>5} {r['ctx']:>6} {r.get('q_len', 1):>5} {r['method']:<18} "
+              f"{r['ms']:>9.4f} {rate:>9.0f} {r.get('speedup_vs_fa3', float('nan')):>6.2f} "
               f"{r.get('rel_err_vs_fa3', float('nan')):>7.4f}")
 
 
@@ -344,27 +381,32 @@ def main(argv=None):
                 torch=torch.__version__, triton=triton.__version__, vllm=vllm.__version__,
                 shape=dict(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=B),
                 timing="CUDA graph replay, triton.testing.do_bench median, L2 flushed")
-    if args.tune:
-        res = tune(args)
-        path = os.path.join(args.out, f"attention-tune-{tag}.json")
+    def write(name, results):
+        path = os.path.join(args.out, f"{name}-{tag}.json")
         with open(path, "w") as f:
-            json.dump(dict(meta, results=res), f, indent=1)
+            json.dump(dict(meta, results=results), f, indent=1)
         print(f"wrote {path}")
+
+    if args.tune:
+        write("attention-tune", tune(args))
         return
     rows = []
-    from vllm.config import VllmConfig, set_current_vllm_config
-    with set_current_vllm_config(VllmConfig()):  # vLLM's TRITON_ATTN reads the KV layout from it
-        for ctx in args.ctx:
-            for batch in args.batch:
-                rows += run_shape(Shape(batch, ctx, args.seed), args.methods, args.rep_ms)
-                print_table(rows[-len(args.methods):])
+    if args.prefill:
+        for batch, ctx, q_len in PREFILL_GRID:
+            rows += run_shape(Shape(batch, ctx, args.seed, q_len), PREFILL_METHODS, args.rep_ms)
+            print_table(rows[-len(PREFILL_METHODS):])
+    else:
+        from vllm.config import VllmConfig, set_current_vllm_config
+        with set_current_vllm_config(VllmConfig()):  # TRITON_ATTN reads the KV layout from it
+            for ctx in args.ctx:
+                for batch in args.batch:
+                    rows += run_shape(Shape(batch, ctx, args.seed), args.methods, args.rep_ms)
+                    print_table(rows[-len(args.methods):])
     print()
     print_table(rows)
-    path = os.path.join(args.out, f"attention-{tag}.json")
-    with open(path, "w") as f:
-        json.dump(dict(meta, results=rows), f, indent=1)
-    print(f"wrote {path}")
-    plot(rows, os.path.join(args.out, f"attention-{tag}.png"))
+    write("attention-prefill" if args.prefill else "attention", rows)
+    if not args.prefill:
+        plot(rows, os.path.join(args.out, f"attention-{tag}.png"))
 
 
 if __name__ == "__main__":

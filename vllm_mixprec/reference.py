@@ -432,7 +432,9 @@ def paged_attention_residual(q: torch.Tensor, cache: torch.Tensor, layout: F.KVP
                              block_table: torch.Tensor, seq_lens: torch.Tensor,
                              query_start_loc: torch.Tensor, scale: float, residual=None,
                              k_smooth: torch.Tensor | None = None,
-                             k_bias: F.KRopeBias | None = None) -> torch.Tensor:
+                             k_bias: F.KRopeBias | None = None,
+                             chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                             ) -> torch.Tensor:
     """paged_attention with the residual window, SmoothAttention and bias-aware K.
 
     With k_smooth [Hkv, D] the pages hold K / k_smooth, so the query is multiplied by it
@@ -440,6 +442,9 @@ def paged_attention_residual(q: torch.Tensor, cache: torch.Tensor, layout: F.KVP
     the pages hold (K - RoPE_j(b)) / k_smooth at key position j, and every score gets
     q . RoPE_j(b) back, computed with the unsmoothed query (the same as adding
     RoPE_j(b) / k_smooth to each dequantised K row, without the rounding of q * k_smooth).
+
+    chunk_kv = (key, value) [T, Hkv, D] (exact prefill): rows of query length > 1 read their
+    own new tokens from it, K as key / k_smooth rounded to q's dtype and with no bias term.
     """
     q_raw = q
     if k_smooth is not None:
@@ -452,10 +457,16 @@ def paged_attention_residual(q: torch.Tensor, cache: torch.Tensor, layout: F.KVP
             continue
         n = int(seq_lens[i])
         k, v = gather_kv_residual(cache, layout, block_table[i], n, residual)
+        k_extra = None if k_bias is None else rotate_k_bias(k_bias, torch.arange(n, device=k.device))
+        if chunk_kv is not None and e - s > 1:
+            new = slice(n - (e - s), n)
+            k[new] = page_key(chunk_kv[0][s:e], k_smooth).to(q.dtype).float()
+            v[new] = chunk_kv[1][s:e].float()
+            if k_extra is not None:
+                k_extra[new] = 0.0  # the raw K holds its bias
         qi = q[s:e]
-        if k_bias is not None:  # extra columns: [q, q_raw] . [k, RoPE_j(b)]
+        if k_extra is not None:  # extra columns: [q, q_raw] . [k, RoPE_j(b)]
             qi = torch.cat([qi.double(), q_raw[s:e].double()], -1)
-            k = torch.cat([k.double(), rotate_k_bias(k_bias, torch.arange(n, device=k.device))],
-                          -1)
+            k = torch.cat([k.double(), k_extra], -1)
         out[s:e] = attention(qi, k, v, scale, causal=True)
     return out

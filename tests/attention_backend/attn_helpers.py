@@ -31,12 +31,22 @@ class Batch:
         r = self.residual
         return None if r is None else tuple(x.cpu() if torch.is_tensor(x) else x for x in r)
 
-    def reference(self, scale: float) -> torch.Tensor:
-        """reference.paged_attention_residual on CPU copies."""
+    def chunk_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key, value) [T, Hkv, D] of this step's tokens, laid out like q (the K/V a
+        forward is given): row i's last qlen tokens."""
+        qlens = (self.qsl[1:] - self.qsl[:-1]).tolist()
+        key = torch.cat([k[len(k) - n:] for k, n in zip(self.k, qlens)])
+        value = torch.cat([v[len(v) - n:] for v, n in zip(self.v, qlens)])
+        return key, value
+
+    def reference(self, scale: float, exact_chunk: bool = False) -> torch.Tensor:
+        """reference.paged_attention_residual on CPU copies (exact_chunk: with chunk_kv)."""
+        chunk = tuple(t.cpu() for t in self.chunk_kv()) if exact_chunk else None
         return ref.paged_attention_residual(
             self.q.cpu(), self.cache.cpu(), self.layout, self.block_table.cpu(),
             self.seq_lens.cpu(), self.qsl.cpu(), scale, self.ref_residual(),
-            None if self.k_smooth is None else self.k_smooth.cpu(), cpu_k_bias(self.k_bias))
+            None if self.k_smooth is None else self.k_smooth.cpu(), cpu_k_bias(self.k_bias),
+            chunk)
 
 
 def rope_inv_freq(head_dim: int, theta: float = 10000.0) -> torch.Tensor:

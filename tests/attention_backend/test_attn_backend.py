@@ -14,7 +14,8 @@ from vllm_mixprec import formats as F
 from vllm_mixprec import reference as ref
 from vllm_mixprec.attention_backend import residual as R
 from vllm_mixprec.attention_backend.backend import MixPrecAttentionBackend as Backend
-from vllm_mixprec.attention_backend.impl import MixPrecAttentionImpl
+from vllm_mixprec.attention_backend.impl import (ENV_PREFILL_EXACT, MixPrecAttentionImpl,
+                                                 prefill_exact)
 from vllm_mixprec.attention_backend.metadata import MixPrecAttentionMetadataBuilder
 
 from attn_helpers import DEVICE, cpu_k_bias, make_k_bias, tolerance
@@ -142,18 +143,22 @@ def _fake_vllm_config(cache, num_q_heads, block_size, max_num_seqs=4, k_rope_bia
         quant_config=None)
 
 
-@pytest.mark.parametrize("carrier,dtype,res,bias", [
-    ("int4_per_token_head", torch.float16, 16, False),
-    ("int8_per_token_head", torch.bfloat16, 16, False),
-    ("int4_per_token_head", torch.bfloat16, 0, False),
-    ("int4_per_token_head", torch.bfloat16, 16, True),   # bias-aware K
-    ("int8_per_token_head", torch.float16, 0, True)])
-def test_builder_and_impl_over_steps(carrier, dtype, res, bias, monkeypatch):
+@pytest.mark.parametrize("carrier,dtype,res,bias,exact", [
+    ("int4_per_token_head", torch.float16, 16, False, "1"),
+    ("int8_per_token_head", torch.bfloat16, 16, False, "0"),
+    ("int4_per_token_head", torch.bfloat16, 0, False, "1"),
+    ("int4_per_token_head", torch.bfloat16, 0, False, "0"),
+    ("int4_per_token_head", torch.bfloat16, 16, True, "1"),   # bias-aware K
+    ("int4_per_token_head", torch.bfloat16, 16, True, "0"),
+    ("int8_per_token_head", torch.float16, 0, True, "1")])
+def test_builder_and_impl_over_steps(carrier, dtype, res, bias, exact, monkeypatch):
     """Chunked prefill then decodes of two requests (rows not ordered decode-first):
-    the output equals attention over the pages, with the newest R tokens in 16 bits. With a
-    k bias, the builder gives the writer each token's cache position, the pages hold
-    K - RoPE_p(b), and the output is attention over those plus RoPE_p(b)."""
+    the output equals attention over the pages, with the newest R tokens in 16 bits and,
+    with exact prefill, a prefill row's own new tokens too. With a k bias, the builder gives
+    the writer each token's cache position, the pages hold K - RoPE_p(b), and the output is
+    attention over those plus RoPE_p(b)."""
     monkeypatch.setenv(R.ENV_TOKENS, str(res))
+    monkeypatch.setenv(ENV_PREFILL_EXACT, exact)
     hkv, g, d, b, nb = 2, 4, 64, 16, 12
     layout = F.KVPageLayout(F.KV_SCHEME_OF_CARRIER[carrier], d, b)
     cache = torch.zeros(Backend.get_kv_cache_shape(nb, b, hkv, d, carrier),
@@ -218,8 +223,21 @@ def test_builder_and_impl_over_steps(carrier, dtype, res, bias, monkeypatch):
                 kk[-res:] = ((torch.cat(hist[r][0])[-res:].double() - rr).to(dtype).double()
                              + rr).to(kk.dtype)
                 vv[-res:] = torch.cat(hist[r][1]).float()[-res:]
+            if exact == "1" and qn > 1:  # the chunk's own tokens as given, bias included
+                kk[-qn:] = k[s:e].to(kk.dtype)
+                vv[-qn:] = v[s:e].float()
             want = ref.attention(q[s:e], kk, vv, d ** -0.5)
             torch.testing.assert_close(out[s:e].double(), want, **tolerance(dtype))
+
+
+def test_prefill_exact_env(monkeypatch):
+    monkeypatch.delenv(ENV_PREFILL_EXACT, raising=False)
+    assert prefill_exact()
+    monkeypatch.setenv(ENV_PREFILL_EXACT, "0")
+    assert not prefill_exact()
+    monkeypatch.setenv(ENV_PREFILL_EXACT, "yes")
+    with pytest.raises(ValueError, match="MIXPREC_ATTN_PREFILL_EXACT='yes': expected 1"):
+        MixPrecAttentionImpl(8, 64, 0.125, 2, None, None, "int4_per_token_head")
 
 
 def test_profile_run_allocates_pool_and_returns_zeros(monkeypatch):

@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent(r'''
                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "smooth_ptr": "*fp32",
                 "kb_ptr": "*fp32", "steps_ptr": "*i64", "pairs_ptr": "*i32",
                 "res_k_ptr": f"*{dt}", "res_v_ptr": f"*{dt}", "sob_ptr": "*i32",
-                "tags_ptr": "*i32"}
+                "tags_ptr": "*i32", "key_ptr": f"*{dt}", "val_ptr": f"*{dt}"}
 
     DT = {"fp16": tl.float16, "bf16": tl.bfloat16}
     arch = int(sys.argv[1])
@@ -58,7 +58,7 @@ SCRIPT = textwrap.dedent(r'''
                       KV4=kv4, HAS_SMOOTH=True, HAS_KB=kb, NP=16, KB_V=min(block_n, 64),
                       HAS_RES=True, DT=DT[dt])
         main = dict(common, BLOCK_M=1 if decode else max(1, 64 // gpad),
-                    BLOCK_N=block_n, DECODE=decode, FAST_UNPACK=True)
+                    BLOCK_N=block_n, DECODE=decode, FAST_UNPACK=True, EXACT_CHUNK=not decode)
         compile_(A._paged_attn_kernel, attn_ptrs(kv4, dt), main, arch, ("qk_scale",),
                  num_warps=4, num_stages=3)
         if decode:
@@ -68,7 +68,8 @@ SCRIPT = textwrap.dedent(r'''
     common = dict(B=16, D=128, G=4, G_PAD=16, BLOCK_R=16, NUM_SPLITS=2, KV4=True,
                   HAS_SMOOTH=False, HAS_KB=False, NP=16, KB_V=64, HAS_RES=True, DT=tl.bfloat16)
     capped = compile_(A._paged_attn_kernel, attn_ptrs(True, "bf16"),
-                      dict(common, BLOCK_M=1, BLOCK_N=128, DECODE=True, FAST_UNPACK=True), arch,
+                      dict(common, BLOCK_M=1, BLOCK_N=128, DECODE=True, FAST_UNPACK=True,
+                           EXACT_CHUNK=False), arch,
                       ("qk_scale",), num_warps=2, num_stages=2, maxnreg=128)
     assert ".maxnreg 128" in capped.asm["ptx"], "maxnreg did not reach the PTX"
     for kv4 in (True, False):

@@ -128,24 +128,27 @@ CASES = [
 ]
 
 
-def _run(batch, scale, splits):
+def _run(batch, scale, splits, exact=False):
     out = torch.full_like(batch.q, float("nan"))
     paged_attention(batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens,
                     batch.qsl, scale, batch.residual, batch.k_smooth, num_splits=splits,
-                    out=out, k_bias=batch.k_bias)
+                    out=out, k_bias=batch.k_bias, chunk_kv=batch.chunk_kv() if exact else None)
     assert not out.isnan().any(), "a query row was not written"
     return out
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["cached", "exact"])
 @pytest.mark.parametrize("case", CASES,
                          ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[4]}-r{c[6]}-p{c[9]}")
-def test_paged_attention_matches_reference(case):
+def test_paged_attention_matches_reference(case, exact):
+    """exact: the new tokens of prefill rows hold their bias in the raw K (no bias term)."""
     scheme, dtype, d, hkv, g, rows, res, smooth, splits, pairs = case
     kb = make_k_bias(hkv, d, 8.0, num_pairs=pairs)
     batch = make_batch(scheme, dtype, d, hkv, g, rows, residual_tokens=res, smooth=smooth,
                        writer=quantize_and_store, k_bias=kb)
-    out = _run(batch, d ** -0.5, splits)
-    torch.testing.assert_close(out.double().cpu(), batch.reference(d ** -0.5), **tolerance(dtype))
+    out = _run(batch, d ** -0.5, splits, exact)
+    torch.testing.assert_close(out.double().cpu(), batch.reference(d ** -0.5, exact),
+                               **tolerance(dtype))
 
 
 # --- the point: reference vs float attention -----------------------------------------------
@@ -234,6 +237,7 @@ def test_paged_attention_gpu(case, monkeypatch):
     kb = make_k_bias(4, head_dim, 8.0, num_pairs=pairs)
     batch = make_batch(scheme, dtype, head_dim, 4, group, rows, residual_tokens=16,
                        smooth=group == 4, writer=quantize_and_store, k_bias=kb)
-    out = _run(batch, head_dim ** -0.5, None)
-    torch.testing.assert_close(out.double().cpu(), batch.reference(head_dim ** -0.5),
-                               **tolerance(dtype))
+    for exact in (False, True):
+        out = _run(batch, head_dim ** -0.5, None, exact)
+        torch.testing.assert_close(out.double().cpu(), batch.reference(head_dim ** -0.5, exact),
+                                   **tolerance(dtype))

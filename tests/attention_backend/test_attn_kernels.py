@@ -84,8 +84,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["cached", "exact"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[4]}-r{c[6]}")
-def test_paged_attention_matches_reference(case):
+def test_paged_attention_matches_reference(case, exact):
+    """exact: prefill rows read their own new tokens from the step's 16-bit K/V."""
     scheme, dtype, d, hkv, g, rows, res, smooth, splits = case
     batch = make_batch(scheme, dtype, d, hkv, g, rows, residual_tokens=res, smooth=smooth,
                        writer=_writer)
@@ -93,10 +95,46 @@ def test_paged_attention_matches_reference(case):
     out = torch.full_like(batch.q, float("nan"))
     paged_attention(batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens,
                     batch.qsl, scale, batch.residual, batch.k_smooth, num_splits=splits,
-                    out=out)
-    want = batch.reference(scale)
+                    out=out, chunk_kv=batch.chunk_kv() if exact else None)
+    want = batch.reference(scale, exact)
     assert not out.isnan().any(), "a query row was not written"
     torch.testing.assert_close(out.double().cpu(), want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_exact_prefill_is_float_attention_and_reads_the_chunk(scheme):
+    """A first chunk (nothing cached) with exact prefill is plain 16-bit attention: much
+    closer to it than the path through the pages, and it really reads chunk_kv (changing
+    a value there moves the output; the pages are left as written)."""
+    batch = make_batch(scheme, torch.float16, 64, 2, 4, [(40, 40), (1, 9), (23, 23)],
+                       writer=_writer)
+    key, value = batch.chunk_kv()
+    args = (batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens, batch.qsl,
+            0.125)
+    exact = paged_attention(*args, chunk_kv=(key, value))
+    cached = paged_attention(*args)
+    err = lambda out, want: float((out.double().cpu() - want).norm() / want.norm())  # noqa: E731
+    for i, (s, e) in enumerate([(0, 40), (41, 64)]):
+        want = ref.attention(batch.q[s:e].cpu(), batch.k[2 * i].cpu(), batch.v[2 * i].cpu(), 0.125)
+        assert err(exact[s:e], want) < 2e-3 < err(cached[s:e], want), (i, scheme)
+    torch.testing.assert_close(exact[40], cached[40])  # the decode row is not a chunk
+    value2 = value.clone()
+    value2[5] += 1.0
+    moved = paged_attention(*args, chunk_kv=(key, value2))
+    assert (moved[5:40] - exact[5:40]).abs().max() > 1e-3
+    torch.testing.assert_close(moved[:5], exact[:5])  # causal: earlier queries unchanged
+
+
+def test_exact_prefill_rejects_bad_chunk_kv():
+    batch = make_batch("kv8", torch.float16, 64, 2, 4, [(5, 9)], writer=_writer)
+    key, value = batch.chunk_kv()
+    args = (batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens, batch.qsl,
+            0.125)
+    for bad, what in ((key[:, :1], "key"), (key.float(), "key"), (key[:3], "key")):
+        with pytest.raises(ValueError, match=f"chunk_kv {what} must be"):
+            paged_attention(*args, chunk_kv=(bad, value))
+    with pytest.raises(ValueError, match="chunk_kv value must be"):
+        paged_attention(*args, chunk_kv=(key, value[..., ::2]))
 
 
 def test_residual_changes_the_result_and_is_used():
@@ -142,11 +180,12 @@ def test_paged_attention_gpu(scheme, dtype, group, head_dim, fast_unpack, monkey
     rows = [(1, 3000), (1, 17), (250, 700), (1, 1025), (64, 64), (1, 4096)]
     batch = make_batch(scheme, dtype, head_dim, 4, group, rows, residual_tokens=16,
                        smooth=group == 4, writer=_writer)
-    out = paged_attention(batch.q, batch.cache, batch.layout, batch.block_table,
-                          batch.seq_lens, batch.qsl, head_dim ** -0.5, batch.residual,
-                          batch.k_smooth)
-    torch.testing.assert_close(out.double().cpu(), batch.reference(head_dim ** -0.5),
-                               **tolerance(dtype))
+    for exact in (False, True):
+        out = paged_attention(batch.q, batch.cache, batch.layout, batch.block_table,
+                              batch.seq_lens, batch.qsl, head_dim ** -0.5, batch.residual,
+                              batch.k_smooth, chunk_kv=batch.chunk_kv() if exact else None)
+        torch.testing.assert_close(out.double().cpu(), batch.reference(head_dim ** -0.5, exact),
+                                   **tolerance(dtype))
 
 
 @pytest.mark.gpu
@@ -159,11 +198,12 @@ def test_paged_attention_gpu_decode_configs(scheme, cfg, monkeypatch):
     dtype, head_dim = torch.bfloat16, 128
     rows = [(1, 3000), (1, 17), (1, 1025), (1, 129), (1, 4096)]
     batch = make_batch(scheme, dtype, head_dim, 4, 4, rows, residual_tokens=16, writer=_writer)
-    out = paged_attention(batch.q, batch.cache, batch.layout, batch.block_table,
-                          batch.seq_lens, batch.qsl, head_dim ** -0.5, batch.residual,
-                          batch.k_smooth)
-    torch.testing.assert_close(out.double().cpu(), batch.reference(head_dim ** -0.5),
-                               **tolerance(dtype))
+    for exact in (False, True):
+        out = paged_attention(batch.q, batch.cache, batch.layout, batch.block_table,
+                              batch.seq_lens, batch.qsl, head_dim ** -0.5, batch.residual,
+                              batch.k_smooth, chunk_kv=batch.chunk_kv() if exact else None)
+        torch.testing.assert_close(out.double().cpu(), batch.reference(head_dim ** -0.5, exact),
+                                   **tolerance(dtype))
 
 
 def test_decode_config_choice(monkeypatch):

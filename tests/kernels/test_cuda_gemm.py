@@ -199,6 +199,43 @@ def test_torch_compile_fullgraph_through_fake_impls():
         assert torch.equal(compiled(x), f(x))
 
 
+@pytest.mark.parametrize("smooth", [False, True])
+def test_inductor_fuses_act_quant_into_rmsnorm(smooth, monkeypatch):
+    """vLLM's default compile path (kernels.apply_linear under torch.compile): RMSNorm then the
+    linear, through Inductor on the GPU. The quantization is traced as torch ops and fused by
+    Inductor, which may skip the bf16 rounding of the normed h inside its kernel and round its
+    divisions differently, so a few codes move by one: relative error, not bit equality."""
+    from types import SimpleNamespace
+
+    from vllm_mixprec import kernels
+    monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", True)
+    gen = _gen(11)
+    prepared, raw = _prepared_layer(512, 1024, 64, gen)
+    sm = (torch.rand(1024, generator=gen, device=DEV) + 0.5) if smooth else None
+    layer = SimpleNamespace(qweight=prepared.qweight, group_scale=prepared.group_scale,
+                            group_offset=prepared.group_offset,
+                            channel_scale=prepared.channel_scale, input_smooth=sm,
+                            mixprec_impl="cuda", mixprec_scheme="w4a8")
+
+    def block(x, gamma):
+        h = x.float()
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * gamma
+        return kernels.apply_linear(layer, h, None), h
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, dynamic=False)
+    gamma = (torch.rand(1024, generator=gen, device=DEV) + 0.5).to(torch.bfloat16)
+    for m in (1, 7, 300):
+        x = torch.randn(m, 1024, generator=gen, device=DEV).to(torch.bfloat16)
+        y, h = compiled(x, gamma)
+        y_eager, _ = block(x, gamma)
+        xq, xs = ref.quantize_act(h, sm)
+        want = ref.w4a8_gemm(xq, xs, *raw, None, torch.float64)
+        rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+        assert y.dtype == torch.bfloat16 and bool(torch.isfinite(y).all())
+        assert rel(y, want) < 1e-2 and rel(y, y_eager) < 1e-2, (m, rel(y, want), rel(y, y_eager))
+
+
 def test_w4a8_linear_custom_op_cuda_impl():
     gen = _gen(9)
     layer, raw = _prepared_layer(128, 256, 64, gen)

@@ -134,8 +134,10 @@ def test_qwen2_block_gets_bias_aware_k_end_to_end(vllm_tp1, monkeypatch, caplog)
     """vLLM's loader processes qkv_proj before attn: the Attention layer ends up with this
     rank's k bias (the 16 largest pairs per head) and the model's RoPE frequencies, the
     builder hands out key positions, and the backend's output is as close to float attention
-    as KV4 can be, where the same block without it is not."""
+    as KV4 can be, where the same block without it is not. The one prefill step reads its keys
+    back from the cache (exact prefill off: with it the chunk never touches the cache)."""
     monkeypatch.delenv(KB.ENV, raising=False)
+    monkeypatch.setenv("MIXPREC_ATTN_PREFILL_EXACT", "0")
     gen = torch.Generator().manual_seed(0)
     with caplog.at_level(logging.INFO, logger="vllm.mixprec"):
         monkeypatch.setattr(KB, "_logged", False)

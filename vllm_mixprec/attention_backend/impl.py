@@ -11,6 +11,12 @@ by the quantization method), K is divided by it before quantisation and Q multip
 in the kernels; the product q.k is unchanged. Folding it into k_proj/q_proj offline makes
 it free and needs nothing here.
 
+Exact prefill (MIXPREC_ATTN_PREFILL_EXACT, default 1): a prefill/extend row attends its own
+new tokens from the 16-bit key/value this step was given and only its older tokens through
+the cache, as KIVI and QServe do; the cache then holds K/V computed from unquantized attention
+of the whole chunk. 0: every key through the cache (what decode reads), e.g. to check the
+cache's numbers through prompt logprobs.
+
 Bias-aware K: if the layer carries `k_rope_bias` (formats.KRopeBias, set after loading by
 quant_methods/k_bias.py when k_proj has a bias), the writer stores
 (K - RoPE_p(b)) / k_smooth at each token's cache position p (metadata.key_positions) and
@@ -19,6 +25,7 @@ the kernels add q . RoPE_p(b) back to every score. No checkpoint change: b is k_
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
@@ -33,6 +40,19 @@ from .backend import page_layout
 from .metadata import MixPrecAttentionMetadata
 
 logger = logging.getLogger("vllm.mixprec")
+
+
+ENV_PREFILL_EXACT = "MIXPREC_ATTN_PREFILL_EXACT"
+
+
+def prefill_exact() -> bool:
+    """MIXPREC_ATTN_PREFILL_EXACT: 1 (default) or 0 (module docstring)."""
+    v = os.environ.get(ENV_PREFILL_EXACT, "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{ENV_PREFILL_EXACT}={v!r}: expected 1 (a prefill chunk's new tokens "
+                         "attend each other in 16 bits; the default) or 0 (every key through "
+                         "the quantized cache)")
+    return v == "1"
 
 
 def _is_unset(v) -> bool:
@@ -74,6 +94,7 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
         self._pool: tuple[torch.Tensor, torch.Tensor] | None = None
         self._k_smooth: torch.Tensor | None = None
         self._k_bias: F.KRopeBias | None = None
+        self._prefill_exact = prefill_exact()
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -185,7 +206,10 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
                              md.query_start_loc, output, self.scale, md.num_reqs,
                              md.num_splits, md.part_o, md.part_lse, residual, k_smooth, k_bias)
         if md.num_prefills:
+            # key/value are None only on a layer sharing another's cache: it reads the cache
+            chunk = (key, value) if self._prefill_exact and key is not None \
+                and value is not None else None
             prefill_attention(query, kv_cache, layout, md.block_table, md.seq_lens,
                               md.query_start_loc, output, self.scale, md.num_reqs,
-                              md.max_query_len, residual, k_smooth, k_bias)
+                              md.max_query_len, residual, k_smooth, k_bias, chunk)
         return output

@@ -14,7 +14,8 @@ text/*.txt). Servers ("arms"), each one `vllm serve` on 127.0.0.1, one after the
   bf16-kv4  the same with int4_per_token_head, --enforce-eager (saves a compile): greedy agreement
             reported, no pass criterion
   w4a8-kv8  the mixprec W4A8 demo checkpoint with its KV8 (--quantization mixprec + the KV8
-            flags, --enforce-eager, MIXPREC_KV_RESIDUAL=0): perplexity `w4a8-kv8`
+            flags, --enforce-eager, MIXPREC_KV_RESIDUAL=0 MIXPREC_ATTN_PREFILL_EXACT=0):
+            perplexity `w4a8-kv8`
   w4a8      the same weights with a 16-bit KV cache (a copy of the folder whose config says
             kv_scheme none; --enforce-eager): perplexity `w4a8`
 
@@ -23,9 +24,10 @@ windows the CPU path (eval/perplexity.py: tokenize + windows) scores, sent as to
 BOS or other special token is added; the server's echoed `prompt_token_ids` are checked. The CPU
 numbers come from REF.json (written by --cpu-reference with `evaluate()`, the code behind
 `vllm-mixprec eval`), which also pins the checkpoint files and the token ids by sha256. PASS
-within PPL_RTOL relative. The residual window is off in the KV8 perplexity arm because the CPU path
-quantizes every key (kv_residual 0); with it on, a 1024-token prefill reads its last 16 keys in
-16 bits.
+within PPL_RTOL relative. The KV8 perplexity arm turns off exact prefill and the residual window,
+because the CPU path quantizes every key (kv_residual 0): by default a prefill chunk attends its
+own tokens in 16 bits (so prompt logprobs would not see the cache at all), and the window keeps
+a chunk's last 16 keys in 16 bits.
 
 Results of every arm run on this host are merged into MODELS_DIR/.results/real_model_check.json,
 so the check may be split over several device calls (--arms); each call writes the merged record
@@ -104,7 +106,8 @@ ARMS = {a.name: a for a in (
     Arm("bf16-kv8", "smollm2-135m", KV8, greedy="criterion"),
     Arm("bf16-kv4", "smollm2-135m", KV4, eager=True, greedy="report", est_s=110.0),
     Arm("w4a8-kv8", "demo-smollm2-w4a8-kv8", ("--quantization", "mixprec", *KV8), eager=True,
-        env=(("MIXPREC_KV_RESIDUAL", "0"),), ppl="w4a8-kv8", est_s=110.0),
+        env=(("MIXPREC_KV_RESIDUAL", "0"), ("MIXPREC_ATTN_PREFILL_EXACT", "0")), ppl="w4a8-kv8",
+        est_s=110.0),
     Arm("w4a8", "demo-smollm2-w4a8-kv8", ("--quantization", "mixprec"), eager=True, ppl="w4a8",
         kv_none_copy=True, est_s=110.0),
 )}

@@ -7,6 +7,13 @@ Three implementations of every linear op share one signature:
 The choice is made per layer, once, in prepare_linear (after weight loading), and is
 logged at debug level. The ops are torch custom ops with fake implementations, so that
 torch.compile and CUDA graphs in vLLM see opaque, shape-known calls.
+
+Under torch.compile (vLLM's default) a W4A8 layer is traced as reference.quantize_act in
+plain torch ops followed by the `mixprec::w4a8_gemm` op, so that Inductor fuses the
+activation quantization into the op that produced x (RMSNorm, SiLU-and-mul, which vLLM
+compiles natively) instead of launching a quantize kernel per layer. Eager runs (and
+MIXPREC_FUSE_ACT_QUANT=0) call `mixprec::w4a8_linear`, whose quantize kernel does the same
+math in one pass.
 """
 from __future__ import annotations
 
@@ -36,6 +43,19 @@ def forced_impl(environ=os.environ) -> str | None:
 
 
 _FORCED = forced_impl()
+
+
+def fuse_act_quant(environ=os.environ) -> bool:
+    """MIXPREC_FUSE_ACT_QUANT: 1 (default, module docstring) or 0 (A/B runs)."""
+    v = environ.get("MIXPREC_FUSE_ACT_QUANT", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"MIXPREC_FUSE_ACT_QUANT={v!r}: expected 1 (quantize activations in "
+                         "torch ops that torch.compile fuses into the previous op; the default) "
+                         "or 0 (always the opaque quantize kernel)")
+    return v == "1"
+
+
+_FUSE_ACT_QUANT = fuse_act_quant()
 
 
 def _triton_available() -> bool:
@@ -100,15 +120,16 @@ def _triton():
 
 # --- custom ops -------------------------------------------------------------------------
 
+def _impl_module(impl: str):
+    return ref if impl == "reference" else (_cuda if impl == "cuda" else _triton())
+
+
 @torch.library.custom_op("mixprec::w4a8_linear", mutates_args=())
 def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, group_scale: torch.Tensor,
                 group_offset: torch.Tensor, channel_scale: torch.Tensor,
                 bias: torch.Tensor | None, smooth: torch.Tensor | None, impl: str) -> torch.Tensor:
     """x [M, K] (fp16/bf16) -> [M, N] in x's dtype: quantize_act then w4a8_gemm."""
-    if impl == "reference":
-        xq, xs = ref.quantize_act(x, smooth)
-        return ref.w4a8_gemm(xq, xs, qweight, group_scale, group_offset, channel_scale, bias, x.dtype)
-    mod = _cuda if impl == "cuda" else _triton()
+    mod = _impl_module(impl)
     xq, xs = mod.quantize_act(x, smooth)
     return mod.w4a8_gemm(xq, xs, qweight, group_scale, group_offset, channel_scale, bias, x.dtype)
 
@@ -118,13 +139,27 @@ def _(x, qweight, group_scale, group_offset, channel_scale, bias, smooth, impl):
     return x.new_empty((x.shape[0], channel_scale.shape[0]))
 
 
+@torch.library.custom_op("mixprec::w4a8_gemm", mutates_args=())
+def w4a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
+              group_scale: torch.Tensor, group_offset: torch.Tensor, channel_scale: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype, impl: str) -> torch.Tensor:
+    """int8 xq [M, K] and float32 x_scale [M] (reference.quantize_act) -> [M, N] out_dtype."""
+    return _impl_module(impl).w4a8_gemm(xq, x_scale, qweight, group_scale, group_offset,
+                                        channel_scale, bias, out_dtype)
+
+
+@w4a8_gemm.register_fake
+def _(xq, x_scale, qweight, group_scale, group_offset, channel_scale, bias, out_dtype, impl):
+    return xq.new_empty((xq.shape[0], channel_scale.shape[0]), dtype=out_dtype)
+
+
 @torch.library.custom_op("mixprec::w4ax_linear", mutates_args=())
 def w4ax_linear(x: torch.Tensor, qweight: torch.Tensor, group_scale: torch.Tensor,
                 group_offset: torch.Tensor, channel_scale: torch.Tensor, act_perm: torch.Tensor,
                 k8: int, bias: torch.Tensor | None, smooth: torch.Tensor | None, impl: str
                 ) -> torch.Tensor:
     """W4Ax: permute, split 8/4-bit activations, two integer GEMMs, one epilogue."""
-    mod = ref if impl == "reference" else (_cuda if impl == "cuda" else _triton())
+    mod = _impl_module(impl)
     x8, s8, x4, s4 = mod.quantize_act_w4ax(x, act_perm, k8, smooth)
     return mod.w4ax_gemm(x8, s8, x4, s4, qweight, group_scale, group_offset, channel_scale,
                          bias, x.dtype)
@@ -168,7 +203,12 @@ def apply_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     smooth = getattr(layer, "input_smooth", None)
-    if layer.mixprec_scheme == "w4a8":
+    if layer.mixprec_scheme == "w4a8" and _FUSE_ACT_QUANT and torch.compiler.is_compiling():
+        xq, xs = ref.quantize_act(x2, smooth)  # torch ops: Inductor fuses them into x's producer
+        y = torch.ops.mixprec.w4a8_gemm(xq, xs, layer.qweight, layer.group_scale,
+                                        layer.group_offset, layer.channel_scale, bias, x2.dtype,
+                                        layer.mixprec_impl)
+    elif layer.mixprec_scheme == "w4a8":
         y = torch.ops.mixprec.w4a8_linear(x2, layer.qweight, layer.group_scale, layer.group_offset,
                                           layer.channel_scale, bias, smooth, layer.mixprec_impl)
     else:

@@ -420,6 +420,50 @@ def _attend_tail(qa, qb, qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, 
 
 
 @triton.jit
+def _attend_chunk(qa, qb, qpos, m_i, l_i, acc_a, acc_b, acc_z, q_start, ctx, kv_end, kvh,
+                  key_ptr, val_ptr, stride_kt, stride_kh, stride_vt, stride_vh, smooth_ptr,
+                  qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, KV4: tl.constexpr,
+                  HAS_SMOOTH: tl.constexpr, DT: tl.constexpr):
+    """Positions [ctx, kv_end): the row's own new tokens, read in 16 bits from the K/V this
+    step was given (exact prefill). They carry the raw K, bias included, so no bias term;
+    with SmoothAttention K is divided by k_smooth (rounded to DT, as the pool holds it) to
+    meet the smoothed query."""
+    HALF: tl.constexpr = D // 2 if KV4 else D
+    STEP: tl.constexpr = 2 if KV4 else 1
+    c = tl.arange(0, HALF)
+    ks_a = tl.full([HALF], 1.0, tl.float32)
+    ks_b = ks_a
+    if HAS_SMOOTH:
+        ks_a = tl.load(smooth_ptr + STEP * c)
+        ks_b = tl.load(smooth_ptr + 2 * c + 1) if KV4 else ks_a
+    for start in range(ctx, kv_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        col = pos < kv_end
+        tok = (q_start + pos - ctx).to(tl.int64)
+        ka, kb = _res_rows(key_ptr, tok * stride_kt + kvh * stride_kh, col, D, KV4, DT)
+        if HAS_SMOOTH:
+            ka = tl.math.div_rn(ka.to(tl.float32), tl.broadcast_to(ks_a[None, :], (BLOCK_N, HALF))
+                                ).to(DT)
+            if KV4:
+                kb = tl.math.div_rn(kb.to(tl.float32),
+                                    tl.broadcast_to(ks_b[None, :], (BLOCK_N, HALF))).to(DT)
+        s = tl.dot(qa, tl.trans(ka))
+        if KV4:
+            s = tl.dot(qb, tl.trans(kb), s)
+        s = tl.where(col[None, :] & (pos[None, :] <= qpos[:, None]), s * qk_scale, float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+        acc_a = acc_a * alpha[:, None]
+        acc_b = acc_b * alpha[:, None]
+        acc_z = acc_z * alpha
+        va, vb = _res_rows(val_ptr, tok * stride_vt + kvh * stride_vh, col, D, KV4, DT)
+        pd = p.to(DT)
+        acc_a = tl.dot(pd, va, acc_a)
+        if KV4:
+            acc_b = tl.dot(pd, vb, acc_b)
+    return m_i, l_i, acc_a, acc_b, acc_z
+
+
+@triton.jit
 def _store_rows(dst_row, acc_a, acc_b, acc_z, l_i, rmask, D: tl.constexpr, KV4: tl.constexpr):
     """Normalise and store [M, D] rows at row pointers dst_row [M] (re-interleaving kv4's
     even/odd halves and adding its V zero-point column)."""
@@ -464,15 +508,19 @@ def _paged_attn_kernel(
         bt_ptr, stride_bt, seq_lens_ptr, qsl_ptr,
         smooth_ptr, kb_ptr, steps_ptr, pairs_ptr,
         res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, res_tokens,
+        key_ptr, val_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
         num_q_heads, qk_scale,
         B: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, KV4: tl.constexpr,
         HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr, KB_V: tl.constexpr,
-        HAS_RES: tl.constexpr, DT: tl.constexpr, FAST_UNPACK: tl.constexpr):
+        HAS_RES: tl.constexpr, DT: tl.constexpr, FAST_UNPACK: tl.constexpr,
+        EXACT_CHUNK: tl.constexpr):
     """Decode (grid rows x kv_heads x splits; rows of query length 1) or prefill/extend
     (grid rows x kv_heads x query blocks; rows of query length > 1). Decode leaves the
-    residual tail to _decode_finish_kernel and writes split partials when one follows."""
+    residual tail to _decode_finish_kernel and writes split partials when one follows.
+    EXACT_CHUNK (prefill): the row's own new tokens come from key/val in 16 bits, the
+    older ones from the pages (and the residual pool) as decode reads them."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     x = tl.program_id(2)  # decode: split index; prefill: query block
@@ -497,11 +545,15 @@ def _paged_attn_kernel(
             pairs_ptr + kvh * NP, steps_ptr, D, NP)
         tab_c, tab_s = _kbias_tables(kb_steps, KB_V)
 
-    kv_end = tl.minimum(seq_len, seq_len - qlen + mb * BLOCK_M + BLOCK_M)
+    ctx = seq_len - qlen  # tokens cached before this step
+    kv_end = tl.minimum(seq_len, ctx + mb * BLOCK_M + BLOCK_M)
+    old_end = kv_end  # positions below it come from the cache
+    if EXACT_CHUNK:
+        old_end = ctx
     win = seq_len
     if HAS_RES:
         win = tl.maximum(seq_len - res_tokens, 0)
-    page_end = tl.minimum(kv_end, win)
+    page_end = tl.minimum(old_end, win)
     n_tiles = tl.cdiv(page_end, BLOCK_N)
     t0 = 0
     t1 = n_tiles
@@ -524,12 +576,17 @@ def _paged_attn_kernel(
         kb_a, kb_b, kshift, tab_c, tab_s, kb_steps,
         B, D, BLOCK_N, KV4, FAST_UNPACK, HAS_KB, KB_V)
     if HAS_RES and not DECODE:
-        if win < kv_end:
+        if win < old_end:
             m_i, l_i, acc_a, acc_b, acc_z = _attend_tail(
                 qa, qb, qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z,
-                win, kv_end, bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch,
+                win, old_end, bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch,
                 res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, qk_scale,
                 kb_a, kb_b, kshift, kb_steps, B, D, BLOCK_R, KV4, DT, HAS_KB)
+    if EXACT_CHUNK and not DECODE:
+        m_i, l_i, acc_a, acc_b, acc_z = _attend_chunk(
+            qa, qb, qpos, m_i, l_i, acc_a, acc_b, acc_z, tl.load(qsl_ptr + row), ctx, kv_end,
+            kvh, key_ptr, val_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+            smooth_ptr + kvh * D, qk_scale, D, BLOCK_N, KV4, HAS_SMOOTH, DT)
 
     if DECODE and (NUM_SPLITS > 1 or HAS_RES):  # a partial for _decode_finish_kernel
         pidx = ((row * NUM_SPLITS + x) * num_q_heads + head).to(tl.int64)
@@ -549,6 +606,7 @@ def _decode_finish_kernel(
         bt_ptr, stride_bt, seq_lens_ptr, qsl_ptr,
         smooth_ptr, kb_ptr, steps_ptr, pairs_ptr,
         res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, res_tokens,
+        key_ptr, val_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
         num_q_heads, qk_scale,
         B: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
         BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, KV4: tl.constexpr,
@@ -725,6 +783,20 @@ def _common_args(q, cache, layout, residual, k_smooth, k_bias):
     return (codes, meta, cache.stride(0), cache.stride(1)), (smooth, *kb), res, has_res, block_r
 
 
+def _chunk_args(q: torch.Tensor, chunk_kv, num_kv_heads: int) -> tuple:
+    """(key, value, their token and head strides) for EXACT_CHUNK; q as an unread dummy."""
+    if chunk_kv is None:
+        return q, q, 0, 0, 0, 0
+    key, value = chunk_kv
+    for name, t in (("key", key), ("value", value)):
+        if (t.dim() != 3 or t.shape[0] < q.shape[0] or tuple(t.shape[1:]) != (num_kv_heads, q.shape[2])
+                or t.stride(-1) != 1 or t.dtype != q.dtype):
+            raise ValueError(f"chunk_kv {name} must be [>= {q.shape[0]}, {num_kv_heads}, "
+                             f"{q.shape[2]}] {q.dtype} with unit stride on D, got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    return key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1)
+
+
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
                      block_table: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, out: torch.Tensor, sm_scale: float,
@@ -756,7 +828,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
     args = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),
             part_o if finish else q, part_lse if finish else q,
             *cache_args, block_table, block_table.stride(0), seq_lens, query_start_loc,
-            *opt, *res, num_q_heads, sm_scale * LOG2E)
+            *opt, *res, *_chunk_args(q, None, num_kv_heads), num_q_heads, sm_scale * LOG2E)
     common = dict(B=layout.block_size, D=layout.head_dim, G=group,
                   G_PAD=max(16, triton.next_power_of_2(group)), BLOCK_R=block_r,
                   NUM_SPLITS=num_splits, KV4=layout.scheme == "kv4",
@@ -765,7 +837,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
                   DT=_TL_DTYPE[q.dtype])
     _paged_attn_kernel[(num_rows, num_kv_heads, num_splits)](
         *args, BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
-        num_warps=warps, num_stages=stages, **decode_maxnreg(), **common)
+        EXACT_CHUNK=False, num_warps=warps, num_stages=stages, **decode_maxnreg(), **common)
     if finish:
         _decode_finish_kernel[(num_rows, num_kv_heads)](*args, num_warps=4, **common)
 
@@ -775,8 +847,13 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayo
                       query_start_loc: torch.Tensor, out: torch.Tensor, sm_scale: float,
                       num_rows: int, max_query_len: int, residual: KVResidual | None = None,
                       k_smooth: torch.Tensor | None = None,
-                      k_bias: F.KRopeBias | None = None) -> None:
-    """Causal attention of the rows of query length > 1 (others untouched) into `out`."""
+                      k_bias: F.KRopeBias | None = None,
+                      chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Causal attention of the rows of query length > 1 (others untouched) into `out`.
+
+    chunk_kv = (key, value) [T, Hkv, D], the 16-bit K/V of this step's tokens (laid out
+    like q): each row attends its own new tokens exactly from them and only its older
+    tokens through the cache (exact prefill). None: every key comes from the cache."""
     if num_rows == 0 or max_query_len <= 1:
         return
     num_q_heads, num_kv_heads = q.shape[1], cache.shape[1]
@@ -789,14 +866,14 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayo
     _paged_attn_kernel[(num_rows, num_kv_heads, triton.cdiv(max_query_len, block_m))](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), q, q,
         *cache_args, block_table, block_table.stride(0), seq_lens, query_start_loc,
-        *opt, *res, num_q_heads, sm_scale * LOG2E,
+        *opt, *res, *_chunk_args(q, chunk_kv, num_kv_heads), num_q_heads, sm_scale * LOG2E,
         B=layout.block_size, D=layout.head_dim, G=group, G_PAD=g_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_R=block_r, NUM_SPLITS=1, DECODE=False,
         KV4=layout.scheme == "kv4", HAS_SMOOTH=k_smooth is not None,
         HAS_KB=k_bias is not None, NP=_num_pairs(k_bias), KB_V=kbias_chunk(block_n),
         HAS_RES=has_res,
-        DT=_TL_DTYPE[q.dtype], FAST_UNPACK=fast_unpack(q.device), num_warps=warps,
-        num_stages=stages)
+        DT=_TL_DTYPE[q.dtype], FAST_UNPACK=fast_unpack(q.device),
+        EXACT_CHUNK=chunk_kv is not None, num_warps=warps, num_stages=stages)
 
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
@@ -804,7 +881,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
                     query_start_loc: torch.Tensor, sm_scale: float,
                     residual: KVResidual | None = None, k_smooth: torch.Tensor | None = None,
                     num_splits: int | None = None, out: torch.Tensor | None = None,
-                    k_bias: F.KRopeBias | None = None) -> torch.Tensor:
+                    k_bias: F.KRopeBias | None = None,
+                    chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Both paths on a ragged batch (tests, benchmarks): the twin of
     reference.paged_attention_residual. Reads query_start_loc on the host."""
     qsl = query_start_loc.cpu()
@@ -824,7 +902,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
                          k_bias)
     max_q = int(qlens.max()) if num_rows else 0
     prefill_attention(q, cache, layout, block_table, seq_lens, query_start_loc, out, sm_scale,
-                      num_rows, max_q, residual, k_smooth, k_bias)
+                      num_rows, max_q, residual, k_smooth, k_bias, chunk_kv)
     return out
 
 

@@ -1,0 +1,93 @@
+"""Under torch.compile a W4A8 layer is traced as reference.quantize_act in plain torch ops plus
+the mixprec::w4a8_gemm op (kernels module docstring), so that Inductor can fuse the
+quantization into RMSNorm / SiLU-and-mul; eager runs and MIXPREC_FUSE_ACT_QUANT=0 keep the one
+opaque mixprec::w4a8_linear op. Both give the same numbers."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_mixprec import kernels
+from vllm_mixprec import reference as ref
+
+
+def _layer(seeded, n=96, k=128, smooth=True):
+    w = ref.quantize_weight_lqq(torch.randn(n, k, generator=seeded), 64)
+    return SimpleNamespace(**w, mixprec_impl="reference", mixprec_scheme="w4a8",
+                           input_smooth=(torch.rand(k, generator=seeded) + 0.5) if smooth else None)
+
+
+def _block(layer):
+    """RMSNorm (as vLLM compiles it natively) feeding the quantized linear."""
+    def fn(x, gamma, bias):
+        h = x.float()
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * gamma
+        return kernels.apply_linear(layer, h, bias)
+    return fn
+
+
+def _graph_ops(fn, *args):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    ops = {getattr(n.target, "__name__", str(n.target)) for g in graphs for n in g.graph.nodes
+           if n.op in ("call_function", "call_method")}
+    return out, ops
+
+
+@pytest.mark.parametrize("smooth", [True, False])
+def test_compiled_linear_splits_quantization_from_the_gemm(seeded, monkeypatch, smooth):
+    monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", True)
+    layer = _layer(seeded, smooth=smooth)
+    x = torch.randn(2, 5, 128, generator=seeded).to(torch.bfloat16)
+    gamma = torch.rand(128, generator=seeded).to(torch.bfloat16) + 0.5
+    bias = torch.randn(96, generator=seeded).to(torch.bfloat16)
+    fn = _block(layer)
+    eager = fn(x, gamma, bias)
+    out, ops = _graph_ops(fn, x, gamma, bias)
+    assert "w4a8_gemm" in ops and "w4a8_linear" not in ops, ops
+    assert any("amax" in o for o in ops) and any("round" in o for o in ops), ops
+    assert out.shape == (2, 5, 96) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+def test_fusion_off_keeps_the_opaque_op(seeded, monkeypatch):
+    monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", False)
+    layer = _layer(seeded)
+    x = torch.randn(7, 128, generator=seeded).to(torch.float16)
+    gamma = torch.ones(128, dtype=torch.float16)
+    out, ops = _graph_ops(_block(layer), x, gamma, None)
+    assert "w4a8_linear" in ops and "w4a8_gemm" not in ops, ops
+    torch.testing.assert_close(out, _block(layer)(x, gamma, None), rtol=0, atol=0)
+
+
+def test_w4a8_gemm_op_fake_and_aot(seeded, monkeypatch):
+    """aot_eager runs the fake implementation (shapes, dtype) and functionalization."""
+    monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", True)
+    layer = _layer(seeded)
+    x = torch.randn(4, 128, generator=seeded).to(torch.bfloat16)
+    gamma = torch.ones(128, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    out = torch.compile(_block(layer), backend="aot_eager", fullgraph=True)(x, gamma, None)
+    torch.testing.assert_close(out, _block(layer)(x, gamma, None), rtol=0, atol=0)
+    xq, xs = ref.quantize_act(x)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = torch.ops.mixprec.w4a8_gemm(
+            mode.from_tensor(xq), mode.from_tensor(xs), *(mode.from_tensor(getattr(layer, n))
+                                                          for n in ("qweight", "group_scale",
+                                                                    "group_offset",
+                                                                    "channel_scale")),
+            None, torch.float16, "reference")
+    assert fake.shape == (4, 96) and fake.dtype == torch.float16
+
+
+def test_fuse_act_quant_env():
+    assert kernels.fuse_act_quant({}) is True
+    assert kernels.fuse_act_quant({"MIXPREC_FUSE_ACT_QUANT": "0"}) is False
+    with pytest.raises(ValueError, match="MIXPREC_FUSE_ACT_QUANT='on': expected 1"):
+        kernels.fuse_act_quant({"MIXPREC_FUSE_ACT_QUANT": "on"})
