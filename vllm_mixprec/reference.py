@@ -338,14 +338,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
               causal: bool = True) -> torch.Tensor:
     """Dense attention of one sequence in float64: q [Tq, Hq, D], k/v [Tk, Hkv, D].
 
-    With causal=True the queries are the last Tq positions of the Tk keys.
+    With causal=True the queries are the last Tq positions of the Tk keys. A key whose K or V
+    row holds a NaN or an Inf makes exactly the queries that attend to it NaN
+    (docs/RELIABILITY.md); the others are computed without it.
     """
     tq, hq, _ = q.shape
     tk, hkv, _ = k.shape
     rep = hq // hkv
     qd, kd, vd = (t.to(torch.float64) for t in (q, k, v))
     kd, vd = kd.repeat_interleave(rep, dim=1), vd.repeat_interleave(rep, dim=1)
+    bad = ~(torch.isfinite(kd).all(-1) & torch.isfinite(vd).all(-1))  # [Tk, Hq]
+    kd, vd = kd.masked_fill(bad[..., None], 0.0), vd.masked_fill(bad[..., None], 0.0)
     s = torch.einsum("qhd,khd->hqk", qd, kd) * scale
+    s = s.masked_fill(bad.T[:, None, :], float("nan"))
     if causal:
         qpos = torch.arange(tk - tq, tk, device=s.device)[:, None]
         s = s.masked_fill(torch.arange(tk, device=s.device)[None, :] > qpos, float("-inf"))

@@ -125,6 +125,34 @@ def test_exact_prefill_is_float_attention_and_reads_the_chunk(scheme):
     torch.testing.assert_close(moved[:5], exact[:5])  # causal: earlier queries unchanged
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["cached", "exact"])
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("res,dtype", [(0, torch.float16), (16, torch.float16),
+                                       (16, torch.bfloat16)])
+def test_poisoned_row_inside_a_chunk_is_nan_for_exactly_its_queries(exact, which, value, res,
+                                                                     dtype, gpu_float_semantics):
+    """A non-finite K or V of the token at position 8 of a 5-token chunk ending at 10: the
+    queries at 8 and 9 attend it and return NaN; those at 5-7 share its tile but not its
+    attention and must come out finite (was: a poisoned V leaked into them through p = 0
+    times NaN, in the kernels and the reference alike)."""
+    torch.manual_seed(0)
+    b = make_batch("kv4", dtype, 64, 1, 4, [(1, 7), (5, 10)], residual_tokens=res,
+                   writer=_writer)
+    pos = 8
+    (b.k if which == "k" else b.v)[1][pos, 0, 3] = value
+    slot = (b.block_table[1][pos // 16].long() * 16 + pos % 16).reshape(1)
+    _writer(b.k[1][pos:pos + 1], b.v[1][pos:pos + 1], b.cache, slot, b.layout, None, b.residual)
+    out = paged_attention(b.q, b.cache, b.layout, b.block_table, b.seq_lens, b.qsl, 0.125,
+                          b.residual, chunk_kv=b.chunk_kv() if exact else None).double().cpu()
+    want = b.reference(0.125, exact)
+    hit = torch.tensor([False, False, False, False, True, True])  # rows: decode, then 5..9
+    nan_rows = lambda t: t.isnan().any(-1).any(-1)  # noqa: E731
+    assert torch.equal(nan_rows(want), hit) and torch.equal(nan_rows(out), hit)
+    assert torch.isnan(out[hit]).all()
+    torch.testing.assert_close(out[~hit], want[~hit], **tolerance(dtype))
+
+
 def test_exact_prefill_rejects_bad_chunk_kv():
     batch = make_batch("kv8", torch.float16, 64, 2, 4, [(5, 9)], writer=_writer)
     key, value = batch.chunk_kv()

@@ -6,7 +6,8 @@ reference.py, with GPU NaN semantics in the interpreter (tests/conftest.py
     mapping (with padding) and value distribution; a K/V row holding a NaN or an Inf is
     stored with a NaN scale (kv4: and zero) and zero codes;
   * attention over a poisoned key or value is NaN for exactly the queries that attend to
-    it (causally), and every other query matches the reference.
+    it (causally), and every other query matches the reference, with the chunk read from
+    the cache or in 16 bits (exact prefill).
 """
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ def poisoned_batches(draw):
     target = draw(st.integers(0, nrows - 1))
     pos = draw(st.integers(0, rows[target][1] - 1))
     return (scheme, dtype, rows, target, pos, draw(st.sampled_from(["k", "v"])),
-            draw(st.sampled_from(NONFINITE)), draw(st.sampled_from([0, 16])), draw(st.integers(0, 2**16)))
+            draw(st.sampled_from(NONFINITE)), draw(st.sampled_from([0, 16])), draw(st.integers(0, 2**16)),
+            draw(st.booleans()))
 
 
 def _writer(k, v, cache, sm, layout, k_smooth, residual):
@@ -103,20 +105,21 @@ def _writer(k, v, cache, sm, layout, k_smooth, residual):
 @settings(max_examples=25)
 @given(poisoned_batches())
 def test_attention_over_a_poisoned_row_is_nan_where_attended(case):
-    scheme, dtype, rows, target, pos, which, value, res, seed = case
+    scheme, dtype, rows, target, pos, which, value, res, seed, exact = case
     torch.manual_seed(seed)
     b = make_batch(scheme, dtype, 64, 1, 4, rows, residual_tokens=res, writer=_writer)
     # rewrite one token of one row with a non-finite value, through the kernel (and its
-    # residual copy), as a later layer's NaN would arrive
-    k, v = b.k[target][pos:pos + 1].clone(), b.v[target][pos:pos + 1].clone()
-    (k if which == "k" else v)[0, 0, 3] = value
+    # residual copy), as a later layer's NaN would arrive; exact: prefill rows also read it
+    # from the step's K/V (b.k/b.v, which chunk_kv slices)
+    (b.k if which == "k" else b.v)[target][pos, 0, 3] = value
     bt = b.block_table[target]
     slot = (bt[pos // 16].long() * 16 + pos % 16).reshape(1)
-    _writer(k, v, b.cache, slot, b.layout, None, b.residual)
+    _writer(b.k[target][pos:pos + 1], b.v[target][pos:pos + 1], b.cache, slot, b.layout, None,
+            b.residual)
     out = torch.full_like(b.q, 7.0)
     paged_attention(b.q, b.cache, b.layout, b.block_table, b.seq_lens, b.qsl, 0.125, b.residual,
-                    num_splits=2, out=out)
-    want = b.reference(0.125)
+                    num_splits=2, out=out, chunk_kv=b.chunk_kv() if exact else None)
+    want = b.reference(0.125, exact)
     out = out.double().cpu()
     # query j of row i sits at position seq_len - qlen + j; it attends pos iff it is >= pos
     hit = torch.zeros(b.q.shape[0], dtype=torch.bool)

@@ -281,6 +281,20 @@ def _online_softmax(s, m_i, l_i):
 
 
 @triton.jit
+def _finite_rows(x):
+    """[N, C] -> [N] bool: the row holds no NaN and no Inf."""
+    return tl.sum(tl.where(tl.abs(x.to(tl.float32)) < float("inf"), 0, 1), 1) == 0
+
+
+@triton.jit
+def _poison_scores(s, bad):
+    """NaN in the scores of bad key columns [N]: the queries that attend them (causally; the
+    mask applied after this turns the others' into -inf) return NaN, while the bad rows' V is
+    zeroed by the caller, so that p = 0 times NaN cannot reach the queries that do not."""
+    return tl.where(bad[None, :], float("nan"), s)
+
+
+@triton.jit
 def _kbias_query(q_ptr, tok, head, rmask, stride_qt, stride_qh, kb_ptr, pairs_ptr, steps_ptr,
                  D: tl.constexpr, NP: tl.constexpr):
     """The query side of this kv head's bias term over its NP kept pairs (module docstring):
@@ -345,8 +359,11 @@ def _attend_pages(qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z, 
                   bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch, qk_scale,
                   kb_a, kb_b, kshift, tab_c, tab_s, kb_steps,
                   B: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, KV4: tl.constexpr,
-                  FAST: tl.constexpr, HAS_KB: tl.constexpr, KB_V: tl.constexpr):
-    """Online softmax over the page tiles [t0, t1) of BLOCK_N block-aligned positions."""
+                  FAST: tl.constexpr, HAS_KB: tl.constexpr, KB_V: tl.constexpr,
+                  CAUSAL_TILES: tl.constexpr):
+    """Online softmax over the page tiles [t0, t1) of BLOCK_N block-aligned positions.
+    CAUSAL_TILES (prefill): a tile may hold keys that some of its queries do not attend, so a
+    poisoned V row (NaN scale) is kept from them (_poison_scores); decode attends every key."""
     C: tl.constexpr = D // 2 if KV4 else D
     for it in range(t0, t1):
         pos = it * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -361,6 +378,11 @@ def _attend_pages(qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z, 
         if HAS_KB:
             s += _kbias_scores(kb_a, kb_b, kshift, tab_c, tab_s, it * BLOCK_N, kb_steps,
                                BLOCK_N, KB_V)
+        if CAUSAL_TILES:
+            bad = vs != vs
+            s = _poison_scores(s, bad)
+            vs = tl.where(bad, 0.0, vs)
+            vz = tl.where(bad, 0.0, vz)
         s = tl.where(col[None, :] & (pos[None, :] <= qpos[:, None]), s * qk_scale, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         acc_a = acc_a * alpha[:, None]
@@ -403,6 +425,12 @@ def _attend_tail(qa, qb, qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, 
     if HAS_KB:  # pool and page columns both hold K - RoPE_p(b)
         tab_c, tab_s = _kbias_tables(kb_steps, BLOCK_R)
         s += _kbias_scores(kb_a, kb_b, kshift, tab_c, tab_s, win, kb_steps, BLOCK_R, BLOCK_R)
+    # a poisoned V row: NaN scale in the page, all NaN in the pool (one element tells)
+    v0 = tl.load(res_v_ptr + rrow, mask=use, other=0.0).to(tl.float32)
+    bad = (vs != vs) | (v0 != v0)
+    s = _poison_scores(s, bad)
+    vs = tl.where(bad, 0.0, vs)
+    vz = tl.where(bad, 0.0, vz)
     s = s * qk_scale
     s = tl.where(col[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
@@ -411,7 +439,7 @@ def _attend_tail(qa, qb, qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, 
     acc_z = acc_z * alpha
     acc_a, acc_b, acc_z = _page_pv(tl.where(use[None, :], 0.0, p), acc_a, acc_b, acc_z, vs, vz,
                                    codes_ptr, slab, off, page, B, D, KV4, False)
-    va, vb = _res_rows(res_v_ptr, rrow, use, D, KV4, DT)
+    va, vb = _res_rows(res_v_ptr, rrow, use & ~bad, D, KV4, DT)
     p_res = tl.where(use[None, :], p, 0.0).to(DT)
     acc_a = tl.dot(p_res, va, acc_a)
     if KV4:
@@ -450,12 +478,19 @@ def _attend_chunk(qa, qb, qpos, m_i, l_i, acc_a, acc_b, acc_z, q_start, ctx, kv_
         s = tl.dot(qa, tl.trans(ka))
         if KV4:
             s = tl.dot(qb, tl.trans(kb), s)
+        va, vb = _res_rows(val_ptr, tok * stride_vt + kvh * stride_vh, col, D, KV4, DT)
+        # a non-finite K or V row: NaN for exactly the queries attending it (_poison_scores)
+        bad = ~(_finite_rows(ka) & _finite_rows(va))
+        if KV4:
+            bad = bad | ~(_finite_rows(kb) & _finite_rows(vb))
+        s = _poison_scores(s, bad)
+        va = tl.where(bad[:, None], 0.0, va).to(DT)
+        vb = tl.where(bad[:, None], 0.0, vb).to(DT)
         s = tl.where(col[None, :] & (pos[None, :] <= qpos[:, None]), s * qk_scale, float("-inf"))
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         acc_a = acc_a * alpha[:, None]
         acc_b = acc_b * alpha[:, None]
         acc_z = acc_z * alpha
-        va, vb = _res_rows(val_ptr, tok * stride_vt + kvh * stride_vh, col, D, KV4, DT)
         pd = p.to(DT)
         acc_a = tl.dot(pd, va, acc_a)
         if KV4:
@@ -574,7 +609,7 @@ def _paged_attn_kernel(
         qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z, t0, t1, page_end,
         bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch, qk_scale,
         kb_a, kb_b, kshift, tab_c, tab_s, kb_steps,
-        B, D, BLOCK_N, KV4, FAST_UNPACK, HAS_KB, KB_V)
+        B, D, BLOCK_N, KV4, FAST_UNPACK, HAS_KB, KB_V, not DECODE)
     if HAS_RES and not DECODE:
         if win < old_end:
             m_i, l_i, acc_a, acc_b, acc_z = _attend_tail(
