@@ -85,6 +85,13 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
         what="mixprec W4A8 + INT4 KV cache through the CUSTOM backend"),
     Arm("marlin-int8", "gptq", ("--linear-backend", "marlin"), (("VLLM_MARLIN_INPUT_DTYPE", "int8"),),
         kernel="MarlinLinearKernel", what="GPTQ through Marlin's own W4A8 (int8 activations)"),
+    # what two of our defaults are worth, each against w4a8kv4
+    Arm("w4a8kv4-unfused", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
+        (("MIXPREC_FUSE_ACT_QUANT", "0"),), attention_backend="CUSTOM",
+        what="w4a8kv4 with the separate activation-quantize kernel (no Inductor fusion)"),
+    Arm("w4a8kv4-cachedprefill", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
+        (("MIXPREC_ATTN_PREFILL_EXACT", "0"),), attention_backend="CUSTOM",
+        what="w4a8kv4 whose prefill reads the chunk's own keys back from the KV4 pages"),
 )}
 DEFAULT_ARMS = ("bf16", "marlin", "machete", "fp8", "w4a8", "w4a8kv4")
 
