@@ -143,7 +143,8 @@ def cmd_eval(args) -> int:
         t0 = time.time()
         res = evaluate(folder, args.text, args.tokens, args.window, args.kv, args.backend,
                        progress=not args.quiet, kv_residual=args.kv_residual,
-                       kv_skip_layers=args.kv_skip_layers, kv_bias_aware=args.kv_bias_aware)
+                       kv_skip_layers=args.kv_skip_layers, kv_bias_aware=args.kv_bias_aware,
+                       kv_chunk=args.kv_chunk)
         secs = time.time() - t0
         for text, r in res.items():
             if base is None:
@@ -211,8 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-skip-layers", type=_int_list, default=(), metavar="I,J",
                    help="cpu: these layers keep K and V in 16 bits (per-layer KV precision experiment)")
     e.add_argument("--kv-bias-aware", action="store_true",
-                   help="cpu: quantize K - RoPE_p(k_proj bias) and add the rotated bias back (a "
-                        "kernel change the backend does not have yet; for models with k biases)")
+                   help="cpu: quantize K - RoPE_p(k_proj bias) and add the rotated bias back, as "
+                        "the backend does (for models with k biases)")
+    e.add_argument("--kv-chunk", type=int, default=0, metavar="C",
+                   help="cpu: each window is a prompt prefilled in C-token chunks with exact "
+                        "prefill (the backend's default): a position reads its own chunk's keys "
+                        "in 16 bits, older ones quantized; 0 = off")
     e.add_argument("--backend", default="cpu", choices=["cpu", "vllm"])
     e.add_argument("--quiet", action="store_true")
     e.add_argument("--json", help="write the result rows here")

@@ -121,6 +121,36 @@ def test_residual_attention_limits():
     assert torch.allclose(got[t].double(), want[0], atol=1e-5)
 
 
+def test_chunk_attention_limits():
+    """chunk >= T: a one-chunk prefill, nothing quantized; chunk 4: query t reads its own
+    chunk exactly and older keys quantized (and the residual window adds to that)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 12, 16, generator=g)
+    k = torch.randn(1, 2, 12, 16, generator=g)
+    v = torch.randn(1, 2, 12, 16, generator=g)
+    kq, vq = P.fake_quant_kv(k, "kv4"), P.fake_quant_kv(v, "kv4")
+    tr = lambda t: t[0].transpose(0, 1)  # noqa: E731
+    got = P.residual_attention(q, k, v, kq, vq, 0.25, 0, chunk=12)[0]
+    assert torch.allclose(got.double(), ref.attention(tr(q), tr(k), tr(v), 0.25), atol=1e-5)
+    for r, exact_from in ((0, 8), (3, 7)):  # query 9: chunk [8, 12), window of 3 from 7
+        got = P.residual_attention(q, k, v, kq, vq, 0.25, r, chunk=4)[0]
+        t = 9
+        kk = torch.cat([kq[:, :, :exact_from], k[:, :, exact_from:t + 1]], dim=2)
+        vv = torch.cat([vq[:, :, :exact_from], v[:, :, exact_from:t + 1]], dim=2)
+        want = ref.attention(tr(q)[t:t + 1], tr(kk), tr(vv), 0.25)
+        assert torch.allclose(got[t].double(), want[0], atol=1e-5), r
+
+
+def test_kv_chunk_of_a_whole_window_is_16_bit(folders):
+    text = [str(folders["text"])]
+    run = lambda **kw: next(iter(P.evaluate(folders["src"], text, n_tokens=256, window=64, **kw).values()))["ppl"]  # noqa: E731
+    full, kv4, chunked = run(), run(kv_scheme="kv4"), run(kv_scheme="kv4", kv_chunk=16)
+    assert run(kv_scheme="kv4", kv_chunk=64) == pytest.approx(full, rel=1e-5)
+    assert abs(chunked / full - 1) < abs(kv4 / full - 1)
+    with pytest.raises(ValueError, match="kv_chunk=-1"):
+        run(kv_scheme="kv4", kv_chunk=-1)
+
+
 def test_kv_skip_layers(folders):
     """Skipping every layer is the 16-bit result; skipping some lies strictly between."""
     text = [str(folders["text"])]

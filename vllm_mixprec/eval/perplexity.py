@@ -29,11 +29,14 @@ def fake_quant_kv(x: torch.Tensor, scheme: str) -> torch.Tensor:
     return deq.view(b, t, h, d).permute(0, 2, 1, 3).to(x.dtype)
 
 
-def residual_attention(query, key, value, key_q, value_q, scaling: float, residual: int) -> torch.Tensor:
+def residual_attention(query, key, value, key_q, value_q, scaling: float, residual: int,
+                       chunk: int = 0) -> torch.Tensor:
     """Causal attention where query t reads keys t-R+1..t in 16 bits and older ones quantized.
 
     This is what decoding with the backend's residual window (the newest R tokens kept in
-    16 bits) computes for every position; [B, H, T, D] inputs, GQA by repeat.
+    16 bits) computes for every position; [B, H, T, D] inputs, GQA by repeat. With chunk
+    C > 0, query t also reads every key of its own C-token chunk in 16 bits: a prompt
+    prefilled in chunks of C with exact prefill (the backend's default).
     """
     rep = query.shape[1] // key.shape[1]
     k, v, kq, vq = (t.repeat_interleave(rep, dim=1).float() for t in (key, value, key_q, value_q))
@@ -42,6 +45,8 @@ def residual_attention(query, key, value, key_q, value_q, scaling: float, residu
     pos = torch.arange(t)
     dist = pos[:, None] - pos[None, :]  # query i, key j: i - j
     recent = (dist >= 0) & (dist < residual)
+    if chunk > 0:
+        recent |= (dist >= 0) & (pos[:, None] // chunk == pos[None, :] // chunk)
     s = torch.where(recent, q @ k.transpose(-1, -2), q @ kq.transpose(-1, -2))
     s = s.masked_fill(dist < 0, float("-inf"))
     p = torch.softmax(s, dim=-1)
@@ -74,19 +79,19 @@ def served_k_bias(bias: torch.Tensor | None, head_dim: int) -> torch.Tensor | No
 
 
 def register_kv_attention(scheme: str, residual: int = 0, skip_layers: tuple[int, ...] = (),
-                          rotary=None) -> str:
+                          rotary=None, chunk: int = 0) -> str:
     """An attention implementation that fake-quantizes K and V, then runs SDPA
     (or, with residual > 0, keeps each query's newest `residual` keys in 16 bits).
     Layers in skip_layers keep their whole K and V in 16 bits (a per-layer KV precision
     experiment: the backend has no such option yet). With `rotary` (the model's rotary
     embedding), K is quantized bias-aware: K - RoPE_p(b), b = k_proj's bias, and RoPE_p(b) is
-    added back exactly after dequantization, as a kernel adding q.RoPE_p(b) would (the
-    backend does not yet); positions are 0..T-1 of each window."""
+    added back exactly after dequantization, as the backend's kernels add q.RoPE_p(b);
+    positions are 0..T-1 of each window. chunk > 0: residual_attention's exact-prefill chunks."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     skip = frozenset(skip_layers)
-    name = (f"mixprec_{scheme}_r{residual}_skip{'-'.join(map(str, sorted(skip)))}"
+    name = (f"mixprec_{scheme}_r{residual}_c{chunk}_skip{'-'.join(map(str, sorted(skip)))}"
             f"{'_biasaware' if rotary is not None else ''}")
 
     def quant_k(module, key):
@@ -101,18 +106,20 @@ def register_kv_attention(scheme: str, residual: int = 0, skip_layers: tuple[int
         if getattr(module, "layer_idx", None) in skip:
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         kq, vq = quant_k(module, key), fake_quant_kv(value, scheme)
-        if residual <= 0:
+        if residual <= 0 and chunk <= 0:
             return sdpa_attention_forward(module, query, kq, vq, attention_mask, **kwargs)
         if attention_mask is not None:
-            raise ValueError("the residual-window evaluation supports unpadded causal windows only")
-        return residual_attention(query, key, value, kq, vq, kwargs["scaling"], residual), None
+            raise ValueError("the residual-window and chunk evaluations support unpadded causal "
+                             "windows only")
+        return residual_attention(query, key, value, kq, vq, kwargs["scaling"], residual,
+                                  chunk), None
 
     AttentionInterface.register(name, attention)
     return name
 
 
 def set_kv_scheme(model, scheme: str, residual: int = 0, skip_layers: tuple[int, ...] = (),
-                  bias_aware: bool = False) -> None:
+                  bias_aware: bool = False, chunk: int = 0) -> None:
     if scheme not in F.KV_SCHEMES:
         raise ValueError(f"kv scheme {scheme!r} is not one of {F.KV_SCHEMES}")
     n_layers = model.config.num_hidden_layers
@@ -121,7 +128,8 @@ def set_kv_scheme(model, scheme: str, residual: int = 0, skip_layers: tuple[int,
         raise ValueError(f"kv skip layers {bad} are not layers of this model (0..{n_layers - 1})")
     rotary = model.model.rotary_emb if bias_aware else None
     model.config._attn_implementation = ("sdpa" if scheme == "none"
-                                         else register_kv_attention(scheme, residual, tuple(skip_layers), rotary))
+                                         else register_kv_attention(scheme, residual, tuple(skip_layers), rotary,
+                                                                    chunk))
 
 
 def read_config(folder: Path) -> dict:
@@ -233,14 +241,17 @@ def perplexity_vllm(folder: str | Path, ids: torch.Tensor, n_tokens: int = 4096,
 def evaluate(folder: str | Path, texts: list[str], n_tokens: int = 4096, window: int = 1024,
              kv_scheme: str | None = None, backend: str = "cpu", progress: bool = False,
              tokenizer_dir: str | Path | None = None, kv_residual: int = 0,
-             kv_skip_layers: tuple[int, ...] = (), kv_bias_aware: bool = False) -> dict[str, dict]:
+             kv_skip_layers: tuple[int, ...] = (), kv_bias_aware: bool = False,
+             kv_chunk: int = 0) -> dict[str, dict]:
     """Perplexity of a folder on each text; kv_scheme None = the checkpoint's own.
 
     kv_residual R > 0 (cpu only): every position reads its newest R keys in 16 bits, as
     decoding with the attention backend's residual window does; 0: all keys quantized, as
     a prefill does (the backend's pages). kv_skip_layers (cpu only): layers whose K and V
     stay in 16 bits. kv_bias_aware (cpu only): K quantized as K - RoPE_p(k_proj.bias), the
-    rotated bias added back after dequantization.
+    rotated bias added back after dequantization. kv_chunk C > 0 (cpu only): each window is
+    a prompt prefilled in chunks of C tokens with exact prefill (the backend's default): a
+    position reads its own chunk's keys in 16 bits, older ones quantized.
     """
     from transformers import AutoTokenizer
 
@@ -252,12 +263,14 @@ def evaluate(folder: str | Path, texts: list[str], n_tokens: int = 4096, window:
     tok = AutoTokenizer.from_pretrained(tokenizer_dir or folder)
     ids = {t: tokenize(tok, load_text(t)) for t in texts}
     if backend == "vllm":
-        if kv_residual or kv_skip_layers or kv_bias_aware:
-            raise ValueError("kv_residual, kv_skip_layers and kv_bias_aware are CPU-path options "
+        if kv_residual or kv_skip_layers or kv_bias_aware or kv_chunk:
+            raise ValueError("kv_residual, kv_skip_layers, kv_bias_aware and kv_chunk are CPU-path options "
                              "(backend='cpu')")
         return {t: perplexity_vllm(folder, ids[t], n_tokens, window, kv) for t in texts}
     if backend != "cpu":
         raise ValueError(f"backend {backend!r} is not 'cpu' or 'vllm'")
     model, _ = load_model_cpu(folder)
-    set_kv_scheme(model, kv, kv_residual, tuple(kv_skip_layers), kv_bias_aware)
+    if kv_chunk < 0 or kv_residual < 0:
+        raise ValueError(f"kv_chunk={kv_chunk} and kv_residual={kv_residual} must be >= 0")
+    set_kv_scheme(model, kv, kv_residual, tuple(kv_skip_layers), kv_bias_aware, kv_chunk)
     return {t: perplexity_cpu(model, ids[t], n_tokens, window, progress) for t in texts}
