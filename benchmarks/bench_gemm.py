@@ -6,6 +6,9 @@ Measured in the same run, on the same random data sizes:
   ours_triton_q      quantize_act + w4a8_gemm (what a linear layer costs)
   ours_cuda          torch.ops.mixprec.w4a8_linear with impl "cuda" on weights repacked once into
                      the csrc layout (quantize_act + the auto-selected kernel)
+  ours_cuda_gemm     torch.ops.mixprec.w4a8_gemm, the csrc GEMM alone on int8 activations: what a
+                     layer launches under vLLM's torch.compile, where Inductor fuses the
+                     quantization into the RMSNorm / SiLU-and-mul before it (kernels/__init__.py)
   ours_w4ax_triton_q Triton quantize_act_w4ax + w4ax_gemm, 25% of the 128-channel blocks at 8 bits
                      (W4Ax, COMET's FMPQ; Hopper widens the int4 blocks to int8 in registers)
   marlin_w4a16       Marlin, uint4b8 group 128, fp16 activations (apply_gptq_marlin_linear)
@@ -48,8 +51,8 @@ L2_BYTES = 50 * 2 ** 20
 MAX_COPIES = 16
 GROUP = 128  # Marlin/Machete group size (ours: --group-size, 128 by default, same bytes)
 
-METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "ours_w4ax_triton_q", "marlin_w4a16", "marlin_w4a8",
-           "machete_w4a16", "cublas_bf16", "int8_mm", "fp8_w8a8")
+METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "ours_cuda_gemm", "ours_w4ax_triton_q",
+           "marlin_w4a16", "marlin_w4a8", "machete_w4a16", "cublas_bf16", "int8_mm", "fp8_w8a8")
 
 
 def parse_args(argv=None):
@@ -135,8 +138,11 @@ def random_lqq(N: int, K: int, G: int, device):
 
 
 def setup_of(name: str) -> str:
-    """The weight setup a method times: the Triton variants share "ours"."""
-    return "ours" if name in ("ours_triton", "ours_triton_q", "ours_w4ax_triton_q") else name
+    """The weight setup a method times: the Triton variants share "ours", the csrc ones
+    "ours_cuda"."""
+    if name in ("ours_triton", "ours_triton_q", "ours_w4ax_triton_q"):
+        return "ours"
+    return "ours_cuda" if name == "ours_cuda_gemm" else name
 
 
 class Methods:
@@ -265,6 +271,13 @@ class Methods:
                 out.append(lambda t=t, xb=xb: torch.ops.mixprec.w4a8_linear(
                     xb, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"],
                     None, None, "cuda"))
+            elif name == "ours_cuda_gemm":  # the GEMM alone: what a compiled vLLM layer launches
+                # once Inductor has fused the activation quantization into the op before it
+                from vllm_mixprec import reference as ref
+                xq, xs = ref.quantize_act(x16.bfloat16())
+                out.append(lambda t=t, xq=xq, xs=xs: torch.ops.mixprec.w4a8_gemm(
+                    xq, xs, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"],
+                    None, torch.bfloat16, "cuda"))
             elif name in ("marlin_w4a16", "marlin_w4a8"):
                 out.append(self._marlin_call(t, x16, torch.int8 if name == "marlin_w4a8" else None))
             elif name == "machete_w4a16":
@@ -455,10 +468,12 @@ def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms):
 
 # --- output ----------------------------------------------------------------------------------
 
-_SHORT = {"ours_triton": "tri", "ours_triton_q": "tri+q", "ours_cuda": "cuda", "ours_w4ax_triton_q": "w4ax",
+_SHORT = {"ours_triton": "tri", "ours_triton_q": "tri+q", "ours_cuda": "cuda", "ours_cuda_gemm": "cuda-g",
+          "ours_w4ax_triton_q": "w4ax",
           "marlin_w4a16": "mar16",
           "marlin_w4a8": "mar8", "machete_w4a16": "mach", "cublas_bf16": "bf16", "int8_mm": "i8mm", "fp8_w8a8": "fp8"}
-_RATIOS = (("ours_cuda", "marlin_w4a16"), ("ours_cuda", "fp8_w8a8"), ("ours_triton_q", "marlin_w4a16"))
+_RATIOS = (("ours_cuda", "marlin_w4a16"), ("ours_cuda_gemm", "marlin_w4a16"), ("ours_cuda", "fp8_w8a8"),
+           ("ours_triton_q", "marlin_w4a16"))
 
 
 def _ratio(row, ours: str, other: str):

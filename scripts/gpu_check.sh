@@ -124,7 +124,7 @@ stage_bench_gemm() { run_bench bench_gemm 420 python3 benchmarks/bench_gemm.py -
 # The Llama-3-8B layers at decode and prefill M against FP8 W8A8 (what `--quantization fp8` runs)
 stage_bench_fp8() {
   run_bench bench_gemm_fp8 300 python3 benchmarks/bench_gemm.py --shapes 4096x6144,4096x4096,4096x28672,14336x4096 \
-    --ms 1,16,256,1024,4096 --methods ours_cuda,fp8_w8a8,marlin_w4a16,cublas_bf16,ours_triton_q,ours_w4ax_triton_q \
+    --ms 1,16,256,1024,4096 --methods ours_cuda,ours_cuda_gemm,fp8_w8a8,marlin_w4a16,cublas_bf16,ours_triton_q,ours_w4ax_triton_q \
     --out "$OUT/fp8"
 }
 stage_bench_cuda() { run_bench bench_w4a8_cuda 400 python3 scripts/bench_w4a8_cuda.py --ms 1 4 16 32 64 256 1024 4096 --out "$OUT"; }
