@@ -6,9 +6,10 @@ One kernel body serves both paths; it is specialised by constexprs:
     (padded to 16 rows), so every page is read once per kv head. A small second kernel
     (_decode_finish_kernel) attends the residual tail and merges the splits by LSE.
   * prefill / extend (rows with query length > 1): grid (rows, query blocks, kv_heads);
-    BLOCK_M query tokens x G heads per tile, causal mask, over the same pages (the
-    chunk's own K/V were written to the pages just before, so chunked prefill reads
-    exactly what decode will read later).
+    BLOCK_M query tokens x G heads per tile, causal mask. Older tokens come from the same
+    pages (and residual pool) as decode reads them; the chunk's own tokens come from the
+    step's 16-bit K/V (exact prefill, chunk_kv) or, without it, from the pages they were
+    written to just before.
 
 No K or V tile is dequantised to a float matrix. Scores use the codes directly:
     q . (code * s + z) = s * (q . code) + z * sum(q)          (kv4; kv8 has no z)
