@@ -1,7 +1,7 @@
-"""Under torch.compile a W4A8 layer is traced as reference.quantize_act in plain torch ops plus
-the mixprec::w4a8_gemm op (kernels module docstring), so that Inductor can fuse the
-quantization into RMSNorm / SiLU-and-mul; eager runs and MIXPREC_FUSE_ACT_QUANT=0 keep the one
-opaque mixprec::w4a8_linear op. Both give the same numbers."""
+"""Under torch.compile a layer is traced as reference.quantize_act (W4Ax: quantize_act_w4ax) in
+plain torch ops plus the mixprec::w4a8_gemm (w4ax_gemm) op (kernels module docstring), so that
+Inductor can fuse the quantization into RMSNorm / SiLU-and-mul; eager runs and
+MIXPREC_FUSE_ACT_QUANT=0 keep the one opaque *_linear op. Both give the same numbers."""
 from types import SimpleNamespace
 
 import pytest
@@ -54,6 +54,22 @@ def test_compiled_linear_splits_quantization_from_the_gemm(seeded, monkeypatch, 
     assert any("amax" in o for o in ops) and any("round" in o for o in ops), ops
     assert out.shape == (2, 5, 96) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+def test_compiled_w4ax_linear_splits_quantization_from_the_gemm(seeded, monkeypatch):
+    monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", True)
+    layer = _layer(seeded, k=256)
+    layer.mixprec_scheme, layer.mixprec_k8 = "w4ax", 128
+    layer.act_perm = torch.randperm(256, generator=seeded).to(torch.int32)
+    x = torch.randn(6, 256, generator=seeded).to(torch.bfloat16)
+    gamma = torch.rand(256, generator=seeded).to(torch.bfloat16) + 0.5
+    fn = _block(layer)
+    out, ops = _graph_ops(fn, x, gamma, None)
+    assert "w4ax_gemm" in ops and "w4ax_linear" not in ops, ops
+    torch.testing.assert_close(out, fn(x, gamma, None), rtol=0, atol=0)
+    monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", False)
+    _, ops = _graph_ops(fn, x, gamma, None)
+    assert "w4ax_linear" in ops and "w4ax_gemm" not in ops, ops
 
 
 def test_fusion_off_keeps_the_opaque_op(seeded, monkeypatch):

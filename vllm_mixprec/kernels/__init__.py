@@ -8,12 +8,12 @@ The choice is made per layer, once, in prepare_linear (after weight loading), an
 logged at debug level. The ops are torch custom ops with fake implementations, so that
 torch.compile and CUDA graphs in vLLM see opaque, shape-known calls.
 
-Under torch.compile (vLLM's default) a W4A8 layer is traced as reference.quantize_act in
-plain torch ops followed by the `mixprec::w4a8_gemm` op, so that Inductor fuses the
-activation quantization into the op that produced x (RMSNorm, SiLU-and-mul, which vLLM
-compiles natively) instead of launching a quantize kernel per layer. Eager runs (and
-MIXPREC_FUSE_ACT_QUANT=0) call `mixprec::w4a8_linear`, whose quantize kernel does the same
-math in one pass.
+Under torch.compile (vLLM's default) a layer is traced as reference.quantize_act (W4Ax:
+quantize_act_w4ax) in plain torch ops followed by the `mixprec::w4a8_gemm` (`w4ax_gemm`)
+op, so that Inductor fuses the activation quantization into the op that produced x
+(RMSNorm, SiLU-and-mul, which vLLM compiles natively) instead of launching a quantize
+kernel per layer. Eager runs (and MIXPREC_FUSE_ACT_QUANT=0) call `mixprec::w4a8_linear`
+(`w4ax_linear`), whose quantize kernel does the same math in one pass.
 """
 from __future__ import annotations
 
@@ -170,6 +170,21 @@ def _(x, qweight, group_scale, group_offset, channel_scale, act_perm, k8, bias, 
     return x.new_empty((x.shape[0], channel_scale.shape[0]))
 
 
+@torch.library.custom_op("mixprec::w4ax_gemm", mutates_args=())
+def w4ax_gemm(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Tensor,
+              qweight: torch.Tensor, group_scale: torch.Tensor, group_offset: torch.Tensor,
+              channel_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+              impl: str) -> torch.Tensor:
+    """reference.quantize_act_w4ax's four tensors -> [M, N] out_dtype."""
+    return _impl_module(impl).w4ax_gemm(x8, s8, x4, s4, qweight, group_scale, group_offset,
+                                        channel_scale, bias, out_dtype)
+
+
+@w4ax_gemm.register_fake
+def _(x8, s8, x4, s4, qweight, group_scale, group_offset, channel_scale, bias, out_dtype, impl):
+    return x8.new_empty((x8.shape[0], channel_scale.shape[0]), dtype=out_dtype)
+
+
 # --- what the linear method calls -------------------------------------------------------
 
 _PARAMS = ("qweight", "group_scale", "group_offset", "channel_scale", "input_smooth", "act_perm")
@@ -203,16 +218,18 @@ def apply_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     smooth = getattr(layer, "input_smooth", None)
-    if layer.mixprec_scheme == "w4a8" and _FUSE_ACT_QUANT and torch.compiler.is_compiling():
-        xq, xs = ref.quantize_act(x2, smooth)  # torch ops: Inductor fuses them into x's producer
-        y = torch.ops.mixprec.w4a8_gemm(xq, xs, layer.qweight, layer.group_scale,
-                                        layer.group_offset, layer.channel_scale, bias, x2.dtype,
+    weights = (layer.qweight, layer.group_scale, layer.group_offset, layer.channel_scale)
+    fused = _FUSE_ACT_QUANT and torch.compiler.is_compiling()  # torch ops Inductor can fuse
+    if layer.mixprec_scheme == "w4a8" and fused:
+        y = torch.ops.mixprec.w4a8_gemm(*ref.quantize_act(x2, smooth), *weights, bias, x2.dtype,
                                         layer.mixprec_impl)
     elif layer.mixprec_scheme == "w4a8":
-        y = torch.ops.mixprec.w4a8_linear(x2, layer.qweight, layer.group_scale, layer.group_offset,
-                                          layer.channel_scale, bias, smooth, layer.mixprec_impl)
+        y = torch.ops.mixprec.w4a8_linear(x2, *weights, bias, smooth, layer.mixprec_impl)
+    elif fused:
+        y = torch.ops.mixprec.w4ax_gemm(
+            *ref.quantize_act_w4ax(x2, layer.act_perm, layer.mixprec_k8, smooth), *weights, bias,
+            x2.dtype, layer.mixprec_impl)
     else:
-        y = torch.ops.mixprec.w4ax_linear(x2, layer.qweight, layer.group_scale, layer.group_offset,
-                                          layer.channel_scale, layer.act_perm, layer.mixprec_k8,
-                                          bias, smooth, layer.mixprec_impl)
+        y = torch.ops.mixprec.w4ax_linear(x2, *weights, layer.act_perm, layer.mixprec_k8, bias,
+                                          smooth, layer.mixprec_impl)
     return y.reshape(*shape[:-1], y.shape[-1])
