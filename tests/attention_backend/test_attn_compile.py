@@ -18,32 +18,9 @@ SCRIPT = textwrap.dedent(r'''
     import sys
     import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    sys.path.insert(0, sys.argv[2])
+    from triton_aot import attn_ptrs, compile_kernel as compile_
     from vllm_mixprec.kernels.triton import attention as A, kv_cache as K
-
-    def compile_(fn, ptrs, consts, arch, floats=(), **opts):
-        sig = {}
-        for name in fn.arg_names:
-            if name in consts:
-                sig[name] = "constexpr"
-            elif name in ptrs:
-                sig[name] = ptrs[name]
-            else:
-                sig[name] = "fp32" if name in floats else "i32"
-        hint = [(i,) for i, n in enumerate(fn.arg_names) if n in ptrs or n.startswith("stride")]
-        attrs = {k: [["tt.divisibility", 16]] for k in hint}
-        src = ASTSource(fn, sig, consts, attrs)
-        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
-
-    def attn_ptrs(kv4, dt):
-        return {"q_ptr": f"*{dt}", "out_ptr": f"*{dt}", "part_o_ptr": "*fp32",
-                "part_lse_ptr": "*fp32", "codes_ptr": "*u8" if kv4 else "*i8",
-                "meta_ptr": "*fp16" if kv4 else "*fp32", "bt_ptr": "*i32",
-                "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "smooth_ptr": "*fp32",
-                "kb_ptr": "*fp32", "steps_ptr": "*i64", "pairs_ptr": "*i32",
-                "res_k_ptr": f"*{dt}", "res_v_ptr": f"*{dt}", "sob_ptr": "*i32",
-                "tags_ptr": "*i32", "key_ptr": f"*{dt}", "val_ptr": f"*{dt}"}
 
     DT = {"fp16": tl.float16, "bf16": tl.bfloat16}
     arch = int(sys.argv[1])
@@ -72,6 +49,12 @@ SCRIPT = textwrap.dedent(r'''
                            EXACT_CHUNK=False), arch,
                       ("qk_scale",), num_warps=2, num_stages=2, maxnreg=128)
     assert ".maxnreg 128" in capped.asm["ptx"], "maxnreg did not reach the PTX"
+    # the default big-batch decode tile must not spill (docs/ATTENTION.md, decode registers)
+    from triton_aot import ptxas_usage
+    tuned = compile_(A._paged_attn_kernel, attn_ptrs(True, "bf16"),
+                     dict(common, BLOCK_M=1, BLOCK_N=128, DECODE=True, FAST_UNPACK=True,
+                          EXACT_CHUNK=False), arch, ("qk_scale",), num_warps=2, num_stages=2)
+    assert ptxas_usage(tuned, arch)[1] == 0, ptxas_usage(tuned, arch)
     for kv4 in (True, False):
         ptrs = {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64",
                 "codes_ptr": "*u8" if kv4 else "*i8", "meta_ptr": "*fp16" if kv4 else "*fp32",
@@ -95,6 +78,7 @@ def _ptxas_available() -> bool:
 @pytest.mark.parametrize("arch", [90, 80])
 def test_kernels_compile_for_gpu(arch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", SCRIPT, str(arch)], env=env,
+    scripts = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts")
+    res = subprocess.run([sys.executable, "-c", SCRIPT, str(arch), scripts], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-4000:]

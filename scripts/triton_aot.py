@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Compile the Triton attention kernels for a GPU architecture without a GPU, and read their
+register use from ptxas (both ship with Triton). Used by tests/attention_backend/
+test_attn_compile.py; run alone it prints the KV4 decode kernel's registers per launch config
+(docs/ATTENTION.md, "Decode registers per config"):
+
+  python scripts/triton_aot.py [--arch 90]
+
+TRITON_INTERPRET must be unset (the interpreter does not compile).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+DT = {"fp16": tl.float16, "bf16": tl.bfloat16}
+
+
+def compile_kernel(fn, ptrs: dict, consts: dict, arch: int, floats=(), **opts):
+    """triton.compile of a @triton.jit fn: `ptrs` name -> pointer type, `floats` the fp32
+    scalars, every other non-constexpr argument i32; pointers and strides 16-divisible."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = ptrs[name]
+        else:
+            sig[name] = "fp32" if name in floats else "i32"
+    hint = [(i,) for i, n in enumerate(fn.arg_names) if n in ptrs or n.startswith("stride")]
+    attrs = {k: [["tt.divisibility", 16]] for k in hint}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                          options=opts)
+
+
+def attn_ptrs(kv4: bool, dt: str) -> dict:
+    """Pointer types of the paged-attention kernels' arguments."""
+    return {"q_ptr": f"*{dt}", "out_ptr": f"*{dt}", "part_o_ptr": "*fp32",
+            "part_lse_ptr": "*fp32", "codes_ptr": "*u8" if kv4 else "*i8",
+            "meta_ptr": "*fp16" if kv4 else "*fp32", "bt_ptr": "*i32",
+            "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "smooth_ptr": "*fp32",
+            "kb_ptr": "*fp32", "steps_ptr": "*i64", "pairs_ptr": "*i32",
+            "res_k_ptr": f"*{dt}", "res_v_ptr": f"*{dt}", "sob_ptr": "*i32",
+            "tags_ptr": "*i32", "key_ptr": f"*{dt}", "val_ptr": f"*{dt}"}
+
+
+def ptxas_usage(kernel, arch: int) -> tuple[int, int]:
+    """(registers per thread, spill-store bytes) that Triton's ptxas reports for the PTX."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    try:
+        err = subprocess.run([ptxas, f"-arch=sm_{arch}{'a' if arch >= 90 else ''}", "-v", f.name,
+                              "-o", os.devnull], capture_output=True, text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", err)
+    spill = re.search(r"(\d+) bytes spill stores", err)
+    return int(regs.group(1)), int(spill.group(1)) if spill else 0
+
+
+def main(argv=None) -> None:
+    from vllm_mixprec.kernels.triton import attention as A
+
+    p = argparse.ArgumentParser(description="KV4 decode kernel registers per launch config")
+    p.add_argument("--arch", type=int, default=90)
+    args = p.parse_args(argv)
+    common = dict(B=16, D=128, G=4, G_PAD=16, BLOCK_R=16, NUM_SPLITS=2, KV4=True,
+                  HAS_SMOOTH=False, HAS_KB=False, NP=16, KB_V=64, HAS_RES=True, DT=tl.bfloat16,
+                  BLOCK_M=1, DECODE=True, FAST_UNPACK=True, EXACT_CHUNK=False)
+    print("BLOCK_N warps stages cap  registers spill_B warps/SM")
+    for bn in (32, 64, 128):
+        for warps in (2, 4, 8):
+            for stages in (2, 3):
+                for cap in (0, 128, 168):
+                    opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": cap} if cap else {}))
+                    k = compile_kernel(A._paged_attn_kernel, attn_ptrs(True, "bf16"),
+                                       dict(common, BLOCK_N=bn), args.arch, ("qk_scale",), **opts)
+                    regs, spill = ptxas_usage(k, args.arch)
+                    held = (65536 // (regs * 32 * warps)) * warps  # whole CTAs
+                    print(f"{bn:7d} {warps:5d} {stages:6d} {cap or '-':>4} {regs:10d} {spill:7d} "
+                          f"{min(held, 64):8d}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
