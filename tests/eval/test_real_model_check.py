@@ -611,3 +611,15 @@ def test_main_leaves_the_cache_env_as_it_found_it(tmp_path, monkeypatch):
     RC.main(["--models-dir", str(tmp_path), "--out", str(tmp_path / "o"), "--arms", "bf16",
              "--reference", str(tmp_path / "none.json")])
     assert os.environ["VLLM_MIXPREC_CACHE"] == "/somewhere"
+
+
+def test_kv_perplexity_arm_reads_every_key_from_the_cache():
+    """The CPU reference of the KV8 perplexity arm quantizes every key; the served arm must do
+    the same: no residual window and no exact prefill (a one-chunk prompt would otherwise never
+    read the cache, and the check would not test KV8 at all)."""
+    from vllm_mixprec.attention_backend import residual as R
+    from vllm_mixprec.attention_backend.impl import ENV_PREFILL_EXACT
+
+    arm = RC.ARMS["w4a8-kv8"]
+    assert RC.PPL_RUNS[arm.ppl].kv == "kv8"
+    assert dict(arm.env) == {R.ENV_TOKENS: "0", ENV_PREFILL_EXACT: "0"}
