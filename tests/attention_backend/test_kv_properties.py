@@ -5,6 +5,7 @@ reference.py, with GPU NaN semantics in the interpreter (tests/conftest.py
   * quantize_and_store writes exactly the reference's codes and scales for any shape, slot
     mapping (with padding) and value distribution; a K/V row holding a NaN or an Inf is
     stored with a NaN scale (kv4: and zero) and zero codes;
+  * paged attention matches the reference over ragged batches of every feature combination;
   * attention over a poisoned key or value is NaN for exactly the queries that attend to
     it (causally), and every other query matches the reference, with the chunk read from
     the cache or in 16 bits (exact prefill).
@@ -131,3 +132,38 @@ def test_attention_over_a_poisoned_row_is_nan_where_attended(case):
     assert torch.isnan(out[hit]).all(), "a non-finite K/V row became finite attention output"
     assert torch.isfinite(out[~hit]).all()
     torch.testing.assert_close(out[~hit], want[~hit], **tolerance(dtype))
+
+
+@st.composite
+def attention_batches(draw):
+    """Ragged batches over every feature the kernels combine: scheme, dtype, GQA ratio, head
+    dim, decode and prefill rows (chunks after a context too), residual window, SmoothAttention,
+    split count and exact prefill."""
+    rows = []
+    for _ in range(draw(st.integers(1, 3))):
+        seq = draw(st.integers(1, 40))
+        rows.append((draw(st.sampled_from([0, 1, 1, min(seq, draw(st.integers(2, 20)))])), seq))
+    return dict(scheme=draw(st.sampled_from(["kv4", "kv8"])),
+                dtype=draw(st.sampled_from([torch.float16, torch.bfloat16])),
+                head_dim=draw(st.sampled_from([64, 128])), kv_heads=draw(st.integers(1, 2)),
+                group=draw(st.sampled_from([1, 2, 4, 6])), rows=rows,
+                residual=draw(st.sampled_from([0, 8, 16])), smooth=draw(st.booleans()),
+                splits=draw(st.sampled_from([1, 2, 4])), exact=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(attention_batches())
+def test_paged_attention_matches_reference(case):
+    torch.manual_seed(case["seed"])
+    d = case["head_dim"]
+    b = make_batch(case["scheme"], case["dtype"], d, case["kv_heads"], case["group"],
+                   case["rows"], residual_tokens=case["residual"], smooth=case["smooth"],
+                   writer=_writer)
+    out = torch.full_like(b.q, float("nan"))
+    paged_attention(b.q, b.cache, b.layout, b.block_table, b.seq_lens, b.qsl, d ** -0.5,
+                    b.residual, b.k_smooth, num_splits=case["splits"], out=out,
+                    chunk_kv=b.chunk_kv() if case["exact"] else None)
+    assert not out.isnan().any(), "a query row was not written"
+    torch.testing.assert_close(out.double().cpu(), b.reference(d ** -0.5, case["exact"]),
+                               **tolerance(case["dtype"]))
