@@ -18,7 +18,8 @@ L2 flushed between replays). Outputs are checked against FA3 (relative L2 error)
   python benchmarks/bench_attention.py --tune     # sweep mixprec decode configs (BLOCK_N,
                                                   # warps, stages, splits) on two shapes
   python benchmarks/bench_attention.py --prefill  # prefill/extend: FA3 vs mixprec KV4/KV8,
-                                                  # chunk read from the pages or exact (16-bit)
+                                                  # chunk read from the pages or exact (16-bit,
+                                                  # in our kernel or FlashAttention + merge)
 Writes <out>/attention-<device>.json and .png and prints a table.
 """
 from __future__ import annotations
@@ -35,8 +36,10 @@ BYTES_PER_TOKEN_HEAD = {"fa3-bf16": 4 * D, "triton-int4": D + 8, "triton-int8": 
 ALL_METHODS = tuple(BYTES_PER_TOKEN_HEAD)
 # (batch, ctx, chunk): `chunk` new tokens per sequence after ctx - chunk cached ones
 PREFILL_GRID = ((1, 8192, 8192), (8, 2048, 2048), (4, 8192, 1024), (16, 4096, 512))
-PREFILL_METHODS = ("fa3-bf16", "mixprec-kv4", "mixprec-kv4-exact", "mixprec-kv8",
-                   "mixprec-kv8-exact")
+# -exact: the chunk's own tokens in 16 bits in our Triton kernel; -flash: by FlashAttention,
+# then merged with the cached context by our kernel (the backend's default on sm80+)
+PREFILL_METHODS = ("fa3-bf16", "mixprec-kv4", "mixprec-kv4-exact", "mixprec-kv4-flash",
+                   "mixprec-kv8", "mixprec-kv8-exact", "mixprec-kv8-flash")
 
 
 def parse_args(argv=None):
@@ -173,10 +176,11 @@ def setup_triton(shape: Shape, carrier: str):
 
 
 def setup_mixprec(shape: Shape, scheme: str, residual_tokens: int = 0, splits: int | None = None,
-                  exact: bool = False):
+                  chunk: str | None = None):
     import torch
     from vllm_mixprec import formats as F
     from vllm_mixprec.attention_backend import residual as R
+    from vllm_mixprec.kernels.chunk_attention import chunk_attention
     from vllm_mixprec.kernels.triton.attention import (decode_attention, decode_num_splits,
                                                        prefill_attention)
     from vllm_mixprec.kernels.triton.kv_cache import KVResidual, quantize_and_store
@@ -209,9 +213,14 @@ def setup_mixprec(shape: Shape, scheme: str, residual_tokens: int = 0, splits: i
 
     def run():
         if shape.q_len > 1:
+            lse = None
+            if chunk == "flash":  # as the backend runs it: FlashAttention, then the merge
+                lse = chunk_attention(shape.q, shape.new_k, shape.new_v, shape.qsl, shape.q_len,
+                                      shape.scale, out)
             prefill_attention(shape.q, cache, layout, shape.block_table, shape.seq_lens,
                               shape.qsl, out, shape.scale, shape.batch, shape.q_len, res,
-                              chunk_kv=(shape.new_k, shape.new_v) if exact else None)
+                              chunk_kv=(shape.new_k, shape.new_v) if chunk == "triton" else None,
+                              chunk_lse=lse)
         else:
             decode_attention(shape.q, cache, layout, shape.block_table, shape.seq_lens,
                              shape.qsl, out, shape.scale, shape.batch, run.splits, part_o,
@@ -228,8 +237,8 @@ def setup(method: str, shape: Shape, **kw):
         return setup_triton(shape, {"triton-int4": "int4_per_token_head",
                                     "triton-int8": "int8_per_token_head"}[method])
     scheme = "kv4" if "kv4" in method else "kv8"
-    return setup_mixprec(shape, scheme, 16 if method.endswith("-r16") else 0,
-                         exact=method.endswith("-exact"), **kw)
+    chunk = {"exact": "triton", "flash": "flash"}.get(method.rsplit("-", 1)[-1])
+    return setup_mixprec(shape, scheme, 16 if method.endswith("-r16") else 0, chunk=chunk, **kw)
 
 
 # --- timing ----------------------------------------------------------------------------

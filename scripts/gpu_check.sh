@@ -100,14 +100,12 @@ stage_property() {
     tests/attention_backend/test_kv_properties.py tests/test_formats_properties.py tests/test_reference_properties.py
 }
 
-# What failed or was new in the last device session, in one short call (~2 min): the W4Ax Triton
-# GPU tests, the csrc GEMM property, and the attention GPU tests of bias-aware K.
+# What is new since the last device session, in one short call (~3 min): the attention GPU tests
+# (exact prefill in Triton and through FlashAttention + merge, bias-aware K, decode configs,
+# CUDA graphs), the W4Ax Triton GPU tests and the Inductor act-quant fusion test.
 stage_recheck() {
-  local rc=0
-  pytest_gpu pytest-gpu-recheck 240 tests/kernels/test_triton_gemm.py tests/attention_backend \
-    tests/kernels/test_cuda_gemm.py -k "w4ax or num_warps or bias or exact or paged_attention_gpu or inductor" || rc=1
-  stage_property_cuda_gemm || rc=1
-  return $rc
+  pytest_gpu pytest-gpu-recheck 300 tests/attention_backend tests/kernels/test_triton_gemm.py \
+    tests/kernels/test_act_quant_fusion.py -k "not test_gpu_w4a8 or w4ax"
 }
 stage_property_cuda_gemm() {
   use_pyextra || return 1
@@ -135,7 +133,7 @@ stage_sweep_splits() {
 }
 stage_bench_attn() { run_bench bench_attention 420 python3 benchmarks/bench_attention.py --out "$OUT"; }
 stage_bench() { stage_bench_gemm; stage_bench_attn; }
-stage_bench_prefill() { run_bench bench_attention_prefill 300 python3 benchmarks/bench_attention.py --prefill --out "$OUT"; }
+stage_bench_prefill() { run_bench bench_attention_prefill 240 python3 benchmarks/bench_attention.py --prefill --rep-ms 60 --out "$OUT"; }
 stage_tune_attn() { run_bench bench_attention_tune 500 python3 benchmarks/bench_attention.py --tune --out "$OUT"; }
 stage_diag() { timeout 300 bash scripts/diag_cxx_throw.sh 2>&1 | tee "$OUT/diag_cxx_throw.log" | tail -30; }
 stage_profile() { OUT=$OUT timeout 400 bash scripts/profile_ncu.sh gemm attn 2>&1 | tail -20; }

@@ -49,7 +49,7 @@ def attn_ptrs(kv4: bool, dt: str) -> dict:
             "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "smooth_ptr": "*fp32",
             "kb_ptr": "*fp32", "steps_ptr": "*i64", "pairs_ptr": "*i32",
             "res_k_ptr": f"*{dt}", "res_v_ptr": f"*{dt}", "sob_ptr": "*i32",
-            "tags_ptr": "*i32", "key_ptr": f"*{dt}", "val_ptr": f"*{dt}"}
+            "tags_ptr": "*i32", "key_ptr": f"*{dt}", "val_ptr": f"*{dt}", "lse_ptr": "*fp32"}
 
 
 def ptxas_usage(kernel, arch: int) -> tuple[int, int]:
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     common = dict(B=16, D=128, G=4, G_PAD=16, BLOCK_R=16, NUM_SPLITS=2, KV4=True,
                   HAS_SMOOTH=False, HAS_KB=False, NP=16, KB_V=64, HAS_RES=True, DT=tl.bfloat16,
-                  BLOCK_M=1, DECODE=True, FAST_UNPACK=True, EXACT_CHUNK=False)
+                  BLOCK_M=1, DECODE=True, FAST_UNPACK=True, CHUNK_MODE=A.CHUNK_CACHE.value)
     print("BLOCK_N warps stages cap  registers spill_B warps/SM")
     for bn in (32, 64, 128):
         for warps in (2, 4, 8):

@@ -342,6 +342,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     row holds a NaN or an Inf makes exactly the queries that attend to it NaN
     (docs/RELIABILITY.md); the others are computed without it.
     """
+    return attention_lse(q, k, v, scale, causal)[0]
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention() and the natural log-sum-exp of each query's scaled scores [Tq, Hq]."""
     tq, hq, _ = q.shape
     tk, hkv, _ = k.shape
     rep = hq // hkv
@@ -355,7 +361,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         qpos = torch.arange(tk - tq, tk, device=s.device)[:, None]
         s = s.masked_fill(torch.arange(tk, device=s.device)[None, :] > qpos, float("-inf"))
     p = torch.softmax(s, dim=-1)
-    return torch.einsum("hqk,khd->qhd", p, vd)
+    return torch.einsum("hqk,khd->qhd", p, vd), torch.logsumexp(s, dim=-1).T
+
+
+def chunk_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+                    out: torch.Tensor) -> torch.Tensor:
+    """Causal attention of each row's queries over the row's own new tokens only (this step's
+    16-bit K/V, laid out like q: key/value [>= T, Hkv, D]) into `out` [T, Hq, D]; returns the
+    natural log-sum-exp [Hq, T] fp32. FlashAttention's varlen call with cu_seqlens_k =
+    cu_seqlens_q computes this (kernels.chunk_attention): exact prefill then merges the
+    cached context into it (prefill_attention's chunk_lse). max_query_len is unused here."""
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
+                     device=q.device)
+    for i in range(query_start_loc.shape[0] - 1):
+        s, e = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        if e > s:
+            o, l = attention_lse(q[s:e], key[s:e], value[s:e], scale, causal=True)
+            out[s:e] = o.to(out.dtype)
+            lse[:, s:e] = l.T.float()
+    return lse
 
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
@@ -438,8 +463,8 @@ def paged_attention_residual(q: torch.Tensor, cache: torch.Tensor, layout: F.KVP
                              query_start_loc: torch.Tensor, scale: float, residual=None,
                              k_smooth: torch.Tensor | None = None,
                              k_bias: F.KRopeBias | None = None,
-                             chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None
-                             ) -> torch.Tensor:
+                             chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                             chunk_raw: bool = False) -> torch.Tensor:
     """paged_attention with the residual window, SmoothAttention and bias-aware K.
 
     With k_smooth [Hkv, D] the pages hold K / k_smooth, so the query is multiplied by it
@@ -450,6 +475,8 @@ def paged_attention_residual(q: torch.Tensor, cache: torch.Tensor, layout: F.KVP
 
     chunk_kv = (key, value) [T, Hkv, D] (exact prefill): rows of query length > 1 read their
     own new tokens from it, K as key / k_smooth rounded to q's dtype and with no bias term.
+    chunk_raw: those tokens' scores are the raw q . key instead, without SmoothAttention's
+    roundings (what FlashAttention computes on the step's q/k/v, chunk_attention).
     """
     q_raw = q
     if k_smooth is not None:
@@ -465,12 +492,17 @@ def paged_attention_residual(q: torch.Tensor, cache: torch.Tensor, layout: F.KVP
         k_extra = None if k_bias is None else rotate_k_bias(k_bias, torch.arange(n, device=k.device))
         if chunk_kv is not None and e - s > 1:
             new = slice(n - (e - s), n)
-            k[new] = page_key(chunk_kv[0][s:e], k_smooth).to(q.dtype).float()
             v[new] = chunk_kv[1][s:e].float()
-            if k_extra is not None:
-                k_extra[new] = 0.0  # the raw K holds its bias
+            if chunk_raw:  # scored by the raw query in the extra columns below
+                k_extra = torch.zeros_like(k, dtype=torch.float64) if k_extra is None else k_extra
+                k[new] = 0.0
+                k_extra[new] = chunk_kv[0][s:e].double()
+            else:
+                k[new] = page_key(chunk_kv[0][s:e], k_smooth).to(q.dtype).float()
+                if k_extra is not None:
+                    k_extra[new] = 0.0  # the raw K holds its bias
         qi = q[s:e]
-        if k_extra is not None:  # extra columns: [q, q_raw] . [k, RoPE_j(b)]
+        if k_extra is not None:  # extra columns: [q, q_raw] . [k, RoPE_j(b) or raw chunk K]
             qi = torch.cat([qi.double(), q_raw[s:e].double()], -1)
             k = torch.cat([k.double(), k_extra], -1)
         out[s:e] = attention(qi, k, v, scale, causal=True)

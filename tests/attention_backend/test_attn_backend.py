@@ -17,6 +17,7 @@ from vllm_mixprec.attention_backend.backend import MixPrecAttentionBackend as Ba
 from vllm_mixprec.attention_backend.impl import (ENV_PREFILL_EXACT, MixPrecAttentionImpl,
                                                  prefill_exact)
 from vllm_mixprec.attention_backend.metadata import MixPrecAttentionMetadataBuilder
+from vllm_mixprec.kernels.chunk_attention import ENV_CHUNK, chunk_setting, select_chunk_impl
 
 from attn_helpers import DEVICE, cpu_k_bias, make_k_bias, tolerance
 
@@ -150,7 +151,10 @@ def _fake_vllm_config(cache, num_q_heads, block_size, max_num_seqs=4, k_rope_bia
     ("int4_per_token_head", torch.bfloat16, 0, False, "0"),
     ("int4_per_token_head", torch.bfloat16, 16, True, "1"),   # bias-aware K
     ("int4_per_token_head", torch.bfloat16, 16, True, "0"),
-    ("int8_per_token_head", torch.float16, 0, True, "1")])
+    ("int8_per_token_head", torch.float16, 0, True, "1"),
+    # the chunk through kernels.chunk_attention (FlashAttention; here its reference), merged
+    ("int4_per_token_head", torch.float16, 16, False, "flash"),
+    ("int8_per_token_head", torch.bfloat16, 0, True, "flash")])
 def test_builder_and_impl_over_steps(carrier, dtype, res, bias, exact, monkeypatch):
     """Chunked prefill then decodes of two requests (rows not ordered decode-first):
     the output equals attention over the pages, with the newest R tokens in 16 bits and,
@@ -158,7 +162,8 @@ def test_builder_and_impl_over_steps(carrier, dtype, res, bias, exact, monkeypat
     the writer each token's cache position, the pages hold K - RoPE_p(b), and the output is
     attention over those plus RoPE_p(b)."""
     monkeypatch.setenv(R.ENV_TOKENS, str(res))
-    monkeypatch.setenv(ENV_PREFILL_EXACT, exact)
+    monkeypatch.setenv(ENV_PREFILL_EXACT, "0" if exact == "0" else "1")
+    monkeypatch.setenv(ENV_CHUNK, "flash" if exact == "flash" else "triton")
     hkv, g, d, b, nb = 2, 4, 64, 16, 12
     layout = F.KVPageLayout(F.KV_SCHEME_OF_CARRIER[carrier], d, b)
     cache = torch.zeros(Backend.get_kv_cache_shape(nb, b, hkv, d, carrier),
@@ -223,11 +228,33 @@ def test_builder_and_impl_over_steps(carrier, dtype, res, bias, exact, monkeypat
                 kk[-res:] = ((torch.cat(hist[r][0])[-res:].double() - rr).to(dtype).double()
                              + rr).to(kk.dtype)
                 vv[-res:] = torch.cat(hist[r][1]).float()[-res:]
-            if exact == "1" and qn > 1:  # the chunk's own tokens as given, bias included
+            if exact != "0" and qn > 1:  # the chunk's own tokens as given, bias included
                 kk[-qn:] = k[s:e].to(kk.dtype)
                 vv[-qn:] = v[s:e].float()
             want = ref.attention(q[s:e], kk, vv, d ** -0.5)
             torch.testing.assert_close(out[s:e].double(), want, **tolerance(dtype))
+
+
+def test_chunk_impl_env_and_choice(monkeypatch):
+    """MIXPREC_ATTN_CHUNK is validated at start-up; CPU tensors never pick FlashAttention by
+    themselves (auto: the Triton kernel) but honour a forced "flash" with the reference."""
+    monkeypatch.delenv(ENV_CHUNK, raising=False)
+    assert chunk_setting() == "auto"
+    assert select_chunk_impl(torch.device("cpu"), 128) == "triton"
+    for v in ("flash", "triton"):
+        monkeypatch.setenv(ENV_CHUNK, v)
+        assert select_chunk_impl(torch.device("cpu"), 128) == v
+    monkeypatch.setenv(ENV_CHUNK, "fa3")
+    with pytest.raises(ValueError, match="MIXPREC_ATTN_CHUNK='fa3': expected one of"):
+        MixPrecAttentionImpl(8, 64, 0.125, 2, None, None, "int4_per_token_head")
+
+
+@pytest.mark.gpu
+def test_chunk_impl_auto_picks_flash_on_the_gpu(monkeypatch):
+    """On an sm80+ GPU with vLLM's FlashAttention, auto means flash (the fast path is the
+    default, not an option nobody turns on)."""
+    monkeypatch.delenv(ENV_CHUNK, raising=False)
+    assert select_chunk_impl(torch.device("cuda"), 128) == "flash"
 
 
 def test_prefill_exact_env(monkeypatch):

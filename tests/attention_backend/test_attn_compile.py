@@ -35,9 +35,11 @@ SCRIPT = textwrap.dedent(r'''
                       KV4=kv4, HAS_SMOOTH=True, HAS_KB=kb, NP=16, KB_V=min(block_n, 64),
                       HAS_RES=True, DT=DT[dt])
         main = dict(common, BLOCK_M=1 if decode else max(1, 64 // gpad),
-                    BLOCK_N=block_n, DECODE=decode, FAST_UNPACK=True, EXACT_CHUNK=not decode)
-        compile_(A._paged_attn_kernel, attn_ptrs(kv4, dt), main, arch, ("qk_scale",),
-                 num_warps=4, num_stages=3)
+                    BLOCK_N=block_n, DECODE=decode, FAST_UNPACK=True)
+        # prefill: the chunk in our loop, and merged from FlashAttention's output
+        for mode in ([A.CHUNK_CACHE] if decode else [A.CHUNK_TRITON, A.CHUNK_MERGE]):
+            compile_(A._paged_attn_kernel, attn_ptrs(kv4, dt), dict(main, CHUNK_MODE=mode.value), arch,
+                     ("qk_scale",), num_warps=4, num_stages=3)
         if decode:
             compile_(A._decode_finish_kernel, attn_ptrs(kv4, dt), common, arch, ("qk_scale",),
                      num_warps=4)
@@ -46,14 +48,14 @@ SCRIPT = textwrap.dedent(r'''
                   HAS_SMOOTH=False, HAS_KB=False, NP=16, KB_V=64, HAS_RES=True, DT=tl.bfloat16)
     capped = compile_(A._paged_attn_kernel, attn_ptrs(True, "bf16"),
                       dict(common, BLOCK_M=1, BLOCK_N=128, DECODE=True, FAST_UNPACK=True,
-                           EXACT_CHUNK=False), arch,
+                           CHUNK_MODE=A.CHUNK_CACHE.value), arch,
                       ("qk_scale",), num_warps=2, num_stages=2, maxnreg=128)
     assert ".maxnreg 128" in capped.asm["ptx"], "maxnreg did not reach the PTX"
     # the default big-batch decode tile must not spill (docs/ATTENTION.md, decode registers)
     from triton_aot import ptxas_usage
     tuned = compile_(A._paged_attn_kernel, attn_ptrs(True, "bf16"),
                      dict(common, BLOCK_M=1, BLOCK_N=128, DECODE=True, FAST_UNPACK=True,
-                          EXACT_CHUNK=False), arch, ("qk_scale",), num_warps=2, num_stages=2)
+                          CHUNK_MODE=A.CHUNK_CACHE.value), arch, ("qk_scale",), num_warps=2, num_stages=2)
     assert ptxas_usage(tuned, arch)[1] == 0, ptxas_usage(tuned, arch)
     for kv4 in (True, False):
         ptrs = {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64",

@@ -132,12 +132,13 @@ def _run(batch, scale, splits, exact=False):
     out = torch.full_like(batch.q, float("nan"))
     paged_attention(batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens,
                     batch.qsl, scale, batch.residual, batch.k_smooth, num_splits=splits,
-                    out=out, k_bias=batch.k_bias, chunk_kv=batch.chunk_kv() if exact else None)
+                    out=out, k_bias=batch.k_bias, chunk_kv=batch.chunk_kv() if exact else None,
+                    chunk_impl=exact if exact in ("flash", "triton") else "triton")
     assert not out.isnan().any(), "a query row was not written"
     return out
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["cached", "exact"])
+@pytest.mark.parametrize("exact", [False, True, "flash"], ids=["cached", "exact", "flash"])
 @pytest.mark.parametrize("case", CASES,
                          ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[4]}-r{c[6]}-p{c[9]}")
 def test_paged_attention_matches_reference(case, exact):

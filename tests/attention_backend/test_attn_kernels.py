@@ -84,10 +84,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["cached", "exact"])
+@pytest.mark.parametrize("exact", [False, "triton", "flash"], ids=["cached", "exact", "flash"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[4]}-r{c[6]}")
 def test_paged_attention_matches_reference(case, exact):
-    """exact: prefill rows read their own new tokens from the step's 16-bit K/V."""
+    """exact: prefill rows read their own new tokens from the step's 16-bit K/V, in the
+    Triton kernel or through kernels.chunk_attention (FlashAttention on a GPU, the
+    reference on the CPU) merged with the cached context by the kernel."""
     scheme, dtype, d, hkv, g, rows, res, smooth, splits = case
     batch = make_batch(scheme, dtype, d, hkv, g, rows, residual_tokens=res, smooth=smooth,
                        writer=_writer)
@@ -95,7 +97,8 @@ def test_paged_attention_matches_reference(case, exact):
     out = torch.full_like(batch.q, float("nan"))
     paged_attention(batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens,
                     batch.qsl, scale, batch.residual, batch.k_smooth, num_splits=splits,
-                    out=out, chunk_kv=batch.chunk_kv() if exact else None)
+                    out=out, chunk_kv=batch.chunk_kv() if exact else None,
+                    chunk_impl=exact or "triton")
     want = batch.reference(scale, exact)
     assert not out.isnan().any(), "a query row was not written"
     torch.testing.assert_close(out.double().cpu(), want, **tolerance(dtype))
@@ -208,12 +211,66 @@ def test_paged_attention_gpu(scheme, dtype, group, head_dim, fast_unpack, monkey
     rows = [(1, 3000), (1, 17), (250, 700), (1, 1025), (64, 64), (1, 4096)]
     batch = make_batch(scheme, dtype, head_dim, 4, group, rows, residual_tokens=16,
                        smooth=group == 4, writer=_writer)
-    for exact in (False, True):
+    for exact in (False, "triton", "flash"):
         out = paged_attention(batch.q, batch.cache, batch.layout, batch.block_table,
                               batch.seq_lens, batch.qsl, head_dim ** -0.5, batch.residual,
-                              batch.k_smooth, chunk_kv=batch.chunk_kv() if exact else None)
+                              batch.k_smooth, chunk_kv=batch.chunk_kv() if exact else None,
+                              chunk_impl=exact or "triton")
         torch.testing.assert_close(out.double().cpu(), batch.reference(head_dim ** -0.5, exact),
                                    **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128), (6, 128)])
+def test_chunk_attention_matches_reference(dtype, group, head_dim):
+    """kernels.chunk_attention (FlashAttention on a GPU; on the CPU the reference itself):
+    each row's causal attention over its own tokens, written into `out` (only the rows'
+    tokens), and the natural log-sum-exp [Hq, T] that the prefill kernel merges from. K/V
+    are strided views of a fused qkv tensor, as vLLM passes them."""
+    from vllm_mixprec.kernels.chunk_attention import chunk_attention
+    torch.manual_seed(4)
+    hkv, qlens = 2, [300, 1, 0, 77, 2]
+    t, hq = sum(qlens), hkv * group
+    qsl = torch.tensor([0] + torch.cumsum(torch.tensor(qlens), 0).tolist(), dtype=torch.int32)
+    qkv = torch.randn(t + 3, hq + 2 * hkv, head_dim).to(dtype).to(DEVICE)  # 3 padding tokens
+    q, key, value = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    out = torch.full_like(q, float("nan"))
+    lse = chunk_attention(q[:t], key, value, qsl.to(DEVICE), max(qlens), head_dim ** -0.5,
+                          out[:t])
+    want_out = torch.empty(q[:t].shape, dtype=torch.float64)
+    want_lse = ref.chunk_attention(q[:t].cpu(), key.cpu(), value.cpu(), qsl, max(qlens),
+                                   head_dim ** -0.5, want_out)
+    assert lse.shape == (hq, t) and lse.dtype == torch.float32
+    assert out[t:].isnan().all(), "padding tokens must stay untouched"
+    torch.testing.assert_close(out[:t].double().cpu(), want_out, **tolerance(dtype))
+    torch.testing.assert_close(lse.cpu(), want_lse, atol=2e-3, rtol=1e-3)
+    s = int(qsl[3])  # one query alone: lse = its score with itself
+    one = (q[s].double() * key[s].double().repeat_interleave(group, 0)).sum(-1).cpu()
+    torch.testing.assert_close(want_lse[:, s].double(), one * head_dim ** -0.5, atol=1e-4,
+                               rtol=1e-5)
+
+
+def test_chunk_merge_first_chunk_is_flash_output_and_context_moves_it():
+    """CHUNK_MERGE: a row with nothing cached keeps the chunk attention untouched (bit for
+    bit); a row with cached context is changed by it; chunk_lse is validated."""
+    torch.manual_seed(5)
+    batch = make_batch("kv4", torch.float16, 64, 2, 4, [(24, 24), (9, 40)], writer=_writer)
+    key, value = batch.chunk_kv()
+    from vllm_mixprec.kernels.chunk_attention import chunk_attention
+    out = torch.full_like(batch.q, float("nan"))
+    lse = chunk_attention(batch.q, key, value, batch.qsl, 24, 0.125, out)
+    chunk_only = out.clone()
+    prefill_attention(batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens,
+                      batch.qsl, out, 0.125, num_rows=2, max_query_len=24, chunk_lse=lse)
+    assert torch.equal(out[:24], chunk_only[:24])
+    assert (out[24:] - chunk_only[24:]).abs().max() > 1e-2
+    args = (batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens, batch.qsl,
+            out, 0.125, 2, 24)
+    with pytest.raises(ValueError, match="not both"):
+        prefill_attention(*args, chunk_kv=(key, value), chunk_lse=lse)
+    for bad in (lse.double(), lse[:, :10], lse.T.contiguous(), lse[:1]):
+        with pytest.raises(ValueError, match="chunk_lse must be"):
+            prefill_attention(*args, chunk_lse=bad)
 
 
 @pytest.mark.gpu

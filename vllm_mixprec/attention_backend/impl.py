@@ -15,7 +15,9 @@ Exact prefill (MIXPREC_ATTN_PREFILL_EXACT, default 1): a prefill/extend row atte
 new tokens from the 16-bit key/value this step was given and only its older tokens through
 the cache, as KIVI and QServe do; the cache then holds K/V computed from unquantized attention
 of the whole chunk. 0: every key through the cache (what decode reads), e.g. to check the
-cache's numbers through prompt logprobs.
+cache's numbers through prompt logprobs. The chunk's own part is plain 16-bit attention, so
+by default vLLM's FlashAttention computes it and the prefill kernel merges the cached context
+into its output (kernels/chunk_attention.py, MIXPREC_ATTN_CHUNK=auto|flash|triton).
 
 Bias-aware K: if the layer carries `k_rope_bias` (formats.KRopeBias, set after loading by
 quant_methods/k_bias.py when k_proj has a bias), the writer stores
@@ -33,6 +35,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
 from .. import formats as F
+from ..kernels.chunk_attention import chunk_attention, chunk_setting, select_chunk_impl
 from ..kernels.triton.attention import decode_attention, prefill_attention
 from ..kernels.triton.kv_cache import KVResidual, quantize_and_store
 from . import residual as R
@@ -43,6 +46,7 @@ logger = logging.getLogger("vllm.mixprec")
 
 
 ENV_PREFILL_EXACT = "MIXPREC_ATTN_PREFILL_EXACT"
+_LOGGED_CHUNK_IMPLS: set[str] = set()
 
 
 def prefill_exact() -> bool:
@@ -95,6 +99,8 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
         self._k_smooth: torch.Tensor | None = None
         self._k_bias: F.KRopeBias | None = None
         self._prefill_exact = prefill_exact()
+        self._chunk_setting = chunk_setting()  # validated at start-up
+        self._chunk_impl: str | None = None    # "flash" or "triton", chosen at the first use
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -157,6 +163,16 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
             self._k_bias = F.KRopeBias(*(t.to(device).contiguous() for t in kb))
         return self._k_bias
 
+    def _chunk(self, query: torch.Tensor) -> str:
+        if self._chunk_impl is None:
+            self._chunk_impl = select_chunk_impl(query.device, self.head_size, self._chunk_setting)
+            if self._chunk_impl not in _LOGGED_CHUNK_IMPLS:  # once per process, not per layer
+                _LOGGED_CHUNK_IMPLS.add(self._chunk_impl)
+                logger.info("mixprec: exact prefill attends a chunk's own tokens with %s",
+                            "vLLM's FlashAttention" if self._chunk_impl == "flash"
+                            else "the Triton prefill kernel")
+        return self._chunk_impl
+
     @staticmethod
     def _metadata_of(layer) -> MixPrecAttentionMetadata | None:
         if not is_forward_context_available():
@@ -201,15 +217,24 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
         residual = self._residual(md, query.dtype, query.device)
         k_smooth = self._smooth(layer)
         k_bias = self._rope_bias(layer, query.device)
+        # key/value are None only on a layer sharing another's cache: it reads the cache
+        chunk = (key, value) if md.num_prefills and self._prefill_exact and key is not None \
+            and value is not None else None
+        chunk_lse = None
+        q, out = query, output
+        if chunk is not None and self._chunk(query) == "flash":
+            # Before decode: FlashAttention writes every row, decode then overwrites its own.
+            n = md.num_actual_tokens
+            q, out = query[:n], output[:n]
+            chunk_lse = chunk_attention(q, key, value, md.query_start_loc, md.max_query_len,
+                                        self.scale, out)
+            chunk = None
         if md.num_decodes:
             decode_attention(query, kv_cache, layout, md.block_table, md.seq_lens,
                              md.query_start_loc, output, self.scale, md.num_reqs,
                              md.num_splits, md.part_o, md.part_lse, residual, k_smooth, k_bias)
         if md.num_prefills:
-            # key/value are None only on a layer sharing another's cache: it reads the cache
-            chunk = (key, value) if self._prefill_exact and key is not None \
-                and value is not None else None
-            prefill_attention(query, kv_cache, layout, md.block_table, md.seq_lens,
-                              md.query_start_loc, output, self.scale, md.num_reqs,
-                              md.max_query_len, residual, k_smooth, k_bias, chunk)
+            prefill_attention(q, kv_cache, layout, md.block_table, md.seq_lens,
+                              md.query_start_loc, out, self.scale, md.num_reqs,
+                              md.max_query_len, residual, k_smooth, k_bias, chunk, chunk_lse)
         return output

@@ -92,6 +92,9 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
     Arm("w4a8kv4-cachedprefill", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
         (("MIXPREC_ATTN_PREFILL_EXACT", "0"),), attention_backend="CUSTOM",
         what="w4a8kv4 whose prefill reads the chunk's own keys back from the KV4 pages"),
+    Arm("w4a8kv4-tritonchunk", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
+        (("MIXPREC_ATTN_CHUNK", "triton"),), attention_backend="CUSTOM",
+        what="w4a8kv4 whose exact prefill attends the chunk in our Triton kernel, not FlashAttention"),
 )}
 DEFAULT_ARMS = ("bf16", "marlin", "machete", "fp8", "w4a8", "w4a8kv4")
 

@@ -7,9 +7,11 @@ One kernel body serves both paths; it is specialised by constexprs:
     (_decode_finish_kernel) attends the residual tail and merges the splits by LSE.
   * prefill / extend (rows with query length > 1): grid (rows, query blocks, kv_heads);
     BLOCK_M query tokens x G heads per tile, causal mask. Older tokens come from the same
-    pages (and residual pool) as decode reads them; the chunk's own tokens come from the
-    step's 16-bit K/V (exact prefill, chunk_kv) or, without it, from the pages they were
-    written to just before.
+    pages (and residual pool) as decode reads them; the chunk's own tokens (CHUNK_MODE)
+    come from the pages they were written to just before (CHUNK_CACHE), from the step's
+    16-bit K/V in a loop of this kernel (CHUNK_TRITON, exact prefill), or were attended
+    already by FlashAttention, whose normalised output and log-sum-exp are the starting
+    state of the online softmax (CHUNK_MERGE, exact prefill at FlashAttention's speed).
 
 No K or V tile is dequantised to a float matrix. Scores use the codes directly:
     q . (code * s + z) = s * (q . code) + z * sum(q)          (kv4; kv8 has no z)
@@ -47,6 +49,9 @@ from ... import formats as F
 from .kv_cache import KVResidual, cache_views, kbias_args, meta_index, rope_angle, slab_offset
 
 LOG2E = 1.4426950408889634
+# prefill's CHUNK_MODE: where a row's own new tokens come from (module docstring); launches
+# pass .value
+CHUNK_CACHE, CHUNK_TRITON, CHUNK_MERGE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -500,6 +505,22 @@ def _attend_chunk(qa, qb, qpos, m_i, l_i, acc_a, acc_b, acc_z, q_start, ctx, kv_
 
 
 @triton.jit
+def _chunk_state(out_row, lse_row, rmask, D: tl.constexpr, KV4: tl.constexpr):
+    """CHUNK_MERGE: the online-softmax state (m, l, acc_a, acc_b) of rows whose chunk was
+    attended by FlashAttention: its normalised output [M, D] (at row pointers out_row) with
+    l = 1 and m = its natural log-sum-exp in this kernel's base 2."""
+    HALF: tl.constexpr = D // 2 if KV4 else D
+    STEP: tl.constexpr = 2 if KV4 else 1
+    src = out_row[:, None] + STEP * tl.arange(0, HALF)[None, :]
+    acc_a = tl.load(src, mask=rmask[:, None], other=0.0).to(tl.float32)
+    acc_b = acc_a
+    if KV4:
+        acc_b = tl.load(src + 1, mask=rmask[:, None], other=0.0).to(tl.float32)
+    m_i = tl.load(lse_row, mask=rmask, other=0.0) * 1.4426950408889634
+    return m_i, tl.where(rmask, 1.0, 0.0), acc_a, acc_b
+
+
+@triton.jit
 def _store_rows(dst_row, acc_a, acc_b, acc_z, l_i, rmask, D: tl.constexpr, KV4: tl.constexpr):
     """Normalise and store [M, D] rows at row pointers dst_row [M] (re-interleaving kv4's
     even/odd halves and adding its V zero-point column)."""
@@ -544,19 +565,19 @@ def _paged_attn_kernel(
         bt_ptr, stride_bt, seq_lens_ptr, qsl_ptr,
         smooth_ptr, kb_ptr, steps_ptr, pairs_ptr,
         res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, res_tokens,
-        key_ptr, val_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+        key_ptr, val_ptr, stride_kt, stride_kh, stride_vt, stride_vh, lse_ptr, stride_lse_h,
         num_q_heads, qk_scale,
         B: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, KV4: tl.constexpr,
         HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr, KB_V: tl.constexpr,
         HAS_RES: tl.constexpr, DT: tl.constexpr, FAST_UNPACK: tl.constexpr,
-        EXACT_CHUNK: tl.constexpr):
+        CHUNK_MODE: tl.constexpr):
     """Decode (grid rows x kv_heads x splits; rows of query length 1) or prefill/extend
     (grid rows x kv_heads x query blocks; rows of query length > 1). Decode leaves the
     residual tail to _decode_finish_kernel and writes split partials when one follows.
-    EXACT_CHUNK (prefill): the row's own new tokens come from key/val in 16 bits, the
-    older ones from the pages (and the residual pool) as decode reads them."""
+    Prefill: the older tokens come from the pages (and the residual pool) as decode reads
+    them, the row's own new tokens as CHUNK_MODE says (module docstring)."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     x = tl.program_id(2)  # decode: split index; prefill: query block
@@ -584,8 +605,11 @@ def _paged_attn_kernel(
     ctx = seq_len - qlen  # tokens cached before this step
     kv_end = tl.minimum(seq_len, ctx + mb * BLOCK_M + BLOCK_M)
     old_end = kv_end  # positions below it come from the cache
-    if EXACT_CHUNK:
+    if CHUNK_MODE != CHUNK_CACHE and not DECODE:
         old_end = ctx
+    if CHUNK_MODE == CHUNK_MERGE and not DECODE:
+        if ctx == 0:  # FlashAttention's output is already the answer
+            return
     win = seq_len
     if HAS_RES:
         win = tl.maximum(seq_len - res_tokens, 0)
@@ -605,6 +629,10 @@ def _paged_attn_kernel(
     acc_a = tl.zeros([M, HALF], tl.float32)
     acc_b = tl.zeros([M, HALF], tl.float32)
     acc_z = tl.zeros([M], tl.float32)
+    if CHUNK_MODE == CHUNK_MERGE and not DECODE:
+        m_i, l_i, acc_a, acc_b = _chunk_state(out_ptr + tok * stride_ot + head * stride_oh,
+                                              lse_ptr + head * stride_lse_h + tok, rmask,
+                                              D, KV4)
     bt_row = bt_ptr + row.to(tl.int64) * stride_bt
     m_i, l_i, acc_a, acc_b, acc_z = _attend_pages(
         qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z, t0, t1, page_end,
@@ -618,7 +646,7 @@ def _paged_attn_kernel(
                 win, old_end, bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch,
                 res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, qk_scale,
                 kb_a, kb_b, kshift, kb_steps, B, D, BLOCK_R, KV4, DT, HAS_KB)
-    if EXACT_CHUNK and not DECODE:
+    if CHUNK_MODE == CHUNK_TRITON and not DECODE:
         m_i, l_i, acc_a, acc_b, acc_z = _attend_chunk(
             qa, qb, qpos, m_i, l_i, acc_a, acc_b, acc_z, tl.load(qsl_ptr + row), ctx, kv_end,
             kvh, key_ptr, val_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -642,7 +670,7 @@ def _decode_finish_kernel(
         bt_ptr, stride_bt, seq_lens_ptr, qsl_ptr,
         smooth_ptr, kb_ptr, steps_ptr, pairs_ptr,
         res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr, tags_ptr, res_tokens,
-        key_ptr, val_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+        key_ptr, val_ptr, stride_kt, stride_kh, stride_vt, stride_vh, lse_ptr, stride_lse_h,
         num_q_heads, qk_scale,
         B: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
         BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, KV4: tl.constexpr,
@@ -819,10 +847,22 @@ def _common_args(q, cache, layout, residual, k_smooth, k_bias):
     return (codes, meta, cache.stride(0), cache.stride(1)), (smooth, *kb), res, has_res, block_r
 
 
-def _chunk_args(q: torch.Tensor, chunk_kv, num_kv_heads: int) -> tuple:
-    """(key, value, their token and head strides) for EXACT_CHUNK; q as an unread dummy."""
+def _chunk_args(q: torch.Tensor, chunk_kv, num_kv_heads: int,
+                chunk_lse: torch.Tensor | None = None) -> tuple:
+    """(key, value, their token and head strides, lse, its head stride) for the CHUNK_MODEs
+    (kernel docstring); q as an unread dummy."""
+    if chunk_lse is not None:
+        if chunk_kv is not None:
+            raise ValueError("give chunk_kv (the kernel attends the chunk) or chunk_lse (out "
+                             "holds FlashAttention's chunk attention), not both")
+        if (chunk_lse.dim() != 2 or chunk_lse.shape[0] != q.shape[1]
+                or chunk_lse.shape[1] < q.shape[0] or chunk_lse.stride(1) != 1
+                or chunk_lse.dtype != torch.float32):
+            raise ValueError(f"chunk_lse must be [{q.shape[1]}, >= {q.shape[0]}] float32 with "
+                             f"unit token stride, got {tuple(chunk_lse.shape)} {chunk_lse.dtype}")
+        return q, q, 0, 0, 0, 0, chunk_lse, chunk_lse.stride(0)
     if chunk_kv is None:
-        return q, q, 0, 0, 0, 0
+        return q, q, 0, 0, 0, 0, q, 0
     key, value = chunk_kv
     for name, t in (("key", key), ("value", value)):
         if (t.dim() != 3 or t.shape[0] < q.shape[0] or tuple(t.shape[1:]) != (num_kv_heads, q.shape[2])
@@ -830,7 +870,7 @@ def _chunk_args(q: torch.Tensor, chunk_kv, num_kv_heads: int) -> tuple:
             raise ValueError(f"chunk_kv {name} must be [>= {q.shape[0]}, {num_kv_heads}, "
                              f"{q.shape[2]}] {q.dtype} with unit stride on D, got "
                              f"{tuple(t.shape)} {t.dtype}")
-    return key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1)
+    return key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1), q, 0
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
@@ -873,7 +913,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
                   DT=_TL_DTYPE[q.dtype])
     _paged_attn_kernel[(num_rows, num_kv_heads, num_splits)](
         *args, BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
-        EXACT_CHUNK=False, num_warps=warps, num_stages=stages, **decode_maxnreg(), **common)
+        CHUNK_MODE=CHUNK_CACHE.value, num_warps=warps, num_stages=stages, **decode_maxnreg(),
+        **common)
     if finish:
         _decode_finish_kernel[(num_rows, num_kv_heads)](*args, num_warps=4, **common)
 
@@ -884,12 +925,18 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayo
                       num_rows: int, max_query_len: int, residual: KVResidual | None = None,
                       k_smooth: torch.Tensor | None = None,
                       k_bias: F.KRopeBias | None = None,
-                      chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                      chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      chunk_lse: torch.Tensor | None = None) -> None:
     """Causal attention of the rows of query length > 1 (others untouched) into `out`.
 
-    chunk_kv = (key, value) [T, Hkv, D], the 16-bit K/V of this step's tokens (laid out
-    like q): each row attends its own new tokens exactly from them and only its older
-    tokens through the cache (exact prefill). None: every key comes from the cache."""
+    Exact prefill: each row attends its own new tokens in 16 bits and only its older tokens
+    through the cache, either
+      * chunk_kv = (key, value) [T, Hkv, D], the 16-bit K/V of this step's tokens (laid out
+        like q), attended by this kernel; or
+      * chunk_lse [Hq, >= T] fp32: `out` already holds each row's attention over its own new
+        tokens (kernels.chunk_attention: FlashAttention), with this natural log-sum-exp;
+        the kernel merges the cached context into it in place.
+    Neither: every key comes from the cache."""
     if num_rows == 0 or max_query_len <= 1:
         return
     num_q_heads, num_kv_heads = q.shape[1], cache.shape[1]
@@ -902,14 +949,17 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayo
     _paged_attn_kernel[(num_rows, num_kv_heads, triton.cdiv(max_query_len, block_m))](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), q, q,
         *cache_args, block_table, block_table.stride(0), seq_lens, query_start_loc,
-        *opt, *res, *_chunk_args(q, chunk_kv, num_kv_heads), num_q_heads, sm_scale * LOG2E,
+        *opt, *res, *_chunk_args(q, chunk_kv, num_kv_heads, chunk_lse), num_q_heads,
+        sm_scale * LOG2E,
         B=layout.block_size, D=layout.head_dim, G=group, G_PAD=g_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_R=block_r, NUM_SPLITS=1, DECODE=False,
         KV4=layout.scheme == "kv4", HAS_SMOOTH=k_smooth is not None,
         HAS_KB=k_bias is not None, NP=_num_pairs(k_bias), KB_V=kbias_chunk(block_n),
         HAS_RES=has_res,
         DT=_TL_DTYPE[q.dtype], FAST_UNPACK=fast_unpack(q.device),
-        EXACT_CHUNK=chunk_kv is not None, num_warps=warps, num_stages=stages)
+        CHUNK_MODE=(CHUNK_MERGE if chunk_lse is not None else
+                    CHUNK_TRITON if chunk_kv is not None else CHUNK_CACHE).value,
+        num_warps=warps, num_stages=stages)
 
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
@@ -918,13 +968,26 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
                     residual: KVResidual | None = None, k_smooth: torch.Tensor | None = None,
                     num_splits: int | None = None, out: torch.Tensor | None = None,
                     k_bias: F.KRopeBias | None = None,
-                    chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Both paths on a ragged batch (tests, benchmarks): the twin of
-    reference.paged_attention_residual. Reads query_start_loc on the host."""
+                    chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    chunk_impl: str = "triton") -> torch.Tensor:
+    """Both paths on a ragged batch (tests, benchmarks) in the order the backend runs them:
+    the twin of reference.paged_attention_residual. Reads query_start_loc on the host.
+    chunk_impl "flash": chunk_kv is attended by kernels.chunk_attention (FlashAttention;
+    the reference on CPU) and merged (the reference's chunk_raw); "triton": by this kernel."""
+    from ..chunk_attention import chunk_attention
     qsl = query_start_loc.cpu()
     qlens = qsl[1:] - qsl[:-1]
     num_rows = seq_lens.shape[0]
     out = torch.empty_like(q) if out is None else out
+    max_q = int(qlens.max()) if num_rows else 0
+    chunk_lse = None
+    if chunk_kv is not None and chunk_impl == "flash" and max_q > 1:
+        n = int(qsl[-1])  # FlashAttention writes every row's; decode then overwrites its own
+        chunk_lse = chunk_attention(q[:n], chunk_kv[0], chunk_kv[1], query_start_loc, max_q,
+                                    sm_scale, out[:n])
+        chunk_kv = None
+    elif chunk_impl not in ("flash", "triton"):
+        raise ValueError(f"chunk_impl={chunk_impl!r}: expected 'flash' or 'triton'")
     if int((qlens == 1).sum()):
         splits = num_splits or decode_num_splits(num_rows, cache.shape[1])
         part_o = part_lse = None
@@ -936,9 +999,10 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
         decode_attention(q, cache, layout, block_table, seq_lens, query_start_loc, out,
                          sm_scale, num_rows, splits, part_o, part_lse, residual, k_smooth,
                          k_bias)
-    max_q = int(qlens.max()) if num_rows else 0
+    if chunk_lse is not None:
+        q, out = q[:chunk_lse.shape[1]], out[:chunk_lse.shape[1]]
     prefill_attention(q, cache, layout, block_table, seq_lens, query_start_loc, out, sm_scale,
-                      num_rows, max_q, residual, k_smooth, k_bias, chunk_kv)
+                      num_rows, max_q, residual, k_smooth, k_bias, chunk_kv, chunk_lse)
     return out
 
 

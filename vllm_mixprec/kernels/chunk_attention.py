@@ -1,0 +1,94 @@
+"""Exact prefill's chunk attention: each row's queries over the row's own new tokens (this
+step's 16-bit K/V, causal), and the log-sum-exp that the prefill kernel then merges the
+cached context into (kernels/triton/attention.py, CHUNK_MERGE).
+
+That part is plain 16-bit attention, so on CUDA it is vLLM's own FlashAttention
+(`vllm.vllm_flash_attn`, varlen with cu_seqlens_k = cu_seqlens_q: FA3 on Hopper, FA2 on
+Ampere) rather than a loop of our Triton kernel: a prompt processed in one chunk then costs
+what it costs under FLASH_ATTN. CPU tensors use reference.chunk_attention, the oracle with
+the same signature.
+
+MIXPREC_ATTN_CHUNK picks the implementation:
+  auto    (default) flash where vLLM's FlashAttention 2 or 3 runs on this GPU, else triton
+  flash   FlashAttention; an error at the first forward where it is unavailable
+  triton  the chunk loop inside our prefill kernel (CHUNK_TRITON)
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from .. import reference as ref
+
+logger = logging.getLogger("vllm.mixprec")
+
+ENV_CHUNK = "MIXPREC_ATTN_CHUNK"
+CHUNK_CHOICES = ("auto", "flash", "triton")
+
+
+def chunk_setting(environ=os.environ) -> str:
+    """MIXPREC_ATTN_CHUNK, validated (module docstring)."""
+    v = environ.get(ENV_CHUNK, "auto").strip() or "auto"
+    if v not in CHUNK_CHOICES:
+        raise ValueError(f"{ENV_CHUNK}={v!r}: expected one of {CHUNK_CHOICES} (auto: vLLM's "
+                         "FlashAttention for a prefill chunk's own tokens where it runs, else "
+                         "the Triton kernel)")
+    return v
+
+
+@functools.lru_cache(maxsize=None)
+def flash_version(device_index: int, head_dim: int) -> int | None:
+    """2 or 3: the FlashAttention vLLM would run for this head size on this GPU; None if
+    neither is there (FA4 needs the CuTe DSL, which the plugin does not rely on)."""
+    try:
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        with torch.cuda.device(device_index):
+            v = get_flash_attn_version(head_size=head_dim)
+    except Exception as e:  # noqa: BLE001 - no vllm_flash_attn build for this platform
+        logger.debug("mixprec: vLLM's FlashAttention unavailable: %s", e)
+        return None
+    return v if v in (2, 3) else None
+
+
+def select_chunk_impl(device: torch.device, head_dim: int, setting: str | None = None) -> str:
+    """"flash" or "triton" for exact prefill's chunk on `device` (CPU tensors: "flash" means
+    the reference, the oracle of both)."""
+    setting = chunk_setting() if setting is None else setting
+    if setting == "triton" or device.type != "cuda":
+        return setting if setting != "auto" else "triton"
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if flash_version(idx, head_dim) is not None:
+        return "flash"
+    if setting == "flash":
+        raise RuntimeError(f"{ENV_CHUNK}=flash but vLLM's FlashAttention (2 or 3) does not run "
+                           f"head size {head_dim} on {torch.cuda.get_device_name(idx)}; set "
+                           f"{ENV_CHUNK}=triton or unset it")
+    return "triton"
+
+
+def chunk_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+                    out: torch.Tensor) -> torch.Tensor:
+    """reference.chunk_attention's contract: causal attention of each row over its own new
+    tokens into `out` [T, Hq, D]; returns the natural log-sum-exp [Hq, T] fp32. key/value
+    [>= T, Hkv, D] may be strided views of the fused qkv tensor (unit stride on D)."""
+    if not q.is_cuda:
+        return ref.chunk_attention(q, key, value, query_start_loc, max_query_len, scale, out)
+    version = flash_version(q.device.index if q.device.index is not None
+                            else torch.cuda.current_device(), q.shape[-1])
+    if version is None:
+        raise RuntimeError("vLLM's FlashAttention is unavailable here: exact prefill must use "
+                           f"the Triton chunk ({ENV_CHUNK}=triton)")
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+    _, lse = flash_attn_varlen_func(
+        q=q, k=key, v=value, out=out, cu_seqlens_q=query_start_loc,
+        cu_seqlens_k=query_start_loc, max_seqlen_q=max_query_len, max_seqlen_k=max_query_len,
+        softmax_scale=scale, causal=True, return_softmax_lse=True, fa_version=version)
+    return lse
+
+
+__all__ = ["chunk_attention", "chunk_setting", "select_chunk_impl", "flash_version",
+           "ENV_CHUNK", "CHUNK_CHOICES"]
