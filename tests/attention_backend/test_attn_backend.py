@@ -194,8 +194,11 @@ def test_builder_and_impl_over_steps(carrier, dtype, res, bias, exact, monkeypat
             query_start_loc=qsl.to(DEVICE), query_start_loc_cpu=qsl,
             seq_lens=torch.tensor(seq, dtype=torch.int32, device=DEVICE), num_reqs=len(rows),
             num_actual_tokens=t, max_query_len=max(qlens), max_seq_len=max(seq),
-            block_table_tensor=bt.to(DEVICE), slot_mapping=sm.to(DEVICE))
+            block_table_tensor=bt.to(DEVICE), slot_mapping=sm.to(DEVICE),
+            seq_lens_cpu_upper_bound=torch.tensor(seq, dtype=torch.int32))
         md = builder.build(0, cm)
+        # the first step's chunks have nothing cached: FlashAttention's output is final
+        assert md.prefill_has_context == any(q > 1 and done[r] for r, q in rows)
         assert md.num_decodes == qlens.count(1) and md.num_prefills == len(rows) - md.num_decodes
         pos = torch.cat([torch.arange(done[r], done[r] + q) for r, q in rows])
         assert (md.key_positions is None) == (not bias)

@@ -250,6 +250,16 @@ def test_chunk_attention_matches_reference(dtype, group, head_dim):
                                rtol=1e-5)
 
 
+def test_lse_stride_is_not_specialized():
+    """FlashAttention's lse stride is the step's token count: a value specialization would
+    recompile the kernel in the middle of serving (seen in the H100 long-context run)."""
+    from vllm_mixprec.kernels.triton.attention import _paged_attn_kernel as k
+    if hasattr(k, "params"):  # a JITFunction (compiling)
+        assert [p.name for p in k.params if p.do_not_specialize] == ["stride_lse_h"]
+    else:  # the interpreter's wrapper keeps the jit options
+        assert k.kwargs["do_not_specialize"] == ["stride_lse_h"]
+
+
 def test_chunk_merge_first_chunk_is_flash_output_and_context_moves_it():
     """CHUNK_MERGE: a row with nothing cached keeps the chunk attention untouched (bit for
     bit); a row with cached context is changed by it; chunk_lse is validated."""

@@ -233,7 +233,7 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
             decode_attention(query, kv_cache, layout, md.block_table, md.seq_lens,
                              md.query_start_loc, output, self.scale, md.num_reqs,
                              md.num_splits, md.part_o, md.part_lse, residual, k_smooth, k_bias)
-        if md.num_prefills:
+        if md.num_prefills and (chunk_lse is None or md.prefill_has_context):
             prefill_attention(q, kv_cache, layout, md.block_table, md.seq_lens,
                               md.query_start_loc, out, self.scale, md.num_reqs,
                               md.max_query_len, residual, k_smooth, k_bias, chunk, chunk_lse)

@@ -54,6 +54,9 @@ class MixPrecAttentionMetadata:
     part_lse: torch.Tensor | None   # [rows*splits, Hq] fp32 split log2-sum-exp
     residual: R.ResidualDirectory | None
     key_positions: torch.Tensor | None = None  # [>= num tokens] int32 cache positions
+    # a prefill row has tokens cached before this step (True when vLLM gives no CPU bound):
+    # without one, exact prefill through FlashAttention needs no merge launch at all
+    prefill_has_context: bool = True
 
 
 def _num_sms(device: torch.device) -> int:
@@ -149,6 +152,11 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
         n = cm.num_reqs
         qsl_cpu = cm.query_start_loc_cpu[:n + 1]
         qlens = np.diff(qsl_cpu.numpy()) if n else np.zeros(0, dtype=np.int64)
+        has_ctx = True
+        bound = getattr(cm, "seq_lens_cpu_upper_bound", None)  # exact for prefill rows
+        if bound is not None and n:
+            pre = qlens > 1
+            has_ctx = bool((bound[:n].numpy()[pre] > qlens[pre]).any())
         directory = self._directory()
         if directory is not None:
             directory.assign(cm.block_table_tensor, cm.seq_lens, cm.query_start_loc,
@@ -160,7 +168,7 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
             slot_mapping=cm.slot_mapping, num_decodes=int((qlens == 1).sum()),
             num_prefills=int((qlens > 1).sum()), num_splits=self._splits(n),
             part_o=self.part_o, part_lse=self.part_lse, residual=directory,
-            key_positions=self._key_positions(cm))
+            key_positions=self._key_positions(cm), prefill_has_context=has_ctx)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> MixPrecAttentionMetadata:

@@ -558,7 +558,9 @@ def _query_tile(q_ptr, stride_qt, stride_qh, smooth_ptr, qsl_ptr, seq_lens_ptr, 
 
 # --- the kernels -----------------------------------------------------------------------------
 
-@triton.jit
+# stride_lse_h is FlashAttention's token count, new every step: specializing on its value
+# (== 1, % 16) would recompile the kernel mid-serving (seen on the H100, 2026-11-25)
+@triton.jit(do_not_specialize=["stride_lse_h"])
 def _paged_attn_kernel(
         q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, part_o_ptr, part_lse_ptr,
         codes_ptr, meta_ptr, stride_cb, stride_ch,
