@@ -594,6 +594,9 @@ def _paged_attn_kernel(
         mb = x
         if mb * BLOCK_M >= qlen:
             return
+        if CHUNK_MODE == CHUNK_MERGE:  # nothing cached: FlashAttention's output is final
+            if tl.load(seq_lens_ptr + row) == qlen:
+                return
     qa, qb, qa16, qb16, qsum, shift, tok, head, rmask, qpos, qlen, seq_len = _query_tile(
         q_ptr, stride_qt, stride_qh, smooth_ptr, qsl_ptr, seq_lens_ptr, row, kvh, mb,
         D, G, G_PAD, BLOCK_M, KV4, HAS_SMOOTH, DT)
@@ -609,9 +612,6 @@ def _paged_attn_kernel(
     old_end = kv_end  # positions below it come from the cache
     if CHUNK_MODE != CHUNK_CACHE and not DECODE:
         old_end = ctx
-    if CHUNK_MODE == CHUNK_MERGE and not DECODE:
-        if ctx == 0:  # FlashAttention's output is already the answer
-            return
     win = seq_len
     if HAS_RES:
         win = tl.maximum(seq_len - res_tokens, 0)
