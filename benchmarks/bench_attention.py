@@ -17,6 +17,8 @@ L2 flushed between replays). Outputs are checked against FA3 (relative L2 error)
   python benchmarks/bench_attention.py --quick    # batch {1,64} x ctx {1K,8K}
   python benchmarks/bench_attention.py --tune     # sweep mixprec decode configs (BLOCK_N,
                                                   # warps, stages, splits) on two shapes
+  python benchmarks/bench_attention.py --tune-prefill  # sweep the prefill kernel's configs
+                                                       # (BLOCK_M, BLOCK_N, warps, stages)
   python benchmarks/bench_attention.py --prefill  # prefill/extend: FA3 vs mixprec KV4/KV8,
                                                   # chunk read from the pages or exact (16-bit,
                                                   # in our kernel or FlashAttention + merge)
@@ -51,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
     p.add_argument("--quick", action="store_true", help="batch {1,64} x ctx {1K,8K}, short reps")
     p.add_argument("--tune", action="store_true", help="sweep the mixprec decode configs")
+    p.add_argument("--tune-prefill", action="store_true",
+                   help="sweep the prefill kernel's configs on the context-bound shapes")
     p.add_argument("--prefill", action="store_true",
                    help="prefill/extend grid (PREFILL_GRID) instead of decode")
     p.add_argument("--rep-ms", type=int, default=200, help="do_bench rep time per method")
@@ -302,6 +306,27 @@ def run_shape(shape: Shape, methods, rep_ms: int) -> list[dict]:
     return rows
 
 
+def _time_config(run, env: dict[str, str], label: str) -> float | None:
+    """Median ms of `run` with the tuning variables `env` set (removed afterwards); None
+    (printed) when the config cannot run, e.g. out of shared memory for big tiles."""
+    os.environ.update(env)
+    try:
+        ms = time_graph(run, 30)
+    except Exception as e:  # noqa: BLE001
+        print(f"  {label}: {type(e).__name__}: {e}")
+        return None
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+    print(f"  {label}: {ms:.4f} ms")
+    return ms
+
+
+def _best(results: list[dict], key: tuple) -> None:
+    best = min((r for r in results if r["shape"] == key), key=lambda r: r["ms"], default=None)
+    print(f"best for {key}: {best}")
+
+
 def tune(args) -> list[dict]:
     """Sweep (BLOCK_N, warps, stages) x splits of the KV4 decode kernel on two shapes
     (one cache per shape; each config compiles once)."""
@@ -320,20 +345,40 @@ def tune(args) -> list[dict]:
             cfgs = [(bn, w, s, 0) for bn in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3)]
             cfgs += [(128, 2, 2, r) for r in (128, 168)] + [(128, 4, 2, 128), (64, 2, 2, 128)]
             for cfg in cfgs:
-                os.environ["MIXPREC_ATTN_DECODE_CFG"] = ",".join(map(str, cfg[:3]))
-                os.environ["MIXPREC_ATTN_DECODE_MAXNREG"] = str(cfg[3])
-                try:
-                    ms = time_graph(run, 30)
-                except Exception as e:  # e.g. out of shared memory for big tiles
-                    print(f"  {batch}x{ctx} splits={splits} cfg={cfg}: {type(e).__name__}: {e}")
-                    continue
-                results.append(dict(batch=batch, ctx=ctx, splits=splits, cfg=cfg, ms=ms))
-                print(f"  {batch}x{ctx} splits={splits} BLOCK_N,warps,stages,maxnreg={cfg}: {ms:.4f} ms")
-        best = min((r for r in results if (r["batch"], r["ctx"]) == (batch, ctx)),
-                   key=lambda r: r["ms"])
-        print(f"best for {batch}x{ctx}: {best}")
-    os.environ.pop("MIXPREC_ATTN_DECODE_CFG", None)
-    os.environ.pop("MIXPREC_ATTN_DECODE_MAXNREG", None)
+                ms = _time_config(run, {"MIXPREC_ATTN_DECODE_CFG": ",".join(map(str, cfg[:3])),
+                                        "MIXPREC_ATTN_DECODE_MAXNREG": str(cfg[3])},
+                                  f"{batch}x{ctx} splits={splits} BLOCK_N,warps,stages,maxnreg={cfg}")
+                if ms is not None:
+                    results.append(dict(shape=(batch, ctx), batch=batch, ctx=ctx, splits=splits,
+                                        cfg=cfg, ms=ms))
+        _best(results, (batch, ctx))
+    return results
+
+
+def tune_prefill(args) -> list[dict]:
+    """Sweep (BLOCK_M query tokens, BLOCK_N, warps, stages) of the prefill kernel's page part
+    (MIXPREC_ATTN_PREFILL_CFG), as the backend runs it by default (the chunk by
+    FlashAttention, the cached context merged by our kernel), on the two context-bound
+    PREFILL_GRID shapes, KV4 and KV8."""
+    results = []
+    for batch, ctx, q_len in ((4, 8192, 1024), (16, 4096, 512)):
+        shape = Shape(batch, ctx, args.seed, q_len)
+        built = {m: setup(m, shape) for m in ("mixprec-kv4-flash", "mixprec-kv8-flash")}
+        for chunk in shape.chunks():
+            for writers, _, _ in built.values():
+                writers[0](*chunk)
+        for method, (_, run, _) in built.items():
+            key = (batch, ctx, q_len, method)
+            for cfg in [(bm, bn, w, s) for bm in (16, 32) for bn in (32, 64, 128)
+                        for w in (4, 8) for s in (2, 3)]:
+                ms = _time_config(run, {"MIXPREC_ATTN_PREFILL_CFG": ",".join(map(str, cfg))},
+                                  f"{key} BLOCK_M,BLOCK_N,warps,stages={cfg}")
+                if ms is not None:
+                    results.append(dict(shape=key, batch=batch, ctx=ctx, q_len=q_len,
+                                        method=method, cfg=cfg, ms=ms,
+                                        tflop_per_s=shape.attention_flops() / ms / 1e9))
+            _best(results, key)
+        del built
     return results
 
 
@@ -398,6 +443,9 @@ def main(argv=None):
 
     if args.tune:
         write("attention-tune", tune(args))
+        return
+    if args.tune_prefill:
+        write("attention-tune-prefill", tune_prefill(args))
         return
     rows = []
     if args.prefill:

@@ -3,7 +3,7 @@
 #   bash .gpu/part2/install-on-host.sh install .gpu/part2 && . /tmp/mixprec-site/env.sh \
 #     && bash scripts/gpu_check.sh [STAGE...]
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
-# test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn sanitize
+# test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
 # profile e2e load property sweep_splits tp tp_kv4 recheck bench_fp8
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
@@ -136,6 +136,7 @@ stage_bench_attn() { run_bench bench_attention 420 python3 benchmarks/bench_atte
 stage_bench() { stage_bench_gemm; stage_bench_attn; }
 stage_bench_prefill() { run_bench bench_attention_prefill 240 python3 benchmarks/bench_attention.py --prefill --rep-ms 60 --out "$OUT"; }
 stage_tune_attn() { run_bench bench_attention_tune 500 python3 benchmarks/bench_attention.py --tune --out "$OUT"; }
+stage_tune_prefill() { run_bench bench_attention_tune_prefill 500 python3 benchmarks/bench_attention.py --tune-prefill --out "$OUT"; }
 stage_diag() { timeout 300 bash scripts/diag_cxx_throw.sh 2>&1 | tee "$OUT/diag_cxx_throw.log" | tail -30; }
 stage_profile() { OUT=$OUT timeout 400 bash scripts/profile_ncu.sh gemm attn 2>&1 | tail -20; }
 stage_sanitize() { OUT=$OUT timeout 540 bash scripts/sanitize.sh cuda triton 2>&1 | tail -30; }
