@@ -39,6 +39,10 @@ def chunk_setting(environ=os.environ) -> str:
     return v
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
 def flash_version(device_index: int, head_dim: int) -> int | None:
     """2 or 3: the FlashAttention vLLM would run for this head size on this GPU; None if
@@ -59,7 +63,7 @@ def select_chunk_impl(device: torch.device, head_dim: int, setting: str | None =
     setting = chunk_setting() if setting is None else setting
     if setting == "triton" or device.type != "cuda":
         return setting if setting != "auto" else "triton"
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = _index(device)
     if flash_version(idx, head_dim) is not None:
         return "flash"
     if setting == "flash":
@@ -77,8 +81,7 @@ def chunk_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     [>= T, Hkv, D] may be strided views of the fused qkv tensor (unit stride on D)."""
     if not q.is_cuda:
         return ref.chunk_attention(q, key, value, query_start_loc, max_query_len, scale, out)
-    version = flash_version(q.device.index if q.device.index is not None
-                            else torch.cuda.current_device(), q.shape[-1])
+    version = flash_version(_index(q.device), q.shape[-1])
     if version is None:
         raise RuntimeError("vLLM's FlashAttention is unavailable here: exact prefill must use "
                            f"the Triton chunk ({ENV_CHUNK}=triton)")

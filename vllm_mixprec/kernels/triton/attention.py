@@ -977,6 +977,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
     chunk_impl "flash": chunk_kv is attended by kernels.chunk_attention (FlashAttention;
     the reference on CPU) and merged (the reference's chunk_raw); "triton": by this kernel."""
     from ..chunk_attention import chunk_attention
+    if chunk_impl not in ("flash", "triton"):
+        raise ValueError(f"chunk_impl={chunk_impl!r}: expected 'flash' or 'triton'")
     qsl = query_start_loc.cpu()
     qlens = qsl[1:] - qsl[:-1]
     num_rows = seq_lens.shape[0]
@@ -988,8 +990,6 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
         chunk_lse = chunk_attention(q[:n], chunk_kv[0], chunk_kv[1], query_start_loc, max_q,
                                     sm_scale, out[:n])
         chunk_kv = None
-    elif chunk_impl not in ("flash", "triton"):
-        raise ValueError(f"chunk_impl={chunk_impl!r}: expected 'flash' or 'triton'")
     if int((qlens == 1).sum()):
         splits = num_splits or decode_num_splits(num_rows, cache.shape[1])
         part_o = part_lse = None
