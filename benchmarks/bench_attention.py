@@ -21,7 +21,8 @@ L2 flushed between replays). Outputs are checked against FA3 (relative L2 error)
                                                        # (BLOCK_M, BLOCK_N, warps, stages)
   python benchmarks/bench_attention.py --prefill  # prefill/extend: FA3 vs mixprec KV4/KV8,
                                                   # chunk read from the pages or exact (16-bit,
-                                                  # in our kernel or FlashAttention + merge)
+                                                  # in our kernel, FlashAttention + merge, or
+                                                  # context workspace + FlashAttention)
 Writes <out>/attention-<device>.json and .png and prints a table.
 """
 from __future__ import annotations
@@ -37,11 +38,14 @@ BYTES_PER_TOKEN_HEAD = {"fa3-bf16": 4 * D, "triton-int4": D + 8, "triton-int8": 
                         "mixprec-kv4": D + 8, "mixprec-kv8": 2 * D + 8, "mixprec-kv4-r16": D + 8}
 ALL_METHODS = tuple(BYTES_PER_TOKEN_HEAD)
 # (batch, ctx, chunk): `chunk` new tokens per sequence after ctx - chunk cached ones
-PREFILL_GRID = ((1, 8192, 8192), (8, 2048, 2048), (4, 8192, 1024), (16, 4096, 512))
+PREFILL_GRID = ((1, 8192, 8192), (8, 2048, 2048), (4, 8192, 1024), (16, 4096, 512),
+                (2, 8192, 128))
 # -exact: the chunk's own tokens in 16 bits in our Triton kernel; -flash: by FlashAttention,
-# then merged with the cached context by our kernel (the backend's default on sm80+)
+# then merged with the cached context by our kernel; -gather: the context dequantised into a
+# 16-bit workspace, then one FlashAttention call (the backend's default on sm80+)
 PREFILL_METHODS = ("fa3-bf16", "mixprec-kv4", "mixprec-kv4-exact", "mixprec-kv4-flash",
-                   "mixprec-kv8", "mixprec-kv8-exact", "mixprec-kv8-flash")
+                   "mixprec-kv4-gather", "mixprec-kv8", "mixprec-kv8-exact",
+                   "mixprec-kv8-flash", "mixprec-kv8-gather")
 
 
 def parse_args(argv=None):
@@ -50,7 +54,8 @@ def parse_args(argv=None):
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--ctx", type=int, nargs="+", default=[1024, 8192, 32768])
-    p.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
+    p.add_argument("--methods", nargs="+", choices=sorted(set(ALL_METHODS + PREFILL_METHODS)),
+                   help="default: every decode method, or with --prefill every prefill one")
     p.add_argument("--quick", action="store_true", help="batch {1,64} x ctx {1K,8K}, short reps")
     p.add_argument("--tune", action="store_true", help="sweep the mixprec decode configs")
     p.add_argument("--tune-prefill", action="store_true",
@@ -64,6 +69,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.ctx, args.rep_ms = [1, 64], [1024, 8192], 50
+    if args.methods is None:
+        args.methods = list(PREFILL_METHODS if args.prefill else ALL_METHODS)
     return args
 
 
@@ -184,9 +191,10 @@ def setup_mixprec(shape: Shape, scheme: str, residual_tokens: int = 0, splits: i
     import torch
     from vllm_mixprec import formats as F
     from vllm_mixprec.attention_backend import residual as R
-    from vllm_mixprec.kernels.chunk_attention import chunk_attention
+    from vllm_mixprec.kernels.chunk_attention import chunk_attention, context_attention
     from vllm_mixprec.kernels.triton.attention import (decode_attention, decode_num_splits,
                                                        prefill_attention)
+    from vllm_mixprec.kernels.triton.context import gather_context_kv
     from vllm_mixprec.kernels.triton.kv_cache import KVResidual, quantize_and_store
 
     layout = F.KVPageLayout(scheme, D, B)
@@ -214,11 +222,22 @@ def setup_mixprec(shape: Shape, scheme: str, residual_tokens: int = 0, splits: i
     part_o = torch.empty(shape.batch * max_splits, HQ, D, dtype=torch.float32, device="cuda")
     part_lse = torch.empty(part_o.shape[:2], dtype=torch.float32, device="cuda")
     out = torch.empty_like(shape.q)
+    cu_k = F.context_seqlens(shape.seq_lens, shape.qsl, shape.batch)
+    ws = None
+    if chunk == "gather":  # the backend's workspace, sized for this step
+        ws = [torch.empty(shape.batch * shape.ctx, HKV, D, dtype=torch.bfloat16, device="cuda")
+              for _ in range(2)]
 
     def run():
-        if shape.q_len > 1:
+        if shape.q_len > 1 and ws is not None:  # as the backend runs it by default
+            gather_context_kv(cache, layout, shape.block_table, shape.seq_lens, shape.qsl, cu_k,
+                              shape.new_k, shape.new_v, ws[0], ws[1], shape.batch, shape.ctx,
+                              res)
+            context_attention(shape.q, ws[0], ws[1], shape.qsl, cu_k, shape.q_len, shape.ctx,
+                              shape.scale, out)
+        elif shape.q_len > 1:
             lse = None
-            if chunk == "flash":  # as the backend runs it: FlashAttention, then the merge
+            if chunk == "flash":  # FlashAttention over the chunk, then the merge
                 lse = chunk_attention(shape.q, shape.new_k, shape.new_v, shape.qsl, shape.q_len,
                                       shape.scale, out)
             prefill_attention(shape.q, cache, layout, shape.block_table, shape.seq_lens,
@@ -241,7 +260,8 @@ def setup(method: str, shape: Shape, **kw):
         return setup_triton(shape, {"triton-int4": "int4_per_token_head",
                                     "triton-int8": "int8_per_token_head"}[method])
     scheme = "kv4" if "kv4" in method else "kv8"
-    chunk = {"exact": "triton", "flash": "flash"}.get(method.rsplit("-", 1)[-1])
+    chunk = {"exact": "triton", "flash": "flash", "gather": "gather"}.get(
+        method.rsplit("-", 1)[-1])
     return setup_mixprec(shape, scheme, 16 if method.endswith("-r16") else 0, chunk=chunk, **kw)
 
 
@@ -450,8 +470,8 @@ def main(argv=None):
     rows = []
     if args.prefill:
         for batch, ctx, q_len in PREFILL_GRID:
-            rows += run_shape(Shape(batch, ctx, args.seed, q_len), PREFILL_METHODS, args.rep_ms)
-            print_table(rows[-len(PREFILL_METHODS):])
+            rows += run_shape(Shape(batch, ctx, args.seed, q_len), args.methods, args.rep_ms)
+            print_table(rows[-len(args.methods):])
     else:
         from vllm.config import VllmConfig, set_current_vllm_config
         with set_current_vllm_config(VllmConfig()):  # TRITON_ATTN reads the KV layout from it

@@ -4,7 +4,7 @@
 #     && bash scripts/gpu_check.sh [STAGE...]
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
-# profile e2e load property sweep_splits tp tp_kv4 recheck bench_fp8
+# profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -108,6 +108,11 @@ stage_recheck() {
   pytest_gpu pytest-gpu-recheck 560 tests/attention_backend tests/kernels/test_triton_gemm.py \
     tests/kernels/test_act_quant_fusion.py -k "not test_gpu_w4a8 or w4ax"
 }
+# Exact prefill's context workspace + FlashAttention (the default since session 9): its kernel
+# against the reference, the paged-attention paths, the backend over steps, big GPU shapes.
+stage_gather() {
+  pytest_logged pytest-gpu-gather 240 tests/attention_backend -k "gather or chunk_impl_auto or context_tokens"
+}
 stage_property_cuda_gemm() {
   use_pyextra || return 1
   pytest_logged pytest-property-cuda 200 tests/kernels/test_cuda_properties.py
@@ -134,7 +139,13 @@ stage_sweep_splits() {
 }
 stage_bench_attn() { run_bench bench_attention 420 python3 benchmarks/bench_attention.py --out "$OUT"; }
 stage_bench() { stage_bench_gemm; stage_bench_attn; }
-stage_bench_prefill() { run_bench bench_attention_prefill 240 python3 benchmarks/bench_attention.py --prefill --rep-ms 60 --out "$OUT"; }
+# BENCH_PREFILL_METHODS: the methods (default: FA3 and the two FlashAttention-based exact paths)
+stage_bench_prefill() {
+  # shellcheck disable=SC2086
+  run_bench bench_attention_prefill 240 python3 benchmarks/bench_attention.py --prefill --rep-ms 60 \
+    --methods ${BENCH_PREFILL_METHODS:-fa3-bf16 mixprec-kv4-flash mixprec-kv4-gather mixprec-kv8-flash mixprec-kv8-gather} \
+    --out "$OUT"
+}
 stage_tune_attn() { run_bench bench_attention_tune 500 python3 benchmarks/bench_attention.py --tune --out "$OUT"; }
 stage_tune_prefill() { run_bench bench_attention_tune_prefill 500 python3 benchmarks/bench_attention.py --tune-prefill --out "$OUT"; }
 stage_diag() { timeout 300 bash scripts/diag_cxx_throw.sh 2>&1 | tee "$OUT/diag_cxx_throw.log" | tail -30; }

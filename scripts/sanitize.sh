@@ -4,7 +4,8 @@
 #   SANITIZE_TOOLS="racecheck" runs a subset of the four tools.
 #   cuda:   scripts/sanitize_cuda_driver.py, every csrc kernel (mma.sync, wgmma, quantize_act)
 #   triton: a pytest -m gpu selection that launches every Triton kernel (W4A8/W4Ax GEMM and
-#           activation quantizers, KV quantize-and-store, paged decode/prefill attention)
+#           activation quantizers, KV quantize-and-store, paged decode/prefill attention, the
+#           exact-prefill context workspace)
 # Logs go to $OUT (or ./out)/sanitize; exits non-zero if a tool or a driver fails.
 # No kernel filter: torch's own kernels are checked too; summary.txt counts the reports that
 # name our kernels separately.
@@ -29,6 +30,7 @@ targets=("$@")
 TRITON_TESTS=(
   "tests/kernels/test_triton_gemm.py::test_gpu_w4ax"
   "tests/attention_backend/test_attn_kernels.py::test_paged_attention_gpu"
+  "tests/attention_backend/test_attn_kernels.py::test_gather_path_gpu"
 )
 status=0
 : > "$OUT_DIR/summary.txt"
@@ -37,8 +39,8 @@ for target in "${targets[@]}"; do
     cuda) cmd=("$PY" scripts/sanitize_cuda_driver.py)
           ours_re="w4a8_(decode|tiled|wgmma)[a-z_]*kernel|quantize_act_int8_kernel" ;;
     triton) cmd=("$PY" -m pytest -m gpu -q -p no:cacheprovider -x "${TRITON_TESTS[@]}"
-                 -k "test_gpu_w4ax or (1-4-128 and dtype1)")
-          ours_re="_(paged_attn|decode_finish|quant|w4a8|w4ax|gemm|store)[a-z0-9_]*" ;;
+                 -k "test_gpu_w4ax or (1-4-128 and dtype1) or (gather_path_gpu and 4-128 and dtype1)")
+          ours_re="_(paged_attn|decode_finish|quant|w4a8|w4ax|gemm|store|gather_context)[a-z0-9_]*" ;;
     *) echo "unknown target $target (cuda, triton)"; exit 2 ;;
   esac
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do

@@ -295,6 +295,18 @@ ROPE_PHASE_BITS = 32
 MIN_BIAS_PAIRS = 16  # the readers' bias dot has K = pairs: tensor cores need >= 16
 
 
+def context_seqlens(seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    num_rows: int) -> torch.Tensor:
+    """cu_seqlens_k [num_rows + 1] int32 of exact prefill's 16-bit context workspace
+    (kernels/triton/context.py): a row of query length > 1 holds its whole sequence (cached
+    context, then its new tokens), any other row only its new tokens (decode rows are
+    attended from the pages by the decode kernel)."""
+    qsl = query_start_loc[:num_rows + 1]
+    qlens = (qsl[1:] - qsl[:-1]).to(torch.int32)
+    klens = torch.where(qlens > 1, seq_lens[:num_rows].to(torch.int32), qlens)
+    return torch.nn.functional.pad(torch.cumsum(klens, 0, dtype=torch.int32), (1, 0))
+
+
 class KRopeBias(NamedTuple):
     """bias float32 [H_kv, D] (zero outside the kept pairs); inv_freq float32 [D/2];
     steps int64 [D/2] (rope_phase_steps); pairs int32 [H_kv, P] (kept pair indices i < D/2)."""

@@ -364,6 +364,24 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return torch.einsum("hqk,khd->qhd", p, vd), torch.logsumexp(s, dim=-1).T
 
 
+def varlen_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, scale: float,
+                     out: torch.Tensor) -> torch.Tensor:
+    """FlashAttention's varlen causal attention: row i's queries q[cu_q[i]:cu_q[i+1]] are the
+    last positions of its keys key/value[cu_k[i]:cu_k[i+1]] ([>= total, Hkv, D]). Writes
+    `out` [T, Hq, D] and returns the natural log-sum-exp [Hq, T] fp32."""
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
+                     device=q.device)
+    for i in range(cu_seqlens_q.shape[0] - 1):
+        s, e = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        ks, ke = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
+        if e > s:
+            o, l = attention_lse(q[s:e], key[ks:ke], value[ks:ke], scale, causal=True)
+            out[s:e] = o.to(out.dtype)
+            lse[:, s:e] = l.T.float()
+    return lse
+
+
 def chunk_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                     out: torch.Tensor) -> torch.Tensor:
@@ -372,15 +390,35 @@ def chunk_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     natural log-sum-exp [Hq, T] fp32. FlashAttention's varlen call with cu_seqlens_k =
     cu_seqlens_q computes this (kernels.chunk_attention): exact prefill then merges the
     cached context into it (prefill_attention's chunk_lse). max_query_len is unused here."""
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
-                     device=q.device)
-    for i in range(query_start_loc.shape[0] - 1):
+    return varlen_attention(q, key, value, query_start_loc, query_start_loc, scale, out)
+
+
+def gather_context_kv(cache: torch.Tensor, layout: F.KVPageLayout, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      out_k: torch.Tensor, out_v: torch.Tensor, num_rows: int,
+                      max_seqlen_k: int, residual=None, k_smooth: torch.Tensor | None = None,
+                      k_bias: F.KRopeBias | None = None) -> None:
+    """Exact prefill's 16-bit workspace (formats.context_seqlens): out_k/out_v[cu_k[i]:
+    cu_k[i+1]] = row i's cached context (dequantised pages, valid residual entries
+    substituted; K back in model space: times k_smooth, plus RoPE_j(b)), then its new tokens'
+    key/value (laid out like the queries). varlen_attention over it is exact prefill with no
+    merge. max_seqlen_k bounds the rows' lengths (the GPU kernel's grid); unused here."""
+    for i in range(num_rows):
         s, e = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        if e > s:
-            o, l = attention_lse(q[s:e], key[s:e], value[s:e], scale, causal=True)
-            out[s:e] = o.to(out.dtype)
-            lse[:, s:e] = l.T.float()
-    return lse
+        ks, ke = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
+        ctx = (ke - ks) - (e - s)
+        if ctx > 0:
+            k, v = gather_kv_residual(cache, layout, block_table[i], ctx + (e - s), residual)
+            k, v = k[:ctx].double(), v[:ctx]
+            if k_smooth is not None:
+                k = k * k_smooth.double()
+            if k_bias is not None:
+                k = k + rotate_k_bias(k_bias, torch.arange(ctx, device=k.device))
+            out_k[ks:ks + ctx] = k.to(out_k.dtype)
+            out_v[ks:ks + ctx] = v.to(out_v.dtype)
+        out_k[ks + ctx:ke] = key[s:e]
+        out_v[ks + ctx:ke] = value[s:e]
 
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,

@@ -42,13 +42,14 @@ class Batch:
     def reference(self, scale: float, exact_chunk: bool | str = False) -> torch.Tensor:
         """reference.paged_attention_residual on CPU copies. exact_chunk: with chunk_kv
         (True or "triton"), or with chunk_kv scored by the raw query ("flash": the chunk
-        attended by FlashAttention, then merged)."""
+        attended by FlashAttention, then merged; "gather": context workspace and one
+        FlashAttention call)."""
         chunk = tuple(t.cpu() for t in self.chunk_kv()) if exact_chunk else None
         return ref.paged_attention_residual(
             self.q.cpu(), self.cache.cpu(), self.layout, self.block_table.cpu(),
             self.seq_lens.cpu(), self.qsl.cpu(), scale, self.ref_residual(),
             None if self.k_smooth is None else self.k_smooth.cpu(), cpu_k_bias(self.k_bias),
-            chunk, chunk_raw=exact_chunk == "flash")
+            chunk, chunk_raw=exact_chunk in ("flash", "gather"))
 
 
 def rope_inv_freq(head_dim: int, theta: float = 10000.0) -> torch.Tensor:

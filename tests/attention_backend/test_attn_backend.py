@@ -154,16 +154,29 @@ def _fake_vllm_config(cache, num_q_heads, block_size, max_num_seqs=4, k_rope_bia
     ("int8_per_token_head", torch.float16, 0, True, "1"),
     # the chunk through kernels.chunk_attention (FlashAttention; here its reference), merged
     ("int4_per_token_head", torch.float16, 16, False, "flash"),
-    ("int8_per_token_head", torch.bfloat16, 0, True, "flash")])
+    ("int8_per_token_head", torch.bfloat16, 0, True, "flash"),
+    # the context workspace, then one FlashAttention call (here the reference)
+    ("int4_per_token_head", torch.float16, 16, False, "gather"),
+    ("int4_per_token_head", torch.bfloat16, 16, True, "gather"),
+    ("int8_per_token_head", torch.bfloat16, 0, False, "gather"),
+    # a workspace too small for the second step: that step merges instead
+    ("int4_per_token_head", torch.float16, 16, False, "gather-overflow")])
 def test_builder_and_impl_over_steps(carrier, dtype, res, bias, exact, monkeypatch):
     """Chunked prefill then decodes of two requests (rows not ordered decode-first):
     the output equals attention over the pages, with the newest R tokens in 16 bits and,
     with exact prefill, a prefill row's own new tokens too. With a k bias, the builder gives
     the writer each token's cache position, the pages hold K - RoPE_p(b), and the output is
     attention over those plus RoPE_p(b)."""
+    import vllm_mixprec.attention_backend.impl as impl_mod
     monkeypatch.setenv(R.ENV_TOKENS, str(res))
     monkeypatch.setenv(ENV_PREFILL_EXACT, "0" if exact == "0" else "1")
-    monkeypatch.setenv(ENV_CHUNK, "flash" if exact == "flash" else "triton")
+    monkeypatch.setenv(ENV_CHUNK, "triton" if exact in ("0", "1") else "flash")
+    monkeypatch.setenv(impl_mod.ENV_CONTEXT_TOKENS,
+                       {"gather": "64", "gather-overflow": "16"}.get(exact, "0"))
+    gathered = []
+    real_gather = impl_mod.gather_context_kv
+    monkeypatch.setattr(impl_mod, "gather_context_kv",
+                        lambda *a, **k: gathered.append(a[5].tolist()) or real_gather(*a, **k))
     hkv, g, d, b, nb = 2, 4, 64, 16, 12
     layout = F.KVPageLayout(F.KV_SCHEME_OF_CARRIER[carrier], d, b)
     cache = torch.zeros(Backend.get_kv_cache_shape(nb, b, hkv, d, carrier),
@@ -236,6 +249,26 @@ def test_builder_and_impl_over_steps(carrier, dtype, res, bias, exact, monkeypat
                 vv[-qn:] = v[s:e].float()
             want = ref.attention(q[s:e], kk, vv, d ** -0.5)
             torch.testing.assert_close(out[s:e].double(), want, **tolerance(dtype))
+    # only the second step has a prefill row with cached context: [(1, 1), (0, 13 after 20)]
+    assert gathered == ([[0, 1, 34]] if exact == "gather" else [])
+
+
+def test_context_tokens_setting(monkeypatch):
+    """MIXPREC_ATTN_CONTEXT_TOKENS, else one step's tokens plus a full row, capped."""
+    from vllm_mixprec.attention_backend.impl import (ENV_CONTEXT_TOKENS,
+                                                     MAX_DEFAULT_CONTEXT_TOKENS, context_tokens)
+    cfg = lambda b, m: SimpleNamespace(  # noqa: E731
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=b),
+        model_config=SimpleNamespace(max_model_len=m))
+    monkeypatch.delenv(ENV_CONTEXT_TOKENS, raising=False)
+    assert context_tokens(cfg(16384, 16384)) == 32768
+    assert context_tokens(cfg(8192, 1 << 20)) == MAX_DEFAULT_CONTEXT_TOKENS
+    assert context_tokens(None) == 0
+    monkeypatch.setenv(ENV_CONTEXT_TOKENS, "0")
+    assert context_tokens(cfg(16384, 16384)) == 0
+    monkeypatch.setenv(ENV_CONTEXT_TOKENS, "-5")
+    with pytest.raises(ValueError, match="MIXPREC_ATTN_CONTEXT_TOKENS='-5'"):
+        context_tokens(cfg(16384, 16384))
 
 
 def test_chunk_impl_env_and_choice(monkeypatch):
@@ -280,3 +313,28 @@ def test_profile_run_allocates_pool_and_returns_zeros(monkeypatch):
     assert (out == 0).all()
     slots = R.residual_slots(impl.vllm_config, 16, 16)
     assert impl._pool[0].shape == (slots * 16, 2, 64)
+
+
+def test_profile_run_reserves_and_compiles_the_context_workspace(monkeypatch):
+    """With exact prefill through FlashAttention, the profiling run reserves the context
+    workspace (so vLLM counts it) and launches its kernel once on empty rows (so that Triton
+    compiles it before serving, not at the first request with cached context)."""
+    import vllm_mixprec.attention_backend.impl as impl_mod
+    monkeypatch.setenv(R.ENV_TOKENS, "16")
+    monkeypatch.setenv(ENV_CHUNK, "flash")
+    monkeypatch.setenv(impl_mod.ENV_CONTEXT_TOKENS, "40")
+    monkeypatch.setattr(impl_mod, "_CONTEXT_WORKSPACES", {})
+    launches = []
+    real = impl_mod.gather_context_kv
+    monkeypatch.setattr(impl_mod, "gather_context_kv",
+                        lambda *a, **k: launches.append((a[5].tolist(), a[11])) or real(*a, **k))
+    impl = MixPrecAttentionImpl(8, 64, 0.125, 2, None, None, "int4_per_token_head")
+    impl.vllm_config = _fake_vllm_config(None, 8, 16, max_num_seqs=3)
+    qkv = torch.randn(5, 12, 64, dtype=torch.float16)
+    out = torch.full_like(qkv[:, :8], 3.0)
+    impl.forward(SimpleNamespace(), qkv[:, :8], qkv[:, 8:10], qkv[:, 10:], torch.empty(0),
+                 None, out)
+    assert (out == 0).all()
+    (ws_k, ws_v), = impl_mod._CONTEXT_WORKSPACES.values()
+    assert ws_k.shape == ws_v.shape == (40, 2, 64) and ws_k.dtype == torch.float16
+    assert launches == [([0, 0], 1)]  # one row, empty

@@ -133,16 +133,18 @@ def _run(batch, scale, splits, exact=False):
     paged_attention(batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens,
                     batch.qsl, scale, batch.residual, batch.k_smooth, num_splits=splits,
                     out=out, k_bias=batch.k_bias, chunk_kv=batch.chunk_kv() if exact else None,
-                    chunk_impl=exact if exact in ("flash", "triton") else "triton")
+                    chunk_impl=exact if exact in ("flash", "triton", "gather") else "triton")
     assert not out.isnan().any(), "a query row was not written"
     return out
 
 
-@pytest.mark.parametrize("exact", [False, True, "flash"], ids=["cached", "exact", "flash"])
+@pytest.mark.parametrize("exact", [False, True, "flash", "gather"],
+                         ids=["cached", "exact", "flash", "gather"])
 @pytest.mark.parametrize("case", CASES,
                          ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[4]}-r{c[6]}-p{c[9]}")
 def test_paged_attention_matches_reference(case, exact):
-    """exact: the new tokens of prefill rows hold their bias in the raw K (no bias term)."""
+    """exact: the new tokens of prefill rows hold their bias in the raw K (no bias term);
+    "gather": the context workspace adds RoPE_j(b) back to the dequantised K."""
     scheme, dtype, d, hkv, g, rows, res, smooth, splits, pairs = case
     kb = make_k_bias(hkv, d, 8.0, num_pairs=pairs)
     batch = make_batch(scheme, dtype, d, hkv, g, rows, residual_tokens=res, smooth=smooth,

@@ -15,7 +15,7 @@ from vllm_mixprec.kernels.triton.attention import (decode_attention, decode_conf
                                                    paged_attention, prefill_attention)
 from vllm_mixprec.kernels.triton.kv_cache import KVResidual, quantize_and_store
 
-from attn_helpers import DEVICE, make_batch, slots_of, tolerance
+from attn_helpers import DEVICE, cpu_k_bias, make_batch, slots_of, tolerance
 
 SCHEMES = ("kv4", "kv8")
 DTYPES = (torch.float16, torch.bfloat16)
@@ -84,12 +84,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("exact", [False, "triton", "flash"], ids=["cached", "exact", "flash"])
+@pytest.mark.parametrize("exact", [False, "triton", "flash", "gather"],
+                         ids=["cached", "exact", "flash", "gather"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-g{c[4]}-r{c[6]}")
 def test_paged_attention_matches_reference(case, exact):
     """exact: prefill rows read their own new tokens from the step's 16-bit K/V, in the
-    Triton kernel or through kernels.chunk_attention (FlashAttention on a GPU, the
-    reference on the CPU) merged with the cached context by the kernel."""
+    Triton kernel, or through kernels.chunk_attention (FlashAttention on a GPU, the
+    reference on the CPU) merged with the cached context by the kernel, or with the cached
+    context dequantised into a workspace ahead of them, attended in one FlashAttention call
+    (kernels.chunk_attention.context_attention)."""
     scheme, dtype, d, hkv, g, rows, res, smooth, splits = case
     batch = make_batch(scheme, dtype, d, hkv, g, rows, residual_tokens=res, smooth=smooth,
                        writer=_writer)
@@ -102,6 +105,76 @@ def test_paged_attention_matches_reference(case, exact):
     want = batch.reference(scale, exact)
     assert not out.isnan().any(), "a query row was not written"
     torch.testing.assert_close(out.double().cpu(), want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("res,smooth,bias", [(0, False, False), (16, True, False),
+                                             (32, False, True)])
+def test_gather_context_kv_matches_reference(scheme, dtype, res, smooth, bias):
+    """The context workspace (kernels/triton/context.py) against reference.gather_context_kv:
+    each prefill row's dequantised context (pool entries in the residual window, K times
+    k_smooth plus RoPE_j(b)) then its new K/V copied bit for bit; decode rows only their new
+    token, an empty row nothing; rows past the total stay untouched."""
+    from attn_helpers import make_k_bias
+    from vllm_mixprec.kernels.triton.context import gather_context_kv
+    torch.manual_seed(6)
+    d, hkv = 64, 2
+    kb = make_k_bias(hkv, d, 8.0, num_pairs=16) if bias else None
+    rows = [(5, 70), (1, 33), (0, 4), (17, 17), (9, 130)]
+    batch = make_batch(scheme, dtype, d, hkv, 2, rows, residual_tokens=res, smooth=smooth,
+                       writer=quantize_and_store, k_bias=kb)
+    qkv = torch.randn(batch.q.shape[0], 3 * hkv, d).to(dtype).to(DEVICE)
+    key, value = batch.chunk_kv()
+    qkv[:, hkv:2 * hkv], qkv[:, 2 * hkv:] = key, value
+    key, value = qkv[:, hkv:2 * hkv], qkv[:, 2 * hkv:]  # strided, as vLLM passes them
+    n = len(rows)
+    cu_k = F.context_seqlens(batch.seq_lens, batch.qsl, n)
+    assert cu_k.tolist() == [0, 70, 71, 71, 88, 218]
+    got_k = torch.full((230, hkv, d), float("nan"), dtype=dtype, device=DEVICE)
+    got_v = got_k.clone()
+    gather_context_kv(batch.cache, batch.layout, batch.block_table, batch.seq_lens, batch.qsl,
+                      cu_k, key, value, got_k, got_v, n, 130, batch.residual, batch.k_smooth, kb)
+    want_k = torch.full((230, hkv, d), float("nan"), dtype=dtype)
+    want_v = want_k.clone()
+    ref.gather_context_kv(batch.cache.cpu(), batch.layout, batch.block_table.cpu(),
+                          batch.seq_lens.cpu(), batch.qsl.cpu(), cu_k.cpu(), key.cpu(),
+                          value.cpu(), want_k, want_v, n, 130, batch.ref_residual(),
+                          None if batch.k_smooth is None else batch.k_smooth.cpu(),
+                          cpu_k_bias(kb))
+    got_k, got_v = got_k.cpu(), got_v.cpu()
+    assert got_k[218:].isnan().all() and got_v[218:].isnan().all()
+    new = torch.zeros(230, dtype=torch.bool)
+    for a, b in ((65, 70), (70, 71), (71, 88), (209, 218)):
+        new[a:b] = True
+    assert torch.equal(got_k[new], want_k[new]) and torch.equal(got_v[new], want_v[new])
+    # one rounding to the model dtype apart (fused multiply-adds on the GPU)
+    ulp = dict(atol=1e-2, rtol=8e-3) if dtype == torch.bfloat16 else dict(atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(got_k[:218], want_k[:218], **ulp)
+    torch.testing.assert_close(got_v[:218], want_v[:218], **ulp)
+    if res:  # the 130-token row's context in its window [130 - R, 121) came from the pool
+        win = slice(130 - res, 121)
+        pool = ref.gather_kv_residual(batch.cache.cpu(), batch.layout, batch.block_table[4].cpu(),
+                                      130, batch.ref_residual())[1]
+        pages = ref.gather_kv(batch.cache.cpu(), batch.layout, batch.block_table[4].cpu(), 130)[1]
+        assert not torch.equal(pool[win], pages[win])
+        torch.testing.assert_close(got_v[88:88 + 121][win].float(), pool[win], **ulp)
+
+
+def test_gather_context_kv_rejects_bad_workspaces():
+    from vllm_mixprec.kernels.triton.context import gather_context_kv
+    batch = make_batch("kv4", torch.float16, 64, 2, 4, [(5, 9)], writer=_writer)
+    key, value = batch.chunk_kv()
+    cu_k = F.context_seqlens(batch.seq_lens, batch.qsl, 1)
+    ws = torch.empty(9, 2, 64, dtype=torch.float16, device=DEVICE)
+    args = (batch.cache, batch.layout, batch.block_table, batch.seq_lens, batch.qsl, cu_k)
+    with pytest.raises(ValueError, match="out_v must be"):
+        gather_context_kv(*args, key, value, ws, ws.float(), 1, 9)
+    with pytest.raises(ValueError, match="out_k must be"):
+        gather_context_kv(*args, key, value, ws[:, :1], ws, 1, 9)
+    with pytest.raises(ValueError, match="equal strides"):
+        gather_context_kv(*args, key, value, ws, torch.empty(2, 9, 64, dtype=torch.float16,
+                                                             device=DEVICE).transpose(0, 1), 1, 9)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -218,6 +291,25 @@ def test_paged_attention_gpu(scheme, dtype, group, head_dim, fast_unpack, monkey
                               chunk_impl=exact or "triton")
         torch.testing.assert_close(out.double().cpu(), batch.reference(head_dim ** -0.5, exact),
                                    **tolerance(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group,head_dim,smooth", [(4, 128, True), (8, 64, False),
+                                                   (1, 256, False)])
+def test_gather_path_gpu(scheme, dtype, group, head_dim, smooth):
+    """The backend's default exact prefill on the GPU (context workspace + FlashAttention):
+    long contexts with short and long chunks, decode rows in between, residual window."""
+    torch.manual_seed(7)
+    rows = [(100, 3000), (1, 17), (250, 700), (1, 1025), (64, 64), (2, 2049)]
+    batch = make_batch(scheme, dtype, head_dim, 2, group, rows, residual_tokens=16,
+                       smooth=smooth, writer=_writer)
+    out = paged_attention(batch.q, batch.cache, batch.layout, batch.block_table,
+                          batch.seq_lens, batch.qsl, head_dim ** -0.5, batch.residual,
+                          batch.k_smooth, chunk_kv=batch.chunk_kv(), chunk_impl="gather")
+    torch.testing.assert_close(out.double().cpu(), batch.reference(head_dim ** -0.5, "gather"),
+                               **tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -38,6 +38,8 @@ def test_arm_table():
     assert a["w4a8kv4"].ckpt == "mixprec-kv4"
     assert a["w4a8kv4"].flags == ("--quantization", "mixprec", *required_flags("kv4").split())
     assert dict(a["marlin-int8"].env) == {"VLLM_MARLIN_INPUT_DTYPE": "int8"}
+    assert a["w4a8kv4-mergectx"].flags == a["w4a8kv4"].flags
+    assert dict(a["w4a8kv4-mergectx"].env) == {"MIXPREC_ATTN_CONTEXT_TOKENS": "0"}
     assert all(arm.ckpt in syn.CKPT_KINDS for arm in a.values())
 
 

@@ -122,7 +122,8 @@ def test_every_plugin_kernel_has_a_class():
     assert {"_paged_attn_kernel", "_quantize_store_kernel", "w4a8_wgmma_kernel", "quantize_act_int8_kernel"} <= \
         set(names), names
     expect = {"gemm": "linear", "w4a8": "linear", "quant_act": "act_quant", "quantize_act": "act_quant",
-              "attn": "attention", "decode_finish": "attention", "quantize_store": "attention"}
+              "attn": "attention", "decode_finish": "attention", "quantize_store": "attention",
+              "gather_context": "attention"}
     for n in names:
         want = next((c for k, c in expect.items() if k in n), None)
         got = sp.classify(n)

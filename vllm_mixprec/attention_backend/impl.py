@@ -15,9 +15,14 @@ Exact prefill (MIXPREC_ATTN_PREFILL_EXACT, default 1): a prefill/extend row atte
 new tokens from the 16-bit key/value this step was given and only its older tokens through
 the cache, as KIVI and QServe do; the cache then holds K/V computed from unquantized attention
 of the whole chunk. 0: every key through the cache (what decode reads), e.g. to check the
-cache's numbers through prompt logprobs. The chunk's own part is plain 16-bit attention, so
-by default vLLM's FlashAttention computes it and the prefill kernel merges the cached context
-into its output (kernels/chunk_attention.py, MIXPREC_ATTN_CHUNK=auto|flash|triton).
+cache's numbers through prompt logprobs. Where vLLM's FlashAttention runs
+(kernels/chunk_attention.py, MIXPREC_ATTN_CHUNK=auto|flash|triton) it does the attention:
+the rows' cached context is dequantised into a 16-bit workspace ahead of their new K/V
+(kernels/triton/context.py) and one varlen call attends it all. The workspace is reserved at
+the memory-profiling run, MIXPREC_ATTN_CONTEXT_TOKENS tokens (default: max_num_batched_tokens
++ max_model_len, at most 256K); a step whose rows need more (or 0) falls back to
+FlashAttention over the new tokens merged with the context by our prefill kernel (slower on
+long contexts, same numbers up to rounding), logged once.
 
 Bias-aware K: if the layer carries `k_rope_bias` (formats.KRopeBias, set after loading by
 quant_methods/k_bias.py when k_proj has a bias), the writer stores
@@ -35,7 +40,9 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
 from .. import formats as F
-from ..kernels.chunk_attention import chunk_attention, chunk_setting, select_chunk_impl
+from ..kernels.chunk_attention import (chunk_attention, chunk_setting, context_attention,
+                                       select_chunk_impl)
+from ..kernels.triton.context import gather_context_kv
 from ..kernels.triton.attention import decode_attention, prefill_attention
 from ..kernels.triton.kv_cache import KVResidual, quantize_and_store
 from . import residual as R
@@ -46,7 +53,12 @@ logger = logging.getLogger("vllm.mixprec")
 
 
 ENV_PREFILL_EXACT = "MIXPREC_ATTN_PREFILL_EXACT"
+ENV_CONTEXT_TOKENS = "MIXPREC_ATTN_CONTEXT_TOKENS"
+MAX_DEFAULT_CONTEXT_TOKENS = 1 << 18
 _LOGGED_CHUNK_IMPLS: set[str] = set()
+# (device, dtype, kv heads, head dim) -> (K, V) [tokens, Hkv, D]: one per process, shared by
+# the layers (they run one after the other)
+_CONTEXT_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def prefill_exact() -> bool:
@@ -57,6 +69,38 @@ def prefill_exact() -> bool:
                          "attend each other in 16 bits; the default) or 0 (every key through "
                          "the quantized cache)")
     return v == "1"
+
+
+def context_tokens(vllm_config) -> int:
+    """MIXPREC_ATTN_CONTEXT_TOKENS, else max_num_batched_tokens + max_model_len (one step's
+    new tokens plus a full-length row's context), at most MAX_DEFAULT_CONTEXT_TOKENS; 0
+    turns the context workspace off (module docstring)."""
+    v = os.environ.get(ENV_CONTEXT_TOKENS, "").strip()
+    if v:
+        if not v.isdigit():
+            raise ValueError(f"{ENV_CONTEXT_TOKENS}={v!r}: expected a token count >= 0 (the "
+                             "16-bit context workspace of exact prefill; 0 turns it off)")
+        return int(v)
+    if vllm_config is None:
+        return 0
+    batched = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or 8192
+    model_len = getattr(vllm_config.model_config, "max_model_len", None) or 8192
+    return min(int(batched) + int(model_len), MAX_DEFAULT_CONTEXT_TOKENS)
+
+
+def context_workspace(tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The process's (K, V) context workspace of at least `tokens` rows (grown, never shrunk)."""
+    key = (device, dtype, num_kv_heads, head_dim)
+    ws = _CONTEXT_WORKSPACES.get(key)
+    if ws is None or ws[0].shape[0] < tokens:
+        shape = (tokens, num_kv_heads, head_dim)
+        ws = (torch.empty(shape, dtype=dtype, device=device),
+              torch.empty(shape, dtype=dtype, device=device))
+        _CONTEXT_WORKSPACES[key] = ws
+        logger.info("mixprec: exact prefill's 16-bit context workspace: %d tokens (%.0f MiB)",
+                    tokens, 2 * ws[0].numel() * ws[0].element_size() / 2 ** 20)
+    return ws
 
 
 def _is_unset(v) -> bool:
@@ -101,6 +145,7 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
         self._prefill_exact = prefill_exact()
         self._chunk_setting = chunk_setting()  # validated at start-up
         self._chunk_impl: str | None = None    # "flash" or "triton", chosen at the first use
+        self._context_tokens = context_tokens(self.vllm_config)
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -120,8 +165,10 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
             return lost
         return False
 
-    def _profile_allocation(self, query: torch.Tensor) -> None:
-        """Allocate the pool during the profiling run so that vLLM accounts for it."""
+    def _profile_allocation(self, layer, query: torch.Tensor, key, value) -> None:
+        """Allocate the pool and the context workspace during the profiling run so that vLLM
+        accounts for them, and compile the workspace kernel (else its first use, a request
+        with cached context, would compile it in the middle of serving)."""
         cfg = self.vllm_config
         if cfg is None or self._pool is not None:
             return
@@ -129,6 +176,32 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
         r = R.residual_tokens(cfg, b)
         if r:
             self._ensure_pool(R.residual_slots(cfg, r, b) * b, query.dtype, query.device)
+        if self._prefill_exact and self._context_tokens and self._chunk(query) == "flash":
+            ws = context_workspace(self._context_tokens, self.num_kv_heads, self.head_size,
+                                   query.dtype, query.device)
+            if key is not None and value is not None:
+                self._compile_gather(layer, cfg, b, key, value, ws,
+                                     self._residual_for_compile(r, b))
+
+    def _residual_for_compile(self, r: int, b: int) -> KVResidual | None:
+        if not r or self._pool is None:
+            return None
+        dev = self._pool[0].device
+        return KVResidual(*self._pool, torch.full((2,), -1, dtype=torch.int32, device=dev),
+                          torch.full((1, b), -1, dtype=torch.int32, device=dev), r)
+
+    def _compile_gather(self, layer, cfg, b: int, key, value, ws, residual) -> None:
+        """One launch whose rows are all empty (every program exits at once), on tensors
+        shaped and strided as serving's, so that Triton compiles the variant serving uses."""
+        layout = page_layout(self.kv_cache_dtype, self.head_size, b)
+        dev = key.device
+        cache = torch.zeros(layout.cache_shape(1, self.num_kv_heads),
+                            dtype=layout.storage_dtype(), device=dev)
+        width = -(-int(getattr(cfg.model_config, "max_model_len", None) or b) // b)
+        zeros = torch.zeros(2, dtype=torch.int32, device=dev)
+        gather_context_kv(cache, layout, torch.zeros(1, width, dtype=torch.int32, device=dev),
+                          zeros[:1], zeros, zeros, key, value, ws[0], ws[1], 1, 1, residual,
+                          self._smooth(layer), self._rope_bias(layer, dev))
 
     def _residual(self, md: MixPrecAttentionMetadata | None, dtype, device) -> KVResidual | None:
         d = None if md is None else md.residual
@@ -173,6 +246,24 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
                             else "the Triton prefill kernel")
         return self._chunk_impl
 
+    def _workspace(self, md: MixPrecAttentionMetadata, dtype: torch.dtype,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The context workspace if this step's rows fit it, else None (merge path)."""
+        need = md.context_total_k
+        if need is None or md.context_cu_k is None:
+            return None
+        if need > self._context_tokens:
+            if "overflow" not in _LOGGED_CHUNK_IMPLS:
+                _LOGGED_CHUNK_IMPLS.add("overflow")
+                logger.info("mixprec: a step's prefill rows need %d context-workspace tokens, "
+                            "over %s=%d: such steps merge the cached context in the Triton "
+                            "prefill kernel instead (slower; raise it to avoid)", need,
+                            ENV_CONTEXT_TOKENS, self._context_tokens)
+            return None
+        k, v = context_workspace(self._context_tokens, self.num_kv_heads, self.head_size,
+                                 dtype, device)
+        return k[:need], v[:need]
+
     @staticmethod
     def _metadata_of(layer) -> MixPrecAttentionMetadata | None:
         if not is_forward_context_available():
@@ -210,7 +301,7 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by mixprec")
         if attn_metadata is None:  # memory-profiling run
-            self._profile_allocation(query)
+            self._profile_allocation(layer, query, key, value)
             return output.fill_(0)
         md = attn_metadata
         layout = self._layout(kv_cache)
@@ -221,19 +312,31 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
         chunk = (key, value) if md.num_prefills and self._prefill_exact and key is not None \
             and value is not None else None
         chunk_lse = None
+        prefill_done = False
         q, out = query, output
         if chunk is not None and self._chunk(query) == "flash":
             # Before decode: FlashAttention writes every row, decode then overwrites its own.
             n = md.num_actual_tokens
             q, out = query[:n], output[:n]
-            chunk_lse = chunk_attention(q, key, value, md.query_start_loc, md.max_query_len,
-                                        self.scale, out)
+            ws = self._workspace(md, key.dtype, key.device) if md.prefill_has_context else None
+            qsl = md.query_start_loc[:md.num_reqs + 1]
+            if ws is not None:
+                gather_context_kv(kv_cache, layout, md.block_table, md.seq_lens, qsl,
+                                  md.context_cu_k, key, value, ws[0], ws[1], md.num_reqs,
+                                  md.context_max_k, residual, k_smooth, k_bias)
+                context_attention(q, ws[0], ws[1], qsl, md.context_cu_k, md.max_query_len,
+                                  md.context_max_k, self.scale, out)
+                prefill_done = True
+            else:
+                chunk_lse = chunk_attention(q, key, value, qsl, md.max_query_len, self.scale,
+                                            out)
             chunk = None
         if md.num_decodes:
             decode_attention(query, kv_cache, layout, md.block_table, md.seq_lens,
                              md.query_start_loc, output, self.scale, md.num_reqs,
                              md.num_splits, md.part_o, md.part_lse, residual, k_smooth, k_bias)
-        if md.num_prefills and (chunk_lse is None or md.prefill_has_context):
+        if md.num_prefills and not prefill_done and (chunk_lse is None
+                                                      or md.prefill_has_context):
             prefill_attention(q, kv_cache, layout, md.block_table, md.seq_lens,
                               md.query_start_loc, out, self.scale, md.num_reqs,
                               md.max_query_len, residual, k_smooth, k_bias, chunk, chunk_lse)

@@ -31,6 +31,7 @@ from vllm.v1.attention.backend import (AttentionCGSupport, AttentionMetadataBuil
                                        CommonAttentionMetadata)
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 
+from .. import formats as F
 from ..kernels.triton.attention import decode_num_splits, decode_partials_rows
 from . import residual as R
 
@@ -57,6 +58,12 @@ class MixPrecAttentionMetadata:
     # a prefill row has tokens cached before this step (True when vLLM gives no CPU bound):
     # without one, exact prefill through FlashAttention needs no merge launch at all
     prefill_has_context: bool = True
+    # exact prefill's context workspace (kernels/triton/context.py; formats.context_seqlens):
+    # cu_seqlens_k [num_reqs + 1] int32 on the device and the host's bounds of its total and
+    # row maximum; None when vLLM gives no CPU bound of the prefill rows' lengths
+    context_cu_k: torch.Tensor | None = None
+    context_total_k: int | None = None
+    context_max_k: int = 0
 
 
 def _num_sms(device: torch.device) -> int:
@@ -96,6 +103,7 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
         self.directory: R.ResidualDirectory | None = None
         self.key_positions: torch.Tensor | None = None
         self._k_bias_checked = False
+        self._logged_no_bound = False
 
     def _directory(self) -> R.ResidualDirectory | None:
         """Created at the first build, when the KV cache (hence num_blocks) exists."""
@@ -153,10 +161,20 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
         qsl_cpu = cm.query_start_loc_cpu[:n + 1]
         qlens = np.diff(qsl_cpu.numpy()) if n else np.zeros(0, dtype=np.int64)
         has_ctx = True
+        cu_k, total_k, max_k = None, None, 0
         bound = getattr(cm, "seq_lens_cpu_upper_bound", None)  # exact for prefill rows
+        if bound is None and n and not self._logged_no_bound and (qlens > 1).any():
+            self._logged_no_bound = True
+            logger.info("mixprec: this model runner gives no CPU bound of the sequence "
+                        "lengths: exact prefill merges the cached context in the Triton "
+                        "prefill kernel (no 16-bit context workspace)")
         if bound is not None and n:
             pre = qlens > 1
-            has_ctx = bool((bound[:n].numpy()[pre] > qlens[pre]).any())
+            klens = np.where(pre, bound[:n].numpy(), qlens)
+            has_ctx = bool((klens[pre] > qlens[pre]).any())
+            if has_ctx:
+                cu_k = F.context_seqlens(cm.seq_lens, cm.query_start_loc, n)
+                total_k, max_k = int(klens.sum()), int(klens.max())
         directory = self._directory()
         if directory is not None:
             directory.assign(cm.block_table_tensor, cm.seq_lens, cm.query_start_loc,
@@ -168,7 +186,8 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
             slot_mapping=cm.slot_mapping, num_decodes=int((qlens == 1).sum()),
             num_prefills=int((qlens > 1).sum()), num_splits=self._splits(n),
             part_o=self.part_o, part_lse=self.part_lse, residual=directory,
-            key_positions=self._key_positions(cm), prefill_has_context=has_ctx)
+            key_positions=self._key_positions(cm), prefill_has_context=has_ctx,
+            context_cu_k=cu_k, context_total_k=total_k, context_max_k=max_k)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> MixPrecAttentionMetadata:

@@ -85,7 +85,7 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
         what="mixprec W4A8 + INT4 KV cache through the CUSTOM backend"),
     Arm("marlin-int8", "gptq", ("--linear-backend", "marlin"), (("VLLM_MARLIN_INPUT_DTYPE", "int8"),),
         kernel="MarlinLinearKernel", what="GPTQ through Marlin's own W4A8 (int8 activations)"),
-    # what two of our defaults are worth, each against w4a8kv4
+    # what each of our defaults is worth, against w4a8kv4
     Arm("w4a8kv4-unfused", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
         (("MIXPREC_FUSE_ACT_QUANT", "0"),), attention_backend="CUSTOM",
         what="w4a8kv4 with the separate activation-quantize kernel (no Inductor fusion)"),
@@ -95,6 +95,10 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
     Arm("w4a8kv4-tritonchunk", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
         (("MIXPREC_ATTN_CHUNK", "triton"),), attention_backend="CUSTOM",
         what="w4a8kv4 whose exact prefill attends the chunk in our Triton kernel, not FlashAttention"),
+    Arm("w4a8kv4-mergectx", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
+        (("MIXPREC_ATTN_CONTEXT_TOKENS", "0"),), attention_backend="CUSTOM",
+        what="w4a8kv4 without the 16-bit context workspace: our Triton kernel merges a chunk's "
+             "cached context into FlashAttention's output (session 8's path)"),
 )}
 DEFAULT_ARMS = ("bf16", "marlin", "machete", "fp8", "w4a8", "w4a8kv4")
 

@@ -1,12 +1,14 @@
-"""Exact prefill's chunk attention: each row's queries over the row's own new tokens (this
-step's 16-bit K/V, causal), and the log-sum-exp that the prefill kernel then merges the
-cached context into (kernels/triton/attention.py, CHUNK_MERGE).
-
-That part is plain 16-bit attention, so on CUDA it is vLLM's own FlashAttention
-(`vllm.vllm_flash_attn`, varlen with cu_seqlens_k = cu_seqlens_q: FA3 on Hopper, FA2 on
-Ampere) rather than a loop of our Triton kernel: a prompt processed in one chunk then costs
-what it costs under FLASH_ATTN. CPU tensors use reference.chunk_attention, the oracle with
-the same signature.
+"""Exact prefill through vLLM's own FlashAttention (`vllm.vllm_flash_attn`, varlen: FA3 on
+Hopper, FA2 on Ampere) rather than a loop of our Triton kernel:
+  * context_attention: each row's queries over its 16-bit context workspace (its cached
+    context dequantised, then its new tokens: kernels/triton/context.py). One call does a
+    whole extend chunk; the backend's default when the workspace fits.
+  * chunk_attention: each row's queries over its own new tokens only (cu_seqlens_k =
+    cu_seqlens_q), and the log-sum-exp that the prefill kernel then merges the cached
+    context into (kernels/triton/attention.py, CHUNK_MERGE); also what a prompt processed
+    in one chunk needs, at FLASH_ATTN's cost.
+CPU tensors use reference.varlen_attention / chunk_attention, the oracles with the same
+signatures.
 
 MIXPREC_ATTN_CHUNK picks the implementation:
   auto    (default) flash where vLLM's FlashAttention 2 or 3 runs on this GPU, else triton
@@ -73,6 +75,30 @@ def select_chunk_impl(device: torch.device, head_dim: int, setting: str | None =
     return "triton"
 
 
+def _flash(device: torch.device, head_dim: int) -> int:
+    version = flash_version(_index(device), head_dim)
+    if version is None:
+        raise RuntimeError("vLLM's FlashAttention is unavailable here: exact prefill must use "
+                           f"the Triton chunk ({ENV_CHUNK}=triton)")
+    return version
+
+
+def context_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                      max_seqlen_k: int, scale: float, out: torch.Tensor) -> None:
+    """reference.varlen_attention's contract without the log-sum-exp: causal attention of
+    row i's queries (the last positions of its keys) over key/value[cu_k[i]:cu_k[i+1]] into
+    `out` [T, Hq, D]; the max_seqlen_* may be upper bounds."""
+    if not q.is_cuda:
+        ref.varlen_attention(q, key, value, cu_seqlens_q, cu_seqlens_k, scale, out)
+        return
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+    flash_attn_varlen_func(
+        q=q, k=key, v=value, out=out, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=scale,
+        causal=True, fa_version=_flash(q.device, q.shape[-1]))
+
+
 def chunk_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                     out: torch.Tensor) -> torch.Tensor:
@@ -81,17 +107,14 @@ def chunk_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     [>= T, Hkv, D] may be strided views of the fused qkv tensor (unit stride on D)."""
     if not q.is_cuda:
         return ref.chunk_attention(q, key, value, query_start_loc, max_query_len, scale, out)
-    version = flash_version(_index(q.device), q.shape[-1])
-    if version is None:
-        raise RuntimeError("vLLM's FlashAttention is unavailable here: exact prefill must use "
-                           f"the Triton chunk ({ENV_CHUNK}=triton)")
     from vllm.vllm_flash_attn import flash_attn_varlen_func
     _, lse = flash_attn_varlen_func(
         q=q, k=key, v=value, out=out, cu_seqlens_q=query_start_loc,
         cu_seqlens_k=query_start_loc, max_seqlen_q=max_query_len, max_seqlen_k=max_query_len,
-        softmax_scale=scale, causal=True, return_softmax_lse=True, fa_version=version)
+        softmax_scale=scale, causal=True, return_softmax_lse=True,
+        fa_version=_flash(q.device, q.shape[-1]))
     return lse
 
 
-__all__ = ["chunk_attention", "chunk_setting", "select_chunk_impl", "flash_version",
+__all__ = ["context_attention", "chunk_attention", "chunk_setting", "select_chunk_impl", "flash_version",
            "ENV_CHUNK", "CHUNK_CHOICES"]

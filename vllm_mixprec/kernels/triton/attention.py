@@ -974,21 +974,41 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
                     chunk_impl: str = "triton") -> torch.Tensor:
     """Both paths on a ragged batch (tests, benchmarks) in the order the backend runs them:
     the twin of reference.paged_attention_residual. Reads query_start_loc on the host.
-    chunk_impl "flash": chunk_kv is attended by kernels.chunk_attention (FlashAttention;
-    the reference on CPU) and merged (the reference's chunk_raw); "triton": by this kernel."""
-    from ..chunk_attention import chunk_attention
-    if chunk_impl not in ("flash", "triton"):
-        raise ValueError(f"chunk_impl={chunk_impl!r}: expected 'flash' or 'triton'")
+    chunk_kv's exact prefill by chunk_impl:
+      "triton"  this kernel attends the chunk (CHUNK_TRITON);
+      "flash"   kernels.chunk_attention (FlashAttention; the reference on CPU) attends it and
+                this kernel merges the cached context in (the reference's chunk_raw);
+      "gather"  the context workspace (kernels/triton/context.py) and one FlashAttention
+                call over context and chunk (kernels.chunk_attention.context_attention)."""
+    from .. import chunk_attention as CA
+    from .context import gather_context_kv
+    if chunk_impl not in ("flash", "triton", "gather"):
+        raise ValueError(f"chunk_impl={chunk_impl!r}: expected 'flash', 'triton' or 'gather'")
     qsl = query_start_loc.cpu()
     qlens = qsl[1:] - qsl[:-1]
     num_rows = seq_lens.shape[0]
     out = torch.empty_like(q) if out is None else out
     max_q = int(qlens.max()) if num_rows else 0
     chunk_lse = None
-    if chunk_kv is not None and chunk_impl == "flash" and max_q > 1:
+    prefill_done = False
+    if chunk_kv is not None and chunk_impl != "triton" and max_q > 1:
         n = int(qsl[-1])  # FlashAttention writes every row's; decode then overwrites its own
-        chunk_lse = chunk_attention(q[:n], chunk_kv[0], chunk_kv[1], query_start_loc, max_q,
-                                    sm_scale, out[:n])
+        key, value = chunk_kv
+        if chunk_impl == "gather":
+            cu_k = F.context_seqlens(seq_lens, query_start_loc, num_rows)
+            klens = (cu_k[1:] - cu_k[:-1]).cpu()
+            ws_k = torch.empty(int(klens.sum()), *key.shape[1:], dtype=key.dtype,
+                               device=key.device)
+            ws_v = torch.empty_like(ws_k)
+            gather_context_kv(cache, layout, block_table, seq_lens, query_start_loc, cu_k, key,
+                              value, ws_k, ws_v, num_rows, int(klens.max()), residual,
+                              k_smooth, k_bias)
+            CA.context_attention(q[:n], ws_k, ws_v, query_start_loc, cu_k, max_q,
+                                 int(klens.max()), sm_scale, out[:n])
+            prefill_done = True
+        else:
+            chunk_lse = CA.chunk_attention(q[:n], key, value, query_start_loc, max_q, sm_scale,
+                                           out[:n])
         chunk_kv = None
     if int((qlens == 1).sum()):
         splits = num_splits or decode_num_splits(num_rows, cache.shape[1])
@@ -1001,6 +1021,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
         decode_attention(q, cache, layout, block_table, seq_lens, query_start_loc, out,
                          sm_scale, num_rows, splits, part_o, part_lse, residual, k_smooth,
                          k_bias)
+    if prefill_done:
+        return out
     if chunk_lse is not None:
         q, out = q[:chunk_lse.shape[1]], out[:chunk_lse.shape[1]]
     prefill_attention(q, cache, layout, block_table, seq_lens, query_start_loc, out, sm_scale,
