@@ -55,7 +55,7 @@ logger = logging.getLogger("vllm.mixprec")
 ENV_PREFILL_EXACT = "MIXPREC_ATTN_PREFILL_EXACT"
 ENV_CONTEXT_TOKENS = "MIXPREC_ATTN_CONTEXT_TOKENS"
 MAX_DEFAULT_CONTEXT_TOKENS = 1 << 18
-_LOGGED_CHUNK_IMPLS: set[str] = set()
+_LOGGED_ONCE: set[str] = set()  # messages logged once per process, not per layer
 # (device, dtype, kv heads, head dim) -> (K, V) [tokens, Hkv, D]: one per process, shared by
 # the layers (they run one after the other)
 _CONTEXT_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -239,8 +239,8 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
     def _chunk(self, query: torch.Tensor) -> str:
         if self._chunk_impl is None:
             self._chunk_impl = select_chunk_impl(query.device, self.head_size, self._chunk_setting)
-            if self._chunk_impl not in _LOGGED_CHUNK_IMPLS:  # once per process, not per layer
-                _LOGGED_CHUNK_IMPLS.add(self._chunk_impl)
+            if self._chunk_impl not in _LOGGED_ONCE:
+                _LOGGED_ONCE.add(self._chunk_impl)
                 logger.info("mixprec: exact prefill attends a chunk's own tokens with %s",
                             "vLLM's FlashAttention" if self._chunk_impl == "flash"
                             else "the Triton prefill kernel")
@@ -253,8 +253,8 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
         if need is None or md.context_cu_k is None:
             return None
         if need > self._context_tokens:
-            if "overflow" not in _LOGGED_CHUNK_IMPLS:
-                _LOGGED_CHUNK_IMPLS.add("overflow")
+            if "overflow" not in _LOGGED_ONCE:
+                _LOGGED_ONCE.add("overflow")
                 logger.info("mixprec: a step's prefill rows need %d context-workspace tokens, "
                             "over %s=%d: such steps merge the cached context in the Triton "
                             "prefill kernel instead (slower; raise it to avoid)", need,

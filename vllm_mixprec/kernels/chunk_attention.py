@@ -75,12 +75,18 @@ def select_chunk_impl(device: torch.device, head_dim: int, setting: str | None =
     return "triton"
 
 
-def _flash(device: torch.device, head_dim: int) -> int:
-    version = flash_version(_index(device), head_dim)
+def _flash_varlen(q, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  scale, out, return_lse: bool):
+    """vLLM's flash_attn_varlen_func, causal, in the FlashAttention version of this GPU."""
+    version = flash_version(_index(q.device), q.shape[-1])
     if version is None:
         raise RuntimeError("vLLM's FlashAttention is unavailable here: exact prefill must use "
                            f"the Triton chunk ({ENV_CHUNK}=triton)")
-    return version
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+    return flash_attn_varlen_func(
+        q=q, k=key, v=value, out=out, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=scale,
+        causal=True, return_softmax_lse=return_lse, fa_version=version)
 
 
 def context_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -92,11 +98,8 @@ def context_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if not q.is_cuda:
         ref.varlen_attention(q, key, value, cu_seqlens_q, cu_seqlens_k, scale, out)
         return
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
-    flash_attn_varlen_func(
-        q=q, k=key, v=value, out=out, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=scale,
-        causal=True, fa_version=_flash(q.device, q.shape[-1]))
+    _flash_varlen(q, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                  out, return_lse=False)
 
 
 def chunk_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -107,14 +110,10 @@ def chunk_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     [>= T, Hkv, D] may be strided views of the fused qkv tensor (unit stride on D)."""
     if not q.is_cuda:
         return ref.chunk_attention(q, key, value, query_start_loc, max_query_len, scale, out)
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
-    _, lse = flash_attn_varlen_func(
-        q=q, k=key, v=value, out=out, cu_seqlens_q=query_start_loc,
-        cu_seqlens_k=query_start_loc, max_seqlen_q=max_query_len, max_seqlen_k=max_query_len,
-        softmax_scale=scale, causal=True, return_softmax_lse=True,
-        fa_version=_flash(q.device, q.shape[-1]))
+    _, lse = _flash_varlen(q, key, value, query_start_loc, query_start_loc, max_query_len,
+                           max_query_len, scale, out, return_lse=True)
     return lse
 
 
-__all__ = ["context_attention", "chunk_attention", "chunk_setting", "select_chunk_impl", "flash_version",
-           "ENV_CHUNK", "CHUNK_CHOICES"]
+__all__ = ["context_attention", "chunk_attention", "chunk_setting", "select_chunk_impl",
+           "flash_version", "ENV_CHUNK", "CHUNK_CHOICES"]

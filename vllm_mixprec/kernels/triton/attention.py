@@ -997,14 +997,14 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
         if chunk_impl == "gather":
             cu_k = F.context_seqlens(seq_lens, query_start_loc, num_rows)
             klens = (cu_k[1:] - cu_k[:-1]).cpu()
+            max_k = int(klens.max())
             ws_k = torch.empty(int(klens.sum()), *key.shape[1:], dtype=key.dtype,
                                device=key.device)
             ws_v = torch.empty_like(ws_k)
             gather_context_kv(cache, layout, block_table, seq_lens, query_start_loc, cu_k, key,
-                              value, ws_k, ws_v, num_rows, int(klens.max()), residual,
-                              k_smooth, k_bias)
-            CA.context_attention(q[:n], ws_k, ws_v, query_start_loc, cu_k, max_q,
-                                 int(klens.max()), sm_scale, out[:n])
+                              value, ws_k, ws_v, num_rows, max_k, residual, k_smooth, k_bias)
+            CA.context_attention(q[:n], ws_k, ws_v, query_start_loc, cu_k, max_q, max_k,
+                                 sm_scale, out[:n])
             prefill_done = True
         else:
             chunk_lse = CA.chunk_attention(q[:n], key, value, query_start_loc, max_q, sm_scale,

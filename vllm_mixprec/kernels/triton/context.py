@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 from ... import formats as F
+from .attention import _TL_DTYPE
 from .kv_cache import KVResidual, _rope_bias_at, cache_views, kbias_args, meta_index, slab_offset
 
-_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 BLOCK_T = 64  # positions per program
 
 
