@@ -41,7 +41,8 @@ SCRIPT = textwrap.dedent(r'''
             compile_(A._paged_attn_kernel, attn_ptrs(kv4, dt), dict(main, CHUNK_MODE=mode.value), arch,
                      ("qk_scale",), num_warps=4, num_stages=3)
         if decode:
-            compile_(A._decode_finish_kernel, attn_ptrs(kv4, dt), common, arch, ("qk_scale",),
+            compile_(A._decode_finish_kernel, attn_ptrs(kv4, dt), dict(common, BLOCK_N=block_n),
+                     arch, ("qk_scale",),
                      num_warps=4)
     # the tuned decode tile under a register cap (attention.decode_maxnreg) reaches ptxas
     common = dict(B=16, D=128, G=4, G_PAD=16, BLOCK_R=16, NUM_SPLITS=2, KV4=True,

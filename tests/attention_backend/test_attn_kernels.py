@@ -107,6 +107,21 @@ def test_paged_attention_matches_reference(case, exact):
     torch.testing.assert_close(out.double().cpu(), want, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("scheme,d,res,splits", [("kv8", 128, 16, 8), ("kv4", 64, 0, 16)])
+def test_decode_merges_many_splits(scheme, d, res, splits):
+    """Rows whose tiles fill a different number of splits (the rest exit unwritten) and more
+    splits than the finish kernel merges per load (2 for kv8 D=128, 8 for kv4 D=64)."""
+    rows = [(1, 700), (1, 330), (1, 64), (1, 20)]
+    batch = make_batch(scheme, torch.bfloat16, d, 2, 4, rows, residual_tokens=res,
+                       writer=_writer)
+    out = torch.full_like(batch.q, float("nan"))
+    paged_attention(batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens,
+                    batch.qsl, d ** -0.5, batch.residual, num_splits=splits, out=out)
+    assert not out.isnan().any(), "a query row was not written"
+    torch.testing.assert_close(out.double().cpu(), batch.reference(d ** -0.5, False),
+                               **tolerance(torch.bfloat16))
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("res,smooth,bias", [(0, False, False), (16, True, False),

@@ -173,6 +173,37 @@ def test_directory_invariant_under_pressure(seed):
                 sched.release(rid)
 
 
+def test_directory_update_lifts_no_python_scalar():
+    """No `t[idx] = scalar` in a step: torch turns the scalar into a CPU tensor
+    (aten.lift_fresh) and copies it to the GPU, a pageable copy that synchronises the
+    stream, so the host could not prepare a step while the GPU runs the previous one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    d = R.ResidualDirectory(40, 3, B, 16, torch.device("cpu"))
+    sched = ToyScheduler(40, d, seed=0)
+    for _ in range(6):
+        sched.add(30)
+    ops, assign = Ops(), d.assign
+
+    def recorded(*args):
+        with ops:
+            assign(*args)
+
+    d.assign = recorded  # eviction (3 slots, 6 rows), tagging and the sinks all run
+    sched.step(budget=10_000, check_coverage=False)
+    assert "index_fill_.int_Scalar" in ops.names, "the step did not reach the eviction path"
+    assert not [n for n in ops.names if n.startswith("lift_fresh")], ops.names
+
+
 def test_window_blocks_and_slots():
     assert R.window_blocks(0, 16) == 0
     assert R.window_blocks(1, 16) == 1

@@ -151,14 +151,15 @@ CAST = "void at::native::vectorized_elementwise_kernel<4, at::native::CopyFuncto
 
 
 def make_trace(n_steps=3, batch=8, outside=True, graph=True, phases=True, graph_kernels=True, context_step=None,
-               v2=False, t0=1000.0, period=1000.0):
+               v2=False, t0=1000.0, period=1000.0, syncs=0):
     """A torch.profiler Chrome trace shaped like vLLM 0.26's worker traces: one annotation per
     execute_model, phase scopes, one cudaGraphLaunch per forward whose kernels carry its
     correlation id, the eager logits GEMM (in execute_model as the V1 model runner, or with `v2` in
     sample_tokens, after the annotation, as the V2 runner), sampling, a device-to-host copy; plus ops of the step
     before the profiled ones (`outside`), flow events and metadata that the parser must skip.
     Per step: linear 2x100, act_quant 2x10, attention 40, norm 5 = 265 in the graph, lm_head 60,
-    cast 4, softmax 8, memcpy 3: 340 µs."""
+    cast 4, softmax 8, memcpy 3: 340 µs. `syncs` cudaStreamSynchronize calls (3 µs) per step, before
+    the graph launch, as the metadata build's pageable scalar copies made them."""
     ev = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "GPU 0"}}]
     corr = [100]
 
@@ -191,6 +192,8 @@ def make_trace(n_steps=3, batch=8, outside=True, graph=True, phases=True, graph_
                              ("sample", 700, 800)):
                 ev.append({"ph": "X", "cat": "user_annotation", "name": "gpu_model_runner: " + nm,
                            "pid": 1, "tid": 1, "ts": t + a, "dur": b - a})
+        for i in range(syncs):
+            launch("cudaStreamSynchronize", t + 12 + i)
         fwd = [(GEMM, 100.0), (QUANT, 10.0), ("_paged_attn_kernel", 40.0),
                ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", 5.0), (QUANT, 10.0), (GEMM, 100.0)]
         if graph:
@@ -235,6 +238,9 @@ def test_parse_trace_file(tmp_path, gz):
     assert r["wall_us_per_step_profiled"] == 1000.0
     g = r["graph"]
     assert (g["graph_launch_calls"], g["kernels_from_graphs"], g["ops_unmatched"]) == (3, 18, 0)
+    # host: cudaLaunchKernel x2 + cuLaunchKernel per step, the graph launched 20 µs in, no sync
+    assert r["host"] == {"host_syncs": 0, "host_sync_us": 0, "kernel_launch_calls": 3, "us_to_graph_launch": 20.0}
+    assert not [n for n in r["notes"] if "synchronisation" in n]
     assert "kernels replayed from CUDA graphs are in the trace" in g["note"]
     top = {k["name"]: k for k in r["top_kernels"]}
     assert top[GEMM]["us_per_step"] == 200.0 and top[GEMM]["count_per_step"] == 2.0 and top[GEMM]["class"] == "linear"
@@ -242,6 +248,15 @@ def test_parse_trace_file(tmp_path, gz):
     assert r["top_kernels"][0]["name"] == GEMM and abs(top[GEMM]["share"] - 200 / 340) < 1e-3
     assert [s["generation_reqs"] for s in r["steps"]] == [8, 8, 8] and r["notes"] == []
     assert sp.analyze_trace(sp.load_trace(path), top=2)["top_kernels"][1]["name"] == LM_HEAD
+
+
+def test_host_syncs_are_counted_and_reported():
+    """Host waits inside a step (the 10 of each decode step in the H100 trace of 2026-11-25)."""
+    r = sp.analyze_trace(make_trace(syncs=2), expected_steps=3, batch=8)
+    assert r["host"]["host_syncs"] == 2 and r["host"]["host_sync_us"] == 6.0
+    assert all(row["sync_calls"] == ["cudaStreamSynchronize"] for row in r["steps"])
+    assert [n for n in r["notes"] if n.startswith("2 host synchronisations a step (cudaStreamSynchronize)")]
+    assert "2.0 synchronisations (6.0 µs)" in sp.render(r)
 
 
 def test_parse_trace_as_a_bare_event_list(tmp_path):

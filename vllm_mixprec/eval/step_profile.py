@@ -132,6 +132,10 @@ STEP_RE = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)
 PHASE_PREFIX = "gpu_model_runner: "  # vLLM's scopes with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+# Host calls that wait for the GPU: with one of them in a step, vLLM's asynchronous scheduling
+# cannot prepare the next step while the GPU runs this one.
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
 TRACE_GLOB = "*.pt.trace.json*"
 
 
@@ -193,6 +197,7 @@ def analyze_trace(trace: dict, expected_steps: int | None = None, batch: int | N
     steps: list[tuple[float, str, float]] = []  # (start, annotation, end) of each execute_model
     phases: list[tuple[float, float, str]] = []
     raw_gpu = []
+    host_calls: list[tuple[float, float, str]] = []  # (start, duration, name) of runtime calls
     for e in _x_events(trace):
         cat, name = e.get("cat", ""), e.get("name", "")
         if cat in GPU_CATS:
@@ -202,6 +207,7 @@ def analyze_trace(trace: dict, expected_steps: int | None = None, batch: int | N
             if corr is not None:
                 launches[corr] = (float(e["ts"]), name)
             graph_launch_calls += _is_graph_launch(name)
+            host_calls.append((float(e["ts"]), float(e.get("dur", 0)), name))
         elif cat == "user_annotation":
             if STEP_RE.match(name):
                 steps.append((float(e["ts"]), name, float(e["ts"]) + float(e.get("dur", 0))))
@@ -254,6 +260,10 @@ def analyze_trace(trace: dict, expected_steps: int | None = None, batch: int | N
                        generation_reqs=int(m.group(3)), generation_tokens=int(m.group(4)))
             if k + 1 < len(steps):
                 row["wall_us"] = round(steps[k + 1][0] - steps[k][0], 3)
+            # the last step: as long as the one before it (the trace goes on with teardown)
+            end = (steps[k + 1][0] if k + 1 < len(steps)
+                   else steps[k][0] + (steps[k][0] - steps[k - 1][0] if k else steps[k][2] - steps[k][0]))
+            row.update(_host_row(host_calls, steps[k][0], end))
         per_step.append(row)
 
     classes: dict[str, float] = defaultdict(float)
@@ -297,6 +307,17 @@ def analyze_trace(trace: dict, expected_steps: int | None = None, batch: int | N
                          f"kernels correlated to {graph_launch_calls} cudaGraphLaunch calls")
     else:
         graph["note"] = "no CUDA-graph launch in the profiled steps (eager, or this batch size not captured)"
+    host = None
+    if steps:
+        host = {key: round(sum(r[key] for r in per_step) / len(per_step), 2)
+                for key in ("host_syncs", "host_sync_us", "kernel_launch_calls")}
+        to_graph = [r["us_to_graph_launch"] for r in per_step if r["us_to_graph_launch"] is not None]
+        host["us_to_graph_launch"] = round(sum(to_graph) / len(to_graph), 1) if to_graph else None
+        if host["host_syncs"]:
+            notes.append(f"{host['host_syncs']:g} host synchronisations a step "
+                         f"({', '.join(sorted({n for r in per_step for n in r['sync_calls']}))}): the "
+                         "host waits for the GPU there, so it cannot prepare the next step while the "
+                         "GPU runs this one (see steps[].sync_calls)")
     if graph["ops_unmatched"]:
         notes.append(f"{graph['ops_unmatched']} GPU ops had no launch event; they were placed by their GPU "
                      "start time")
@@ -319,8 +340,20 @@ def analyze_trace(trace: dict, expected_steps: int | None = None, batch: int | N
         "steps": per_step,
         "outside_steps": {"ops": len(outside), "us": round(sum(o.dur for o in outside), 3)},
         "graph": graph,
+        "host": host,
         "notes": notes,
     }
+
+
+def _host_row(calls: list[tuple[float, float, str]], start: float, end: float) -> dict:
+    """Host-side figures of one step from its runtime/driver calls in [start, end)."""
+    inside = [c for c in calls if start <= c[0] < end]
+    syncs = [c for c in inside if c[2] in SYNC_CALLS]
+    graph = [c[0] for c in inside if _is_graph_launch(c[2])]
+    return {"host_syncs": len(syncs), "host_sync_us": round(sum(c[1] for c in syncs), 3),
+            "sync_calls": sorted({c[2] for c in syncs}),
+            "kernel_launch_calls": sum("LaunchKernel" in c[2] for c in inside),
+            "us_to_graph_launch": round(min(graph) - start, 3) if graph else None}
 
 
 # Where vLLM 0.26 computes the logits and samples: the V1 model runner in execute_model (its
@@ -378,6 +411,11 @@ def render(res: dict, top: int = 25) -> str:
                f"GPU span {_fmt(res.get('gpu_span_us_per_step'))} µs")
     if res.get("phases_us"):
         out.append("by vLLM phase (µs/step): " + ", ".join(f"{p} {_fmt(v)}" for p, v in res["phases_us"].items()))
+    h = res.get("host")
+    if h:
+        out.append(f"host per step: {_fmt(h['kernel_launch_calls'], 1)} kernel-launch calls, "
+                   f"{_fmt(h['host_syncs'], 1)} synchronisations ({_fmt(h['host_sync_us'])} µs), "
+                   f"CUDA graph launched {_fmt(h['us_to_graph_launch'])} µs into the step")
     out.append("CUDA graphs: " + res["graph"]["note"])
     krow = [[short_name(k["name"]), k["class"], _fmt(k["us_per_step"]), _fmt(k["count_per_step"], 1),
              f"{100 * k['share']:.1f}"] for k in res["top_kernels"][:top]]

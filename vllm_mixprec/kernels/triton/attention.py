@@ -4,7 +4,9 @@ One kernel body serves both paths; it is specialised by constexprs:
   * decode (rows with query length 1): split-KV flash-decoding, grid (rows, kv_heads,
     splits). The G query heads of one kv head form the M side of a tensor-core tile
     (padded to 16 rows), so every page is read once per kv head. A small second kernel
-    (_decode_finish_kernel) attends the residual tail and merges the splits by LSE.
+    (_decode_finish_kernel) attends the residual tail and merges the splits by LSE, a few
+    splits per load so that their loads are in flight together; splits with no page tiles
+    (short rows) exit at once and are not merged.
   * prefill / extend (rows with query length > 1): grid (rows, query blocks, kv_heads);
     BLOCK_M query tokens x G heads per tile, causal mask. Older tokens come from the same
     pages (and residual pool) as decode reads them; the chunk's own tokens (CHUNK_MODE)
@@ -537,6 +539,20 @@ def _store_rows(dst_row, acc_a, acc_b, acc_z, l_i, rmask, D: tl.constexpr, KV4: 
 
 
 @triton.jit
+def _decode_tiles(seq_len, res_tokens, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  HAS_RES: tl.constexpr):
+    """A decode row's page tiles (all but the newest res_tokens positions, the residual
+    tail's) in runs of whole tiles per split: (tiles, tiles per split, splits that hold any).
+    The paged and finish kernels both partition with it."""
+    win = seq_len
+    if HAS_RES:
+        win = tl.maximum(seq_len - res_tokens, 0)
+    n_tiles = tl.cdiv(win, BLOCK_N)
+    per_split = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), 1)
+    return n_tiles, per_split, tl.cdiv(n_tiles, per_split)
+
+
+@triton.jit
 def _query_tile(q_ptr, stride_qt, stride_qh, smooth_ptr, qsl_ptr, seq_lens_ptr, row, kvh, mb,
                 D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                 KV4: tl.constexpr, HAS_SMOOTH: tl.constexpr, DT: tl.constexpr):
@@ -588,6 +604,11 @@ def _paged_attn_kernel(
         if qlen != 1:
             return
         mb = 0
+        if NUM_SPLITS > 1:  # a split past the row's tiles writes nothing; the finish skips it
+            n_tiles, per_split, used = _decode_tiles(tl.load(seq_lens_ptr + row), res_tokens,
+                                                     BLOCK_N, NUM_SPLITS, HAS_RES)
+            if x >= used:
+                return
     else:
         if qlen <= 1:
             return
@@ -616,11 +637,11 @@ def _paged_attn_kernel(
     if HAS_RES:
         win = tl.maximum(seq_len - res_tokens, 0)
     page_end = tl.minimum(old_end, win)
-    n_tiles = tl.cdiv(page_end, BLOCK_N)
     t0 = 0
-    t1 = n_tiles
-    if DECODE:
-        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    t1 = tl.cdiv(page_end, BLOCK_N)
+    if DECODE:  # (page_end == win here)
+        n_tiles, per_split, used = _decode_tiles(seq_len, res_tokens, BLOCK_N, NUM_SPLITS,
+                                                 HAS_RES)
         t0 = x * per_split
         t1 = tl.minimum(t0 + per_split, n_tiles)
 
@@ -675,11 +696,14 @@ def _decode_finish_kernel(
         key_ptr, val_ptr, stride_kt, stride_kh, stride_vt, stride_vh, lse_ptr, stride_lse_h,
         num_q_heads, qk_scale,
         B: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-        BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, KV4: tl.constexpr,
-        HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr, KB_V: tl.constexpr,
-        HAS_RES: tl.constexpr, DT: tl.constexpr):
+        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        KV4: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr,
+        KB_V: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr):
     """Decode epilogue, grid (rows, kv_heads): attend the residual tail, then merge it with
-    the split partials (log-sum-exp) and write the output."""
+    the partials of the splits that hold tiles (log-sum-exp) and write the output. The
+    splits come SC at a time ([SC, G_PAD, D/2] loads): one at a time, each load waited for
+    the one before, and 32 splits cost ~20 us a layer at batch 1 (H100 step profile,
+    2026-11-25)."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     if tl.load(qsl_ptr + row + 1) - tl.load(qsl_ptr + row) != 1:
@@ -712,21 +736,24 @@ def _decode_finish_kernel(
     acc_a = acc_a + acc_z[:, None]
     acc_b = acc_b + acc_z[:, None]
     hh = tl.arange(0, HALF)
-    for sp in range(NUM_SPLITS):
-        pidx = ((row * NUM_SPLITS + sp) * num_q_heads + head).to(tl.int64)
-        lse = tl.load(part_lse_ptr + pidx, mask=rmask, other=float("-inf"))
-        m_new = tl.maximum(m_i, lse)
+    SC: tl.constexpr = 256 // HALF  # splits per load: [SC, G_PAD, HALF] fp32, 16 per thread
+    n_tiles, per_split, used = _decode_tiles(seq_len, res_tokens, BLOCK_N, NUM_SPLITS, HAS_RES)
+    for s0 in range(0, used, SC):
+        sp = s0 + tl.arange(0, SC)
+        pidx = ((row * NUM_SPLITS + sp[:, None]) * num_q_heads + head[None, :]).to(tl.int64)
+        live = (sp < used)[:, None] & rmask[None, :]
+        lse = tl.load(part_lse_ptr + pidx, mask=live, other=float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(lse, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_safe)
-        beta = tl.math.exp2(lse - m_safe)
-        src = part_o_ptr + pidx[:, None] * D + STEP * hh[None, :]
-        acc_a = acc_a * alpha[:, None] + beta[:, None] * tl.load(src, mask=rmask[:, None],
-                                                                 other=0.0)
+        beta = tl.math.exp2(lse - m_safe[None, :])
+        src = part_o_ptr + pidx[:, :, None] * D + STEP * hh[None, None, :]
+        part = tl.load(src, mask=live[:, :, None], other=0.0)
+        acc_a = acc_a * alpha[:, None] + tl.sum(beta[:, :, None] * part, 0)
         if KV4:
-            acc_b = acc_b * alpha[:, None] + beta[:, None] * tl.load(src + 1,
-                                                                     mask=rmask[:, None],
-                                                                     other=0.0)
-        l_i = l_i * alpha + beta
+            part = tl.load(src + 1, mask=live[:, :, None], other=0.0)
+            acc_b = acc_b * alpha[:, None] + tl.sum(beta[:, :, None] * part, 0)
+        l_i = l_i * alpha + tl.sum(beta, 0)
         m_i = m_new
     _store_rows(out_ptr + tok * stride_ot + head * stride_oh, acc_a, acc_b, acc_z * 0.0, l_i,
                 rmask, D, KV4)
@@ -918,7 +945,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
         CHUNK_MODE=CHUNK_CACHE.value, num_warps=warps, num_stages=stages, **decode_maxnreg(),
         **common)
     if finish:
-        _decode_finish_kernel[(num_rows, num_kv_heads)](*args, num_warps=4, **common)
+        _decode_finish_kernel[(num_rows, num_kv_heads)](*args, BLOCK_N=block_n, num_warps=4,
+                                                         **common)
 
 
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
