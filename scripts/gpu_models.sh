@@ -9,11 +9,11 @@
 #   2. carry [".gpu/models/part1"]   bash scripts/gpu_models.sh stash .gpu/models/part1
 #   3. carry [".gpu/models/part2"]   bash scripts/gpu_models.sh stash .gpu/models/part2
 #   4. carry [".gpu/models/part3"]   bash scripts/gpu_models.sh stash .gpu/models/part3
-#   5. carry [".gpu/part2"]          bash scripts/gpu_models.sh check bf16,bf16-kv8,bf16-kv4
+#   5. carry [".gpu/part2"]          bash scripts/gpu_models.sh check bf16,bf16-triton,bf16-kv8
 #        installs the vLLM bundle (part 2 + the stashed part 1), registers the plugin (gpu_check.sh
 #        env), assembles the models (sha256-checked), then the greedy arms (compiled, CUDA graphs)
 #   6. no carry                      bash scripts/gpu_models.sh check rest
-#        every arm not yet done on this host (w4a8-kv8, w4a8: perplexity, eager); repeat it while
+#        every arm not yet done on this host (bf16-kv4; w4a8-kv8, w4a8: perplexity, eager); repeat it while
 #        real_model_check.json says arms are missing (exit status 3)
 # Each call with timeout_s 600. The verdict is $OUT/real_model_check.json (status of the call, and
 # all_arms_on_this_host for the whole check) and $OUT/real_model_check.log. A host lost between

@@ -395,11 +395,14 @@ def test_verdict():
     toks = list(range(64))
     arms = {"bf16": _arm_result("bf16", toks, 30.1), "bf16-kv8": _arm_result("bf16-kv8", toks),
             "bf16-kv4": _arm_result("bf16-kv4", [0] * 64), "w4a8-kv8": _arm_result("w4a8-kv8", ppl=45.9),
+            "bf16-triton": _arm_result("bf16-triton", toks[:40] + [0] * 24),
             "w4a8": {"error": "server exited with 1"}}
     v = RC.verdict(arms, ref, list(RC.ARMS))
     by = {(c["arm"], c["what"]): c for c in v["checks"]}
     assert by[("bf16", "ppl")]["pass"] and by[("bf16-kv8", "greedy")]["pass"]
     assert not by[("bf16-kv4", "greedy")]["pass"] and not by[("bf16-kv4", "greedy")]["criterion"]  # reported only
+    assert by[("bf16-triton", "greedy")]["passed"] == len(RC.PROMPTS)  # 40 identical tokens
+    assert not by[("bf16-triton", "greedy")]["criterion"]
     assert not by[("w4a8-kv8", "ppl")]["pass"]  # +2%
     assert not by[("w4a8", "server")]["pass"]
     assert not v["pass"]
@@ -426,6 +429,7 @@ def host(tmp_path, monkeypatch):
     monkeypatch.setattr(RC, "ids_sha256", lambda ws: "h")
     canned = {"bf16": _arm_result("bf16", list(range(64)), 30.0), "bf16-kv8": _arm_result("bf16-kv8", list(range(64))),
               "bf16-kv4": _arm_result("bf16-kv4", list(range(64))), "w4a8-kv8": _arm_result("w4a8-kv8", ppl=45.2),
+              "bf16-triton": _arm_result("bf16-triton", list(range(64))),
               "w4a8": _arm_result("w4a8", ppl=44.1)}
     started = []
 
@@ -442,7 +446,7 @@ def host(tmp_path, monkeypatch):
 def test_main_split_over_calls(host):
     models, ref, canned, started, tmp = host
     base = ["--models-dir", str(models), "--reference", str(ref)]
-    assert RC.main([*base, "--out", str(tmp / "o1"), "--arms", "bf16,bf16-kv8,bf16-kv4"]) == 0
+    assert RC.main([*base, "--out", str(tmp / "o1"), "--arms", "bf16,bf16-triton,bf16-kv8,bf16-kv4"]) == 0
     s = json.loads((tmp / "o1" / "real_model_check.json").read_text())
     assert s["status"] == "PASS" and s["all_arms_on_this_host"]["missing"] == ["w4a8-kv8", "w4a8"]
     assert RC.main([*base, "--out", str(tmp / "o2"), "--arms", "rest"]) == 0

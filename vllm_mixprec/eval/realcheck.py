@@ -9,6 +9,9 @@ text/*.txt). Servers ("arms"), each one `vllm serve` on 127.0.0.1, one after the
 
   bf16      the bf16 folder, vLLM defaults (compiled, CUDA graphs, bf16 KV): the greedy reference,
             and perplexity `bf16`
+  bf16-triton  the bf16 folder with vLLM's TRITON_ATTN instead of FlashAttention (compiled, bf16
+            KV): greedy agreement reported, no pass criterion. The control for the KV arms: how
+            often a different bf16 attention kernel alone flips a near-tied greedy token
   bf16-kv8  + --kv-cache-dtype int8_per_token_head --attention-backend CUSTOM (compiled): greedy
             tokens must equal bf16's for >= MIN_AGREE tokens of every prompt (issue #5)
   bf16-kv4  the same with int4_per_token_head, --enforce-eager (saves a compile): greedy agreement
@@ -103,6 +106,7 @@ class Arm:
 
 ARMS = {a.name: a for a in (
     Arm("bf16", "smollm2-135m", greedy="reference", ppl="bf16"),
+    Arm("bf16-triton", "smollm2-135m", ("--attention-backend", "TRITON_ATTN"), greedy="report"),
     Arm("bf16-kv8", "smollm2-135m", KV8, greedy="criterion"),
     Arm("bf16-kv4", "smollm2-135m", KV4, eager=True, greedy="report", est_s=110.0),
     Arm("w4a8-kv8", "demo-smollm2-w4a8-kv8", ("--quantization", "mixprec", *KV8), eager=True,
