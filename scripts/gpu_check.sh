@@ -4,7 +4,7 @@
 #     && bash scripts/gpu_check.sh [STAGE...]
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
-# profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8
+# profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -112,6 +112,18 @@ stage_recheck() {
 # against the reference, the paged-attention paths, the backend over steps, big GPU shapes.
 stage_gather() {
   pytest_logged pytest-gpu-gather 240 tests/attention_backend -k "gather or chunk_impl_auto or context_tokens"
+}
+# The decode path changed in session 10 (empty splits exit, the finish kernel merges SC splits a
+# load): its GPU tests, then the decode grid (batch {1,8,64} x context {1K,8K,32K}) for
+# FA3 and our three decode methods; vLLM's Triton int4/int8 are left out (the slow part of the grid).
+stage_decode() {
+  local rc=0
+  # (the CPU-class ones run on the GPU here too; of the big-shape test, fast unpack, G = 4, D = 128)
+  pytest_logged pytest-gpu-decode 300 tests/attention_backend/test_attn_kernels.py \
+    -k "decode or matches_reference or (paged_attention_gpu and 1-4-128)" || rc=1
+  run_bench bench_attention_decode 300 python3 benchmarks/bench_attention.py --rep-ms 100 \
+    --methods fa3-bf16 mixprec-kv4 mixprec-kv4-r16 mixprec-kv8 --out "$OUT" || rc=1
+  return $rc
 }
 stage_property_cuda_gemm() {
   use_pyextra || return 1
