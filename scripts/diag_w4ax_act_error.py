@@ -1,11 +1,18 @@
 #!/usr/bin/env python3
 """Activation-only error of W4Ax on a real model's linears (CPU): per-token int8 (W4A8)
-against W4Ax with 25% of the 128-channel blocks at 8 bits, with and without a 128-point
-Hadamard rotation inside each block (QuaRot-style; folded into the weight offline, applied
-to x online). Weights stay in float64, so the numbers isolate the activation quantization.
+against W4Ax with 25% of the 128-channel blocks at 8 bits, and variants of the 4-bit part:
 
-Calibration (the outlier permutation) on the first half of the tokens, error on the second:
-rel = |x_q W^T - x W^T| / |x W^T|. Throwaway-sized diagnostic behind a BENCHMARKS.md row:
+  W4Ax25    the format: outlier blocks by calibration max|x|, the rest sorted by it
+  +rot      a 128-point Hadamard rotation inside each 4-bit block (QuaRot-style; folded into
+            the weight offline, applied to x online)
+  sens      8-bit blocks chosen by max|x_c| * |W[:, c]| (the channel's weight on the output)
+  clip      4-bit scale alpha * max|block|, alpha searched on the calibration half
+  g32       4-bit scales per 32 channels instead of 128 (a format change)
+  all       sens + clip + rot
+
+Weights stay in float64, so the numbers isolate the activation quantization. Calibration (the
+permutation, alpha) on the first half of the tokens, error on the second:
+rel = |x_q W^T - x W^T| / |x W^T|. Diagnostic behind BENCHMARKS.md rows:
   python scripts/diag_w4ax_act_error.py [--tokens 512] [LINEAR_NAME ...]
 """
 from __future__ import annotations
@@ -22,6 +29,7 @@ from vllm_mixprec.quantize.fmpq import num_a8_blocks, outlier_permutation
 DEFAULT = ("model.layers.3.self_attn.q_proj", "model.layers.3.mlp.down_proj",
            "model.layers.14.mlp.gate_proj", "model.layers.14.self_attn.o_proj",
            "model.layers.25.mlp.down_proj")
+ALPHAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -31,21 +39,35 @@ def hadamard(n: int) -> torch.Tensor:
     return h / n ** 0.5
 
 
-def fake_sym(blocks: torch.Tensor, qmax: int) -> torch.Tensor:
-    s = blocks.abs().amax(-1, keepdim=True) / qmax
+def fake_sym(blocks: torch.Tensor, qmax: int, alpha: float = 1.0) -> torch.Tensor:
+    s = blocks.abs().amax(-1, keepdim=True) * alpha / qmax
     s = torch.where(s == 0, torch.ones_like(s), s)
     return (blocks / s).round().clamp(-qmax, qmax) * s
 
 
-def w4ax_fake(x: torch.Tensor, perm: torch.Tensor, nb8: int, rot: torch.Tensor | None) -> torch.Tensor:
+def w4ax_fake(x: torch.Tensor, perm: torch.Tensor, nb8: int, rot: torch.Tensor | None = None,
+              alpha: float = 1.0, group4: int = F.ACT_BLOCK) -> torch.Tensor:
     m, k = x.shape
-    b = x[:, perm].view(m, k // F.ACT_BLOCK, F.ACT_BLOCK)
-    b = b @ rot if rot is not None else b
-    q = torch.cat([fake_sym(b[:, :nb8], F.A8_MAX), fake_sym(b[:, nb8:], F.A4_MAX)], 1)
-    q = q @ rot.T if rot is not None else q
+    k8 = nb8 * F.ACT_BLOCK
+    xp = x[:, perm]
+    hi = fake_sym(xp[:, :k8].reshape(m, -1, F.ACT_BLOCK), F.A8_MAX).reshape(m, k8)
+    lo = xp[:, k8:].reshape(m, -1, F.ACT_BLOCK)
+    lo = lo @ rot if rot is not None else lo
+    lo = fake_sym(lo.reshape(m, -1, group4), F.A4_MAX, alpha).reshape(m, -1, F.ACT_BLOCK)
+    lo = lo @ rot.T if rot is not None else lo
     out = torch.empty_like(x)
-    out[:, perm] = q.reshape(m, k)
+    out[:, perm] = torch.cat([hi, lo.reshape(m, k - k8)], 1)
     return out
+
+
+def sensitive_permutation(amax: torch.Tensor, w: torch.Tensor, nb8: int) -> torch.Tensor:
+    """8-bit channels by max|x_c| * |W[:, c]|; within and after them, by max|x_c|."""
+    top = torch.argsort(amax * w.norm(dim=0), descending=True, stable=True)[:nb8 * F.ACT_BLOCK]
+    rest = torch.ones_like(amax, dtype=torch.bool)
+    rest[top] = False
+    rest = torch.nonzero(rest).flatten()
+    by_max = lambda idx: idx[torch.argsort(amax[idx], descending=True, stable=True)]  # noqa: E731
+    return torch.cat([by_max(top), by_max(rest)])
 
 
 def main() -> None:
@@ -66,17 +88,30 @@ def main() -> None:
     with torch.no_grad():
         model(ids)
     rot = hadamard(F.ACT_BLOCK)
-    print(f"{'linear':40} {'A8':>7} {'W4Ax25':>7} {'+rot':>7}")
+    cols = ("A8", "W4Ax25", "+rot", "sens", "clip", "g32", "all")
+    print(f"{'linear':40} " + " ".join(f"{c:>7}" for c in cols))
     for n in a.names:
         x, w = acts[n].double(), mods[n].weight.detach().double()
         half = x.shape[0] // 2
         cal, ev = x[:half], x[half:]
-        perm = outlier_permutation(cal.abs().amax(0)).long()
+        amax = cal.abs().amax(0)
+        perm = outlier_permutation(amax).long()
         nb8 = num_a8_blocks(x.shape[1], 0.25)
-        y = ev @ w.T
-        rel = lambda xq: float((xq @ w.T - y).norm() / y.norm())  # noqa: E731
-        print(f"{n:40} {rel(fake_sym(ev, F.A8_MAX)):7.4f} {rel(w4ax_fake(ev, perm, nb8, None)):7.4f} "
-              f"{rel(w4ax_fake(ev, perm, nb8, rot)):7.4f}")
+        sens = sensitive_permutation(amax, w, nb8)
+
+        def rel(xq, xr=ev):
+            y = xr @ w.T
+            return float((xq @ w.T - y).norm() / y.norm())
+
+        def alpha(pm, r=None):  # the clip ratio that is best on the calibration half
+            return min(ALPHAS, key=lambda al: rel(w4ax_fake(cal, pm, nb8, r, al), cal))
+
+        errs = (rel(fake_sym(ev, F.A8_MAX)), rel(w4ax_fake(ev, perm, nb8)),
+                rel(w4ax_fake(ev, perm, nb8, rot)), rel(w4ax_fake(ev, sens, nb8)),
+                rel(w4ax_fake(ev, perm, nb8, None, alpha(perm))),
+                rel(w4ax_fake(ev, perm, nb8, group4=32)),
+                rel(w4ax_fake(ev, sens, nb8, rot, alpha(sens, rot))))
+        print(f"{n:40} " + " ".join(f"{e:7.4f}" for e in errs), flush=True)
 
 
 if __name__ == "__main__":
