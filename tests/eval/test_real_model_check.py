@@ -136,6 +136,18 @@ def test_decode_ggml_matches_gguf_py_and_torch():
         assert MP.decode_ggml(codec, q.tobytes()) == want
     bf16 = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
     assert MP.decode_ggml("f32", x.tobytes()) == bf16
+    # K-quants (Qwen2.5's Q4_K_M): gguf-py cannot quantize them, so random blocks with finite d/dmin
+    rng = np.random.default_rng(2)
+    for qt, codec in ((T.Q4_K, "q4_k"), (T.Q6_K, "q6_k")):
+        size = MP.GGML_BLOCK[codec][0]
+        blocks = rng.integers(0, 256, (16, size), dtype=np.uint8)
+        scales = (rng.standard_normal((16, 2)) * 0.01).astype("<f2").view(np.uint8)
+        if codec == "q4_k":
+            blocks[:, 0:4] = scales  # d, dmin
+        else:
+            blocks[:, 208:210] = scales[:, :2]
+        want = torch.from_numpy(quants.dequantize(blocks, qt)).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        assert MP.decode_ggml(codec, blocks.tobytes()) == want, codec
     with pytest.raises(MP.PackError, match="whole number"):
         MP.decode_ggml("q4_1", b"\0" * 21)
     with pytest.raises(MP.PackError, match="unknown"):

@@ -10,11 +10,11 @@ from segments, each checked when packing by decoding it back:
   ["raw", STREAM, OFFSET, LENGTH]           bytes of a decompressed stream
   ["copy", PATH, OFFSET, LENGTH]            bytes of a file rebuilt before it (a tensor or file
                                             two folders share: the demo checkpoint's embedding)
-  ["ggml", CODEC, STREAM, OFFSET, LENGTH]   GGML blocks (q4_1, q8_0, f32) decoded to bf16 with numpy:
+  ["ggml", CODEC, STREAM, OFFSET, LENGTH]   GGML blocks (q4_1, q8_0, q4_k, q6_k, f32) decoded to bf16 with numpy:
                                             the bf16 SmolLM2 folder was converted from a Q4_1 GGUF,
                                             so its tensors are these blocks, bit for bit (checked
                                             per tensor when packing; a tensor that does not match
-                                            is stored raw)
+                                            is stored raw; q4_k/q6_k are Qwen2.5's Q4_K_M)
 A safetensors file is its header (raw) and one segment per tensor; any other file is one raw
 segment (or a copy). Each item's raw bytes are one xz stream; the streams, in item order, are
 cut into chunks that fill parts of at most --part-mib MiB. Every part folder holds its chunks and
@@ -44,7 +44,8 @@ MIB = 1 << 20
 MANIFEST = "manifest.json"
 MANIFEST_ROOM = 512 * 1024  # of each part, kept for manifest.json
 DEFAULT_DEST = "/root/mixprec-models"
-GGML_BLOCK = {"q4_1": (20, 32), "q8_0": (34, 32), "f32": (4, 1)}  # bytes, elements per block
+# bytes, elements per block
+GGML_BLOCK = {"q4_1": (20, 32), "q8_0": (34, 32), "q4_k": (144, 256), "q6_k": (210, 256), "f32": (4, 1)}
 
 
 class PackError(RuntimeError):
@@ -66,7 +67,9 @@ def _bf16_bytes(x) -> bytes:
 
 
 def decode_ggml(codec: str, data: bytes) -> bytes:
-    """GGML blocks as gguf-py dequantizes them (float32: d * q + m for q4_1, q * d for q8_0), as bf16."""
+    """GGML blocks as gguf-py dequantizes them, in its float32 operation order, as bf16:
+    d * q + m (q4_1), q * d (q8_0), (d * sc) * q - dmin * m (q4_k: 8 sub-blocks of 32 with 6-bit
+    scales and mins), (d * sc) * q (q6_k: 16 sub-blocks of 16, 6-bit q - 32)."""
     import numpy as np
 
     if codec not in GGML_BLOCK:
@@ -78,13 +81,55 @@ def decode_ggml(codec: str, data: bytes) -> bytes:
     blocks = raw.reshape(-1, size)
     if codec == "f32":
         return _bf16_bytes(blocks.view("<f4"))
+    if codec == "q6_k":
+        return _bf16_bytes(_decode_q6_k(blocks))
     d = blocks[:, 0:2].copy().view("<f2").astype(np.float32)
+    if codec == "q4_k":
+        return _bf16_bytes(_decode_q4_k(blocks, d))
     if codec == "q8_0":
         return _bf16_bytes(blocks[:, 2:].view(np.int8).astype(np.float32) * d)
     m = blocks[:, 2:4].copy().view("<f2").astype(np.float32)
     qs = blocks[:, 4:]
     q = np.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=1).astype(np.float32)
     return _bf16_bytes((d * q) + m)
+
+
+def _nibbles(packed, runs: int, width: int):
+    """[n, runs * width] bytes -> [n, 2 * runs, width]: each run's low nibbles, then its high ones."""
+    import numpy as np
+
+    n = packed.shape[0]
+    shifted = packed.reshape(n, runs, 1, width) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (shifted & np.uint8(15)).reshape(n, 2 * runs, width)
+
+
+def _decode_q4_k(blocks, d):
+    """[n, 144] q4_k blocks (d, dmin, 12 bytes of packed 6-bit scales/mins, 128 of nibbles) -> [n, 256]."""
+    import numpy as np
+
+    n = blocks.shape[0]
+    dmin = blocks[:, 2:4].copy().view("<f2").astype(np.float32)
+    s = blocks[:, 4:16]
+    sc = np.concatenate([s[:, 0:4] & np.uint8(63), (s[:, 8:12] & np.uint8(15)) | ((s[:, 0:4] >> 6) << 4)], 1)
+    mn = np.concatenate([s[:, 4:8] & np.uint8(63), (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], 1)
+    scale = (d * sc.astype(np.float32)).reshape(n, 8, 1)
+    offset = (dmin * mn.astype(np.float32)).reshape(n, 8, 1)
+    q = _nibbles(blocks[:, 16:], 4, 32).astype(np.float32)
+    return (scale * q - offset).reshape(n, 256)
+
+
+def _decode_q6_k(blocks):
+    """[n, 210] q6_k blocks (128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d) -> [n, 256]."""
+    import numpy as np
+
+    n = blocks.shape[0]
+    d = blocks[:, 208:210].copy().view("<f2").astype(np.float32)
+    scale = (d * blocks[:, 192:208].view(np.int8).astype(np.float32)).reshape(n, 16, 1)
+    low = _nibbles(blocks[:, :128], 2, 64).reshape(n, 8, 32)
+    high = blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    high = (high & np.uint8(3)).reshape(n, 8, 32)
+    q = ((low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(n, 16, 16).astype(np.float32)
+    return (scale * q).reshape(n, 256)
 
 
 # --- packing (here) -------------------------------------------------------------------------------
