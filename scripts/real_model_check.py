@@ -5,7 +5,7 @@ On the host, after the vLLM bundle, `gpu_check.sh env` and `gpu_models.sh assemb
 (docs/GPU_HOST.md has the whole call sequence):
   python3 scripts/real_model_check.py --models-dir /root/mixprec-models --out $OUT [--arms A,B] [--budget S]
 Here, to (re)write the committed CPU reference numbers:
-  python3 scripts/real_model_check.py --cpu-reference benchmarks/results/cpu-reference/smollm2-ppl.json
+  python3 scripts/real_model_check.py --cpu-reference benchmarks/results/cpu-reference/real-models-ppl.json
 
 The code is vllm_mixprec/eval/realcheck.py (its docstring says what each arm checks).
 """

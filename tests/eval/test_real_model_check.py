@@ -4,6 +4,7 @@ canned vLLM responses, without a server."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 
 from vllm_mixprec.eval import modelpack as MP
 from vllm_mixprec.eval import realcheck as RC
+from vllm_mixprec.quantize.models import TEXTS as KNOWN_TEXTS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -436,12 +438,14 @@ def host(tmp_path, monkeypatch):
     for t in RC.TEXTS:
         (models / "text" / f"{t}.txt").write_text("x")
     ref = tmp_path / "ref.json"
-    ref.write_text(json.dumps(_reference({"bf16": 30.0, "w4a8-kv8": 45.0, "w4a8": 44.0})))
+    ref.write_text(json.dumps(_reference({"bf16": 30.0, "w4a8-kv8": 45.0, "w4a8": 44.0, "qwen-bf16": 15.0,
+                                          "qwen-kv8": 15.3})))
     monkeypatch.setattr(RC, "token_windows", lambda folder, text: [[1, 2]])
     monkeypatch.setattr(RC, "ids_sha256", lambda ws: "h")
     canned = {"bf16": _arm_result("bf16", list(range(64)), 30.0), "bf16-kv8": _arm_result("bf16-kv8", list(range(64))),
               "bf16-kv4": _arm_result("bf16-kv4", list(range(64))), "w4a8-kv8": _arm_result("w4a8-kv8", ppl=45.2),
               "bf16-triton": _arm_result("bf16-triton", list(range(64))),
+              "qwen-bf16": _arm_result("qwen-bf16", list(range(64)), 15.0), "qwen-kv8": _arm_result("qwen-kv8", ppl=15.2),
               "w4a8": _arm_result("w4a8", ppl=44.1)}
     started = []
 
@@ -460,7 +464,8 @@ def test_main_split_over_calls(host):
     base = ["--models-dir", str(models), "--reference", str(ref)]
     assert RC.main([*base, "--out", str(tmp / "o1"), "--arms", "bf16,bf16-triton,bf16-kv8,bf16-kv4"]) == 0
     s = json.loads((tmp / "o1" / "real_model_check.json").read_text())
-    assert s["status"] == "PASS" and s["all_arms_on_this_host"]["missing"] == ["w4a8-kv8", "w4a8"]
+    assert s["status"] == "PASS" and s["all_arms_on_this_host"]["missing"] == ["w4a8-kv8", "w4a8", "qwen-bf16",
+                                                                               "qwen-kv8"]
     assert RC.main([*base, "--out", str(tmp / "o2"), "--arms", "rest"]) == 0
     assert started == list(RC.ARMS)
     s = json.loads((tmp / "o2" / "real_model_check.json").read_text())
@@ -499,6 +504,47 @@ def test_main_refuses_other_checkpoints_and_missing_inputs(host):
     assert RC.main([*base, "--arms", "w4a8"]) == 1
     assert "botchan.txt is missing" in (tmp / "o" / "real_model_check.log").read_text()
     assert started == ["bf16-kv8"]
+
+
+def test_rest_runs_only_the_models_on_this_host(host):
+    """Qwen's parts are optional: without its folder, `rest` leaves its arms out and says so."""
+    models, ref, canned, started, tmp = host
+    shutil.rmtree(models / RC.MODELS["qwen2.5-coder-1.5b"])
+    base = ["--models-dir", str(models), "--reference", str(ref), "--fresh", "--out", str(tmp / "o")]
+    assert RC.main([*base, "--arms", "rest"]) == 0
+    assert started == [n for n in RC.ARMS if not n.startswith("qwen")]
+    log = (tmp / "o" / "real_model_check.log").read_text()
+    assert "(no qwen2.5-coder-1.5b here)" in log
+    s = json.loads((tmp / "o" / "real_model_check.json").read_text())
+    assert s["status"] == "PASS" and s["all_arms_on_this_host"]["missing"] == ["qwen-bf16", "qwen-kv8"]
+    assert RC.main([*base, "--arms", "qwen-kv8"]) == 1  # asked for by name: refused, naming the folder
+    assert "qwen2.5-coder-1.5b is not a model folder" in (tmp / "o" / "real_model_check.log").read_text()
+
+
+def test_greedy_is_compared_with_the_reference_of_its_own_model():
+    assert RC.greedy_reference(RC.ARMS["bf16-kv8"]) == "bf16"
+    assert RC.greedy_reference(RC.ARMS["qwen-kv8"]) == "qwen-bf16"
+
+
+def test_cpu_reference_adds_runs_to_an_existing_file(tmp_path, monkeypatch):
+    """--runs qwen-... keeps the SmolLM2 runs already in the file (they took their own CPU time)."""
+    from vllm_mixprec.eval import perplexity
+
+    out = tmp_path / "ref.json"
+    texts = {t: KNOWN_TEXTS[t].sha256 for t in RC.TEXTS}
+    old = {"n_tokens": RC.N_TOKENS, "window": RC.WINDOW, "texts": texts,
+           "models": {"smollm2-135m": {"config.json": "a"}}, "runs": {"bf16": {"model": "smollm2-135m"}}}
+    out.write_text(json.dumps(old))
+    monkeypatch.setattr(perplexity, "evaluate", lambda folder, texts, n, w, kv_scheme: {
+        t: {"ppl": 15.0, "nll": 1.0, "tokens": 1} for t in texts})
+    monkeypatch.setattr(RC, "model_files", lambda d, m: {"config.json": m})
+    monkeypatch.setattr(RC, "token_windows", lambda folder, text: [[1, 2]])
+    RC.cpu_reference(tmp_path, out, ["qwen-bf16"], "cmd")
+    got = json.loads(out.read_text())
+    assert set(got["runs"]) == {"bf16", "qwen-bf16"} and got["runs"]["bf16"] == {"model": "smollm2-135m"}
+    assert got["models"] == {"smollm2-135m": {"config.json": "a"},
+                             "qwen2.5-coder-1.5b": {"config.json": "qwen2.5-coder-1.5b"}}
+    assert got["runs"]["qwen-bf16"]["command"] == "cmd" and got["runs"]["qwen-bf16"]["kv"] == "none"
 
 
 @pytest.mark.parametrize("argv, msg", [

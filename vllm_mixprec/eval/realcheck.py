@@ -21,6 +21,14 @@ text/*.txt). Servers ("arms"), each one `vllm serve` on 127.0.0.1, one after the
             perplexity `w4a8-kv8`
   w4a8      the same weights with a 16-bit KV cache (a copy of the folder whose config says
             kv_scheme none; --enforce-eager): perplexity `w4a8`
+  qwen-bf16 the real Qwen2.5-Coder-1.5B (bf16, compiled, CUDA graphs): perplexity `qwen-bf16`, and
+            the greedy reference of the qwen arms
+  qwen-kv8  the same with KV8 as `w4a8-kv8` serves it (eager, every key quantized): perplexity
+            `qwen-kv8`. Qwen's k_proj biases (up to 354) are the hard case for the KV cache
+            (docs/BENCHMARKS.md); without `--quantization mixprec` there is no bias-aware K
+
+A greedy arm is compared with the reference arm of its own model. `rest` runs the arms not yet
+run on this host whose model folder is there (the Qwen parts are optional: docs/GPU_HOST.md).
 
 Perplexity (issue #6): prompt logprobs (`prompt_logprobs: 0`, `max_tokens: 1`) of the very token
 windows the CPU path (eval/perplexity.py: tokenize + windows) scores, sent as token ids, so no
@@ -58,7 +66,8 @@ from ..quantize.models import sha256_file
 TEXTS = ("lcet10", "botchan")
 N_TOKENS = 4096
 WINDOW = 1024
-MODELS = {"smollm2-135m": "models/smollm2-135m", "demo-smollm2-w4a8-kv8": "demo-smollm2-w4a8-kv8"}
+MODELS = {"smollm2-135m": "models/smollm2-135m", "demo-smollm2-w4a8-kv8": "demo-smollm2-w4a8-kv8",
+          "qwen2.5-coder-1.5b": "models/qwen2.5-coder-1.5b"}
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "import numpy as np\n\n", "Water boils at",
            "The best way to learn a new language is", "In 1969, Neil Armstrong")
@@ -70,10 +79,11 @@ MAX_MODEL_LEN = 2048
 REQUEST_TIMEOUT_S = 120.0
 STARTUP_LIMIT_S = 300.0
 STOP_S = 45.0  # serve.stop: 30 s SIGTERM grace, then SIGKILL
-DEFAULT_REFERENCE = Path(__file__).resolve().parents[2] / "benchmarks/results/cpu-reference/smollm2-ppl.json"
+DEFAULT_REFERENCE = Path(__file__).resolve().parents[2] / "benchmarks/results/cpu-reference/real-models-ppl.json"
 KV_NONE_DIR = Path("/tmp/mixprec-realcheck")  # the kv_scheme-none copies (links and a config)
 KV8 = ("--kv-cache-dtype", "int8_per_token_head", "--attention-backend", "CUSTOM")
 KV4 = ("--kv-cache-dtype", "int4_per_token_head", "--attention-backend", "CUSTOM")
+ALL_KEYS_QUANTIZED = (("MIXPREC_KV_RESIDUAL", "0"), ("MIXPREC_ATTN_PREFILL_EXACT", "0"))  # as the CPU path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +95,9 @@ class PplRun:
 
 PPL_RUNS = {r.name: r for r in (PplRun("bf16", "smollm2-135m", "none"),
                                   PplRun("w4a8-kv8", "demo-smollm2-w4a8-kv8", "kv8"),
-                                  PplRun("w4a8", "demo-smollm2-w4a8-kv8", "none"))}
+                                  PplRun("w4a8", "demo-smollm2-w4a8-kv8", "none"),
+                                  PplRun("qwen-bf16", "qwen2.5-coder-1.5b", "none"),
+                                  PplRun("qwen-kv8", "qwen2.5-coder-1.5b", "kv8"))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +122,18 @@ ARMS = {a.name: a for a in (
     Arm("bf16-kv8", "smollm2-135m", KV8, greedy="criterion"),
     Arm("bf16-kv4", "smollm2-135m", KV4, eager=True, greedy="report", est_s=110.0),
     Arm("w4a8-kv8", "demo-smollm2-w4a8-kv8", ("--quantization", "mixprec", *KV8), eager=True,
-        env=(("MIXPREC_KV_RESIDUAL", "0"), ("MIXPREC_ATTN_PREFILL_EXACT", "0")), ppl="w4a8-kv8",
-        est_s=110.0),
+        env=ALL_KEYS_QUANTIZED, ppl="w4a8-kv8", est_s=110.0),
     Arm("w4a8", "demo-smollm2-w4a8-kv8", ("--quantization", "mixprec"), eager=True, ppl="w4a8",
         kv_none_copy=True, est_s=110.0),
+    Arm("qwen-bf16", "qwen2.5-coder-1.5b", greedy="reference", ppl="qwen-bf16", est_s=240.0),
+    Arm("qwen-kv8", "qwen2.5-coder-1.5b", KV8, eager=True, env=ALL_KEYS_QUANTIZED, ppl="qwen-kv8",
+        est_s=150.0),
 )}
+
+
+def greedy_reference(arm: Arm) -> str:
+    """The arm whose greedy completions `arm`'s are compared with: its model's reference arm."""
+    return next(a.name for a in ARMS.values() if a.model == arm.model and a.greedy == "reference")
 
 
 def ids_sha256(windows: list[list[int]]) -> str:
@@ -154,17 +173,23 @@ def cpu_reference(models_dir: Path, out: Path, runs: list[str], command: str) ->
            "texts": {t: KNOWN_TEXTS[t].sha256 for t in TEXTS},
            "models": {m: model_files(models_dir, m) for m in sorted({PPL_RUNS[r].model for r in runs})},
            "runs": {}}
+    old = json.loads(out.read_text()) if out.is_file() else None
+    if old and all(old.get(k) == ref[k] for k in ("n_tokens", "window", "texts")):
+        # keep the other runs (each run records its own date, command and versions)
+        ref["models"] = {**old.get("models", {}), **ref["models"]}
+        ref["runs"] = {r: v for r, v in old.get("runs", {}).items() if r not in runs}
     for name in runs:
         run = PPL_RUNS[name]
         folder = models_dir / MODELS[run.model]
         t0 = time.time()
         res = evaluate(folder, list(TEXTS), N_TOKENS, WINDOW, kv_scheme=run.kv)
         ref["runs"][name] = {
-            "model": run.model, "kv": run.kv, "seconds": round(time.time() - t0, 1),
+            "model": run.model, "kv": run.kv, "seconds": round(time.time() - t0, 1), "date": ref["date"],
+            "command": command, "torch": ref["torch"], "transformers": ref["transformers"],
             "texts": {t: {**res[t], "ids_sha256": ids_sha256(token_windows(folder, t))} for t in TEXTS}}
         print(name, {t: round(r["ppl"], 4) for t, r in res.items()}, flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(ref, indent=1) + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(ref, indent=1) + "\n")  # after each run: a long one may be stopped
     return ref
 
 
@@ -347,16 +372,18 @@ def run_arm(arm: Arm, folder: Path, out: Path, windows: dict[str, list[list[int]
 def verdict(arms: dict[str, dict], reference: dict, names: list[str]) -> dict:
     """Criteria of the arms `names` from the merged arm results: greedy and perplexity rows."""
     checks = []
-    ref_greedy = (arms.get("bf16") or {}).get("greedy")
     for name in names:
         arm, res = ARMS[name], arms.get(name) or {}
+        ref_name = greedy_reference(arm) if arm.greedy in ("criterion", "report") else None
+        ref_greedy = (arms.get(ref_name) or {}).get("greedy") if ref_name else None
         if "error" in res:
             checks.append({"arm": name, "what": "server", "criterion": True, "pass": False, "error": res["error"]})
             continue
         if arm.greedy in ("criterion", "report"):
             if ref_greedy is None or "greedy" not in res:
                 checks.append({"arm": name, "what": "greedy", "criterion": arm.greedy == "criterion", "pass": False,
-                               "error": "no bf16 reference completions" if ref_greedy is None else "not measured"})
+                               "error": (f"no {ref_name} reference completions" if ref_greedy is None
+                                         else "not measured")})
             else:
                 checks.append({"arm": name, "what": "greedy", "criterion": arm.greedy == "criterion",
                                **compare_greedy(ref_greedy, res["greedy"])})
@@ -505,8 +532,10 @@ def _run(args, argv: list[str] | None, models_dir: Path) -> int:
     store = models_dir / ".results" / "real_model_check.json"
     merged = {} if args.fresh or not store.is_file() else json.loads(store.read_text()).get("arms", {})
     if args.arm_list == ["rest"]:
-        args.arm_list = [n for n in ARMS if n not in merged]
-        log(f"arms not yet run on this host: {', '.join(args.arm_list) or 'none'}")
+        here = {m for m, rel in MODELS.items() if (models_dir / rel / "config.json").is_file()}
+        args.arm_list = [n for n in ARMS if n not in merged and ARMS[n].model in here]
+        log(f"arms not yet run on this host: {', '.join(args.arm_list) or 'none'}"
+            + "".join(f" (no {m} here)" for m in sorted(set(MODELS) - here)))
     problems = check_inputs(models_dir, reference, args.arm_list)
     if problems:
         for msg in problems:
