@@ -374,12 +374,12 @@ def verdict(arms: dict[str, dict], reference: dict, names: list[str]) -> dict:
     checks = []
     for name in names:
         arm, res = ARMS[name], arms.get(name) or {}
-        ref_name = greedy_reference(arm) if arm.greedy in ("criterion", "report") else None
-        ref_greedy = (arms.get(ref_name) or {}).get("greedy") if ref_name else None
         if "error" in res:
             checks.append({"arm": name, "what": "server", "criterion": True, "pass": False, "error": res["error"]})
             continue
         if arm.greedy in ("criterion", "report"):
+            ref_name = greedy_reference(arm)
+            ref_greedy = (arms.get(ref_name) or {}).get("greedy")
             if ref_greedy is None or "greedy" not in res:
                 checks.append({"arm": name, "what": "greedy", "criterion": arm.greedy == "criterion", "pass": False,
                                "error": (f"no {ref_name} reference completions" if ref_greedy is None

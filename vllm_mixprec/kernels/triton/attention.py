@@ -604,11 +604,10 @@ def _paged_attn_kernel(
         if qlen != 1:
             return
         mb = 0
-        if NUM_SPLITS > 1:  # a split past the row's tiles writes nothing; the finish skips it
-            n_tiles, per_split, used = _decode_tiles(tl.load(seq_lens_ptr + row), res_tokens,
-                                                     BLOCK_N, NUM_SPLITS, HAS_RES)
-            if x >= used:
-                return
+        n_tiles, per_split, used = _decode_tiles(tl.load(seq_lens_ptr + row), res_tokens,
+                                                 BLOCK_N, NUM_SPLITS, HAS_RES)
+        if x >= used and NUM_SPLITS > 1:  # a split past the row's tiles writes nothing; the
+            return                        # finish kernel skips it
     else:
         if qlen <= 1:
             return
@@ -639,9 +638,7 @@ def _paged_attn_kernel(
     page_end = tl.minimum(old_end, win)
     t0 = 0
     t1 = tl.cdiv(page_end, BLOCK_N)
-    if DECODE:  # (page_end == win here)
-        n_tiles, per_split, used = _decode_tiles(seq_len, res_tokens, BLOCK_N, NUM_SPLITS,
-                                                 HAS_RES)
+    if DECODE:  # the split's run of the tiles _decode_tiles cut above (page_end == win)
         t0 = x * per_split
         t1 = tl.minimum(t0 + per_split, n_tiles)
 
