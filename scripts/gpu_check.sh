@@ -118,11 +118,18 @@ stage_gather() {
 # FA3 and our three decode methods; vLLM's Triton int4/int8 are left out (the slow part of the grid).
 stage_decode() {
   local rc=0
-  # (the CPU-class ones run on the GPU here too; of the big-shape test, fast unpack, G = 4, D = 128)
-  pytest_logged pytest-gpu-decode 300 tests/attention_backend/test_attn_kernels.py \
-    -k "decode or matches_reference or (paged_attention_gpu and 1-4-128)" || rc=1
+  # (the CPU-class ones run on the GPU here too; of the big-shape test, fast unpack, G = 4, D = 128;
+  # the residual directory's CUDA-graph update against the eager one)
+  pytest_logged pytest-gpu-decode 360 tests/attention_backend/test_attn_kernels.py \
+    tests/attention_backend/test_attn_residual.py \
+    -k "decode or matches_reference or (paged_attention_gpu and 1-4-128) or graphed" || rc=1
   run_bench bench_attention_decode 300 python3 benchmarks/bench_attention.py --rep-ms 100 \
     --methods fa3-bf16 mixprec-kv4 mixprec-kv4-r16 mixprec-kv8 --out "$OUT" || rc=1
+  # the same small batches with the residual tail left to the finish kernel (the default
+  # attends it in the last split there: attention.decode_tail_in_split)
+  mkdir -p "$OUT/tail-in-finish"
+  MIXPREC_ATTN_TAIL_IN_SPLIT=0 run_bench bench_attention_tail_in_finish 120 python3 benchmarks/bench_attention.py \
+    --rep-ms 100 --batch 1 8 --methods fa3-bf16 mixprec-kv4-r16 mixprec-kv8 --out "$OUT/tail-in-finish" || rc=1
   return $rc
 }
 stage_property_cuda_gemm() {

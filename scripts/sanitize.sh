@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over our kernels.
 # Usage (GPU host, repo root, extension built): scripts/sanitize.sh [cuda] [triton]
-#   SANITIZE_TOOLS="racecheck" runs a subset of the four tools.
+#   SANITIZE_TOOLS="racecheck" runs a subset of the four tools; SANITIZE_TRITON_K replaces the
+#   triton target's pytest -k selection.
 #   cuda:   scripts/sanitize_cuda_driver.py, every csrc kernel (mma.sync, wgmma, quantize_act)
 #   triton: a pytest -m gpu selection that launches every Triton kernel (W4A8/W4Ax GEMM and
 #           activation quantizers, KV quantize-and-store, paged decode/prefill attention, the
@@ -31,7 +32,10 @@ TRITON_TESTS=(
   "tests/kernels/test_triton_gemm.py::test_gpu_w4ax"
   "tests/attention_backend/test_attn_kernels.py::test_paged_attention_gpu"
   "tests/attention_backend/test_attn_kernels.py::test_gather_path_gpu"
+  "tests/attention_backend/test_attn_kernels.py::test_paged_attention_gpu_decode_configs"
 )
+# the last: one decode row, its residual tail attended in the last split (decode_tail_in_split)
+TRITON_K="${SANITIZE_TRITON_K:-test_gpu_w4ax or (1-4-128 and dtype1) or (gather_path_gpu and 4-128 and dtype1) or (decode_configs and kv4 and 64 and tail-in-split)}"
 status=0
 : > "$OUT_DIR/summary.txt"
 for target in "${targets[@]}"; do
@@ -39,7 +43,7 @@ for target in "${targets[@]}"; do
     cuda) cmd=("$PY" scripts/sanitize_cuda_driver.py)
           ours_re="w4a8_(decode|tiled|wgmma)[a-z_]*kernel|quantize_act_int8_kernel" ;;
     triton) cmd=("$PY" -m pytest -m gpu -q -p no:cacheprovider -x "${TRITON_TESTS[@]}"
-                 -k "test_gpu_w4ax or (1-4-128 and dtype1) or (gather_path_gpu and 4-128 and dtype1)")
+                 -k "$TRITON_K")
           ours_re="_(paged_attn|decode_finish|quant|w4a8|w4ax|gemm|store|gather_context)[a-z0-9_]*" ;;
     *) echo "unknown target $target (cuda, triton)"; exit 2 ;;
   esac

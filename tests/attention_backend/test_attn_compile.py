@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(r'''
         block_n = 64 if d <= 128 else 32
         common = dict(B=16, D=d, G=g, G_PAD=gpad, BLOCK_R=16, NUM_SPLITS=4 if decode else 1,
                       KV4=kv4, HAS_SMOOTH=True, HAS_KB=kb, NP=16, KB_V=min(block_n, 64),
-                      HAS_RES=True, DT=DT[dt])
+                      HAS_RES=True, DT=DT[dt], TAIL_IN_SPLIT=False)
         main = dict(common, BLOCK_M=1 if decode else max(1, 64 // gpad),
                     BLOCK_N=block_n, DECODE=decode, FAST_UNPACK=True)
         # prefill: the chunk in our loop, and merged from FlashAttention's output
@@ -46,7 +46,8 @@ SCRIPT = textwrap.dedent(r'''
                      num_warps=4)
     # the tuned decode tile under a register cap (attention.decode_maxnreg) reaches ptxas
     common = dict(B=16, D=128, G=4, G_PAD=16, BLOCK_R=16, NUM_SPLITS=2, KV4=True,
-                  HAS_SMOOTH=False, HAS_KB=False, NP=16, KB_V=64, HAS_RES=True, DT=tl.bfloat16)
+                  HAS_SMOOTH=False, HAS_KB=False, NP=16, KB_V=64, HAS_RES=True, DT=tl.bfloat16,
+                  TAIL_IN_SPLIT=False)
     capped = compile_(A._paged_attn_kernel, attn_ptrs(True, "bf16"),
                       dict(common, BLOCK_M=1, BLOCK_N=128, DECODE=True, FAST_UNPACK=True,
                            CHUNK_MODE=A.CHUNK_CACHE.value), arch,
@@ -58,6 +59,18 @@ SCRIPT = textwrap.dedent(r'''
                      dict(common, BLOCK_M=1, BLOCK_N=128, DECODE=True, FAST_UNPACK=True,
                           CHUNK_MODE=A.CHUNK_CACHE.value), arch, ("qk_scale",), num_warps=2, num_stages=2)
     assert ptxas_usage(tuned, arch)[1] == 0, ptxas_usage(tuned, arch)
+    # nor the small-batch tile that attends the residual tail in its last split, nor the
+    # merge-only finish kernel that follows it (attention.decode_tail_in_split)
+    for kv4 in (True, False):
+        tail = dict(common, NUM_SPLITS=32, KV4=kv4, TAIL_IN_SPLIT=True)
+        small = compile_(A._paged_attn_kernel, attn_ptrs(kv4, "bf16"),
+                         dict(tail, BLOCK_M=1, BLOCK_N=64, DECODE=True, FAST_UNPACK=True,
+                              CHUNK_MODE=A.CHUNK_CACHE.value), arch, ("qk_scale",),
+                         num_warps=4, num_stages=3)
+        merge = compile_(A._decode_finish_kernel, attn_ptrs(kv4, "bf16"),
+                         dict(tail, BLOCK_N=64), arch, ("qk_scale",), num_warps=4)
+        for k in (small, merge):
+            assert ptxas_usage(k, arch)[1] == 0, ptxas_usage(k, arch)
     for kv4 in (True, False):
         ptrs = {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64",
                 "codes_ptr": "*u8" if kv4 else "*i8", "meta_ptr": "*fp16" if kv4 else "*fp32",

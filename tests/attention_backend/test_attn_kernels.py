@@ -107,11 +107,16 @@ def test_paged_attention_matches_reference(case, exact):
     torch.testing.assert_close(out.double().cpu(), want, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("scheme,d,res,splits", [("kv8", 128, 16, 8), ("kv4", 64, 0, 16)])
-def test_decode_merges_many_splits(scheme, d, res, splits):
-    """Rows whose tiles fill a different number of splits (the rest exit unwritten) and more
-    splits than the finish kernel merges per load (2 for kv8 D=128, 8 for kv4 D=64)."""
-    rows = [(1, 700), (1, 330), (1, 64), (1, 20)]
+@pytest.mark.parametrize("tail", ["0", "1"], ids=["tail-in-finish", "tail-in-split"])
+@pytest.mark.parametrize("scheme,d,res,splits", [("kv8", 128, 16, 8), ("kv4", 64, 0, 16),
+                                                 ("kv4", 64, 16, 16), ("kv4", 64, 16, 1)])
+def test_decode_merges_many_splits(scheme, d, res, splits, tail, monkeypatch):
+    """Rows whose tiles fill a different number of splits (the rest exit unwritten), more
+    splits than the finish kernel merges per load (2 for kv8 D=128, 8 for kv4 D=64), and a
+    row shorter than the residual window (no page tile: with the tail in a split, split 0
+    attends the tail alone). One split with the tail in it: no finish kernel at all."""
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL_IN_SPLIT", tail)
+    rows = [(1, 700), (1, 330), (1, 64), (1, 20), (1, 9)]
     batch = make_batch(scheme, torch.bfloat16, d, 2, 4, rows, residual_tokens=res,
                        writer=_writer)
     out = torch.full_like(batch.q, float("nan"))
@@ -393,9 +398,12 @@ def test_chunk_merge_first_chunk_is_flash_output_and_context_moves_it():
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("cfg", ["64,4,3", "128,2,2", "32,4,3"])
-def test_paged_attention_gpu_decode_configs(scheme, cfg, monkeypatch):
-    """Every decode config decode_config() may pick (or a tuning run forces) is exact."""
+@pytest.mark.parametrize("tail", ["0", "1"], ids=["tail-in-finish", "tail-in-split"])
+def test_paged_attention_gpu_decode_configs(scheme, cfg, tail, monkeypatch):
+    """Every decode config decode_config() may pick (or a tuning run forces) is exact, with
+    the residual tail in the finish kernel or in the last split."""
     monkeypatch.setenv("MIXPREC_ATTN_DECODE_CFG", cfg)
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL_IN_SPLIT", tail)
     torch.manual_seed(3)
     dtype, head_dim = torch.bfloat16, 128
     rows = [(1, 3000), (1, 17), (1, 1025), (1, 129), (1, 4096)]
@@ -419,6 +427,19 @@ def test_decode_config_choice(monkeypatch):
     monkeypatch.setenv("MIXPREC_ATTN_DECODE_CFG", "32,8")
     with pytest.raises(ValueError, match="MIXPREC_ATTN_DECODE_CFG"):
         decode_config(128)
+
+
+def test_decode_tail_in_split_choice(monkeypatch):
+    from vllm_mixprec.kernels.triton.attention import decode_tail_in_split
+    monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
+    assert decode_tail_in_split(1) and not decode_tail_in_split(2)
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL_IN_SPLIT", "0")
+    assert not decode_tail_in_split(1)
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL_IN_SPLIT", "1")
+    assert decode_tail_in_split(64)
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL_IN_SPLIT", "yes")
+    with pytest.raises(ValueError, match="MIXPREC_ATTN_TAIL_IN_SPLIT"):
+        decode_tail_in_split(1)
 
 
 def test_decode_maxnreg_env(monkeypatch):

@@ -22,7 +22,9 @@ B = 16
 
 
 class ToyScheduler:
-    def __init__(self, num_blocks: int, directory: R.ResidualDirectory, seed: int):
+    def __init__(self, num_blocks: int, directory: R.ResidualDirectory, seed: int,
+                 width: int | None = None):
+        self.width = width  # block-table columns; None: the longest row's
         self.rng = random.Random(seed)
         self.free = list(range(num_blocks))
         self.rng.shuffle(self.free)
@@ -80,7 +82,7 @@ class ToyScheduler:
             budget -= q
         if not rows:
             return None
-        width = max(len(self.reqs[rid]["blocks"]) for rid in rows)
+        width = self.width or max(len(self.reqs[rid]["blocks"]) for rid in rows)
         bt = torch.full((len(rows), width), 0, dtype=torch.int32)
         for i, rid in enumerate(rows):
             bl = self.reqs[rid]["blocks"]
@@ -220,3 +222,88 @@ def test_residual_tokens_env(monkeypatch):
         R.residual_tokens(None, 16)
     monkeypatch.delenv(R.ENV_TOKENS)
     assert R.residual_tokens(None, 32) == 32
+
+
+def test_graphs_are_off_on_the_cpu_and_by_env(monkeypatch):
+    assert R.ResidualDirectory(8, 2, B, 16, torch.device("cpu")).graphs is None
+    monkeypatch.setenv(R.ENV_GRAPHS, "0")
+    assert R.ResidualDirectory(8, 2, B, 16, torch.device("cpu"), graphs=None).graphs is None
+
+
+class _Twin:
+    """A directory pair on the GPU, one replaying its decode steps from CUDA graphs, the
+    other eager: their tables must match after every step. Exposes CPU copies of the
+    graphed one's tables to ToyScheduler's checks."""
+    TABLES = ("slot_of_block", "block_of_slot", "last_use", "tags", "step")
+
+    def __init__(self, *args):
+        dev = torch.device("cuda")
+        self.eager = R.ResidualDirectory(*args, dev, graphs=False)
+        self.graphed = R.ResidualDirectory(*args, dev, graphs=True)
+        self.num_slots, self.tokens = self.eager.num_slots, self.eager.tokens
+        self.decode_steps = 0
+        self._sync()
+
+    def _sync(self):
+        for name in self.TABLES:
+            e, g = getattr(self.eager, name), getattr(self.graphed, name)
+            assert torch.equal(e, g), f"{name} differs between the graphed and eager updates"
+            setattr(self, name, g.cpu())
+
+    def assign(self, bt, seq_lens, qsl, sm, n):
+        decode = bool((qsl[1:n + 1] - qsl[:n]).max() <= 1)
+        self.decode_steps += decode
+        args = [t.cuda() for t in (bt, seq_lens, qsl, sm)]
+        self.eager.assign(*args, n, decode_only=decode)
+        self.graphed.assign(*args, n, decode_only=decode)
+        torch.cuda.synchronize()
+        self._sync()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [0, 1])
+def test_graphed_update_matches_eager(seed):
+    """Decode steps replayed from CUDA graphs (fixed block-table width, as vLLM's runner
+    gives) update the directory exactly as the eager ops do, under eviction pressure."""
+    max_seqs, nblocks, tokens = 6, 200, 16
+    twin = _Twin(nblocks, 9, B, tokens)
+    sched = ToyScheduler(nblocks, twin, seed, width=16)
+    rng = random.Random(seed)
+    for it in range(120):
+        while len(sched.reqs) < max_seqs and rng.random() < 0.1:
+            sched.add(rng.randint(1, 40))
+        for rid in list(sched.reqs):
+            if sched.reqs[rid]["done"] > sched.reqs[rid]["prompt"] + 60:
+                sched.release(rid)
+        sched.step(budget=10_000, check_coverage=False)
+    assert twin.decode_steps >= 40, twin.decode_steps
+    assert twin.graphed.graphs.replays >= 20, twin.graphed.graphs.replays
+
+
+def test_step_graphs_replay_static_copies_of_each_call(monkeypatch):
+    """StepGraphs' bookkeeping on the CPU (a fake graph replays fn over the views it was
+    captured with): each call's inputs reach fn, a shape's first call is eager, buffers grow
+    to a power of two and growing re-captures."""
+    seen = []
+    sg = R.StepGraphs(lambda *t: seen.append([x.clone() for x in t]))
+
+    class FakeGraph:
+        def __init__(self, views):
+            self.views = views
+
+        def replay(self):
+            sg.fn(*self.views)
+
+    captured = []
+    monkeypatch.setattr(sg, "_capture", lambda views: captured.append(views) or FakeGraph(views))
+    calls = [(torch.arange(3), torch.rand(3, 2)), (torch.arange(3) + 10, torch.rand(3, 2)),
+             (torch.arange(3) + 20, torch.rand(3, 2)), (torch.arange(5), torch.rand(5, 2)),
+             (torch.arange(5) + 1, torch.rand(5, 2)), (torch.arange(3) + 30, torch.rand(3, 2))]
+    for args in calls:
+        sg.run(*args)
+    for got, args in zip(seen, calls):
+        assert all(torch.equal(g, a) for g, a in zip(got, args))
+    # eager: calls 0 and 3; captures: 1 (3 rows), 4 (5 rows: buffers 4 -> 8), 5 (re-capture)
+    assert len(captured) == 3 and sg.replays == 4
+    assert [s.shape[0] for s in sg.static] == [8, 8]
+    assert captured[-1][0].data_ptr() == sg.static[0].data_ptr()

@@ -178,7 +178,7 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
         directory = self._directory()
         if directory is not None:
             directory.assign(cm.block_table_tensor, cm.seq_lens, cm.query_start_loc,
-                             cm.slot_mapping, n)
+                             cm.slot_mapping, n, decode_only=bool(n) and qlens.max() <= 1)
         return MixPrecAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens, num_reqs=n, max_query_len=cm.max_query_len,
             max_seq_len=cm.max_seq_len, query_start_loc=cm.query_start_loc,

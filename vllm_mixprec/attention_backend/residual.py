@@ -38,7 +38,12 @@ Design (docs/ATTENTION-draft.md has the long form)
   over, and that pageable copy synchronises the stream. Ten of them per step made every
   decode step wait for the previous one to finish before the host could prepare it (H100
   trace, 2026-11-25: 0.43 ms in the first); `index_fill_` and `fill_` take the scalar as
-  a kernel argument instead.
+  a kernel argument instead. The step counter is a device tensor for the same reason.
+* The update is ~60 small torch ops: ~1 ms of host time a step, more than a batch-1
+  decode step of the GPU (H100 profile, 2026-11-25: the host took 5.1 ms a step for a
+  4.0 ms GPU step). On CUDA, decode-only steps therefore replay it from a CUDA graph
+  captured per input shape (`StepGraphs`) over static copies of the inputs: five launches.
+  MIXPREC_KV_RESIDUAL_GRAPHS=0 runs it eagerly.
 
 Limits: page writes that bypass our writer (KV connectors / offloading) would break the
 invariant, so they are refused at start-up with the residual on; so are cross-layer KV
@@ -46,12 +51,16 @@ sharing and decode context parallelism.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+logger = logging.getLogger("vllm.mixprec")
+
 ENV_TOKENS = "MIXPREC_KV_RESIDUAL"        # R, the window in tokens; 0 disables the residual
 ENV_SLOTS = "MIXPREC_KV_RESIDUAL_SLOTS"   # P override (slots of B tokens per layer)
+ENV_GRAPHS = "MIXPREC_KV_RESIDUAL_GRAPHS"  # 0: the per-step update runs eagerly on CUDA too
 MAX_RESIDUAL_TOKENS = 128                 # one tail tile of the attention kernels
 
 
@@ -112,7 +121,7 @@ class ResidualDirectory:
     """The slot directory of one KV-cache group (see the module docstring)."""
 
     def __init__(self, num_blocks: int, num_slots: int, block_size: int, tokens: int,
-                 device: torch.device):
+                 device: torch.device, graphs: bool | None = None):
         self.num_blocks, self.num_slots, self.block_size, self.tokens = (
             num_blocks, num_slots, block_size, tokens)
         self.bpw = window_blocks(tokens, block_size)
@@ -121,19 +130,34 @@ class ResidualDirectory:
         self.block_of_slot = torch.full((num_slots + 1,), -1, dtype=torch.int32, device=device)
         self.last_use = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device)
         self.tags = torch.full((num_slots + 1, block_size), -1, dtype=torch.int32, device=device)
-        self.step = 0
+        self.step = torch.zeros(1, dtype=torch.int64, device=device)  # steps assigned so far
+        if graphs is None:
+            graphs = device.type == "cuda" and os.environ.get(ENV_GRAPHS, "1") != "0"
+        self.graphs = StepGraphs(self._assign) if graphs else None
 
     def assign(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
-               query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, num_reqs: int) -> None:
-        """One scheduling step: give window blocks slots, then tag this step's writes."""
+               query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, num_reqs: int,
+               decode_only: bool = False) -> None:
+        """One scheduling step: give window blocks slots, then tag this step's writes.
+        decode_only (every row's query length <= 1) lets a CUDA graph run it."""
         if num_reqs == 0:
             return
+        args = (block_table[:num_reqs], seq_lens[:num_reqs],
+                query_start_loc[:num_reqs + 1], slot_mapping)
+        if (self.graphs is not None and decode_only
+                and not torch.cuda.is_current_stream_capturing()):
+            self.graphs.run(*args)
+        else:
+            self._assign(*args)
+
+    def _assign(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         self.step += 1
         step, b, r, nb, p = self.step, self.block_size, self.tokens, self.num_blocks, self.num_slots
         dev = self.slot_of_block.device
-        bt = block_table[:num_reqs].long()
-        seq = seq_lens[:num_reqs].long()
-        qlen = (query_start_loc[1:num_reqs + 1] - query_start_loc[:num_reqs]).long()
+        bt = block_table.long()
+        seq = seq_lens.long()
+        qlen = (query_start_loc[1:] - query_start_loc[:-1]).long()
 
         # 1. window blocks of each row: logical blocks of positions [L - R, L).
         j = ((seq - r).clamp_min(0) // b)[:, None] + torch.arange(self.bpw, device=dev)
@@ -151,7 +175,7 @@ class ResidualDirectory:
         cur = self.slot_of_block[blk_safe].long()
         has = need & (cur >= 0)
         has &= self.block_of_slot[torch.where(has, cur, p)].long() == blk_safe
-        self.last_use.index_fill_(0, torch.where(has, cur, p), step)
+        self.last_use[torch.where(has, cur, p)] = step
         missing = need & ~has
         rank = torch.cumsum(missing.long(), 0) - 1
         order = torch.sort(self.last_use[:p], stable=True).indices
@@ -164,7 +188,7 @@ class ResidualDirectory:
         self.slot_of_block.index_fill_(0, torch.where(old_mapped, old, nb), -1)
         self.block_of_slot[victim] = torch.where(got, blk_safe, -1).int()
         self.slot_of_block[torch.where(got, blk_safe, nb)] = victim.int()
-        self.last_use.index_fill_(0, victim, step)
+        self.last_use[victim] = step
         self.tags.index_fill_(0, victim, -1)
         self._reset_sinks()
 
@@ -180,6 +204,74 @@ class ResidualDirectory:
     def _reset_sinks(self) -> None:
         for table in (self.slot_of_block, self.block_of_slot, self.last_use, self.tags):
             table[-1:].fill_(-1)
+
+
+class StepGraphs:
+    """Runs fn(*inputs) from a CUDA graph per input shape and dtype. The graphs read static
+    copies of the inputs (one buffer per argument, grown to a power of two of rows; growing
+    drops the graphs); a shape's first call runs eagerly, its second captures. fn must be
+    capturable: fixed shapes, no host sync."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.seen: set[tuple] = set()
+        self.static: list[torch.Tensor] = []
+        self.pool = None
+        self.replays = 0
+
+    def _views(self, inputs) -> list[torch.Tensor]:
+        """Static views shaped like `inputs`, (re)allocating the buffers they need."""
+        def fits(i, t):
+            return (i < len(self.static) and self.static[i].dtype == t.dtype
+                    and self.static[i].shape[1:] == t.shape[1:])
+        if len(self.static) != len(inputs) or any(
+                not fits(i, t) or self.static[i].shape[0] < t.shape[0]
+                for i, t in enumerate(inputs)):
+            rows = [max(t.shape[0], self.static[i].shape[0] if fits(i, t) else 0)
+                    for i, t in enumerate(inputs)]
+            self.static = [torch.empty((1 << max(n - 1, 0).bit_length(), *t.shape[1:]),
+                                       dtype=t.dtype, device=t.device)
+                           for n, t in zip(rows, inputs)]
+            # the graphs read the old buffers; their pool dies with the last of them
+            self.graphs.clear()
+            self.pool = None
+        return [s[:t.shape[0]] for s, t in zip(self.static, inputs)]
+
+    def run(self, *inputs: torch.Tensor) -> None:
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        if key not in self.seen:  # first sight: eager (lazy initialisation, workspaces)
+            self.seen.add(key)
+            self.fn(*inputs)
+            return
+        views = self._views(inputs)
+        for v, t in zip(views, inputs):
+            v.copy_(t, non_blocking=True)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(views)
+            self.graphs[key] = graph
+        graph.replay()
+        self.replays += 1
+
+    def _capture(self, views: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        main = torch.cuda.current_stream()
+        side = torch.cuda.Stream(main.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            # thread_local: vLLM's other threads may call CUDA while this captures
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                self.fn(*views)
+            finally:
+                graph.capture_end()
+        main.wait_stream(side)
+        if self.pool is None:
+            self.pool = graph.pool()
+        logger.debug("mixprec KV residual: captured the step update for %s",
+                     [tuple(v.shape) for v in views])
+        return graph
 
 
 def allocate_pool(rows: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

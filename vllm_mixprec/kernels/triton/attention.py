@@ -540,16 +540,20 @@ def _store_rows(dst_row, acc_a, acc_b, acc_z, l_i, rmask, D: tl.constexpr, KV4: 
 
 @triton.jit
 def _decode_tiles(seq_len, res_tokens, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  HAS_RES: tl.constexpr):
+                  HAS_RES: tl.constexpr, TAIL_IN_SPLIT: tl.constexpr):
     """A decode row's page tiles (all but the newest res_tokens positions, the residual
-    tail's) in runs of whole tiles per split: (tiles, tiles per split, splits that hold any).
-    The paged and finish kernels both partition with it."""
+    tail's) in runs of whole tiles per split: (tiles, tiles per split, splits that write a
+    partial). With TAIL_IN_SPLIT the last of those also attends the tail, so a row without
+    page tiles still has one. The paged and finish kernels both partition with it."""
     win = seq_len
     if HAS_RES:
         win = tl.maximum(seq_len - res_tokens, 0)
     n_tiles = tl.cdiv(win, BLOCK_N)
     per_split = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), 1)
-    return n_tiles, per_split, tl.cdiv(n_tiles, per_split)
+    writers = tl.cdiv(n_tiles, per_split)
+    if TAIL_IN_SPLIT:
+        writers = tl.maximum(writers, 1)
+    return n_tiles, per_split, writers
 
 
 @triton.jit
@@ -590,10 +594,11 @@ def _paged_attn_kernel(
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, KV4: tl.constexpr,
         HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr, KB_V: tl.constexpr,
         HAS_RES: tl.constexpr, DT: tl.constexpr, FAST_UNPACK: tl.constexpr,
-        CHUNK_MODE: tl.constexpr):
+        CHUNK_MODE: tl.constexpr, TAIL_IN_SPLIT: tl.constexpr):
     """Decode (grid rows x kv_heads x splits; rows of query length 1) or prefill/extend
-    (grid rows x kv_heads x query blocks; rows of query length > 1). Decode leaves the
-    residual tail to _decode_finish_kernel and writes split partials when one follows.
+    (grid rows x kv_heads x query blocks; rows of query length > 1). Decode writes split
+    partials when _decode_finish_kernel follows; the residual tail is attended by the last
+    writing split (TAIL_IN_SPLIT) or else by the finish kernel.
     Prefill: the older tokens come from the pages (and the residual pool) as decode reads
     them, the row's own new tokens as CHUNK_MODE says (module docstring)."""
     row = tl.program_id(0)
@@ -604,14 +609,15 @@ def _paged_attn_kernel(
         if qlen != 1:
             return
         mb = 0
-        n_tiles, per_split, used = _decode_tiles(tl.load(seq_lens_ptr + row), res_tokens,
-                                                 BLOCK_N, NUM_SPLITS, HAS_RES)
-        if x >= used and NUM_SPLITS > 1:  # a split past the row's tiles writes nothing; the
-            return                        # finish kernel skips it
+        n_tiles, per_split, writers = _decode_tiles(tl.load(seq_lens_ptr + row), res_tokens,
+                                                    BLOCK_N, NUM_SPLITS, HAS_RES, TAIL_IN_SPLIT)
+        if x >= writers and NUM_SPLITS > 1:  # a split past the row's tiles writes nothing;
+            return                           # the finish kernel skips it
     else:
         if qlen <= 1:
             return
         mb = x
+        writers = x + 1  # (each query block attends its own tail)
         if mb * BLOCK_M >= qlen:
             return
         if CHUNK_MODE == CHUNK_MERGE:  # nothing cached: FlashAttention's output is final
@@ -659,8 +665,8 @@ def _paged_attn_kernel(
         bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch, qk_scale,
         kb_a, kb_b, kshift, tab_c, tab_s, kb_steps,
         B, D, BLOCK_N, KV4, FAST_UNPACK, HAS_KB, KB_V, not DECODE)
-    if HAS_RES and not DECODE:
-        if win < old_end:
+    if HAS_RES and (TAIL_IN_SPLIT or not DECODE):
+        if win < old_end and x == writers - 1:
             m_i, l_i, acc_a, acc_b, acc_z = _attend_tail(
                 qa, qb, qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z,
                 win, old_end, bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch,
@@ -672,7 +678,7 @@ def _paged_attn_kernel(
             kvh, key_ptr, val_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
             smooth_ptr + kvh * D, qk_scale, D, BLOCK_N, KV4, HAS_SMOOTH, DT)
 
-    if DECODE and (NUM_SPLITS > 1 or HAS_RES):  # a partial for _decode_finish_kernel
+    if DECODE and (NUM_SPLITS > 1 or (HAS_RES and not TAIL_IN_SPLIT)):  # finish kernel's
         pidx = ((row * NUM_SPLITS + x) * num_q_heads + head).to(tl.int64)
         has = l_i > 0.0
         lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -695,19 +701,19 @@ def _decode_finish_kernel(
         B: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
         KV4: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr,
-        KB_V: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr):
-    """Decode epilogue, grid (rows, kv_heads): attend the residual tail, then merge it with
-    the partials of the splits that hold tiles (log-sum-exp) and write the output. The
-    splits come SC at a time ([SC, G_PAD, D/2] loads): one at a time, each load waited for
-    the one before, and 32 splits cost ~20 us a layer at batch 1 (H100 step profile,
-    2026-11-25)."""
+        KB_V: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr,
+        TAIL_IN_SPLIT: tl.constexpr):
+    """Decode epilogue, grid (rows, kv_heads): attend the residual tail (unless a split did,
+    TAIL_IN_SPLIT), then merge it with the partials of the splits that wrote one
+    (log-sum-exp) and write the output. The splits come SC at a time ([SC, G_PAD, D/2]
+    loads): one at a time, each load waited for the one before, and 32 splits cost ~20 us a
+    layer at batch 1 (H100 step profile, 2026-11-25); it still took 17.5 us a layer after
+    that, so single-row batches attend the tail in a split (decode_tail_in_split)."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
-    if tl.load(qsl_ptr + row + 1) - tl.load(qsl_ptr + row) != 1:
+    q_start = tl.load(qsl_ptr + row)
+    if tl.load(qsl_ptr + row + 1) - q_start != 1:
         return
-    qa, qb, qa16, qb16, qsum, shift, tok, head, rmask, qpos, qlen, seq_len = _query_tile(
-        q_ptr, stride_qt, stride_qh, smooth_ptr, qsl_ptr, seq_lens_ptr, row, kvh, 0,
-        D, G, G_PAD, 1, KV4, HAS_SMOOTH, DT)
     HALF: tl.constexpr = D // 2 if KV4 else D
     STEP: tl.constexpr = 2 if KV4 else 1
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -715,7 +721,16 @@ def _decode_finish_kernel(
     acc_a = tl.zeros([G_PAD, HALF], tl.float32)
     acc_b = tl.zeros([G_PAD, HALF], tl.float32)
     acc_z = tl.zeros([G_PAD], tl.float32)
-    if HAS_RES:
+    if TAIL_IN_SPLIT or not HAS_RES:  # merge only: no query needed
+        g = tl.arange(0, G_PAD)
+        rmask = g < G
+        head = kvh * G + g
+        tok = q_start.to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + row)
+    else:
+        qa, qb, qa16, qb16, qsum, shift, tok, head, rmask, qpos, qlen, seq_len = _query_tile(
+            q_ptr, stride_qt, stride_qh, smooth_ptr, qsl_ptr, seq_lens_ptr, row, kvh, 0,
+            D, G, G_PAD, 1, KV4, HAS_SMOOTH, DT)
         win = tl.maximum(seq_len - res_tokens, 0)
         if win < seq_len:
             kb_a, kb_b, kshift, kb_steps = qsum, qsum, shift, qsum  # unread without HAS_KB
@@ -734,11 +749,12 @@ def _decode_finish_kernel(
     acc_b = acc_b + acc_z[:, None]
     hh = tl.arange(0, HALF)
     SC: tl.constexpr = 256 // HALF  # splits per load: [SC, G_PAD, HALF] fp32, 16 per thread
-    n_tiles, per_split, used = _decode_tiles(seq_len, res_tokens, BLOCK_N, NUM_SPLITS, HAS_RES)
-    for s0 in range(0, used, SC):
+    n_tiles, per_split, writers = _decode_tiles(seq_len, res_tokens, BLOCK_N, NUM_SPLITS,
+                                                HAS_RES, TAIL_IN_SPLIT)
+    for s0 in range(0, writers, SC):
         sp = s0 + tl.arange(0, SC)
         pidx = ((row * NUM_SPLITS + sp[:, None]) * num_q_heads + head[None, :]).to(tl.int64)
-        live = (sp < used)[:, None] & rmask[None, :]
+        live = (sp < writers)[:, None] & rmask[None, :]
         lse = tl.load(part_lse_ptr + pidx, mask=live, other=float("-inf"))
         m_new = tl.maximum(m_i, tl.max(lse, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -786,6 +802,21 @@ def decode_config(head_dim: int, scheme: str = "kv4", num_rows: int = 0,
     if scheme == "kv4" and num_rows * num_kv_heads >= num_sms:
         return 128, 2, 2
     return 64, 4, 3
+
+
+def decode_tail_in_split(num_rows: int) -> bool:
+    """Whether the last writing split of a decode row attends the residual tail (else the
+    finish kernel does, after every split): single-row batches only. H100, 2026-11-25,
+    kv4 + 16-token residual, D = 128, 8 kv heads, tail in split against tail in finish:
+    batch 1 25.9/26.6 us (1K), 43.2/46.3 (8K), 73.8/77.3 (32K); batch 8 44.9/42.0,
+    114.7/102.0, 333.8/288.7 (the last split's longer run, and its 208 registers, cost more
+    than the finish kernel's tail). MIXPREC_ATTN_TAIL_IN_SPLIT=0/1 forces it (tuning runs)."""
+    v = os.environ.get("MIXPREC_ATTN_TAIL_IN_SPLIT", "").strip()
+    if v in ("0", "1"):
+        return v == "1"
+    if v:
+        raise ValueError(f"MIXPREC_ATTN_TAIL_IN_SPLIT={v!r}: expected 0 or 1")
+    return num_rows == 1
 
 
 def decode_maxnreg() -> dict:
@@ -922,7 +953,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else 8
     block_n, warps, stages = decode_config(layout.head_dim, layout.scheme, num_rows, num_kv_heads, sms)
-    finish = num_splits > 1 or has_res
+    tail_in_split = has_res and decode_tail_in_split(num_rows)
+    finish = num_splits > 1 or (has_res and not tail_in_split)
     if finish and (part_o is None or part_lse is None
                    or part_o.shape[0] < num_rows * num_splits):
         raise ValueError("num_splits > 1 or a residual needs part_o/part_lse with "
@@ -936,7 +968,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
                   NUM_SPLITS=num_splits, KV4=layout.scheme == "kv4",
                   HAS_SMOOTH=k_smooth is not None, HAS_KB=k_bias is not None,
                   NP=_num_pairs(k_bias), KB_V=kbias_chunk(block_n), HAS_RES=has_res,
-                  DT=_TL_DTYPE[q.dtype])
+                  DT=_TL_DTYPE[q.dtype], TAIL_IN_SPLIT=tail_in_split)
     _paged_attn_kernel[(num_rows, num_kv_heads, num_splits)](
         *args, BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
         CHUNK_MODE=CHUNK_CACHE.value, num_warps=warps, num_stages=stages, **decode_maxnreg(),
@@ -982,7 +1014,7 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayo
         BLOCK_N=block_n, BLOCK_R=block_r, NUM_SPLITS=1, DECODE=False,
         KV4=layout.scheme == "kv4", HAS_SMOOTH=k_smooth is not None,
         HAS_KB=k_bias is not None, NP=_num_pairs(k_bias), KB_V=kbias_chunk(block_n),
-        HAS_RES=has_res,
+        HAS_RES=has_res, TAIL_IN_SPLIT=False,
         DT=_TL_DTYPE[q.dtype], FAST_UNPACK=fast_unpack(q.device),
         CHUNK_MODE=(CHUNK_MERGE if chunk_lse is not None else
                     CHUNK_TRITON if chunk_kv is not None else CHUNK_CACHE).value,
