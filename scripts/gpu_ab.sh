@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The A/B harness of issue #6 (benchmarks/ab.py, docs/AB.md) on the offline GPU host, in stages that
 # each fit one 10-minute call of the device tool. After the vLLM bundle is installed:
-#   bash .gpu/part1/install-on-host.sh stash .gpu/part1 && bash .gpu/part2/install-on-host.sh install .gpu/part2 \
-#     && . /tmp/mixprec-site/env.sh && bash scripts/gpu_ab.sh setup
+#   (the stash calls of docs/GPU_HOST.md, "The device calls": .gpu/part1, then .gpu/part1w), then
+#   bash .gpu/part2/install-on-host.sh install .gpu/part2 && . /tmp/mixprec-site/env.sh && bash scripts/gpu_ab.sh setup
 # then, one call each (on the same warm host: checkpoints, build and results survive between calls):
 #   bash scripts/gpu_ab.sh ckpt                         # random Llama-3-8B checkpoints (bf16, GPTQ, mixprec, KV4)
 #   bash scripts/gpu_ab.sh throughput w4a8kv4 marlin    # `vllm bench throughput` on these arms
