@@ -204,7 +204,7 @@ def setup_mixprec(shape: Shape, scheme: str, residual_tokens: int = 0, splits: i
     if residual_tokens:
         slots = shape.batch * R.window_blocks(residual_tokens, B) + 16
         directory = R.ResidualDirectory(shape.num_blocks, slots, B, residual_tokens,
-                                        torch.device("cuda"))
+                                        torch.device("cuda"), graphs=True)
         directory.assign(shape.block_table, shape.seq_lens, shape.qsl,
                          torch.full((shape.batch,), -1, device="cuda"), shape.batch)
         res = KVResidual(*R.allocate_pool(slots * B, HKV, D, torch.bfloat16,
@@ -315,7 +315,10 @@ def run_shape(shape: Shape, methods, rep_ms: int) -> list[dict]:
         directory = getattr(built[r["method"]][1], "directory", None)
         if directory is not None:  # per-step host+device cost of the residual bookkeeping
             sm = torch.full((shape.batch,), -1, device="cuda")
-            for key, graphed in (("residual_assign_eager_us", False), ("residual_assign_us", True)):
+            for key, graphed, kernel in (("residual_assign_eager_us", False, False),
+                                         ("residual_assign_us", True, False),
+                                         ("residual_assign_kernel_us", True, True)):
+                directory.kernel = kernel  # the one-program Triton update (residual_directory.py)
                 for _ in range(2):  # a graphed shape's first call runs eagerly, its second captures
                     directory.assign(shape.block_table, shape.seq_lens, shape.qsl, sm, shape.batch,
                                      decode_only=graphed)
@@ -326,6 +329,7 @@ def run_shape(shape: Shape, methods, rep_ms: int) -> list[dict]:
                                      decode_only=graphed)
                 torch.cuda.synchronize()
                 r[key] = (time.perf_counter() - t0) / 20 * 1e6
+            directory.kernel = False
     del built
     torch.cuda.empty_cache()
     return rows

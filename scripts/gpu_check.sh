@@ -122,7 +122,7 @@ stage_decode() {
   # the residual directory's CUDA-graph update against the eager one)
   pytest_logged pytest-gpu-decode 360 tests/attention_backend/test_attn_kernels.py \
     tests/attention_backend/test_attn_residual.py \
-    -k "decode or matches_reference or (paged_attention_gpu and 1-4-128) or graphed" || rc=1
+    -k "decode or matches_reference or (paged_attention_gpu and 1-4-128) or graphed or kernel_update" || rc=1
   run_bench bench_attention_decode 300 python3 benchmarks/bench_attention.py --rep-ms 100 \
     --methods fa3-bf16 mixprec-kv4 mixprec-kv4-r16 mixprec-kv8 --out "$OUT" || rc=1
   # the same small batches with the residual tail left to the finish kernel (the default

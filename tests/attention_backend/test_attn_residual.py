@@ -231,33 +231,50 @@ def test_graphs_are_off_on_the_cpu_and_by_env(monkeypatch):
 
 
 class _Twin:
-    """A directory pair on the GPU, one replaying its decode steps from CUDA graphs, the
-    other eager: their tables must match after every step. Exposes CPU copies of the
-    graphed one's tables to ToyScheduler's checks."""
+    """Two directories fed the same steps: `ref`, the eager torch update, and `test`, built
+    with test_kw (CUDA graphs, or the Triton kernel). Their tables must match after every
+    step. Exposes CPU copies of the tested one's tables to ToyScheduler's checks."""
     TABLES = ("slot_of_block", "block_of_slot", "last_use", "tags", "step")
 
-    def __init__(self, *args):
-        dev = torch.device("cuda")
-        self.eager = R.ResidualDirectory(*args, dev, graphs=False)
-        self.graphed = R.ResidualDirectory(*args, dev, graphs=True)
-        self.num_slots, self.tokens = self.eager.num_slots, self.eager.tokens
+    def __init__(self, *args, device: str, **test_kw):
+        self.dev = torch.device(device)
+        self.ref = R.ResidualDirectory(*args, self.dev, graphs=False, kernel=False)
+        self.test = R.ResidualDirectory(*args, self.dev, **test_kw)
+        self.num_slots, self.tokens = self.ref.num_slots, self.ref.tokens
         self.decode_steps = 0
         self._sync()
 
     def _sync(self):
         for name in self.TABLES:
-            e, g = getattr(self.eager, name), getattr(self.graphed, name)
-            assert torch.equal(e, g), f"{name} differs between the graphed and eager updates"
-            setattr(self, name, g.cpu())
+            want, got = getattr(self.ref, name), getattr(self.test, name)
+            assert torch.equal(want, got), f"{name} differs from the eager update's"
+            setattr(self, name, got.cpu())
 
     def assign(self, bt, seq_lens, qsl, sm, n):
         decode = bool((qsl[1:n + 1] - qsl[:n]).max() <= 1)
         self.decode_steps += decode
-        args = [t.cuda() for t in (bt, seq_lens, qsl, sm)]
-        self.eager.assign(*args, n, decode_only=decode)
-        self.graphed.assign(*args, n, decode_only=decode)
-        torch.cuda.synchronize()
+        args = [t.to(self.dev) for t in (bt, seq_lens, qsl, sm)]
+        self.ref.assign(*args, n, decode_only=decode)
+        self.test.assign(*args, n, decode_only=decode)
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
         self._sync()
+
+
+def _run_twin(twin: _Twin, seed: int, steps: int, max_seqs: int = 6,
+              arrival: float = 0.1) -> None:
+    """Requests arrive, prefill in chunks and decode for up to 60 tokens. With fewer slots
+    than max_seqs rows of 2 window blocks need, slots are evicted, and with few enough some
+    windows get none."""
+    sched = ToyScheduler(200, twin, seed, width=16)
+    rng = random.Random(seed)
+    for it in range(steps):
+        while len(sched.reqs) < max_seqs and rng.random() < arrival:
+            sched.add(rng.randint(1, 40))
+        for rid in list(sched.reqs):
+            if sched.reqs[rid]["done"] > sched.reqs[rid]["prompt"] + 60:
+                sched.release(rid)
+        sched.step(budget=10_000, check_coverage=False)
 
 
 @pytest.mark.gpu
@@ -265,19 +282,28 @@ class _Twin:
 def test_graphed_update_matches_eager(seed):
     """Decode steps replayed from CUDA graphs (fixed block-table width, as vLLM's runner
     gives) update the directory exactly as the eager ops do, under eviction pressure."""
-    max_seqs, nblocks, tokens = 6, 200, 16
-    twin = _Twin(nblocks, 9, B, tokens)
-    sched = ToyScheduler(nblocks, twin, seed, width=16)
-    rng = random.Random(seed)
-    for it in range(120):
-        while len(sched.reqs) < max_seqs and rng.random() < 0.1:
-            sched.add(rng.randint(1, 40))
-        for rid in list(sched.reqs):
-            if sched.reqs[rid]["done"] > sched.reqs[rid]["prompt"] + 60:
-                sched.release(rid)
-        sched.step(budget=10_000, check_coverage=False)
+    twin = _Twin(200, 9, B, 16, device="cuda", graphs=True)
+    _run_twin(twin, seed, 120)
     assert twin.decode_steps >= 40, twin.decode_steps
-    assert twin.graphed.graphs.replays >= 20, twin.graphed.graphs.replays
+    assert twin.test.graphs.replays >= 20, twin.test.graphs.replays
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_update_matches_reference(seed):
+    """The one-program Triton update (interpreter) leaves every table exactly as the
+    torch ops do, prefill and decode steps, under eviction pressure."""
+    for slots, max_seqs in ((9, 6), (5, 8)):
+        twin = _Twin(200, slots, B, 16, device="cpu", kernel=True)
+        _run_twin(twin, seed, 60, max_seqs, arrival=0.3)
+        assert twin.test.kernel and twin.decode_steps >= 10, twin.decode_steps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_update_matches_reference_gpu(seed):
+    for slots, max_seqs in ((9, 6), (5, 8)):
+        twin = _Twin(200, slots, B, 16, device="cuda", kernel=True)
+        _run_twin(twin, seed, 120, max_seqs, arrival=0.3)
 
 
 def test_step_graphs_replay_static_copies_of_each_call(monkeypatch):

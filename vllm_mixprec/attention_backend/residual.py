@@ -43,7 +43,9 @@ Design (docs/ATTENTION-draft.md has the long form)
   decode step of the GPU (H100 profile, 2026-11-25: the host took 5.1 ms a step for a
   4.0 ms GPU step). On CUDA, decode-only steps therefore replay it from a CUDA graph
   captured per input shape (`StepGraphs`) over static copies of the inputs: five launches.
-  MIXPREC_KV_RESIDUAL_GRAPHS=0 runs it eagerly.
+  MIXPREC_KV_RESIDUAL_GRAPHS=0 runs it eagerly. MIXPREC_KV_RESIDUAL_KERNEL=1 runs the
+  update as one Triton program instead (kernels/triton/residual_directory.py), every step;
+  it is checked against this module under the interpreter only, so it is off by default.
 
 Limits: page writes that bypass our writer (KV connectors / offloading) would break the
 invariant, so they are refused at start-up with the residual on; so are cross-layer KV
@@ -61,6 +63,7 @@ logger = logging.getLogger("vllm.mixprec")
 ENV_TOKENS = "MIXPREC_KV_RESIDUAL"        # R, the window in tokens; 0 disables the residual
 ENV_SLOTS = "MIXPREC_KV_RESIDUAL_SLOTS"   # P override (slots of B tokens per layer)
 ENV_GRAPHS = "MIXPREC_KV_RESIDUAL_GRAPHS"  # 0: the per-step update runs eagerly on CUDA too
+ENV_KERNEL = "MIXPREC_KV_RESIDUAL_KERNEL"  # 1: the update as one Triton program (not GPU-checked yet)
 MAX_RESIDUAL_TOKENS = 128                 # one tail tile of the attention kernels
 
 
@@ -121,7 +124,8 @@ class ResidualDirectory:
     """The slot directory of one KV-cache group (see the module docstring)."""
 
     def __init__(self, num_blocks: int, num_slots: int, block_size: int, tokens: int,
-                 device: torch.device, graphs: bool | None = None):
+                 device: torch.device, graphs: bool | None = None,
+                 kernel: bool | None = None):
         self.num_blocks, self.num_slots, self.block_size, self.tokens = (
             num_blocks, num_slots, block_size, tokens)
         self.bpw = window_blocks(tokens, block_size)
@@ -131,9 +135,13 @@ class ResidualDirectory:
         self.last_use = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device)
         self.tags = torch.full((num_slots + 1, block_size), -1, dtype=torch.int32, device=device)
         self.step = torch.zeros(1, dtype=torch.int64, device=device)  # steps assigned so far
+        if kernel is None:
+            kernel = os.environ.get(ENV_KERNEL, "0") == "1"
+        self.kernel = kernel
+        self.scratch = torch.empty(0, dtype=torch.int64, device=device)
         if graphs is None:
             graphs = device.type == "cuda" and os.environ.get(ENV_GRAPHS, "1") != "0"
-        self.graphs = StepGraphs(self._assign) if graphs else None
+        self.graphs = StepGraphs(self._assign) if graphs else None  # unused while kernel
 
     def assign(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, num_reqs: int,
@@ -144,11 +152,23 @@ class ResidualDirectory:
             return
         args = (block_table[:num_reqs], seq_lens[:num_reqs],
                 query_start_loc[:num_reqs + 1], slot_mapping)
-        if (self.graphs is not None and decode_only
+        if self.kernel:
+            self._assign_kernel(*args)
+        elif (self.graphs is not None and decode_only
                 and not torch.cuda.is_current_stream_capturing()):
             self.graphs.run(*args)
         else:
             self._assign(*args)
+
+    def _assign_kernel(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        from ..kernels.triton import residual_directory as K
+        need = K.scratch_size(block_table.shape[0] * self.bpw, self.num_slots)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need, dtype=torch.int64, device=self.scratch.device)
+        K.residual_assign(block_table, seq_lens, query_start_loc, slot_mapping,
+                          self.slot_of_block, self.block_of_slot, self.last_use, self.tags,
+                          self.step, self.scratch, self.tokens, self.bpw)
 
     def _assign(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                 query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -1,0 +1,134 @@
+"""The residual slot directory's per-step update as one Triton program.
+
+The torch version (`attention_backend.residual.ResidualDirectory._assign`, the reference) is ~60
+small ops: about 185 us of GPU time a step even when replayed from a CUDA graph (H100,
+2026-11-25), because every op is a launch of its own. Here the whole update runs in one CTA:
+the window blocks are sorted and deduplicated in registers, the least-recently-used order of the
+slots is a sort of (last_use + 1) * BLOCK_P + slot keys (stable, as torch's stable sort), and
+every table write is a scatter, with a CTA barrier wherever a later phase reads what an earlier
+one wrote. Neighbour and gather-by-rank reads go through a small scratch buffer. The results are
+table-for-table identical to the reference (tests/attention_backend/test_attn_residual.py).
+
+Status: checked under the Triton interpreter only. The directory uses it when
+MIXPREC_KV_RESIDUAL_KERNEL=1; the default stays with the reference until a GPU run has compared
+the two and timed it (`test_kernel_update_matches_reference_gpu`, `bench_attention.py`'s
+`residual_assign_*_us`).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_PAD_KEY = tl.constexpr(2 ** 62)  # sorts after every real (last_use + 1) * BLOCK_P + slot
+
+
+@triton.jit
+def _residual_assign_kernel(
+        bt_ptr, stride_bt, seq_ptr, qsl_ptr, sm_ptr, num_reqs, width, num_tokens,
+        sob_ptr, bos_ptr, last_ptr, tags_ptr, step_ptr, scratch_ptr, num_blocks, num_slots,
+        R: tl.constexpr, B: tl.constexpr, BPW: tl.constexpr, BLOCK_W: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr):
+    step = tl.load(step_ptr) + 1
+    tl.store(step_ptr, step)
+    o = tl.arange(0, B)
+
+    # 1. window blocks of each row: logical blocks of positions [L - R, L), sorted, deduplicated
+    e = tl.arange(0, BLOCK_W)
+    live = e < num_reqs * BPW
+    row = e // BPW
+    seq = tl.load(seq_ptr + row, mask=live, other=0).to(tl.int64)
+    qlen = tl.load(qsl_ptr + row + 1, mask=live, other=0) - tl.load(qsl_ptr + row, mask=live, other=0)
+    j = tl.maximum(seq - R, 0) // B + e % BPW
+    j_last = tl.maximum(seq - 1, 0) // B
+    ok = live & (qlen > 0) & (seq > 0) & (j <= j_last)
+    col = tl.minimum(tl.maximum(tl.minimum(j, j_last), 0), width - 1)
+    blk = tl.load(bt_ptr + row.to(tl.int64) * stride_bt + col, mask=live, other=-1).to(tl.int64)
+    blk = tl.sort(tl.where(ok & (blk >= 0) & (blk < num_blocks), blk, -1))
+    tl.store(scratch_ptr + e, blk)
+    tl.debug_barrier()
+    prev = tl.load(scratch_ptr + e - 1, mask=e > 0, other=-2)
+    need = (blk != prev) & (blk >= 0)
+    blk_safe = tl.where(need, blk, num_blocks)
+
+    # 2. keep owned slots, allocate the rest least-recently-used first
+    cur = tl.load(sob_ptr + blk_safe).to(tl.int64)
+    has = need & (cur >= 0)
+    has = has & (tl.load(bos_ptr + tl.where(has, cur, num_slots)).to(tl.int64) == blk_safe)
+    tl.store(last_ptr + tl.where(has, cur, num_slots), step)
+    tl.debug_barrier()
+    missing = need & ~has
+    rank = tl.cumsum(missing.to(tl.int32), 0) - 1
+    s = tl.arange(0, BLOCK_P)
+    in_p = s < num_slots
+    lu = tl.load(last_ptr + s, mask=in_p, other=0)
+    free = tl.sum((in_p & (lu < step)).to(tl.int32), 0)
+    order = tl.sort(tl.where(in_p, (lu + 1) * BLOCK_P + s, _PAD_KEY)) % BLOCK_P
+    tl.store(scratch_ptr + BLOCK_W + s, order)
+    tl.debug_barrier()
+    got = missing & (rank < free)
+    pick = tl.minimum(tl.maximum(rank, 0), num_slots - 1)
+    victim = tl.where(got, tl.load(scratch_ptr + BLOCK_W + pick), num_slots)
+    old = tl.load(bos_ptr + victim).to(tl.int64)
+    old_mapped = got & (old >= 0)
+    old_mapped = old_mapped & (
+        tl.load(sob_ptr + tl.where(old_mapped, old, num_blocks)).to(tl.int64) == victim)
+    tl.debug_barrier()
+    tl.store(sob_ptr + tl.where(old_mapped, old, num_blocks), -1)
+    tl.debug_barrier()
+    tl.store(bos_ptr + victim, tl.where(got, blk_safe, -1).to(tl.int32))
+    tl.store(sob_ptr + tl.where(got, blk_safe, num_blocks), victim.to(tl.int32))
+    tl.store(last_ptr + victim, step)
+    tl.store(tags_ptr + victim[:, None] * B + o[None, :], tl.full([BLOCK_W, B], -1, tl.int32))
+    tl.debug_barrier()
+    _reset_sinks(sob_ptr, bos_ptr, last_ptr, tags_ptr, num_blocks, num_slots, o, B)
+    tl.debug_barrier()
+
+    # 3. tag every write of this step that lands in a block owning a slot
+    for t0 in range(0, num_tokens, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        sm = tl.load(sm_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+        wblk = tl.minimum(tl.where(sm >= 0, sm // B, num_blocks), num_blocks)
+        slot = tl.load(sob_ptr + wblk).to(tl.int64)
+        claim = (sm >= 0) & (slot >= 0)
+        tl.store(tags_ptr + tl.where(claim, slot, num_slots) * B + tl.where(claim, sm % B, 0),
+                 tl.where(claim, wblk, -1).to(tl.int32))
+    tl.debug_barrier()
+    _reset_sinks(sob_ptr, bos_ptr, last_ptr, tags_ptr, num_blocks, num_slots, o, B)
+
+
+@triton.jit
+def _reset_sinks(sob_ptr, bos_ptr, last_ptr, tags_ptr, num_blocks, num_slots, o, B: tl.constexpr):
+    tl.store(sob_ptr + num_blocks, -1)
+    tl.store(bos_ptr + num_slots, -1)
+    tl.store(last_ptr + num_slots, tl.full([], -1, tl.int64))
+    tl.store(tags_ptr + num_slots * B + o, tl.full([B], -1, tl.int32))
+
+
+def scratch_size(max_window_entries: int, num_slots: int) -> int:
+    """int64 entries of the scratch buffer residual_assign needs."""
+    return triton.next_power_of_2(max(max_window_entries, 16)) + triton.next_power_of_2(num_slots)
+
+
+def residual_assign(block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, slot_mapping: torch.Tensor,
+                    slot_of_block: torch.Tensor, block_of_slot: torch.Tensor,
+                    last_use: torch.Tensor, tags: torch.Tensor, step: torch.Tensor,
+                    scratch: torch.Tensor, tokens: int, window_blocks: int) -> None:
+    """ResidualDirectory._assign's update, in place, for rows block_table[n, W], seq_lens[n],
+    query_start_loc[n + 1] and this step's slot_mapping[T]."""
+    n, width = block_table.shape
+    num_slots, block_size = tags.shape[0] - 1, tags.shape[1]
+    block_w = triton.next_power_of_2(max(n * window_blocks, 16))
+    block_p = triton.next_power_of_2(num_slots)
+    if scratch.numel() < block_w + block_p or scratch.dtype != torch.int64:
+        raise ValueError(f"scratch must be int64 with >= {block_w + block_p} entries, got "
+                         f"{scratch.numel()} {scratch.dtype}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table must have unit stride along its columns")
+    _residual_assign_kernel[(1,)](
+        block_table, block_table.stride(0), seq_lens, query_start_loc, slot_mapping, n, width,
+        slot_mapping.shape[0], slot_of_block, block_of_slot, last_use, tags, step, scratch,
+        slot_of_block.shape[0] - 1, num_slots, R=tokens, B=block_size, BPW=window_blocks,
+        BLOCK_W=block_w, BLOCK_P=block_p,
+        BLOCK_T=min(triton.next_power_of_2(max(slot_mapping.shape[0], 16)), 1024), num_warps=8)
