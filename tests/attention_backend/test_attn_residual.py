@@ -224,10 +224,13 @@ def test_residual_tokens_env(monkeypatch):
     assert R.residual_tokens(None, 32) == 32
 
 
-def test_graphs_are_off_on_the_cpu_and_by_env(monkeypatch):
+def test_graphs_are_on_for_cuda_unless_the_env_says_0(monkeypatch):
+    monkeypatch.delenv(R.ENV_GRAPHS, raising=False)
+    assert R.graphs_by_default(torch.device("cuda"))
+    assert not R.graphs_by_default(torch.device("cpu"))
     assert R.ResidualDirectory(8, 2, B, 16, torch.device("cpu")).graphs is None
     monkeypatch.setenv(R.ENV_GRAPHS, "0")
-    assert R.ResidualDirectory(8, 2, B, 16, torch.device("cpu"), graphs=None).graphs is None
+    assert not R.graphs_by_default(torch.device("cuda"))
 
 
 class _Twin:

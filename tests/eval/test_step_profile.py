@@ -34,6 +34,7 @@ KERNELS = [  # names as torch.profiler traces show them (H100, vLLM 0.26), and t
     ("_paged_attn_kernel", "attention"),
     ("_decode_finish_kernel", "attention"),
     ("_quantize_store_kernel", "attention"),
+    ("_residual_assign_kernel", "attention"),
     ("void cutlass::device_kernel<vllm::cutlass_3x_gemm_sm90_fp8<cutlass::float_e4m3_t, cutlass::bfloat16_t, "
      "vllm::c3x::ScaledEpilogue, cute::tuple<cute::C<64>, cute::C<128>, cute::C<128> >, "
      "cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum, cutlass::FloatRoundStyle)2>::GemmKernel>"
@@ -123,7 +124,7 @@ def test_every_plugin_kernel_has_a_class():
         set(names), names
     expect = {"gemm": "linear", "w4a8": "linear", "quant_act": "act_quant", "quantize_act": "act_quant",
               "attn": "attention", "decode_finish": "attention", "quantize_store": "attention",
-              "gather_context": "attention"}
+              "gather_context": "attention", "residual_assign": "attention"}
     for n in names:
         want = next((c for k, c in expect.items() if k in n), None)
         got = sp.classify(n)

@@ -106,6 +106,11 @@ def residual_slots(vllm_config, r: int, block_size: int) -> int:
     return need + max(16, max_seqs // 4)
 
 
+def graphs_by_default(device: torch.device) -> bool:
+    """Whether decode steps replay the directory update from CUDA graphs (StepGraphs)."""
+    return device.type == "cuda" and os.environ.get(ENV_GRAPHS, "1") != "0"
+
+
 def check_supported(vllm_config, r: int) -> None:
     """Refuse, at start-up, the features that would break the residual invariant."""
     if r <= 0 or vllm_config is None:
@@ -140,7 +145,7 @@ class ResidualDirectory:
         self.kernel = kernel
         self.scratch = torch.empty(0, dtype=torch.int64, device=device)
         if graphs is None:
-            graphs = device.type == "cuda" and os.environ.get(ENV_GRAPHS, "1") != "0"
+            graphs = graphs_by_default(device)
         self.graphs = StepGraphs(self._assign) if graphs else None  # unused while kernel
 
     def assign(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
