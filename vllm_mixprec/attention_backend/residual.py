@@ -58,6 +58,8 @@ import os
 
 import torch
 
+from ..kernels.triton import residual_directory as _kernel
+
 logger = logging.getLogger("vllm.mixprec")
 
 ENV_TOKENS = "MIXPREC_KV_RESIDUAL"        # R, the window in tokens; 0 disables the residual
@@ -167,11 +169,10 @@ class ResidualDirectory:
 
     def _assign_kernel(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        from ..kernels.triton import residual_directory as K
-        need = K.scratch_size(block_table.shape[0] * self.bpw, self.num_slots)
+        need = _kernel.scratch_size(block_table.shape[0] * self.bpw, self.num_slots)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=torch.int64, device=self.scratch.device)
-        K.residual_assign(block_table, seq_lens, query_start_loc, slot_mapping,
+        _kernel.residual_assign(block_table, seq_lens, query_start_loc, slot_mapping,
                           self.slot_of_block, self.block_of_slot, self.last_use, self.tags,
                           self.step, self.scratch, self.tokens, self.bpw)
 
