@@ -35,7 +35,7 @@ struct W4A8GemmArgs {
   void* out;                    // [M, N]
   OutKind out_kind;
   int32_t* workspace;           // [splits, M, N] int32 when splits > 1
-  int32_t* counters;            // zeroed, plan.num_counters ints when splits > 1
+  int32_t* counters;            // plan.num_counters ints, zero at launch; the kernel leaves them zero
   int M, N, K, group_size;
 };
 

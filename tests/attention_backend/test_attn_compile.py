@@ -68,7 +68,7 @@ SCRIPT = textwrap.dedent(r'''
                               CHUNK_MODE=A.CHUNK_CACHE.value), arch, ("qk_scale",),
                          num_warps=4, num_stages=3)
         merge = compile_(A._decode_finish_kernel, attn_ptrs(kv4, "bf16"),
-                         dict(tail, BLOCK_N=64), arch, ("qk_scale",), num_warps=4)
+                         dict(tail, BLOCK_N=64, G_PAD=4), arch, ("qk_scale",), num_warps=4)
         for k in (small, merge):
             assert ptxas_usage(k, arch)[1] == 0, ptxas_usage(k, arch)
     # the residual directory's one-program update (kernels/triton/residual_directory.py)
@@ -76,7 +76,7 @@ SCRIPT = textwrap.dedent(r'''
     rd_ptrs = {"bt_ptr": "*i32", "seq_ptr": "*i32", "qsl_ptr": "*i32", "sm_ptr": "*i64",
                "sob_ptr": "*i32", "bos_ptr": "*i32", "last_ptr": "*i64", "tags_ptr": "*i32",
                "step_ptr": "*i64", "scratch_ptr": "*i64"}
-    rd = compile_(RD._residual_assign_kernel, rd_ptrs, dict(R=16, B=16, BPW=2, BLOCK_W=512,
+    rd = compile_(RD._residual_assign_kernel, rd_ptrs, dict(R=16, B=16, BPW=2, BLOCK_W=4096,
                   BLOCK_P=1024, BLOCK_T=1024), arch, num_warps=8)
     assert ptxas_usage(rd, arch)[1] == 0, ptxas_usage(rd, arch)
     for kv4 in (True, False):

@@ -10,6 +10,8 @@ the pool (reference.store_kv_residual on write ids). Checked after every step:
 """
 from __future__ import annotations
 
+import os
+
 import random
 
 import pytest
@@ -233,6 +235,15 @@ def test_graphs_are_on_for_cuda_unless_the_env_says_0(monkeypatch):
     assert not R.graphs_by_default(torch.device("cuda"))
 
 
+def test_kernel_is_on_for_cuda_unless_the_env_says_0(monkeypatch):
+    monkeypatch.delenv(R.ENV_KERNEL, raising=False)
+    assert R.kernel_by_default(torch.device("cuda"))
+    assert not R.kernel_by_default(torch.device("cpu"))
+    assert not R.ResidualDirectory(8, 2, B, 16, torch.device("cpu")).kernel
+    monkeypatch.setenv(R.ENV_KERNEL, "0")
+    assert not R.kernel_by_default(torch.device("cuda"))
+
+
 class _Twin:
     """Two directories fed the same steps: `ref`, the eager torch update, and `test`, built
     with test_kw (CUDA graphs, or the Triton kernel). Their tables must match after every
@@ -285,12 +296,14 @@ def _run_twin(twin: _Twin, seed: int, steps: int, max_seqs: int = 6,
 def test_graphed_update_matches_eager(seed):
     """Decode steps replayed from CUDA graphs (fixed block-table width, as vLLM's runner
     gives) update the directory exactly as the eager ops do, under eviction pressure."""
-    twin = _Twin(200, 9, B, 16, device="cuda", graphs=True)
+    twin = _Twin(200, 9, B, 16, device="cuda", graphs=True, kernel=False)
     _run_twin(twin, seed, 120)
     assert twin.decode_steps >= 40, twin.decode_steps
     assert twin.test.graphs.replays >= 20, twin.test.graphs.replays
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU tensors need the Triton interpreter; the _gpu twin runs on CUDA")
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kernel_update_matches_reference(seed):
     """The one-program Triton update (interpreter) leaves every table exactly as the
@@ -336,3 +349,13 @@ def test_step_graphs_replay_static_copies_of_each_call(monkeypatch):
     assert len(captured) == 3 and sg.replays == 4
     assert [s.shape[0] for s in sg.static] == [8, 8]
     assert captured[-1][0].data_ptr() == sg.static[0].data_ptr()
+
+
+def test_kernel_compiles_a_handful_of_variants():
+    """Every constexpr of the directory kernel is fixed per directory except BLOCK_W, which
+    takes a power of 4 (a server's batch sizes each compiled a variant, seconds apiece)."""
+    from vllm_mixprec.kernels.triton import residual_directory as RD
+    tiles = {RD.window_tile(n) for n in range(0, 4097)}
+    assert tiles == {64, 256, 1024, 4096}
+    assert all(RD.window_tile(n) >= n for n in range(0, 4097))
+    assert RD.scratch_size(300, 20) == 1024 + 32

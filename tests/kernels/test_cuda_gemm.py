@@ -151,9 +151,13 @@ def _prepared_layer(n, k, g, gen):
     return layer, (qw, gs, go, cs)
 
 
+@pytest.mark.parametrize("same_stream", [False, True], ids=["capture-stream", "warmup-stream"])
 @pytest.mark.parametrize("m,n,k", [(4, 64, 4096), (3, 1024, 1024), (1, 8192, 2048), (100, 256, 512)])
-def test_cuda_graph_capture_and_replay(m, n, k):
-    """(4, 64, 4096) takes split-K: the workspace memset and counters are captured too."""
+def test_cuda_graph_capture_and_replay(m, n, k, same_stream):
+    """(4, 64, 4096) takes split-K. Its arrival counters are one zeroed buffer per stream that
+    the kernels leave zero (ops.cpp: split_counters): a graph captured on a fresh stream zeroes
+    its own; captured on the warmup's stream (as vLLM does) it reuses that stream's buffer, and
+    eager launches between replays share it."""
     gen = _gen(42)
     layer, raw = _prepared_layer(n, k, 64, gen)
     bias = torch.randn(n, device=DEV, dtype=torch.bfloat16)
@@ -171,14 +175,15 @@ def test_cuda_graph_capture_and_replay(m, n, k):
             f(x_static)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side if same_stream else None):
         y_static = f(x_static)
     for trial in range(3):
         x_new = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=_gen(trial))
         x_static.copy_(x_new)
-        graph.replay()
+        with torch.cuda.stream(side if same_stream else torch.cuda.current_stream()):
+            graph.replay()
+            expect = f(x_new)
         torch.cuda.synchronize()
-        expect = f(x_new)
         assert torch.equal(y_static, expect)
         xq, xs = cuda.quantize_act(x_new)
         check_close(y_static, ref.w4a8_gemm(xq, xs, *raw, bias, torch.float64), torch.bfloat16)

@@ -705,10 +705,13 @@ def _decode_finish_kernel(
         TAIL_IN_SPLIT: tl.constexpr):
     """Decode epilogue, grid (rows, kv_heads): attend the residual tail (unless a split did,
     TAIL_IN_SPLIT), then merge it with the partials of the splits that wrote one
-    (log-sum-exp) and write the output. The splits come SC at a time ([SC, G_PAD, D/2]
-    loads): one at a time, each load waited for the one before, and 32 splits cost ~20 us a
-    layer at batch 1 (H100 step profile, 2026-11-25); it still took 17.5 us a layer after
-    that, so single-row batches attend the tail in a split (decode_tail_in_split)."""
+    (log-sum-exp) and write the output. The merge is unrolled over NUM_SPLITS with masked
+    [G_PAD, D/2] loads that do not depend on each other, so they are all in flight at once
+    and no cross-warp reduction (shared memory) is needed. A loop of [SC, 16, D/2] loads
+    reduced over the splits took 11.6 us a layer at batch 1 to merge 16 splits (H100 step
+    profile, 2026-11-25), and racecheck flagged its reductions (docs/RELIABILITY.md).
+    Merge-only launches (no tail here) pass G_PAD = the group rounded up to a power of two,
+    not tl.dot's 16."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     q_start = tl.load(qsl_ptr + row)
@@ -748,25 +751,25 @@ def _decode_finish_kernel(
     acc_a = acc_a + acc_z[:, None]
     acc_b = acc_b + acc_z[:, None]
     hh = tl.arange(0, HALF)
-    SC: tl.constexpr = 256 // HALF  # splits per load: [SC, G_PAD, HALF] fp32, 16 per thread
     n_tiles, per_split, writers = _decode_tiles(seq_len, res_tokens, BLOCK_N, NUM_SPLITS,
                                                 HAS_RES, TAIL_IN_SPLIT)
-    for s0 in range(0, writers, SC):
-        sp = s0 + tl.arange(0, SC)
-        pidx = ((row * NUM_SPLITS + sp[:, None]) * num_q_heads + head[None, :]).to(tl.int64)
-        live = (sp < writers)[:, None] & rmask[None, :]
+    for s in tl.static_range(NUM_SPLITS):
+        live = rmask & (s < writers)
+        pidx = ((row * NUM_SPLITS + s) * num_q_heads + head).to(tl.int64)
         lse = tl.load(part_lse_ptr + pidx, mask=live, other=float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(lse, 0))
+        src = part_o_ptr + pidx[:, None] * D + STEP * hh[None, :]
+        part_a = tl.load(src, mask=live[:, None], other=0.0)
+        part_b = part_a
+        if KV4:
+            part_b = tl.load(src + 1, mask=live[:, None], other=0.0)
+        m_new = tl.maximum(m_i, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_safe)
-        beta = tl.math.exp2(lse - m_safe[None, :])
-        src = part_o_ptr + pidx[:, :, None] * D + STEP * hh[None, None, :]
-        part = tl.load(src, mask=live[:, :, None], other=0.0)
-        acc_a = acc_a * alpha[:, None] + tl.sum(beta[:, :, None] * part, 0)
+        beta = tl.math.exp2(lse - m_safe)
+        acc_a = acc_a * alpha[:, None] + beta[:, None] * part_a
         if KV4:
-            part = tl.load(src + 1, mask=live[:, :, None], other=0.0)
-            acc_b = acc_b * alpha[:, None] + tl.sum(beta[:, :, None] * part, 0)
-        l_i = l_i * alpha + tl.sum(beta, 0)
+            acc_b = acc_b * alpha[:, None] + beta[:, None] * part_b
+        l_i = l_i * alpha + beta
         m_i = m_new
     _store_rows(out_ptr + tok * stride_ot + head * stride_oh, acc_a, acc_b, acc_z * 0.0, l_i,
                 rmask, D, KV4)
@@ -974,6 +977,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
         CHUNK_MODE=CHUNK_CACHE.value, num_warps=warps, num_stages=stages, **decode_maxnreg(),
         **common)
     if finish:
+        if tail_in_split or not has_res:  # merge only: no tl.dot, no 16-row padding
+            common["G_PAD"] = triton.next_power_of_2(group)
         _decode_finish_kernel[(num_rows, num_kv_heads)](*args, BLOCK_N=block_n, num_warps=4,
                                                          **common)
 
