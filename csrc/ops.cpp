@@ -76,6 +76,7 @@ at::Tensor aligned_contiguous(const at::Tensor& t) {
 // launch cost 68 fills and 65 us a decode step (H100 profile, 2026-11-25). Buffers are never
 // freed: a captured CUDA graph keeps the pointer it saw. A buffer is not created or grown while
 // the stream captures (its fill would only run at replay); such a launch zeroes its own.
+// Assumes, as vLLM does, that nothing runs on a capture stream while its graphs replay.
 at::Tensor split_counters(const at::Tensor& like, int64_t n, const c10::cuda::CUDAStream& stream) {
   struct Pool {
     std::mutex mu;
