@@ -108,16 +108,17 @@ def test_paged_attention_matches_reference(case, exact):
 
 
 @pytest.mark.parametrize("tail", ["0", "1"], ids=["tail-in-finish", "tail-in-split"])
-@pytest.mark.parametrize("scheme,d,res,splits", [("kv8", 128, 16, 8), ("kv4", 64, 0, 16),
-                                                 ("kv4", 64, 16, 16), ("kv4", 64, 16, 1)])
-def test_decode_merges_many_splits(scheme, d, res, splits, tail, monkeypatch):
-    """Rows whose tiles fill a different number of splits (the rest exit unwritten), more
-    splits than the finish kernel merges per load (2 for kv8 D=128, 8 for kv4 D=64), and a
+@pytest.mark.parametrize("scheme,d,res,splits,group", [
+    ("kv8", 128, 16, 8, 4), ("kv4", 64, 0, 16, 4), ("kv4", 64, 16, 16, 4), ("kv4", 64, 16, 1, 4),
+    ("kv4", 64, 16, 16, 1), ("kv8", 64, 0, 8, 6)])
+def test_decode_merges_many_splits(scheme, d, res, splits, group, tail, monkeypatch):
+    """Rows whose tiles fill a different number of splits (the rest exit unwritten), and a
     row shorter than the residual window (no page tile: with the tail in a split, split 0
-    attends the tail alone). One split with the tail in it: no finish kernel at all."""
+    attends the tail alone). One split with the tail in it: no finish kernel at all. A
+    merge-only finish pads the group to a power of two: 1 and 6 (padded to 8) too."""
     monkeypatch.setenv("MIXPREC_ATTN_TAIL_IN_SPLIT", tail)
     rows = [(1, 700), (1, 330), (1, 64), (1, 20), (1, 9)]
-    batch = make_batch(scheme, torch.bfloat16, d, 2, 4, rows, residual_tokens=res,
+    batch = make_batch(scheme, torch.bfloat16, d, 2, group, rows, residual_tokens=res,
                        writer=_writer)
     out = torch.full_like(batch.q, float("nan"))
     paged_attention(batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens,
