@@ -130,6 +130,10 @@ stage_decode() {
   mkdir -p "$OUT/tail-in-finish"
   MIXPREC_ATTN_TAIL_IN_SPLIT=0 run_bench bench_attention_tail_in_finish 120 python3 benchmarks/bench_attention.py \
     --rep-ms 100 --batch 1 8 --methods fa3-bf16 mixprec-kv4-r16 mixprec-kv8 --out "$OUT/tail-in-finish" || rc=1
+  # the finish kernel as a programmatic dependent launch (attention.decode_pdl, off by default)
+  mkdir -p "$OUT/pdl"
+  MIXPREC_ATTN_PDL=1 run_bench bench_attention_pdl 120 python3 benchmarks/bench_attention.py \
+    --rep-ms 100 --batch 1 8 64 --methods fa3-bf16 mixprec-kv4-r16 mixprec-kv8 --out "$OUT/pdl" || rc=1
   return $rc
 }
 stage_property_cuda_gemm() {

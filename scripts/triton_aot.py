@@ -26,7 +26,10 @@ DT = {"fp16": tl.float16, "bf16": tl.bfloat16}
 
 def compile_kernel(fn, ptrs: dict, consts: dict, arch: int, floats=(), **opts):
     """triton.compile of a @triton.jit fn: `ptrs` name -> pointer type, `floats` the fp32
-    scalars, every other non-constexpr argument i32; pointers and strides 16-divisible."""
+    scalars, every other non-constexpr argument i32; pointers and strides 16-divisible.
+    Constexprs left out of `consts` take their defaults, as a launch would give them."""
+    consts = {**{p.name: p.default for p in fn.params
+                 if p.is_constexpr and p.has_default and p.name not in consts}, **consts}
     sig = {}
     for name in fn.arg_names:
         if name in consts:

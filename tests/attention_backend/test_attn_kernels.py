@@ -460,10 +460,19 @@ def test_decode_maxnreg_env(monkeypatch):
             decode_maxnreg()
 
 
+def _need_pdl(pdl: str) -> None:
+    if pdl == "1" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or later")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("pdl", ["0", "1"], ids=["plain", "pdl"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_decode_cuda_graph_replay(scheme):
-    """Capture the decode launch once; replay with new lengths, tables, queries, pages."""
+def test_decode_cuda_graph_replay(scheme, pdl, monkeypatch):
+    """Capture the decode launch once; replay with new lengths, tables, queries, pages.
+    pdl: the finish kernel as a programmatic dependent launch, inside the graph too."""
+    _need_pdl(pdl)
+    monkeypatch.setenv("MIXPREC_ATTN_PDL", pdl)
     torch.manual_seed(2)
     dtype, d, hkv, g, n, b = torch.bfloat16, 128, 8, 4, 8, 16
     layout = F.KVPageLayout(scheme, d, b)
@@ -512,6 +521,40 @@ def test_decode_cuda_graph_replay(scheme):
             q.cpu(), cache.cpu(), layout, bt.cpu(), seq_lens.cpu(), qsl.cpu(), d ** -0.5,
             tuple(x.cpu() if torch.is_tensor(x) else x for x in res))
         torch.testing.assert_close(out.double().cpu(), want, **tolerance(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("rows", [[(1, 3000)], [(1, 3000), (1, 17), (1, 1025), (1, 129)]],
+                         ids=["one-row", "four-rows"])
+def test_decode_pdl_matches_plain_launch(scheme, rows, monkeypatch):
+    """MIXPREC_ATTN_PDL=1 changes when the finish kernel starts, not what it computes: the
+    output is bit-identical to the plain launches (tail in the last split for one row, in
+    the finish kernel for four)."""
+    _need_pdl("1")
+    torch.manual_seed(5)
+    batch = make_batch(scheme, torch.bfloat16, 128, 4, 4, rows, residual_tokens=16,
+                       writer=_writer)
+    outs = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("MIXPREC_ATTN_PDL", pdl)
+        outs[pdl] = paged_attention(batch.q, batch.cache, batch.layout, batch.block_table,
+                                    batch.seq_lens, batch.qsl, 128 ** -0.5, batch.residual,
+                                    batch.k_smooth, num_splits=16)
+    assert torch.equal(outs["1"], outs["0"])
+    torch.testing.assert_close(outs["1"].double().cpu(), batch.reference(128 ** -0.5, False),
+                               **tolerance(torch.bfloat16))
+
+
+def test_decode_pdl_env(monkeypatch):
+    from vllm_mixprec.kernels.triton.attention import decode_pdl
+    monkeypatch.delenv("MIXPREC_ATTN_PDL", raising=False)
+    assert not decode_pdl(torch.device("cpu"))
+    monkeypatch.setenv("MIXPREC_ATTN_PDL", "1")
+    assert not decode_pdl(torch.device("cpu"))  # a CUDA launch attribute
+    monkeypatch.setenv("MIXPREC_ATTN_PDL", "on")
+    with pytest.raises(ValueError, match="MIXPREC_ATTN_PDL"):
+        decode_pdl(torch.device("cpu"))
 
 
 # --- the GPU unpack recipe, checked on the CPU ---------------------------------------------

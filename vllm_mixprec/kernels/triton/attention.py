@@ -46,6 +46,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ... import formats as F
 from .kv_cache import KVResidual, cache_views, kbias_args, meta_index, rope_angle, slab_offset
@@ -594,7 +595,7 @@ def _paged_attn_kernel(
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, KV4: tl.constexpr,
         HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr, KB_V: tl.constexpr,
         HAS_RES: tl.constexpr, DT: tl.constexpr, FAST_UNPACK: tl.constexpr,
-        CHUNK_MODE: tl.constexpr, TAIL_IN_SPLIT: tl.constexpr):
+        CHUNK_MODE: tl.constexpr, TAIL_IN_SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """Decode (grid rows x kv_heads x splits; rows of query length 1) or prefill/extend
     (grid rows x kv_heads x query blocks; rows of query length > 1). Decode writes split
     partials when _decode_finish_kernel follows; the residual tail is attended by the last
@@ -604,6 +605,8 @@ def _paged_attn_kernel(
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     x = tl.program_id(2)  # decode: split index; prefill: query block
+    if PDL:  # the finish kernel may start its tail while the splits run (decode_pdl)
+        gdc_launch_dependents()
     qlen = tl.load(qsl_ptr + row + 1) - tl.load(qsl_ptr + row)
     if DECODE:
         if qlen != 1:
@@ -702,7 +705,7 @@ def _decode_finish_kernel(
         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
         KV4: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr,
         KB_V: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr,
-        TAIL_IN_SPLIT: tl.constexpr):
+        TAIL_IN_SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """Decode epilogue, grid (rows, kv_heads): attend the residual tail (unless a split did,
     TAIL_IN_SPLIT), then merge it with the partials of the splits that wrote one
     (log-sum-exp) and write the output. The merge is unrolled over NUM_SPLITS with masked
@@ -711,11 +714,15 @@ def _decode_finish_kernel(
     reduced over the splits took 11.6 us a layer at batch 1 to merge 16 splits (H100 step
     profile, 2026-11-25), and racecheck flagged its reductions (docs/RELIABILITY.md).
     Merge-only launches (no tail here) pass G_PAD = the group rounded up to a power of two,
-    not tl.dot's 16."""
+    not tl.dot's 16. PDL (a programmatic dependent launch after the page kernel): the tail is
+    attended while the splits still run; every program waits for them before it reads a
+    partial or exits, so the kernels after this one also come after the splits."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     q_start = tl.load(qsl_ptr + row)
     if tl.load(qsl_ptr + row + 1) - q_start != 1:
+        if PDL:
+            gdc_wait()
         return
     HALF: tl.constexpr = D // 2 if KV4 else D
     STEP: tl.constexpr = 2 if KV4 else 1
@@ -753,6 +760,8 @@ def _decode_finish_kernel(
     hh = tl.arange(0, HALF)
     n_tiles, per_split, writers = _decode_tiles(seq_len, res_tokens, BLOCK_N, NUM_SPLITS,
                                                 HAS_RES, TAIL_IN_SPLIT)
+    if PDL:
+        gdc_wait()
     for s in tl.static_range(NUM_SPLITS):
         live = rmask & (s < writers)
         pidx = ((row * NUM_SPLITS + s) * num_q_heads + head).to(tl.int64)
@@ -844,6 +853,17 @@ def prefill_config(head_dim: int, group: int) -> tuple[int, int, int, int]:
         return cfg
     rows = 64 if head_dim <= 128 else 32  # BLOCK_M * G_PAD
     return max(1, rows // triton.next_power_of_2(group)), 64 if head_dim <= 128 else 32, 4, 2
+
+
+def decode_pdl(device: torch.device) -> bool:
+    """Whether the finish kernel is a programmatic dependent launch after the page kernel
+    (Hopper and later): it can start, and attend the residual tail, while the splits still
+    run. MIXPREC_ATTN_PDL=1 turns it on; off by default until an H100 run has timed it."""
+    v = os.environ.get("MIXPREC_ATTN_PDL", "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"MIXPREC_ATTN_PDL={v!r}: expected 0 or 1")
+    return (v == "1" and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def fast_unpack(device: torch.device) -> bool:
@@ -958,6 +978,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
     block_n, warps, stages = decode_config(layout.head_dim, layout.scheme, num_rows, num_kv_heads, sms)
     tail_in_split = has_res and decode_tail_in_split(num_rows)
     finish = num_splits > 1 or (has_res and not tail_in_split)
+    pdl = finish and decode_pdl(q.device)
     if finish and (part_o is None or part_lse is None
                    or part_o.shape[0] < num_rows * num_splits):
         raise ValueError("num_splits > 1 or a residual needs part_o/part_lse with "
@@ -974,13 +995,14 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
                   DT=_TL_DTYPE[q.dtype], TAIL_IN_SPLIT=tail_in_split)
     _paged_attn_kernel[(num_rows, num_kv_heads, num_splits)](
         *args, BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
-        CHUNK_MODE=CHUNK_CACHE.value, num_warps=warps, num_stages=stages, **decode_maxnreg(),
-        **common)
+        CHUNK_MODE=CHUNK_CACHE.value, PDL=pdl, num_warps=warps, num_stages=stages,
+        **decode_maxnreg(), **common)
     if finish:
         if tail_in_split or not has_res:  # merge only: no tl.dot, no 16-row padding
             common["G_PAD"] = triton.next_power_of_2(group)
-        _decode_finish_kernel[(num_rows, num_kv_heads)](*args, BLOCK_N=block_n, num_warps=4,
-                                                         **common)
+        pdl_launch = {"launch_pdl": True} if pdl else {}
+        _decode_finish_kernel[(num_rows, num_kv_heads)](*args, BLOCK_N=block_n, PDL=pdl,
+                                                         num_warps=4, **pdl_launch, **common)
 
 
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
