@@ -59,33 +59,32 @@ SCRIPT = textwrap.dedent(r'''
                      dict(common, BLOCK_M=1, BLOCK_N=128, DECODE=True, FAST_UNPACK=True,
                           CHUNK_MODE=A.CHUNK_CACHE.value), arch, ("qk_scale",), num_warps=2, num_stages=2)
     assert ptxas_usage(tuned, arch)[1] == 0, ptxas_usage(tuned, arch)
+    def decode_pair(consts, kv4, finish_g_pad):
+        """The decode page kernel (64-token tiles) and the finish kernel that follows it."""
+        page = compile_(A._paged_attn_kernel, attn_ptrs(kv4, "bf16"),
+                        dict(consts, BLOCK_M=1, BLOCK_N=64, DECODE=True, FAST_UNPACK=True,
+                             CHUNK_MODE=A.CHUNK_CACHE.value), arch, ("qk_scale",),
+                        num_warps=4, num_stages=3)
+        fin = compile_(A._decode_finish_kernel, attn_ptrs(kv4, "bf16"),
+                       dict(consts, BLOCK_N=64, G_PAD=finish_g_pad), arch, ("qk_scale",),
+                       num_warps=4)
+        return page, fin
+
     # nor the small-batch tile that attends the residual tail in its last split, nor the
     # merge-only finish kernel that follows it (attention.decode_tail_in_split)
     for kv4 in (True, False):
-        tail = dict(common, NUM_SPLITS=32, KV4=kv4, TAIL_IN_SPLIT=True)
-        small = compile_(A._paged_attn_kernel, attn_ptrs(kv4, "bf16"),
-                         dict(tail, BLOCK_M=1, BLOCK_N=64, DECODE=True, FAST_UNPACK=True,
-                              CHUNK_MODE=A.CHUNK_CACHE.value), arch, ("qk_scale",),
-                         num_warps=4, num_stages=3)
-        merge = compile_(A._decode_finish_kernel, attn_ptrs(kv4, "bf16"),
-                         dict(tail, BLOCK_N=64, G_PAD=4), arch, ("qk_scale",), num_warps=4)
+        small, merge = decode_pair(dict(common, NUM_SPLITS=32, KV4=kv4, TAIL_IN_SPLIT=True), kv4, 4)
         for k in (small, merge):
             assert ptxas_usage(k, arch)[1] == 0, ptxas_usage(k, arch)
+        assert "griddepcontrol" not in small.asm["ptx"] + merge.asm["ptx"]  # PDL off
     # MIXPREC_ATTN_PDL (sm_90+): the page kernel lets the finish kernel launch, which waits
     # for it before reading a partial (attention.decode_pdl)
     if arch >= 90:
         for tail in (False, True):
-            pdl = dict(common, NUM_SPLITS=16, TAIL_IN_SPLIT=tail, PDL=True)
-            page = compile_(A._paged_attn_kernel, attn_ptrs(True, "bf16"),
-                            dict(pdl, BLOCK_M=1, BLOCK_N=64, DECODE=True, FAST_UNPACK=True,
-                                 CHUNK_MODE=A.CHUNK_CACHE.value), arch, ("qk_scale",),
-                            num_warps=4, num_stages=3)
-            fin = compile_(A._decode_finish_kernel, attn_ptrs(True, "bf16"),
-                           dict(pdl, BLOCK_N=64, G_PAD=4 if tail else 16), arch, ("qk_scale",),
-                           num_warps=4)
+            page, fin = decode_pair(dict(common, NUM_SPLITS=16, TAIL_IN_SPLIT=tail, PDL=True),
+                                    True, 4 if tail else 16)
             assert "griddepcontrol.launch_dependents" in page.asm["ptx"]
             assert "griddepcontrol.wait" in fin.asm["ptx"]
-            assert "griddepcontrol" not in merge.asm["ptx"]  # PDL off: nothing emitted
     # the residual directory's one-program update (kernels/triton/residual_directory.py)
     from vllm_mixprec.kernels.triton import residual_directory as RD
     rd_ptrs = {"bt_ptr": "*i32", "seq_ptr": "*i32", "qsl_ptr": "*i32", "sm_ptr": "*i64",
