@@ -4,7 +4,7 @@
 #     && bash scripts/gpu_check.sh [STAGE...]
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
-# profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode
+# profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -136,6 +136,22 @@ stage_decode() {
     --rep-ms 100 --batch 1 8 64 --methods fa3-bf16 mixprec-kv4-r16 mixprec-kv8 --out "$OUT/pdl" || rc=1
   return $rc
 }
+# What session 12 left unrun (session 13): the PDL decode path's GPU tests (bit-identical to plain
+# launches, eager and replayed from a CUDA graph), the residual directory kernel's GPU tests after
+# its tile change, the traced quantization's tests on the GPU; then the PDL A/B at batch 1/8/64.
+stage_pdl() {
+  local rc=0
+  pytest_logged pytest-gpu-pdl 300 tests/attention_backend/test_attn_kernels.py \
+    tests/attention_backend/test_attn_residual.py tests/kernels/test_act_quant_fusion.py \
+    tests/kernels/test_nonfinite_linear.py \
+    -k "pdl or cuda_graph_replay or kernel_update or graphed or fusion or nonfinite or quantiz" || rc=1
+  run_bench bench_attention_plain 150 python3 benchmarks/bench_attention.py --rep-ms 100 \
+    --batch 1 8 64 --ctx 1024 8192 --methods fa3-bf16 mixprec-kv4-r16 --out "$OUT" || rc=1
+  mkdir -p "$OUT/pdl"
+  MIXPREC_ATTN_PDL=1 run_bench bench_attention_pdl 150 python3 benchmarks/bench_attention.py --rep-ms 100 \
+    --batch 1 8 64 --ctx 1024 8192 --methods fa3-bf16 mixprec-kv4-r16 --out "$OUT/pdl" || rc=1
+  return $rc
+}
 stage_property_cuda_gemm() {
   use_pyextra || return 1
   pytest_logged pytest-property-cuda 200 tests/kernels/test_cuda_properties.py
@@ -147,6 +163,8 @@ run_bench() {  # NAME TIMEOUT CMD...: one benchmark, its log in $OUT/NAME.log
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40
 }
 
+# The Inductor-fused activation quantisation at decode sizes against plain RMSNorm / SiLU-and-mul
+stage_act_quant() { run_bench bench_act_quant 240 python3 benchmarks/bench_act_quant.py --static --out "$OUT"; }
 stage_bench_gemm() { run_bench bench_gemm 420 python3 benchmarks/bench_gemm.py --out "$OUT"; }
 # The Llama-3-8B layers at decode and prefill M against FP8 W8A8 (what `--quantization fp8` runs)
 stage_bench_fp8() {
@@ -189,10 +207,12 @@ stage_load() {
   return "${PIPESTATUS[0]}"
 }
 
-# TP=2 against TP=1 (issue #7), on nvidia-h200-x2: greedy tokens of random-weight Llama and Qwen2
-# shapes (scripts/tp_check.py). Two models a call: each needs 2 vLLM starts.
+# TP=2 against TP=1 (issue #7), on nvidia-h100-x2 or nvidia-h200-x2: greedy tokens of random-weight
+# Llama and Qwen2 shapes (scripts/tp_check.py). Two models a call: each needs 2 vLLM starts
+# (session 13: llama-kv4 + qwen2-none took 452 s).
 stage_tp() { run_tp llama-none,qwen2-none; }
 stage_tp_kv4() { run_tp llama-kv4,qwen2-kv4; }
+stage_tp_control() { run_tp llama-bf16,qwen2-bf16; }  # vLLM's own TP on the unquantized models
 run_tp() {
   log "TP=2 vs TP=1 on $1 ($(python3 -c 'import torch; print(torch.cuda.device_count())') GPUs)"
   timeout 580 python3 scripts/tp_check.py --out "$OUT" --models "$1" 2>&1 | grep -v -E '^(INFO|WARNING)' \

@@ -8,12 +8,16 @@ Checkpoints (random weights, built here; RTN W4A8 g64 like scripts/e2e_serve.py)
   llama: hidden 1024, 4 layers, GQA 16/4 (the e2e shape);
   qwen2: hidden 1536, 4 layers, GQA 12/2, q/k/v biases, untied lm_head (Qwen2.5-1.5B's widths,
          so 2 KV heads split 1 per rank and down_proj's K = 8960 splits into 4480 = 70 groups);
-each with a bf16 KV cache (`-none`) and with KV4 through the CUSTOM backend (`-kv4`).
-Random weights give flat logits, where a different all-reduce order may flip a near-tie, so
-besides exact agreement the result records, per prompt, the first diverging step and the
-logprob gap between the two candidates there (a real sharding bug diverges at step 0 with a
-large gap). The real models cannot reach the host (64 MiB per call) and SmolLM2's 9 heads do not
-split in 2; docs/RELIABILITY.md says so.
+each with a bf16 KV cache (`-none`) and with KV4 through the CUSTOM backend (`-kv4`); `-bf16` is
+the control: the same bf16 model served unquantized at TP=1 and TP=2.
+Random weights give flat logits, where a different all-reduce order may flip a near-tie: the
+unquantized Qwen2 shape itself gave 4 of 8 identical completions at TP=2 (H100, 2026-11-25). And
+W4A8 at TP=2 quantizes each rank's half of a row-parallel layer's input with its own per-token
+scale, which TP=1 does not. So a model passes when every prompt is identical, or diverges only
+at a near-tie (TP=1's logprob gap between the two picks <= NEAR_TIE) with the logprobs of the
+shared prefix within MAX_DLOGPROB of each other; a sharding bug puts the two runs' logprobs far
+apart from step 0. The real models cannot reach the host (64 MiB per call) and SmolLM2's 9 heads
+do not split in 2; docs/RELIABILITY.md says so.
 
 NVLink multicast stays off (device KINDS.md): NCCL_NVLS_ENABLE=0 and friends are forced in the
 children's environment, and vLLM's custom all-reduce is disabled. The parent never touches CUDA.
@@ -33,6 +37,9 @@ PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\
            "Once upon a time", "for i in range(10):", "SELECT * FROM", "# Sort a list in place"]
 MAX_TOKENS = 32
 TOPK = 5
+NEAR_TIE = 0.25  # logprob gap at a divergence below which it counts as a tie flip
+MAX_DLOGPROB = 0.25  # largest |logprob difference| of a token in both runs' top-5 on the shared prefix
+MODELS = tuple(f"{m}-{k}" for m in ("llama", "qwen2") for k in ("none", "kv4", "bf16"))
 
 
 def build(work: str, names: list[str]) -> dict[str, str]:
@@ -43,9 +50,10 @@ def build(work: str, names: list[str]) -> dict[str, str]:
     from e2e_serve import E2E_SHAPE, export_mixprec, make_bf16_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    out = {n: os.path.join(work, f"{n.split('-')[0]}-w4a8-{n.split('-')[1]}") for n in names}
-    todo = [n for n in names if not os.path.exists(os.path.join(out[n], "config.json"))]
     llama_src, qwen_src = os.path.join(work, "llama-bf16"), os.path.join(work, "qwen2-bf16")
+    out = {n: (os.path.join(work, n) if n.endswith("-bf16") else
+               os.path.join(work, f"{n.split('-')[0]}-w4a8-{n.split('-')[1]}")) for n in names}
+    todo = [n for n in names if not os.path.exists(os.path.join(out[n], "config.json"))]
     models = {}
     if any(n.startswith("llama") for n in todo):
         models["llama"] = (make_bf16_model(llama_src, E2E_SHAPE), llama_src)
@@ -68,6 +76,8 @@ def build(work: str, names: list[str]) -> dict[str, str]:
         qwen.save_pretrained(qwen_src)
         models["qwen2"] = (qwen, qwen_src)
     for n in todo:
+        if n.endswith("-bf16"):
+            continue  # the control serves the bf16 folder itself
         model, src = models[n.split("-")[0]]
         export_mixprec(model, src, out[n], n.split("-")[1])
     return out
@@ -76,8 +86,10 @@ def build(work: str, names: list[str]) -> dict[str, str]:
 def child(ckpt: str, tp: int, kv: str, out_file: str) -> None:
     from vllm import LLM, SamplingParams
 
-    kwargs = dict(model=ckpt, quantization="mixprec", tensor_parallel_size=tp, max_model_len=1024,
+    kwargs = dict(model=ckpt, tensor_parallel_size=tp, max_model_len=1024,
                   gpu_memory_utilization=0.5, disable_custom_all_reduce=True, seed=0)
+    if kv != "bf16":
+        kwargs["quantization"] = "mixprec"
     if kv == "kv4":
         kwargs.update(kv_cache_dtype="int4_per_token_head", attention_backend="CUSTOM")
     llm = LLM(**kwargs)
@@ -92,17 +104,26 @@ def child(ckpt: str, tp: int, kv: str, out_file: str) -> None:
 
 
 def compare(a: list[dict], b: list[dict]) -> dict:
-    """Per prompt: first step where TP=1 and TP=2 pick different tokens, and how close a call it was."""
+    """Per prompt: the first step where TP=1 and TP=2 pick different tokens, TP=1's logprob gap
+    between the two picks there, and the largest difference of a top-5 logprob both runs list
+    on the steps before it; `pass` by the rule of the module docstring."""
     rows = []
     for pa, pb in zip(a, b):
         step = next((i for i, (x, y) in enumerate(zip(pa["tokens"], pb["tokens"])) if x != y), None)
-        row = {"identical": step is None, "first_diff": step}
+        shared = len(pa["tokens"]) if step is None else step + 1  # the diverging step's logprobs too
+        dlp = max((abs(ta[t] - tb[t]) for ta, tb in zip(pa["top"][:shared], pb["top"][:shared])
+                   for t in set(ta) & set(tb)), default=0.0)
+        row = {"identical": step is None, "first_diff": step, "max_dlogprob": round(dlp, 4)}
         if step is not None:  # TP=1's logprobs of its own pick and of TP=2's pick at that step
             top = pa["top"][step]
             mine, theirs = top.get(str(pa["tokens"][step])), top.get(str(pb["tokens"][step]))
             row["gap"] = None if mine is None or theirs is None else mine - theirs
+        tie = step is None or (row["gap"] is not None and row["gap"] <= NEAR_TIE)
+        row["pass"] = tie and dlp <= MAX_DLOGPROB
         rows.append(row)
-    return {"identical": sum(r["identical"] for r in rows), "prompts": len(rows), "per_prompt": rows}
+    return {"identical": sum(r["identical"] for r in rows), "prompts": len(rows),
+            "pass": all(r["pass"] for r in rows), "max_dlogprob": max(r["max_dlogprob"] for r in rows),
+            "per_prompt": rows}
 
 
 def main() -> int:
@@ -110,7 +131,8 @@ def main() -> int:
     ap.add_argument("--out", default="out")
     ap.add_argument("--work", default="/tmp/mixprec-tp")
     ap.add_argument("--models", default="llama-none,qwen2-none,llama-kv4,qwen2-kv4",
-                    help="comma-separated {llama,qwen2}-{none,kv4}; ~3 min each (4 vLLM starts)")
+                    help="comma-separated {llama,qwen2}-{none,kv4,bf16} (-bf16: the unquantized "
+                         "control); 1-5 min each (2 vLLM starts)")
     ap.add_argument("--child", nargs=4, metavar=("CKPT", "TP", "KV", "OUT_JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -118,9 +140,9 @@ def main() -> int:
         return 0
     os.makedirs(args.out, exist_ok=True)
     names = args.models.split(",")
-    bad = [n for n in names if n not in ("llama-none", "qwen2-none", "llama-kv4", "qwen2-kv4")]
+    bad = [n for n in names if n not in MODELS]
     if bad:
-        ap.error(f"unknown --models {bad}: use llama-none, qwen2-none, llama-kv4, qwen2-kv4")
+        ap.error(f"unknown --models {bad}: use {', '.join(MODELS)}")
     ckpts = build(args.work, names)
     env = {**os.environ, **NO_MULTICAST}
     summary, ok = {}, True
@@ -139,14 +161,14 @@ def main() -> int:
         entry = {f"tp{tp}": {k: v for k, v in r.items() if k != "result"} for tp, r in runs.items()}
         if all(r["rc"] == 0 for r in runs.values()):
             entry.update(compare(runs[1]["result"], runs[2]["result"]))
-            ok &= entry["identical"] == entry["prompts"]
+            ok &= entry["pass"] or name.endswith("-bf16")  # the control is reported, not judged
         else:
             ok = False
         summary[name] = entry
         print(name, json.dumps({k: v for k, v in entry.items() if k != "per_prompt"}), flush=True)
     with open(os.path.join(args.out, f"tp-{'_'.join(names)}.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print("TP", "PASS" if ok else "FAIL (see tp.json: first_diff and gap per prompt)")
+    print("TP", "PASS" if ok else "FAIL (see the JSON: first_diff, gap and max_dlogprob per prompt)")
     return 0 if ok else 1
 
 

@@ -114,17 +114,22 @@ def dequantize_weight(qweight, group_scale, group_offset, channel_scale,
 
 # --- activations ------------------------------------------------------------------------
 
-def _quantize_sym(xb: torch.Tensor, qmax: int, rows: torch.Tensor
+def _quantize_sym(xb: torch.Tensor, qmax: int, row_ok: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric codes of xb [M, B, L], one scale per (token, block): (float codes [M, B, L]
     in [-qmax, qmax], float32 scale [M, B] = max|block| / qmax).
 
-    `rows` [M, K] is each token's whole row: a row holding a NaN or an Inf anywhere gets NaN
-    in all of its scales and zero codes, so everything computed from it is NaN.
+    A row holding a NaN or an Inf gets NaN in all of its scales and zero codes, so everything
+    computed from it is NaN. amax propagates both (NaN stays NaN, |Inf| is Inf), so with one
+    block per row (row_ok None) the block's own amax tells: one reduction, where a separate
+    all(isfinite) pass made torch.compile's fused RMSNorm/SiLU kernel carry three. With several
+    blocks, row_ok [M] (whole row finite) comes from the caller.
     """
-    scale = _poison_nonfinite(_div(xb.abs().amax(dim=-1).clamp_min(_EPS), qmax), rows[:, None, :])
+    amax = xb.abs().amax(dim=-1)
+    ok = torch.isfinite(amax) if row_ok is None else row_ok[:, None]
+    scale = torch.where(ok, _div(amax.clamp_min(_EPS), qmax), torch.full_like(amax, _NAN))
     q = torch.round(xb / scale[..., None]).clamp_(-qmax, qmax)
-    return torch.where(torch.isfinite(rows).all(-1)[:, None, None], q, 0), scale
+    return torch.where(ok[..., None], q, 0), scale
 
 
 def _act_input(x: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
@@ -141,7 +146,7 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
     A row holding a NaN or an Inf gets a NaN scale and zero codes: its GEMM output row is NaN.
     """
     xf = _act_input(x, smooth)
-    q, scale = _quantize_sym(xf[:, None, :], F.A8_MAX, xf)
+    q, scale = _quantize_sym(xf[:, None, :], F.A8_MAX)
     return q[:, 0].to(torch.int8), scale[:, 0]
 
 
@@ -160,8 +165,9 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     m, k = xf.shape
     lay = F.W4ActLayout.from_k8(k, k8)
     blocks = xf.view(m, k // F.ACT_BLOCK, F.ACT_BLOCK)
-    q8, s8 = _quantize_sym(blocks[:, :lay.num_a8_blocks], F.A8_MAX, xf)
-    q4, s4 = _quantize_sym(blocks[:, lay.num_a8_blocks:], F.A4_MAX, xf)
+    row_ok = torch.isfinite(xf.abs().amax(dim=-1))
+    q8, s8 = _quantize_sym(blocks[:, :lay.num_a8_blocks], F.A8_MAX, row_ok)
+    q4, s4 = _quantize_sym(blocks[:, lay.num_a8_blocks:], F.A4_MAX, row_ok)
     return q8.reshape(m, k8).to(torch.int8), s8, F.pack_int4(q4.reshape(m, lay.k4)), s4
 
 

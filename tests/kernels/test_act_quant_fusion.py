@@ -56,6 +56,27 @@ def test_compiled_linear_splits_quantization_from_the_gemm(seeded, monkeypatch, 
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
 
 
+def test_traced_quantization_reduces_each_row_once(seeded, monkeypatch):
+    """amax is the traced quantization's only reduction: NaN/Inf detection reads it rather than
+    a separate all(isfinite) pass. Inductor fuses all of them into the RMSNorm kernel, and
+    each extra reduction there counts towards its register-intensity heuristic (R0_BLOCK 1024
+    instead of 2048: twice the serial loop trips at one token)."""
+    monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", True)
+    layer = _layer(seeded, smooth=False)
+    x = torch.randn(3, 128, generator=seeded).to(torch.bfloat16)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda t: kernels.apply_linear(layer, t, None), backend=backend, fullgraph=True)(x)
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op in ("call_function", "call_method")]
+    reductions = [t for t in targets if any(r in t for r in ("amax", "all", "any", "sum", "max"))]
+    assert len(reductions) == 1 and "amax" in reductions[0], reductions
+
+
 def test_compiled_w4ax_linear_splits_quantization_from_the_gemm(seeded, monkeypatch):
     monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", True)
     layer = _layer(seeded, k=256)
@@ -107,3 +128,21 @@ def test_fuse_act_quant_env():
     assert kernels.fuse_act_quant({"MIXPREC_FUSE_ACT_QUANT": "0"}) is False
     with pytest.raises(ValueError, match="MIXPREC_FUSE_ACT_QUANT='on': expected 1"):
         kernels.fuse_act_quant({"MIXPREC_FUSE_ACT_QUANT": "on"})
+
+
+def test_act_quant_benchmark_times_the_same_function(seeded):
+    """benchmarks/bench_act_quant.py's A/B: its session-12 form ("3-reduce") computes exactly
+    reference.quantize_act, NaN/Inf rows included, so the timing difference is the form alone."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "bench_act_quant.py"
+    spec = importlib.util.spec_from_file_location("bench_act_quant", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    x = (torch.randn(6, 256, generator=seeded) * 3).to(torch.bfloat16)
+    x[1, 7], x[3, 0], x[4, 255] = float("nan"), float("inf"), float("-inf")
+    x[5] = 0
+    for got, want in zip(bench.quant_3reduce(x), ref.quantize_act(x, None)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    q, s = bench.quant_amax(x)
+    assert torch.isnan(s[[1, 3, 4]]).all() and (q[[1, 3, 4]] == 0).all() and torch.isfinite(s[[0, 2, 5]]).all()

@@ -858,7 +858,8 @@ def prefill_config(head_dim: int, group: int) -> tuple[int, int, int, int]:
 def decode_pdl(device: torch.device) -> bool:
     """Whether the finish kernel is a programmatic dependent launch after the page kernel
     (Hopper and later): it can start, and attend the residual tail, while the splits still
-    run. MIXPREC_ATTN_PDL=1 turns it on; off by default until an H100 run has timed it."""
+    run. MIXPREC_ATTN_PDL=1 turns it on. Off by default: exact on the H100, but timed there it
+    saved 0.5-2.8 us at batch 1 and 8 x 8K and cost 5.2 us at batch 8 x 1K (BENCHMARKS, session 13)."""
     v = os.environ.get("MIXPREC_ATTN_PDL", "").strip()
     if v not in ("", "0", "1"):
         raise ValueError(f"MIXPREC_ATTN_PDL={v!r}: expected 0 or 1")

@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Activation quantisation as vLLM's torch.compile runs it: one Inductor kernel per layer input.
+
+Under vLLM's default compile, a mixprec linear layer traces reference.quantize_act in plain torch
+ops, and Inductor fuses it into the RMSNorm or SiLU-and-mul before it (kernels/__init__.py). This
+times those fused kernels at decode sizes against the plain RMSNorm / SiLU-and-mul kernels that
+a Marlin deployment runs in their place. Both quantisation formulations are timed:
+
+  amax      reference.quantize_act: one reduction; a row's NaN/Inf is read off its amax
+  3-reduce  session 12's form: amax plus two all(isfinite) passes (kept here, for the A/B only)
+
+Each function is compiled the way vLLM compiles the model: dynamic batch dimension, first call at
+8192 tokens (vLLM's profiling run), so Inductor's size hint and first autotune see 8192 rows;
+`--static` also compiles a static-shape max-autotune version of each at the timed M (what
+`-cc.compile_sizes` asks for). Times are medians of CUDA-graph replays (do_bench_cudagraph).
+
+  python benchmarks/bench_act_quant.py --out DIR [--ms 1 8] [--static]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as Fn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from vllm_mixprec import reference as ref  # noqa: E402
+
+HIDDEN, INTER, EPS = 4096, 14336, 1e-5  # Llama-3-8B
+PROFILE_TOKENS = 8192
+
+
+def quant_amax(x):
+    return ref.quantize_act(x, None)
+
+
+def quant_3reduce(x):
+    """Session 12's traced form: the row's finiteness from all(isfinite), twice."""
+    xf = x.float()
+    ok = torch.isfinite(xf).all(-1)
+    scale = torch.where(ok, xf.abs().amax(-1).clamp_min(1e-8) / torch.full_like(xf[:, 0], 127.0),
+                        float("nan"))
+    q = torch.round(xf / scale[:, None]).clamp(-127, 127)
+    return torch.where(torch.isfinite(xf).all(-1)[:, None], q, 0).to(torch.int8), scale
+
+
+def add_rms_norm(x, res, w):
+    """vLLM's fused_add_rms_norm, native form (vllm/ir/ops/layernorm.py)."""
+    h = x.float() + res.float()
+    y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(torch.bfloat16) * w
+    return y, h.to(torch.bfloat16)
+
+
+def silu_and_mul(gu):
+    d = gu.shape[-1] // 2
+    return Fn.silu(gu[:, :d]) * gu[:, d:]
+
+
+def pattern(name, quant):
+    """The function Inductor compiles for one layer input, with quantisation `quant` (or none)."""
+    if name == "norm":
+        def f(x, res, w):
+            y, r = add_rms_norm(x, res, w)
+            return (*quant(y), r) if quant else (y, r)
+    elif name == "silu":
+        def f(gu):
+            y = silu_and_mul(gu)
+            return quant(y) if quant else y
+    else:  # the attention output feeding o_proj: nothing to fuse into
+        def f(x):
+            return quant(x)
+    return f
+
+
+def inputs(name, m):
+    r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    return {"norm": (r(m, HIDDEN), r(m, HIDDEN), r(HIDDEN)), "silu": (r(m, 2 * INTER),),
+            "quant": (r(m, HIDDEN),)}[name]
+
+
+def time_us(fn, args) -> float:
+    import triton
+
+    fn(*args)
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(lambda: fn(*args), rep=50, return_mode="median") * 1e3
+
+
+def compiled(fn, name, static_m: int | None):
+    torch._dynamo.reset()
+    if static_m is not None:
+        return torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False)
+    f = torch.compile(fn)
+    big = inputs(name, PROFILE_TOKENS)
+    for t in big:
+        if t.dim() == 2:
+            torch._dynamo.mark_dynamic(t, 0)
+    f(*big)
+    return f
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--static", action="store_true", help="also static-shape max-autotune compiles")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_act_quant needs a CUDA GPU")
+    variants = [("norm", None, "plain"), ("norm", quant_amax, "amax"), ("norm", quant_3reduce, "3-reduce"),
+                ("silu", None, "plain"), ("silu", quant_amax, "amax"), ("silu", quant_3reduce, "3-reduce"),
+                ("quant", quant_amax, "amax"), ("quant", quant_3reduce, "3-reduce")]
+    rows = []
+    for name, quant, form in variants:
+        for m in args.ms:
+            row = {"pattern": name, "quant": form, "M": m,
+                   "dynamic_us": time_us(compiled(pattern(name, quant), name, None), inputs(name, m))}
+            if args.static:
+                row["static_autotune_us"] = time_us(compiled(pattern(name, quant), name, m), inputs(name, m))
+            rows.append(row)
+            print(f"{name:6s} {form:9s} M={m:<5d} dynamic {row['dynamic_us']:7.2f} us"
+                  + (f"   static max-autotune {row['static_autotune_us']:7.2f} us" if args.static else ""),
+                  flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_act_quant.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
