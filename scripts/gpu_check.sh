@@ -4,7 +4,7 @@
 #     && bash scripts/gpu_check.sh [STAGE...]
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
-# profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control
+# profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -126,7 +126,7 @@ stage_decode() {
   run_bench bench_attention_decode 300 python3 benchmarks/bench_attention.py --rep-ms 100 \
     --methods fa3-bf16 mixprec-kv4 mixprec-kv4-r16 mixprec-kv8 --out "$OUT" || rc=1
   # the same small batches with the residual tail left to the finish kernel (the default
-  # attends it in the last split there: attention.decode_tail_in_split)
+  # attends it in the last split there: attention.decode_tail_mode)
   mkdir -p "$OUT/tail-in-finish"
   MIXPREC_ATTN_TAIL_IN_SPLIT=0 run_bench bench_attention_tail_in_finish 120 python3 benchmarks/bench_attention.py \
     --rep-ms 100 --batch 1 8 --methods fa3-bf16 mixprec-kv4-r16 mixprec-kv8 --out "$OUT/tail-in-finish" || rc=1
@@ -150,6 +150,24 @@ stage_pdl() {
   mkdir -p "$OUT/pdl"
   MIXPREC_ATTN_PDL=1 run_bench bench_attention_pdl 150 python3 benchmarks/bench_attention.py --rep-ms 100 \
     --batch 1 8 64 --ctx 1024 8192 --methods fa3-bf16 mixprec-kv4-r16 --out "$OUT/pdl" || rc=1
+  return $rc
+}
+# The residual tail as a program of its own (MIXPREC_ATTN_TAIL=program, off by default until
+# timed): its GPU tests, then the decode grid at batch 1/8/64 with the default placement and with it.
+stage_tail() {
+  local rc=0
+  pytest_logged pytest-gpu-tail 300 tests/attention_backend/test_attn_kernels.py \
+    -k "tail-program or tail_mode or merges_many_splits" || rc=1
+  run_bench bench_attention_tail_default 150 python3 benchmarks/bench_attention.py --rep-ms 100 \
+    --batch 1 8 64 --ctx 1024 8192 --methods fa3-bf16 mixprec-kv4 mixprec-kv4-r16 --out "$OUT" || rc=1
+  mkdir -p "$OUT/tail-program"
+  MIXPREC_ATTN_TAIL=program run_bench bench_attention_tail_program 150 python3 benchmarks/bench_attention.py \
+    --rep-ms 100 --batch 1 8 64 --ctx 1024 8192 --methods mixprec-kv4-r16 --out "$OUT/tail-program" || rc=1
+  # with the finish kernel merge-only, PDL may now hide its launch (it cost 5.2 us at 8 x 1K with the tail in it)
+  mkdir -p "$OUT/tail-program-pdl"
+  MIXPREC_ATTN_TAIL=program MIXPREC_ATTN_PDL=1 run_bench bench_attention_tail_program_pdl 150 python3 \
+    benchmarks/bench_attention.py --rep-ms 100 --batch 1 8 64 --ctx 1024 8192 --methods mixprec-kv4-r16 \
+    --out "$OUT/tail-program-pdl" || rc=1
   return $rc
 }
 stage_property_cuda_gemm() {

@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     common = dict(B=16, D=128, G=4, G_PAD=16, BLOCK_R=16, NUM_SPLITS=2, KV4=True,
                   HAS_SMOOTH=False, HAS_KB=False, NP=16, KB_V=64, HAS_RES=True, DT=tl.bfloat16,
                   BLOCK_M=1, DECODE=True, FAST_UNPACK=True, CHUNK_MODE=A.CHUNK_CACHE.value,
-                  TAIL_IN_SPLIT=False)
+                  TAIL=A.TAIL_FINISH.value)
     print("BLOCK_N warps stages cap  registers spill_B warps/SM")
     for bn in (32, 64, 128):
         for warps in (2, 4, 8):

@@ -160,7 +160,9 @@ def _fake_vllm_config(cache, num_q_heads, block_size, max_num_seqs=4, k_rope_bia
     ("int4_per_token_head", torch.bfloat16, 16, True, "gather"),
     ("int8_per_token_head", torch.bfloat16, 0, False, "gather"),
     # a workspace too small for the second step: that step merges instead
-    ("int4_per_token_head", torch.float16, 16, False, "gather-overflow")])
+    ("int4_per_token_head", torch.float16, 16, False, "gather-overflow"),
+    # the decode's residual tail in a program of its own (the builder's part_o has its slot)
+    ("int4_per_token_head", torch.bfloat16, 16, True, "1-tailprog")])
 def test_builder_and_impl_over_steps(carrier, dtype, res, bias, exact, monkeypatch):
     """Chunked prefill then decodes of two requests (rows not ordered decode-first):
     the output equals attention over the pages, with the newest R tokens in 16 bits and,
@@ -168,6 +170,10 @@ def test_builder_and_impl_over_steps(carrier, dtype, res, bias, exact, monkeypat
     the writer each token's cache position, the pages hold K - RoPE_p(b), and the output is
     attention over those plus RoPE_p(b)."""
     import vllm_mixprec.attention_backend.impl as impl_mod
+    if exact.endswith("-tailprog"):
+        exact = exact.removesuffix("-tailprog")
+        monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
+        monkeypatch.setenv("MIXPREC_ATTN_TAIL", "program")
     monkeypatch.setenv(R.ENV_TOKENS, str(res))
     monkeypatch.setenv(ENV_PREFILL_EXACT, "0" if exact == "0" else "1")
     monkeypatch.setenv(ENV_CHUNK, "triton" if exact in ("0", "1") else "flash")

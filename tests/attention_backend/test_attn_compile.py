@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(r'''
         block_n = 64 if d <= 128 else 32
         common = dict(B=16, D=d, G=g, G_PAD=gpad, BLOCK_R=16, NUM_SPLITS=4 if decode else 1,
                       KV4=kv4, HAS_SMOOTH=True, HAS_KB=kb, NP=16, KB_V=min(block_n, 64),
-                      HAS_RES=True, DT=DT[dt], TAIL_IN_SPLIT=False)
+                      HAS_RES=True, DT=DT[dt], TAIL=A.TAIL_FINISH.value)
         main = dict(common, BLOCK_M=1 if decode else max(1, 64 // gpad),
                     BLOCK_N=block_n, DECODE=decode, FAST_UNPACK=True)
         # prefill: the chunk in our loop, and merged from FlashAttention's output
@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent(r'''
     # the tuned decode tile under a register cap (attention.decode_maxnreg) reaches ptxas
     common = dict(B=16, D=128, G=4, G_PAD=16, BLOCK_R=16, NUM_SPLITS=2, KV4=True,
                   HAS_SMOOTH=False, HAS_KB=False, NP=16, KB_V=64, HAS_RES=True, DT=tl.bfloat16,
-                  TAIL_IN_SPLIT=False)
+                  TAIL=A.TAIL_FINISH.value)
     capped = compile_(A._paged_attn_kernel, attn_ptrs(True, "bf16"),
                       dict(common, BLOCK_M=1, BLOCK_N=128, DECODE=True, FAST_UNPACK=True,
                            CHUNK_MODE=A.CHUNK_CACHE.value), arch,
@@ -70,19 +70,20 @@ SCRIPT = textwrap.dedent(r'''
                        num_warps=4)
         return page, fin
 
-    # nor the small-batch tile that attends the residual tail in its last split, nor the
-    # merge-only finish kernel that follows it (attention.decode_tail_in_split)
+    # nor the small-batch tile that attends the residual tail in its last split or as a
+    # program of its own, nor the merge-only finish kernel after it (attention.decode_tail_mode)
     for kv4 in (True, False):
-        small, merge = decode_pair(dict(common, NUM_SPLITS=32, KV4=kv4, TAIL_IN_SPLIT=True), kv4, 4)
-        for k in (small, merge):
-            assert ptxas_usage(k, arch)[1] == 0, ptxas_usage(k, arch)
-        assert "griddepcontrol" not in small.asm["ptx"] + merge.asm["ptx"]  # PDL off
+        for tail in (A.TAIL_LAST_SPLIT, A.TAIL_PROGRAM):
+            small, merge = decode_pair(dict(common, NUM_SPLITS=32, KV4=kv4, TAIL=tail.value), kv4, 4)
+            for k in (small, merge):
+                assert ptxas_usage(k, arch)[1] == 0, ptxas_usage(k, arch)
+            assert "griddepcontrol" not in small.asm["ptx"] + merge.asm["ptx"]  # PDL off
     # MIXPREC_ATTN_PDL (sm_90+): the page kernel lets the finish kernel launch, which waits
     # for it before reading a partial (attention.decode_pdl)
     if arch >= 90:
-        for tail in (False, True):
-            page, fin = decode_pair(dict(common, NUM_SPLITS=16, TAIL_IN_SPLIT=tail, PDL=True),
-                                    True, 4 if tail else 16)
+        for tail in (A.TAIL_FINISH, A.TAIL_LAST_SPLIT):
+            page, fin = decode_pair(dict(common, NUM_SPLITS=16, TAIL=tail.value, PDL=True),
+                                    True, 16 if tail == A.TAIL_FINISH else 4)
             assert "griddepcontrol.launch_dependents" in page.asm["ptx"]
             assert "griddepcontrol.wait" in fin.asm["ptx"]
     # the residual directory's one-program update (kernels/triton/residual_directory.py)

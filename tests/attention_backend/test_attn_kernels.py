@@ -107,16 +107,19 @@ def test_paged_attention_matches_reference(case, exact):
     torch.testing.assert_close(out.double().cpu(), want, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("tail", ["0", "1"], ids=["tail-in-finish", "tail-in-split"])
+@pytest.mark.parametrize("tail", ["finish", "split", "program"],
+                         ids=["tail-in-finish", "tail-in-split", "tail-program"])
 @pytest.mark.parametrize("scheme,d,res,splits,group", [
     ("kv8", 128, 16, 8, 4), ("kv4", 64, 0, 16, 4), ("kv4", 64, 16, 16, 4), ("kv4", 64, 16, 1, 4),
     ("kv4", 64, 16, 16, 1), ("kv8", 64, 0, 8, 6)])
 def test_decode_merges_many_splits(scheme, d, res, splits, group, tail, monkeypatch):
     """Rows whose tiles fill a different number of splits (the rest exit unwritten), and a
     row shorter than the residual window (no page tile: with the tail in a split, split 0
-    attends the tail alone). One split with the tail in it: no finish kernel at all. A
-    merge-only finish pads the group to a power of two: 1 and 6 (padded to 8) too."""
-    monkeypatch.setenv("MIXPREC_ATTN_TAIL_IN_SPLIT", tail)
+    attends the tail alone). One split with the tail in it: no finish kernel at all. The
+    tail as its own program: one more partial, merged last. A merge-only finish pads the
+    group to a power of two: 1 and 6 (padded to 8) too."""
+    monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL", tail)
     rows = [(1, 700), (1, 330), (1, 64), (1, 20), (1, 9)]
     batch = make_batch(scheme, torch.bfloat16, d, 2, group, rows, residual_tokens=res,
                        writer=_writer)
@@ -399,12 +402,14 @@ def test_chunk_merge_first_chunk_is_flash_output_and_context_moves_it():
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("cfg", ["64,4,3", "128,2,2", "32,4,3"])
-@pytest.mark.parametrize("tail", ["0", "1"], ids=["tail-in-finish", "tail-in-split"])
+@pytest.mark.parametrize("tail", ["finish", "split", "program"],
+                         ids=["tail-in-finish", "tail-in-split", "tail-program"])
 def test_paged_attention_gpu_decode_configs(scheme, cfg, tail, monkeypatch):
     """Every decode config decode_config() may pick (or a tuning run forces) is exact, with
-    the residual tail in the finish kernel or in the last split."""
+    the residual tail in the finish kernel, in the last split, or in a program of its own."""
     monkeypatch.setenv("MIXPREC_ATTN_DECODE_CFG", cfg)
-    monkeypatch.setenv("MIXPREC_ATTN_TAIL_IN_SPLIT", tail)
+    monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL", tail)
     torch.manual_seed(3)
     dtype, head_dim = torch.bfloat16, 128
     rows = [(1, 3000), (1, 17), (1, 1025), (1, 129), (1, 4096)]
@@ -430,17 +435,29 @@ def test_decode_config_choice(monkeypatch):
         decode_config(128)
 
 
-def test_decode_tail_in_split_choice(monkeypatch):
-    from vllm_mixprec.kernels.triton.attention import decode_tail_in_split
+def test_decode_tail_mode_choice(monkeypatch):
+    from vllm_mixprec.kernels.triton.attention import decode_tail_mode
     monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
-    assert decode_tail_in_split(1) and not decode_tail_in_split(2)
-    monkeypatch.setenv("MIXPREC_ATTN_TAIL_IN_SPLIT", "0")
-    assert not decode_tail_in_split(1)
+    monkeypatch.delenv("MIXPREC_ATTN_TAIL", raising=False)
+    assert (decode_tail_mode(1), decode_tail_mode(2), decode_tail_mode(64)) == ("split", "finish", "finish")
+    for mode in ("finish", "split", "program"):
+        monkeypatch.setenv("MIXPREC_ATTN_TAIL", mode)
+        assert decode_tail_mode(1) == decode_tail_mode(64) == mode
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL", "last")
+    with pytest.raises(ValueError, match="MIXPREC_ATTN_TAIL='last'"):
+        decode_tail_mode(1)
+    monkeypatch.delenv("MIXPREC_ATTN_TAIL")
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL_IN_SPLIT", "0")  # the older knob
+    assert decode_tail_mode(1) == "finish"
     monkeypatch.setenv("MIXPREC_ATTN_TAIL_IN_SPLIT", "1")
-    assert decode_tail_in_split(64)
+    assert decode_tail_mode(64) == "split"
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL", "program")
+    with pytest.raises(ValueError, match="both set"):
+        decode_tail_mode(1)
+    monkeypatch.delenv("MIXPREC_ATTN_TAIL")
     monkeypatch.setenv("MIXPREC_ATTN_TAIL_IN_SPLIT", "yes")
     with pytest.raises(ValueError, match="MIXPREC_ATTN_TAIL_IN_SPLIT"):
-        decode_tail_in_split(1)
+        decode_tail_mode(1)
 
 
 def test_decode_maxnreg_env(monkeypatch):
@@ -466,13 +483,17 @@ def _need_pdl(pdl: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", ["0", "1"], ids=["plain", "pdl"])
+@pytest.mark.parametrize("pdl,tail", [("0", "finish"), ("1", "finish"), ("0", "program")],
+                         ids=["plain", "pdl", "tail-program"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_decode_cuda_graph_replay(scheme, pdl, monkeypatch):
+def test_decode_cuda_graph_replay(scheme, pdl, tail, monkeypatch):
     """Capture the decode launch once; replay with new lengths, tables, queries, pages.
-    pdl: the finish kernel as a programmatic dependent launch, inside the graph too."""
+    pdl: the finish kernel as a programmatic dependent launch, inside the graph too;
+    tail-program: the residual tail attended by a program of its own."""
     _need_pdl(pdl)
     monkeypatch.setenv("MIXPREC_ATTN_PDL", pdl)
+    monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL", tail)
     torch.manual_seed(2)
     dtype, d, hkv, g, n, b = torch.bfloat16, 128, 8, 4, 8, 16
     layout = F.KVPageLayout(scheme, d, b)
@@ -484,8 +505,8 @@ def test_decode_cuda_graph_replay(scheme, pdl, monkeypatch):
     q = torch.zeros(n, hkv * g, d, dtype=dtype, device="cuda")
     out = torch.zeros_like(q)
     splits = 4
-    part_o = torch.empty(n * splits, hkv * g, d, dtype=torch.float32, device="cuda")
-    part_lse = torch.empty(n * splits, hkv * g, dtype=torch.float32, device="cuda")
+    part_o = torch.empty(n * (splits + 1), hkv * g, d, dtype=torch.float32, device="cuda")
+    part_lse = torch.empty(n * (splits + 1), hkv * g, dtype=torch.float32, device="cuda")
     slots = n * R.window_blocks(16, b) + 4
     directory = R.ResidualDirectory(nb, slots, b, 16, torch.device("cuda"))
     pool = R.allocate_pool(slots * b, hkv, d, dtype, torch.device("cuda"))
@@ -524,14 +545,17 @@ def test_decode_cuda_graph_replay(scheme, pdl, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tail", ["", "program"], ids=["tail-default", "tail-program"])
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("rows", [[(1, 3000)], [(1, 3000), (1, 17), (1, 1025), (1, 129)]],
                          ids=["one-row", "four-rows"])
-def test_decode_pdl_matches_plain_launch(scheme, rows, monkeypatch):
+def test_decode_pdl_matches_plain_launch(scheme, rows, tail, monkeypatch):
     """MIXPREC_ATTN_PDL=1 changes when the finish kernel starts, not what it computes: the
-    output is bit-identical to the plain launches (tail in the last split for one row, in
-    the finish kernel for four)."""
+    output is bit-identical to the plain launches (by default the tail in the last split for
+    one row, in the finish kernel for four; or in a program of its own)."""
     _need_pdl("1")
+    monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL", tail)
     torch.manual_seed(5)
     batch = make_batch(scheme, torch.bfloat16, 128, 4, 4, rows, residual_tokens=16,
                        writer=_writer)

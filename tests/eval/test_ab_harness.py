@@ -42,6 +42,7 @@ def test_arm_table():
     assert dict(a["w4a8kv4-mergectx"].env) == {"MIXPREC_ATTN_CONTEXT_TOKENS": "0"}
     assert a["w4a8kv4-pdl"].flags == a["w4a8kv4"].flags
     assert dict(a["w4a8kv4-pdl"].env) == {"MIXPREC_ATTN_PDL": "1"}
+    assert dict(a["w4a8kv4-tailprog"].env) == {"MIXPREC_ATTN_TAIL": "program"}
     assert all(arm.ckpt in syn.CKPT_KINDS for arm in a.values())
 
 

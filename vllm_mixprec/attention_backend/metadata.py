@@ -51,8 +51,8 @@ class MixPrecAttentionMetadata:
     num_decodes: int                # rows with query length 1
     num_prefills: int               # rows with query length > 1
     num_splits: int                 # decode split-KV factor (a function of num_reqs)
-    part_o: torch.Tensor | None     # [rows*splits, Hq, D] fp32 split outputs
-    part_lse: torch.Tensor | None   # [rows*splits, Hq] fp32 split log2-sum-exp
+    part_o: torch.Tensor | None     # [rows*(splits+1), Hq, D] fp32 split (and tail) outputs
+    part_lse: torch.Tensor | None   # [rows*(splits+1), Hq] fp32 their log2-sum-exp
     residual: R.ResidualDirectory | None
     key_positions: torch.Tensor | None = None  # [>= num tokens] int32 cache positions
     # a prefill row has tokens cached before this step (True when vLLM gives no CPU bound):
@@ -150,7 +150,7 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
     def _splits(self, num_reqs: int) -> int:
         s = decode_num_splits(num_reqs, self.num_kv_heads, self.num_sms)
         cap = 0 if self.part_o is None else self.part_o.shape[0]
-        while s > 1 and num_reqs * s > cap:
+        while s > 1 and num_reqs * (s + 1) > cap:  # + 1: a tail program's partial
             s //= 2
         return s
 

@@ -98,6 +98,10 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
     Arm("w4a8kv4-pdl", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
         (("MIXPREC_ATTN_PDL", "1"),), attention_backend="CUSTOM",
         what="w4a8kv4 with the decode finish kernel as a programmatic dependent launch (sm_90+)"),
+    Arm("w4a8kv4-tailprog", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
+        (("MIXPREC_ATTN_TAIL", "program"),), attention_backend="CUSTOM",
+        what="w4a8kv4 whose decode attends the residual tail in a program of its own, beside "
+             "the page splits"),
     Arm("w4a8kv4-mergectx", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
         (("MIXPREC_ATTN_CONTEXT_TOKENS", "0"),), attention_backend="CUSTOM",
         what="w4a8kv4 without the 16-bit context workspace: our Triton kernel merges a chunk's "

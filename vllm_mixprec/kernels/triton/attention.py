@@ -55,6 +55,11 @@ LOG2E = 1.4426950408889634
 # prefill's CHUNK_MODE: where a row's own new tokens come from (module docstring); launches
 # pass .value
 CHUNK_CACHE, CHUNK_TRITON, CHUNK_MERGE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# Who attends a decode row's residual tail (decode_tail_mode): the finish kernel, after every
+# split; the row's last writing split, after its pages; or a program of its own, launched as one
+# more split beside the page splits, whose partial the finish kernel merges like theirs.
+TAIL_FINISH, TAIL_LAST_SPLIT, TAIL_PROGRAM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+TAIL_MODES = {"finish": 0, "split": 1, "program": 2}
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -541,10 +546,10 @@ def _store_rows(dst_row, acc_a, acc_b, acc_z, l_i, rmask, D: tl.constexpr, KV4: 
 
 @triton.jit
 def _decode_tiles(seq_len, res_tokens, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  HAS_RES: tl.constexpr, TAIL_IN_SPLIT: tl.constexpr):
+                  HAS_RES: tl.constexpr, TAIL: tl.constexpr):
     """A decode row's page tiles (all but the newest res_tokens positions, the residual
-    tail's) in runs of whole tiles per split: (tiles, tiles per split, splits that write a
-    partial). With TAIL_IN_SPLIT the last of those also attends the tail, so a row without
+    tail's) in runs of whole tiles per split: (tiles, tiles per split, page splits that write
+    a partial). With TAIL_LAST_SPLIT the last of those also attends the tail, so a row without
     page tiles still has one. The paged and finish kernels both partition with it."""
     win = seq_len
     if HAS_RES:
@@ -552,7 +557,7 @@ def _decode_tiles(seq_len, res_tokens, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.con
     n_tiles = tl.cdiv(win, BLOCK_N)
     per_split = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), 1)
     writers = tl.cdiv(n_tiles, per_split)
-    if TAIL_IN_SPLIT:
+    if TAIL == TAIL_LAST_SPLIT:
         writers = tl.maximum(writers, 1)
     return n_tiles, per_split, writers
 
@@ -595,11 +600,12 @@ def _paged_attn_kernel(
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, KV4: tl.constexpr,
         HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr, KB_V: tl.constexpr,
         HAS_RES: tl.constexpr, DT: tl.constexpr, FAST_UNPACK: tl.constexpr,
-        CHUNK_MODE: tl.constexpr, TAIL_IN_SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+        CHUNK_MODE: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr = False):
     """Decode (grid rows x kv_heads x splits; rows of query length 1) or prefill/extend
     (grid rows x kv_heads x query blocks; rows of query length > 1). Decode writes split
-    partials when _decode_finish_kernel follows; the residual tail is attended by the last
-    writing split (TAIL_IN_SPLIT) or else by the finish kernel.
+    partials when _decode_finish_kernel follows; the residual tail is attended as TAIL says:
+    by the finish kernel, the last writing split, or (TAIL_PROGRAM) the extra program at split
+    index NUM_SPLITS, which attends no pages.
     Prefill: the older tokens come from the pages (and the residual pool) as decode reads
     them, the row's own new tokens as CHUNK_MODE says (module docstring)."""
     row = tl.program_id(0)
@@ -613,9 +619,9 @@ def _paged_attn_kernel(
             return
         mb = 0
         n_tiles, per_split, writers = _decode_tiles(tl.load(seq_lens_ptr + row), res_tokens,
-                                                    BLOCK_N, NUM_SPLITS, HAS_RES, TAIL_IN_SPLIT)
-        if x >= writers and NUM_SPLITS > 1:  # a split past the row's tiles writes nothing;
-            return                           # the finish kernel skips it
+                                                    BLOCK_N, NUM_SPLITS, HAS_RES, TAIL)
+        if x >= writers and NUM_SPLITS > 1 and x < NUM_SPLITS:  # a split past the row's tiles
+            return                                   # writes nothing; the finish kernel skips it
     else:
         if qlen <= 1:
             return
@@ -650,6 +656,8 @@ def _paged_attn_kernel(
     if DECODE:  # the split's run of the tiles _decode_tiles cut above (page_end == win)
         t0 = x * per_split
         t1 = tl.minimum(t0 + per_split, n_tiles)
+        if x == NUM_SPLITS:  # TAIL_PROGRAM's tail program: no pages
+            t1 = t0
 
     HALF: tl.constexpr = D // 2 if KV4 else D
     M: tl.constexpr = BLOCK_M * G_PAD
@@ -668,8 +676,11 @@ def _paged_attn_kernel(
         bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch, qk_scale,
         kb_a, kb_b, kshift, tab_c, tab_s, kb_steps,
         B, D, BLOCK_N, KV4, FAST_UNPACK, HAS_KB, KB_V, not DECODE)
-    if HAS_RES and (TAIL_IN_SPLIT or not DECODE):
-        if win < old_end and x == writers - 1:
+    if HAS_RES and (TAIL != TAIL_FINISH or not DECODE):
+        tail_here = x == writers - 1  # prefill: every query block (writers = x + 1)
+        if DECODE and TAIL == TAIL_PROGRAM:
+            tail_here = x == NUM_SPLITS
+        if win < old_end and tail_here:
             m_i, l_i, acc_a, acc_b, acc_z = _attend_tail(
                 qa, qb, qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z,
                 win, old_end, bt_row, kvh, codes_ptr, meta_ptr, stride_cb, stride_ch,
@@ -681,8 +692,9 @@ def _paged_attn_kernel(
             kvh, key_ptr, val_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
             smooth_ptr + kvh * D, qk_scale, D, BLOCK_N, KV4, HAS_SMOOTH, DT)
 
-    if DECODE and (NUM_SPLITS > 1 or (HAS_RES and not TAIL_IN_SPLIT)):  # finish kernel's
-        pidx = ((row * NUM_SPLITS + x) * num_q_heads + head).to(tl.int64)
+    if DECODE and (NUM_SPLITS > 1 or (HAS_RES and TAIL != TAIL_LAST_SPLIT)):  # finish kernel's
+        SLOTS: tl.constexpr = NUM_SPLITS + 1 if TAIL == TAIL_PROGRAM else NUM_SPLITS
+        pidx = ((row * SLOTS + x) * num_q_heads + head).to(tl.int64)
         has = l_i > 0.0
         lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + pidx, lse, mask=rmask)
@@ -705,9 +717,9 @@ def _decode_finish_kernel(
         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
         KV4: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr,
         KB_V: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr,
-        TAIL_IN_SPLIT: tl.constexpr, PDL: tl.constexpr = False):
-    """Decode epilogue, grid (rows, kv_heads): attend the residual tail (unless a split did,
-    TAIL_IN_SPLIT), then merge it with the partials of the splits that wrote one
+        TAIL: tl.constexpr, PDL: tl.constexpr = False):
+    """Decode epilogue, grid (rows, kv_heads): attend the residual tail (TAIL_FINISH; else a
+    program of the page kernel did), then merge it with the partials of the splits that wrote one
     (log-sum-exp) and write the output. The merge is unrolled over NUM_SPLITS with masked
     [G_PAD, D/2] loads that do not depend on each other, so they are all in flight at once
     and no cross-warp reduction (shared memory) is needed. A loop of [SC, 16, D/2] loads
@@ -731,7 +743,7 @@ def _decode_finish_kernel(
     acc_a = tl.zeros([G_PAD, HALF], tl.float32)
     acc_b = tl.zeros([G_PAD, HALF], tl.float32)
     acc_z = tl.zeros([G_PAD], tl.float32)
-    if TAIL_IN_SPLIT or not HAS_RES:  # merge only: no query needed
+    if TAIL != TAIL_FINISH or not HAS_RES:  # merge only: no query needed
         g = tl.arange(0, G_PAD)
         rmask = g < G
         head = kvh * G + g
@@ -759,12 +771,15 @@ def _decode_finish_kernel(
     acc_b = acc_b + acc_z[:, None]
     hh = tl.arange(0, HALF)
     n_tiles, per_split, writers = _decode_tiles(seq_len, res_tokens, BLOCK_N, NUM_SPLITS,
-                                                HAS_RES, TAIL_IN_SPLIT)
+                                                HAS_RES, TAIL)
     if PDL:
         gdc_wait()
-    for s in tl.static_range(NUM_SPLITS):
+    SLOTS: tl.constexpr = NUM_SPLITS + 1 if TAIL == TAIL_PROGRAM else NUM_SPLITS
+    for s in tl.static_range(SLOTS):
         live = rmask & (s < writers)
-        pidx = ((row * NUM_SPLITS + s) * num_q_heads + head).to(tl.int64)
+        if s == NUM_SPLITS:  # the tail program's partial (lse -inf when the row has no tail)
+            live = rmask
+        pidx = ((row * SLOTS + s) * num_q_heads + head).to(tl.int64)
         lse = tl.load(part_lse_ptr + pidx, mask=live, other=float("-inf"))
         src = part_o_ptr + pidx[:, None] * D + STEP * hh[None, :]
         part_a = tl.load(src, mask=live[:, None], other=0.0)
@@ -816,19 +831,29 @@ def decode_config(head_dim: int, scheme: str = "kv4", num_rows: int = 0,
     return 64, 4, 3
 
 
-def decode_tail_in_split(num_rows: int) -> bool:
-    """Whether the last writing split of a decode row attends the residual tail (else the
-    finish kernel does, after every split): single-row batches only. H100, 2026-11-25,
-    kv4 + 16-token residual, D = 128, 8 kv heads, tail in split against tail in finish:
+def decode_tail_mode(num_rows: int) -> str:
+    """Who attends a decode row's residual tail (TAIL_MODES): "split", the row's last writing
+    split, for single-row batches; "finish", the finish kernel after every split, otherwise.
+    H100, 2026-11-25, kv4 + 16-token residual, D = 128, 8 kv heads, split against finish:
     batch 1 25.9/26.6 us (1K), 43.2/46.3 (8K), 73.8/77.3 (32K); batch 8 44.9/42.0,
     114.7/102.0, 333.8/288.7 (the last split's longer run, and its 208 registers, cost more
-    than the finish kernel's tail). MIXPREC_ATTN_TAIL_IN_SPLIT=0/1 forces it (tuning runs)."""
-    v = os.environ.get("MIXPREC_ATTN_TAIL_IN_SPLIT", "").strip()
-    if v in ("0", "1"):
-        return v == "1"
-    if v:
-        raise ValueError(f"MIXPREC_ATTN_TAIL_IN_SPLIT={v!r}: expected 0 or 1")
-    return num_rows == 1
+    than the finish kernel's tail). Both put the tail on the critical path: at batch 8 x 1K it
+    costs 11.5 us a layer (session 13). "program" launches it as one more split, concurrent
+    with the page splits; exact (tests), not yet timed, so not a default.
+    MIXPREC_ATTN_TAIL=finish|split|program forces one (MIXPREC_ATTN_TAIL_IN_SPLIT=0/1, the
+    older knob, means finish/split)."""
+    v = os.environ.get("MIXPREC_ATTN_TAIL", "").strip()
+    old = os.environ.get("MIXPREC_ATTN_TAIL_IN_SPLIT", "").strip()
+    if v and v not in TAIL_MODES:
+        raise ValueError(f"MIXPREC_ATTN_TAIL={v!r}: expected one of {sorted(TAIL_MODES)}")
+    if old and old not in ("0", "1"):
+        raise ValueError(f"MIXPREC_ATTN_TAIL_IN_SPLIT={old!r}: expected 0 or 1")
+    if v and old:
+        raise ValueError("MIXPREC_ATTN_TAIL and MIXPREC_ATTN_TAIL_IN_SPLIT are both set: "
+                         "unset MIXPREC_ATTN_TAIL_IN_SPLIT (MIXPREC_ATTN_TAIL=split is its 1)")
+    if old:
+        return "split" if old == "1" else "finish"
+    return v or ("split" if num_rows == 1 else "finish")
 
 
 def decode_maxnreg() -> dict:
@@ -890,9 +915,10 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, num_sms: int | None = No
 
 
 def decode_partials_rows(max_rows: int, num_kv_heads: int, num_sms: int | None = None) -> int:
-    """Rows (row*split) of the partial-output buffer that any batch <= max_rows needs
-    (with the residual window even one split writes a partial)."""
-    return max((n * decode_num_splits(n, num_kv_heads, num_sms)
+    """Rows (row * slot) of the partial-output buffer that any batch <= max_rows needs: a slot
+    per split and one for a tail program (decode_tail_mode; with the residual window even
+    one split writes a partial)."""
+    return max((n * (decode_num_splits(n, num_kv_heads, num_sms) + 1)
                 for n in range(1, max_rows + 1)), default=0)
 
 
@@ -965,7 +991,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
 
     part_o [>= num_rows*num_splits, Hq, D] fp32 and part_lse [>= ..., Hq] fp32 are needed
     when num_splits > 1 or with a residual: the page kernel then writes per-split partials
-    and _decode_finish_kernel adds the residual tail and merges. Launch parameters depend
+    and _decode_finish_kernel adds the residual tail and merges (with the tail as its own
+    program, decode_tail_mode "program": num_rows*(num_splits + 1) rows, the tail's partial last). Launch parameters depend
     only on shapes and num_rows (CUDA graphs).
     """
     if num_rows == 0:
@@ -977,13 +1004,14 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else 8
     block_n, warps, stages = decode_config(layout.head_dim, layout.scheme, num_rows, num_kv_heads, sms)
-    tail_in_split = has_res and decode_tail_in_split(num_rows)
-    finish = num_splits > 1 or (has_res and not tail_in_split)
+    tail = TAIL_MODES[decode_tail_mode(num_rows)] if has_res else TAIL_FINISH.value
+    slots = num_splits + (tail == TAIL_PROGRAM.value)  # the tail program writes one more partial
+    finish = num_splits > 1 or (has_res and tail != TAIL_LAST_SPLIT.value)
     pdl = finish and decode_pdl(q.device)
-    if finish and (part_o is None or part_lse is None
-                   or part_o.shape[0] < num_rows * num_splits):
-        raise ValueError("num_splits > 1 or a residual needs part_o/part_lse with "
-                         "num_rows*num_splits rows")
+    if finish and (part_o is None or part_lse is None or part_o.shape[0] < num_rows * slots):
+        raise ValueError(f"num_splits > 1 or a residual needs part_o/part_lse with "
+                         f"num_rows*(num_splits{' + 1' if slots > num_splits else ''}) = "
+                         f"{num_rows * slots} rows")
     args = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),
             part_o if finish else q, part_lse if finish else q,
             *cache_args, block_table, block_table.stride(0), seq_lens, query_start_loc,
@@ -993,13 +1021,13 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
                   NUM_SPLITS=num_splits, KV4=layout.scheme == "kv4",
                   HAS_SMOOTH=k_smooth is not None, HAS_KB=k_bias is not None,
                   NP=_num_pairs(k_bias), KB_V=kbias_chunk(block_n), HAS_RES=has_res,
-                  DT=_TL_DTYPE[q.dtype], TAIL_IN_SPLIT=tail_in_split)
-    _paged_attn_kernel[(num_rows, num_kv_heads, num_splits)](
+                  DT=_TL_DTYPE[q.dtype], TAIL=tail)
+    _paged_attn_kernel[(num_rows, num_kv_heads, slots)](
         *args, BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
         CHUNK_MODE=CHUNK_CACHE.value, PDL=pdl, num_warps=warps, num_stages=stages,
         **decode_maxnreg(), **common)
     if finish:
-        if tail_in_split or not has_res:  # merge only: no tl.dot, no 16-row padding
+        if tail != TAIL_FINISH.value or not has_res:  # merge only: no tl.dot, no 16-row padding
             common["G_PAD"] = triton.next_power_of_2(group)
         pdl_launch = {"launch_pdl": True} if pdl else {}
         _decode_finish_kernel[(num_rows, num_kv_heads)](*args, BLOCK_N=block_n, PDL=pdl,
@@ -1042,7 +1070,7 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayo
         BLOCK_N=block_n, BLOCK_R=block_r, NUM_SPLITS=1, DECODE=False,
         KV4=layout.scheme == "kv4", HAS_SMOOTH=k_smooth is not None,
         HAS_KB=k_bias is not None, NP=_num_pairs(k_bias), KB_V=kbias_chunk(block_n),
-        HAS_RES=has_res, TAIL_IN_SPLIT=False,
+        HAS_RES=has_res, TAIL=TAIL_FINISH.value,
         DT=_TL_DTYPE[q.dtype], FAST_UNPACK=fast_unpack(q.device),
         CHUNK_MODE=(CHUNK_MERGE if chunk_lse is not None else
                     CHUNK_TRITON if chunk_kv is not None else CHUNK_CACHE).value,
@@ -1099,10 +1127,9 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
         splits = num_splits or decode_num_splits(num_rows, cache.shape[1])
         part_o = part_lse = None
         if splits > 1 or (residual is not None and residual.tokens > 0):
-            part_o = torch.empty(num_rows * splits, q.shape[1], q.shape[2],
-                                 dtype=torch.float32, device=q.device)
-            part_lse = torch.empty(num_rows * splits, q.shape[1], dtype=torch.float32,
-                                   device=q.device)
+            slots = num_rows * (splits + 1)  # + 1: a tail program's partial (decode_tail_mode)
+            part_o = torch.empty(slots, q.shape[1], q.shape[2], dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(slots, q.shape[1], dtype=torch.float32, device=q.device)
         decode_attention(q, cache, layout, block_table, seq_lens, query_start_loc, out,
                          sm_scale, num_rows, splits, part_o, part_lse, residual, k_smooth,
                          k_bias)
