@@ -8,13 +8,19 @@ a Marlin deployment runs in their place. Both quantisation formulations are time
 
   amax      reference.quantize_act: one reduction; a row's NaN/Inf is read off its amax
   3-reduce  session 12's form: amax plus two all(isfinite) passes (kept here, for the A/B only)
+  amax+pass SiLU input only: compiled with compile_passes.SiluMulQuantFusion, which puts
+            mixprec::silu_mul_quantize_act (one Triton kernel) in place of the pair, as the
+            plugin does in vLLM ("fused" in the JSON counts the pairs it replaced)
 
 Each function is compiled the way vLLM compiles the model: dynamic batch dimension, first call at
 8192 tokens (vLLM's profiling run), so Inductor's size hint and first autotune see 8192 rows;
 `--static` also compiles a static-shape max-autotune version of each at the timed M (what
 `-cc.compile_sizes` asks for). Times are medians of CUDA-graph replays (do_bench_cudagraph).
 
-  python benchmarks/bench_act_quant.py --out DIR [--ms 1 8] [--static]
+`--inductor KEY=VALUE` sets an Inductor config option for every compile (e.g.
+triton.force_cooperative_reductions=True: a row's reduction split over several programs).
+
+  python benchmarks/bench_act_quant.py --out DIR [--ms 1 8] [--static] [--inductor K=V ...]
 """
 from __future__ import annotations
 
@@ -25,9 +31,9 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as Fn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from vllm_mixprec import compile_passes  # noqa: E402
 from vllm_mixprec import reference as ref  # noqa: E402
 
 HIDDEN, INTER, EPS = 4096, 14336, 1e-5  # Llama-3-8B
@@ -55,9 +61,7 @@ def add_rms_norm(x, res, w):
     return y, h.to(torch.bfloat16)
 
 
-def silu_and_mul(gu):
-    d = gu.shape[-1] // 2
-    return Fn.silu(gu[:, :d]) * gu[:, d:]
+silu_and_mul = ref.silu_and_mul  # vLLM's SiluAndMul.forward_native
 
 
 def pattern(name, quant):
@@ -90,11 +94,34 @@ def time_us(fn, args) -> float:
     return triton.testing.do_bench_cudagraph(lambda: fn(*args), rep=50, return_mode="median") * 1e3
 
 
-def compiled(fn, name, static_m: int | None):
+INDUCTOR_OPTIONS: dict = {}  # --inductor
+
+
+def inductor_option(text: str) -> tuple[str, object]:
+    """KEY=VALUE -> (KEY, VALUE as bool/int/float/str)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--inductor {text!r}: expected KEY=VALUE")
+    low = raw.lower()
+    if low in ("true", "false"):
+        return key, low == "true"
+    for cast in (int, float):
+        try:
+            return key, cast(raw)
+        except ValueError:
+            pass
+    return key, raw
+
+
+def compiled(fn, name, static_m: int | None, fusion=None):
     torch._dynamo.reset()
+    opts = dict(INDUCTOR_OPTIONS)
+    if fusion is not None:
+        opts[compile_passes.HOOK] = fusion
     if static_m is not None:
-        return torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False)
-    f = torch.compile(fn)
+        return torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False,
+                             options=opts or None)
+    f = torch.compile(fn, options=opts or None)
     big = inputs(name, PROFILE_TOKENS)
     for t in big:
         if t.dim() == 2:
@@ -108,19 +135,28 @@ def main() -> int:
     ap.add_argument("--out", default="out")
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--static", action="store_true", help="also static-shape max-autotune compiles")
+    ap.add_argument("--inductor", type=inductor_option, action="append", default=[],
+                    metavar="KEY=VALUE", help="an Inductor config option for every compile")
     args = ap.parse_args()
+    INDUCTOR_OPTIONS.update(args.inductor)
     if not torch.cuda.is_available():
         raise SystemExit("bench_act_quant needs a CUDA GPU")
     variants = [("norm", None, "plain"), ("norm", quant_amax, "amax"), ("norm", quant_3reduce, "3-reduce"),
                 ("silu", None, "plain"), ("silu", quant_amax, "amax"), ("silu", quant_3reduce, "3-reduce"),
+                ("silu", quant_amax, "amax+pass"),
                 ("quant", quant_amax, "amax"), ("quant", quant_3reduce, "3-reduce")]
     rows = []
     for name, quant, form in variants:
         for m in args.ms:
+            fusion = compile_passes.SiluMulQuantFusion() if form.endswith("+pass") else None
             row = {"pattern": name, "quant": form, "M": m,
-                   "dynamic_us": time_us(compiled(pattern(name, quant), name, None), inputs(name, m))}
+                   "dynamic_us": time_us(compiled(pattern(name, quant), name, None, fusion),
+                                         inputs(name, m))}
             if args.static:
-                row["static_autotune_us"] = time_us(compiled(pattern(name, quant), name, m), inputs(name, m))
+                row["static_autotune_us"] = time_us(compiled(pattern(name, quant), name, m, fusion),
+                                                    inputs(name, m))
+            if fusion is not None:
+                row["fused"] = fusion.matched
             rows.append(row)
             print(f"{name:6s} {form:9s} M={m:<5d} dynamic {row['dynamic_us']:7.2f} us"
                   + (f"   static max-autotune {row['static_autotune_us']:7.2f} us" if args.static else ""),
@@ -128,7 +164,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_act_quant.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": rows}, f, indent=1)
+                   "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                   "inductor_options": INDUCTOR_OPTIONS, "rows": rows}, f, indent=1)
     return 0
 
 

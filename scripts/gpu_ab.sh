@@ -11,11 +11,9 @@
 #   bash scripts/gpu_ab.sh throughput,longctx fp8       # several workloads in one call
 #   bash scripts/gpu_ab.sh profile w4a8kv4 fp8 marlin   # one decode step's GPU time by op class, per arm
 #   bash scripts/gpu_ab.sh report                       # the table and the targets so far
-# Arms: bf16 marlin machete fp8 w4a8 w4a8kv4 (default: all six), marlin-int8, and w4a8kv4-unfused /
-# w4a8kv4-cachedprefill / w4a8kv4-tritonchunk / w4a8kv4-mergectx / w4a8kv4-pdl / w4a8kv4-tailprog (w4a8kv4 without the Inductor-fused activation
-# quantization / without exact prefill / with exact prefill's chunk in Triton, not FlashAttention /
-# without the 16-bit context workspace / with the decode finish kernel as a dependent launch / with
-# the residual tail in a decode program of its own).
+# Arms: bf16 marlin machete fp8 w4a8 w4a8kv4 (default: all six), marlin-int8, and the w4a8kv4-*
+# arms that change one default each (docs/AB.md): -unfused -siluquant -cachedprefill
+# -tritonchunk -mergectx -pdl -tailprog.
 # A workload stage resumes: what ab.jsonl already has as ok is skipped, so the same command can be
 # repeated after a call ran out of time. Results accumulate in $AB_RESULTS on the host and are
 # copied to $OUT after every finished run (ab.jsonl, ab.json, ab-logs.tar.gz): a killed call loses

@@ -181,8 +181,15 @@ run_bench() {  # NAME TIMEOUT CMD...: one benchmark, its log in $OUT/NAME.log
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40
 }
 
-# The Inductor-fused activation quantisation at decode sizes against plain RMSNorm / SiLU-and-mul
-stage_act_quant() { run_bench bench_act_quant 240 python3 benchmarks/bench_act_quant.py --static --out "$OUT"; }
+# The Inductor-fused activation quantisation at decode sizes against plain RMSNorm / SiLU-and-mul,
+# and mixprec::silu_mul_quantize_act (compile_passes.py) against Inductor's SiLU+quant kernel
+stage_act_quant() {
+  local rc=0
+  pytest_logged pytest-gpu-silu-quant 200 tests/kernels/test_triton_gemm.py tests/test_compile_passes.py \
+    -k "silu_mul or compile" || rc=1
+  run_bench bench_act_quant 300 python3 benchmarks/bench_act_quant.py --ms 1 8 64 512 --out "$OUT" || rc=1
+  return $rc
+}
 stage_bench_gemm() { run_bench bench_gemm 420 python3 benchmarks/bench_gemm.py --out "$OUT"; }
 # The Llama-3-8B layers at decode and prefill M against FP8 W8A8 (what `--quantization fp8` runs)
 stage_bench_fp8() {

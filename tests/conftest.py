@@ -37,6 +37,24 @@ except ImportError:  # hypothesis is a dev dependency; the property tests import
     pass
 
 
+@pytest.fixture
+def repo_module(monkeypatch):
+    """Load a script or benchmark of the repository by path (they are not a package):
+    repo_module("benchmarks/bench_gemm.py"). It is registered in sys.modules for the test, since
+    dataclasses look their module up there."""
+    import importlib.util
+    import pathlib
+
+    def load(relpath: str):
+        path = pathlib.Path(__file__).resolve().parents[1] / relpath
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, path.stem, mod)
+        spec.loader.exec_module(mod)
+        return mod
+    return load
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

@@ -128,7 +128,7 @@ def _quantize_sym(xb: torch.Tensor, qmax: int, row_ok: torch.Tensor | None = Non
     amax = xb.abs().amax(dim=-1)
     ok = torch.isfinite(amax) if row_ok is None else row_ok[:, None]
     scale = torch.where(ok, _div(amax.clamp_min(_EPS), qmax), torch.full_like(amax, _NAN))
-    q = torch.round(xb / scale[..., None]).clamp_(-qmax, qmax)
+    q = torch.round(xb / scale[..., None]).clamp(-qmax, qmax)  # not clamp_: compile_passes traces it
     return torch.where(ok[..., None], q, 0), scale
 
 
@@ -148,6 +148,20 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
     xf = _act_input(x, smooth)
     q, scale = _quantize_sym(xf[:, None, :], F.A8_MAX)
     return q[:, 0].to(torch.int8), scale[:, 0]
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """vLLM's SiluAndMul (its native form): [..., 2K] -> silu(gate) * up [..., K], in x's dtype."""
+    d = gate_up.shape[-1] // 2
+    return torch.nn.functional.silu(gate_up[..., :d]) * gate_up[..., d:]
+
+
+def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_act(silu_and_mul(gate_up), smooth): the down projection's input, [M, 2K] ->
+    (int8 [M, K], float32 scale [M]). Fused kernels replace the pair under torch.compile
+    (compile_passes.py)."""
+    return quantize_act(silu_and_mul(gate_up), smooth)
 
 
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,

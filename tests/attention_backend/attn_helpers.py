@@ -145,6 +145,12 @@ def make_batch(scheme: str, dtype: torch.dtype, head_dim: int, num_kv_heads: int
     return Batch(layout, cache, bt, seq_lens, qsl, q, ks, vs, residual, k_smooth, k_bias)
 
 
+def use_tail(monkeypatch, mode: str) -> None:
+    """Force the decode tail placement (attention.decode_tail_mode; "" = the default)."""
+    monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL", mode)
+
+
 def tolerance(dtype: torch.dtype) -> dict:
     # Output rounding plus fp32 accumulation; bf16 keeps 8 significant bits.
     return dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=3e-3, rtol=3e-3)

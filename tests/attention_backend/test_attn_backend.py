@@ -19,7 +19,7 @@ from vllm_mixprec.attention_backend.impl import (ENV_PREFILL_EXACT, MixPrecAtten
 from vllm_mixprec.attention_backend.metadata import MixPrecAttentionMetadataBuilder
 from vllm_mixprec.kernels.chunk_attention import ENV_CHUNK, chunk_setting, select_chunk_impl
 
-from attn_helpers import DEVICE, cpu_k_bias, make_k_bias, tolerance
+from attn_helpers import DEVICE, cpu_k_bias, make_k_bias, tolerance, use_tail
 
 CARRIERS = ("int4_per_token_head", "int8_per_token_head")
 
@@ -172,8 +172,7 @@ def test_builder_and_impl_over_steps(carrier, dtype, res, bias, exact, monkeypat
     import vllm_mixprec.attention_backend.impl as impl_mod
     if exact.endswith("-tailprog"):
         exact = exact.removesuffix("-tailprog")
-        monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
-        monkeypatch.setenv("MIXPREC_ATTN_TAIL", "program")
+        use_tail(monkeypatch, "program")
     monkeypatch.setenv(R.ENV_TOKENS, str(res))
     monkeypatch.setenv(ENV_PREFILL_EXACT, "0" if exact == "0" else "1")
     monkeypatch.setenv(ENV_CHUNK, "triton" if exact in ("0", "1") else "flash")

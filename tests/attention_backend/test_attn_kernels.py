@@ -15,7 +15,7 @@ from vllm_mixprec.kernels.triton.attention import (decode_attention, decode_conf
                                                    paged_attention, prefill_attention)
 from vllm_mixprec.kernels.triton.kv_cache import KVResidual, quantize_and_store
 
-from attn_helpers import DEVICE, cpu_k_bias, make_batch, slots_of, tolerance
+from attn_helpers import DEVICE, cpu_k_bias, make_batch, slots_of, tolerance, use_tail
 
 SCHEMES = ("kv4", "kv8")
 DTYPES = (torch.float16, torch.bfloat16)
@@ -118,8 +118,7 @@ def test_decode_merges_many_splits(scheme, d, res, splits, group, tail, monkeypa
     attends the tail alone). One split with the tail in it: no finish kernel at all. The
     tail as its own program: one more partial, merged last. A merge-only finish pads the
     group to a power of two: 1 and 6 (padded to 8) too."""
-    monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
-    monkeypatch.setenv("MIXPREC_ATTN_TAIL", tail)
+    use_tail(monkeypatch, tail)
     rows = [(1, 700), (1, 330), (1, 64), (1, 20), (1, 9)]
     batch = make_batch(scheme, torch.bfloat16, d, 2, group, rows, residual_tokens=res,
                        writer=_writer)
@@ -408,8 +407,7 @@ def test_paged_attention_gpu_decode_configs(scheme, cfg, tail, monkeypatch):
     """Every decode config decode_config() may pick (or a tuning run forces) is exact, with
     the residual tail in the finish kernel, in the last split, or in a program of its own."""
     monkeypatch.setenv("MIXPREC_ATTN_DECODE_CFG", cfg)
-    monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
-    monkeypatch.setenv("MIXPREC_ATTN_TAIL", tail)
+    use_tail(monkeypatch, tail)
     torch.manual_seed(3)
     dtype, head_dim = torch.bfloat16, 128
     rows = [(1, 3000), (1, 17), (1, 1025), (1, 129), (1, 4096)]
@@ -492,8 +490,7 @@ def test_decode_cuda_graph_replay(scheme, pdl, tail, monkeypatch):
     tail-program: the residual tail attended by a program of its own."""
     _need_pdl(pdl)
     monkeypatch.setenv("MIXPREC_ATTN_PDL", pdl)
-    monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
-    monkeypatch.setenv("MIXPREC_ATTN_TAIL", tail)
+    use_tail(monkeypatch, tail)
     torch.manual_seed(2)
     dtype, d, hkv, g, n, b = torch.bfloat16, 128, 8, 4, 8, 16
     layout = F.KVPageLayout(scheme, d, b)
@@ -554,8 +551,7 @@ def test_decode_pdl_matches_plain_launch(scheme, rows, tail, monkeypatch):
     output is bit-identical to the plain launches (by default the tail in the last split for
     one row, in the finish kernel for four; or in a program of its own)."""
     _need_pdl("1")
-    monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
-    monkeypatch.setenv("MIXPREC_ATTN_TAIL", tail)
+    use_tail(monkeypatch, tail)
     torch.manual_seed(5)
     batch = make_batch(scheme, torch.bfloat16, 128, 4, 4, rows, residual_tokens=16,
                        writer=_writer)

@@ -43,6 +43,7 @@ def test_arm_table():
     assert a["w4a8kv4-pdl"].flags == a["w4a8kv4"].flags
     assert dict(a["w4a8kv4-pdl"].env) == {"MIXPREC_ATTN_PDL": "1"}
     assert dict(a["w4a8kv4-tailprog"].env) == {"MIXPREC_ATTN_TAIL": "program"}
+    assert dict(a["w4a8kv4-siluquant"].env) == {"MIXPREC_FUSE_SILU_QUANT": "1"}
     assert all(arm.ckpt in syn.CKPT_KINDS for arm in a.values())
 
 
@@ -151,6 +152,10 @@ def test_log_facts():
             "(EngineCore pid=1) INFO [cuda.py:422] Using AttentionBackendEnum.CUSTOM backend.\n"
             "(EngineCore pid=1) INFO [kv_cache_utils.py:2177] GPU KV cache size: 36,345,136 tokens\n")
     f = S.log_facts(text)
+    assert f["silu_quant_fused"] is False
+    assert S.log_facts(text + "INFO [compile_passes.py:120] vllm_mixprec: SiLU-and-mul + quantize "
+                       "fused into mixprec::silu_mul_quantize_act (1 in the first graph)\n"
+                       )["silu_quant_fused"] is True
     assert f["kernels"] == ["MacheteLinearKernel for AutoGPTQLinearMethod"]
     assert (f["kv_cache_tokens"], f["attention_backend"], f["plugin_logged"]) == (36345136, "CUSTOM", True)
     assert f["mixprec_kernels"].startswith("csrc ops loaded")

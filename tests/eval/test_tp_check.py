@@ -1,19 +1,11 @@
 """scripts/tp_check.py's verdict (issue #7, TP=2 against TP=1), on made-up completions: the rule
 must pass identical runs and tie flips, and fail runs whose logprobs part from step 0."""
-import importlib.util
-import pathlib
-
 import pytest
 
-_PATH = pathlib.Path(__file__).parents[2] / "scripts" / "tp_check.py"
 
-
-@pytest.fixture(scope="module")
-def tp():
-    spec = importlib.util.spec_from_file_location("tp_check", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture
+def tp(repo_module):
+    return repo_module("scripts/tp_check.py")
 
 
 def _run(tokens, tops):

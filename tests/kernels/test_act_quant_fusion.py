@@ -130,15 +130,10 @@ def test_fuse_act_quant_env():
         kernels.fuse_act_quant({"MIXPREC_FUSE_ACT_QUANT": "on"})
 
 
-def test_act_quant_benchmark_times_the_same_function(seeded):
+def test_act_quant_benchmark_times_the_same_function(seeded, repo_module):
     """benchmarks/bench_act_quant.py's A/B: its session-12 form ("3-reduce") computes exactly
     reference.quantize_act, NaN/Inf rows included, so the timing difference is the form alone."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "bench_act_quant.py"
-    spec = importlib.util.spec_from_file_location("bench_act_quant", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = repo_module("benchmarks/bench_act_quant.py")
     x = (torch.randn(6, 256, generator=seeded) * 3).to(torch.bfloat16)
     x[1, 7], x[3, 0], x[4, 255] = float("nan"), float("inf"), float("-inf")
     x[5] = 0
@@ -146,3 +141,12 @@ def test_act_quant_benchmark_times_the_same_function(seeded):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     q, s = bench.quant_amax(x)
     assert torch.isnan(s[[1, 3, 4]]).all() and (q[[1, 3, 4]] == 0).all() and torch.isfinite(s[[0, 2, 5]]).all()
+
+
+def test_act_quant_benchmark_inductor_options(repo_module):
+    bench = repo_module("benchmarks/bench_act_quant.py")
+    assert bench.inductor_option("triton.force_cooperative_reductions=True") == (
+        "triton.force_cooperative_reductions", True)
+    assert bench.inductor_option("triton.multi_kernel=1") == ("triton.multi_kernel", 1)
+    with pytest.raises(Exception, match="expected KEY=VALUE"):
+        bench.inductor_option("no-equals-sign")

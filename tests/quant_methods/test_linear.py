@@ -53,6 +53,24 @@ def test_gate_up_merged_loading(vllm_tp1, seeded):
     _check_apply(layer, shards, 3, 256, seeded, torch.bfloat16)
 
 
+def test_first_layer_installs_the_silu_quant_fusion(vllm_tp1, monkeypatch):
+    """With MIXPREC_FUSE_SILU_QUANT=1, building a mixprec linear layer puts compile_passes'
+    pass where vLLM's pass manager takes it, and vLLM's compile-cache hash then covers it
+    (through the pass's uuid)."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    from vllm_mixprec import compile_passes as cp
+    monkeypatch.setenv("MIXPREC_FUSE_SILU_QUANT", "1")  # opt-in
+    inductor_cfg = vllm_tp1.compilation_config.inductor_compile_config
+    monkeypatch.delitem(inductor_cfg, cp.HOOK, raising=False)
+    before = vllm_tp1.compilation_config.compute_hash()
+    RowParallelLinear(128, 64, bias=False, quant_config=MixPrecConfig.from_config(BASE),
+                      params_dtype=torch.float16, prefix="model.layers.0.mlp.down_proj")
+    assert isinstance(inductor_cfg[cp.HOOK], cp.SiluMulQuantFusion)
+    assert vllm_tp1.compilation_config.compute_hash() != before
+    monkeypatch.delitem(inductor_cfg, cp.HOOK)
+
+
 def test_row_parallel_with_bias(vllm_tp1, seeded):
     from vllm.model_executor.layers.linear import RowParallelLinear
     layer = RowParallelLinear(384, 128, bias=True, quant_config=MixPrecConfig.from_config(BASE),

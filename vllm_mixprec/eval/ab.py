@@ -89,6 +89,10 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
     Arm("w4a8kv4-unfused", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
         (("MIXPREC_FUSE_ACT_QUANT", "0"),), attention_backend="CUSTOM",
         what="w4a8kv4 with the separate activation-quantize kernel (no Inductor fusion)"),
+    Arm("w4a8kv4-siluquant", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
+        (("MIXPREC_FUSE_SILU_QUANT", "1"),), attention_backend="CUSTOM",
+        what="w4a8kv4 whose down projection takes mixprec::silu_mul_quantize_act in place of "
+             "Inductor's SiLU-and-mul + quantize kernel (compile_passes.py)"),
     Arm("w4a8kv4-cachedprefill", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
         (("MIXPREC_ATTN_PREFILL_EXACT", "0"),), attention_backend="CUSTOM",
         what="w4a8kv4 whose prefill reads the chunk's own keys back from the KV4 pages"),

@@ -185,6 +185,24 @@ def _(x8, s8, x4, s4, qweight, group_scale, group_offset, channel_scale, bias, o
     return x8.new_empty((x8.shape[0], channel_scale.shape[0]), dtype=out_dtype)
 
 
+@torch.library.custom_op("mixprec::silu_mul_quantize_act", mutates_args=())
+def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.silu_mul_quantize_act in one Triton kernel (no csrc twin): what
+    compile_passes.SiluMulQuantFusion puts in place of SiluAndMul + the traced quantize_act.
+    CPU tensors (and MIXPREC_KERNEL=reference) take the reference."""
+    on_gpu = gate_up.device.type == "cuda" or _interpreting()
+    mod = _triton() if on_gpu and _FORCED != "reference" else ref
+    return mod.silu_mul_quantize_act(gate_up, smooth)
+
+
+@silu_mul_quantize_act.register_fake
+def _(gate_up, smooth):
+    m, k = gate_up.shape[0], gate_up.shape[1] // 2
+    return (gate_up.new_empty((m, k), dtype=torch.int8),
+            gate_up.new_empty((m,), dtype=torch.float32))
+
+
 # --- what the linear method calls -------------------------------------------------------
 
 _PARAMS = ("qweight", "group_scale", "group_offset", "channel_scale", "input_smooth", "act_perm")

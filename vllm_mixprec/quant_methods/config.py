@@ -186,7 +186,11 @@ class MixPrecConfig(QuantizationConfig):
             if self.is_layer_ignored(prefix):
                 from .k_bias import RecordingUnquantizedLinearMethod
                 return RecordingUnquantizedLinearMethod(prefix)
+            from vllm.config import get_current_vllm_config
+
+            from ..compile_passes import install
             from .linear import MixPrecLinearMethod
+            install(get_current_vllm_config().compilation_config)  # once; later calls see it
             return MixPrecLinearMethod(self, prefix)
         if isinstance(layer, Attention):
             from .kv_cache import MixPrecKVCacheMethod

@@ -59,7 +59,7 @@ CHUNK_CACHE, CHUNK_TRITON, CHUNK_MERGE = tl.constexpr(0), tl.constexpr(1), tl.co
 # split; the row's last writing split, after its pages; or a program of its own, launched as one
 # more split beside the page splits, whose partial the finish kernel merges like theirs.
 TAIL_FINISH, TAIL_LAST_SPLIT, TAIL_PROGRAM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-TAIL_MODES = {"finish": 0, "split": 1, "program": 2}
+TAIL_MODES = {"finish": TAIL_FINISH.value, "split": TAIL_LAST_SPLIT.value, "program": TAIL_PROGRAM.value}
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -604,13 +604,15 @@ def _paged_attn_kernel(
     """Decode (grid rows x kv_heads x splits; rows of query length 1) or prefill/extend
     (grid rows x kv_heads x query blocks; rows of query length > 1). Decode writes split
     partials when _decode_finish_kernel follows; the residual tail is attended as TAIL says:
-    by the finish kernel, the last writing split, or (TAIL_PROGRAM) the extra program at split
-    index NUM_SPLITS, which attends no pages.
+    by the finish kernel, the last writing split, or (TAIL_PROGRAM) one more program (grid
+    z = 0, partial slot NUM_SPLITS) that attends no pages.
     Prefill: the older tokens come from the pages (and the residual pool) as decode reads
     them, the row's own new tokens as CHUNK_MODE says (module docstring)."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     x = tl.program_id(2)  # decode: split index; prefill: query block
+    if DECODE and TAIL == TAIL_PROGRAM:  # the tail program at z = 0: the grid's z-slices are
+        x = (x + NUM_SPLITS) % (NUM_SPLITS + 1)  # dispatched in order, so it overlaps the pages
     if PDL:  # the finish kernel may start its tail while the splits run (decode_pdl)
         gdc_launch_dependents()
     qlen = tl.load(qsl_ptr + row + 1) - tl.load(qsl_ptr + row)
@@ -838,8 +840,11 @@ def decode_tail_mode(num_rows: int) -> str:
     batch 1 25.9/26.6 us (1K), 43.2/46.3 (8K), 73.8/77.3 (32K); batch 8 44.9/42.0,
     114.7/102.0, 333.8/288.7 (the last split's longer run, and its 208 registers, cost more
     than the finish kernel's tail). Both put the tail on the critical path: at batch 8 x 1K it
-    costs 11.5 us a layer (session 13). "program" launches it as one more split, concurrent
-    with the page splits; exact (tests), not yet timed, so not a default.
+    costs 11.5 us a layer (session 13). "program" launches it as one more split (dispatched
+    first), concurrent with the page splits: exact, but mixed on the H100 (2026-11-26) against
+    the default: 17.4/19.7 us (b1 1K), 26.2/30.0 (b1 8K), 36.1/39.6 (b8 1K), 108.7/99.1 (b8 8K),
+    79.7/79.9 (b64 1K), 384.4/375.4 (b64 8K); served TPOT 3.66/3.65 ms (C=1), 4.28/4.22 (C=8).
+    So not a default.
     MIXPREC_ATTN_TAIL=finish|split|program forces one (MIXPREC_ATTN_TAIL_IN_SPLIT=0/1, the
     older knob, means finish/split)."""
     v = os.environ.get("MIXPREC_ATTN_TAIL", "").strip()

@@ -37,6 +37,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ... import formats as F
 
@@ -281,11 +282,44 @@ def _lqq_gemm_kernel(
 # --- activation quantisation ----------------------------------------------------------
 
 @triton.jit
-def _act_values(xrow, perm_ptr, smooth_ptr, j, mask, HAS_PERM: tl.constexpr,
-                HAS_SMOOTH: tl.constexpr):
-    """fp32 values of (permuted) columns j of one row, divided by smooth (as the reference)."""
+def _silu_libdevice(g):
+    """torch's silu in fp32, bit for bit: g / (1 + expf(-g)), expf from libdevice as in ATen."""
+    return tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
+
+
+@triton.jit
+def _silu_interpreted(g):
+    """The CPU interpreter has no libdevice; its tl.exp is numpy's expf."""
+    return tl.math.div_rn(g, 1.0 + tl.exp(-g))
+
+
+_silu = _silu_interpreted if os.environ.get("TRITON_INTERPRET", "0") == "1" else _silu_libdevice
+
+
+@triton.jit
+def _rounded_as(v, like):
+    """fp32 v rounded to like's dtype (nearest even), back in fp32. bf16 is rounded in the
+    bits, since the CPU interpreter's bf16 cast truncates; NaN is kept apart (the GPU's NaN,
+    0x7FFFFFFF, would carry into the sign bit and come out as -0)."""
+    if like.dtype == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        return tl.where(v == v, b.to(tl.float32, bitcast=True), v)
+    return v.to(like.dtype).to(tl.float32)
+
+
+@triton.jit
+def _act_values(xrow, perm_ptr, smooth_ptr, j, mask, up, HAS_PERM: tl.constexpr,
+                HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr):
+    """fp32 values of (permuted) columns j of one row, divided by smooth (as the reference).
+    GATED: the row is [gate | up] (up at column offset `up`) and the value is vLLM's
+    SiluAndMul, silu(gate) * up, rounded to the row's dtype after each op as torch does."""
     c = tl.load(perm_ptr + j, mask=mask, other=0) if HAS_PERM else j
-    v = tl.load(xrow + c, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(xrow + c, mask=mask, other=0.0)
+    if GATED:
+        u = tl.load(xrow + up + c, mask=mask, other=0.0)
+        v = _rounded_as(_rounded_as(_silu(v.to(tl.float32)), u) * u.to(tl.float32), u)
+    v = v.to(tl.float32)
     if HAS_SMOOTH:
         v = tl.math.div_rn(v, tl.load(smooth_ptr + c, mask=mask, other=1.0).to(tl.float32))
     return v
@@ -317,14 +351,17 @@ def _scale_of(amax, nonfinite, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _segment_values(xrow, perm_ptr, smooth_ptr, j0, bb, mask, PAIRS: tl.constexpr,
-                    HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr):
+def _segment_values(xrow, perm_ptr, smooth_ptr, j0, bb, mask, up, PAIRS: tl.constexpr,
+                    HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr):
     """Values behind output bytes bb: columns j0+2bb and j0+2bb+1 (PAIRS), else j0+bb twice."""
     if PAIRS:
-        v0 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + 2 * bb, mask, HAS_PERM, HAS_SMOOTH)
-        v1 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + 2 * bb + 1, mask, HAS_PERM, HAS_SMOOTH)
+        v0 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + 2 * bb, mask, up, HAS_PERM,
+                         HAS_SMOOTH, GATED)
+        v1 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + 2 * bb + 1, mask, up, HAS_PERM,
+                         HAS_SMOOTH, GATED)
     else:
-        v0 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + bb, mask, HAS_PERM, HAS_SMOOTH)
+        v0 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + bb, mask, up, HAS_PERM, HAS_SMOOTH,
+                         GATED)
         v1 = v0
     return v0, v1
 
@@ -344,27 +381,28 @@ def _amax(v0, v1):
 
 
 @triton.jit
-def _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, R: tl.constexpr, BB: tl.constexpr,
-                  PAIRS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr):
+def _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, up, R: tl.constexpr, BB: tl.constexpr,
+                  PAIRS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                  GATED: tl.constexpr):
     """Chunk c of a segment of nb output bytes at column j0: R rows of BB bytes. Returns the
     values behind the bytes (v0, v1 [R, BB], zero where masked), the byte offsets and mask."""
     bb = (c * R + tl.arange(0, R))[:, None] * BB + tl.arange(0, BB)[None, :]
     mask = bb < nb
-    v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, bb, mask, PAIRS, HAS_PERM,
-                             HAS_SMOOTH)
+    v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, bb, mask, up, PAIRS, HAS_PERM,
+                             HAS_SMOOTH, GATED)
     return v0, v1, bb, mask
 
 
 @triton.jit
-def _segment_stats(xrow, perm_ptr, smooth_ptr, j0, nb, R: tl.constexpr, BB: tl.constexpr,
+def _segment_stats(xrow, perm_ptr, smooth_ptr, j0, nb, up, R: tl.constexpr, BB: tl.constexpr,
                    NCHUNK: tl.constexpr, PAIRS: tl.constexpr, HAS_PERM: tl.constexpr,
-                   HAS_SMOOTH: tl.constexpr):
+                   HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr):
     """(max |x|, number of NaN/Inf) over a whole segment, chunk by chunk."""
     amax = 0.0
     bad = 0
     for c in range(NCHUNK):
-        v0, v1, bb, mask = _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, R, BB, PAIRS,
-                                         HAS_PERM, HAS_SMOOTH)
+        v0, v1, bb, mask = _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, up, R, BB,
+                                         PAIRS, HAS_PERM, HAS_SMOOTH, GATED)
         amax = tl.maximum(amax, _amax(v0, v1))
         bad += _num_nonfinite(v0, v1)
     return amax, bad
@@ -393,14 +431,14 @@ def _encode_chunk(v0, v1, bb, mask, c, nb, qrow, srow, amax, bad, QMAX: tl.const
 
 
 @triton.jit
-def _encode_segment(xrow, perm_ptr, smooth_ptr, j0, nb, qrow, srow, amax, bad,
+def _encode_segment(xrow, perm_ptr, smooth_ptr, j0, nb, qrow, srow, amax, bad, up,
                     QMAX: tl.constexpr, PAIRS: tl.constexpr, PER_BLOCK: tl.constexpr,
                     R: tl.constexpr, BB: tl.constexpr, NCHUNK: tl.constexpr,
-                    HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr):
+                    HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr):
     """_encode_chunk over a whole segment, reading it chunk by chunk."""
     for c in range(NCHUNK):
-        v0, v1, bb, mask = _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, R, BB, PAIRS,
-                                         HAS_PERM, HAS_SMOOTH)
+        v0, v1, bb, mask = _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, up, R, BB,
+                                         PAIRS, HAS_PERM, HAS_SMOOTH, GATED)
         _encode_chunk(v0, v1, bb, mask, c, nb, qrow, srow, amax, bad, QMAX, PAIRS, PER_BLOCK,
                       R, BB)
 
@@ -408,7 +446,7 @@ def _encode_segment(xrow, perm_ptr, smooth_ptr, j0, nb, qrow, srow, amax, bad,
 @triton.jit
 def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_ptr,
                       K, K8, stride_x, stride_x8, stride_x4, stride_s8, stride_s4,
-                      HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                      HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr,
                       HAS_A8: tl.constexpr, HAS_A4: tl.constexpr, PER_BLOCK: tl.constexpr,
                       ONE_PASS: tl.constexpr, R8: tl.constexpr, BB8: tl.constexpr,
                       NCHUNK8: tl.constexpr, R4: tl.constexpr, BB4: tl.constexpr,
@@ -417,7 +455,8 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
 
     Scales: one per segment (quantize_act), or one per ACT_BLOCK-channel block (PER_BLOCK,
     W4Ax: chunk rows are blocks). ONE_PASS keeps the whole row in registers (x is read once);
-    longer rows are read twice, the second time mostly from L2."""
+    longer rows are read twice, the second time mostly from L2. GATED: x rows are [gate | up]
+    of width 2K, quantized as SiluAndMul(x) (_act_values)."""
     row = tl.program_id(0).to(tl.int64)
     xrow = x_ptr + row * stride_x
     q8 = x8_ptr + row * stride_x8
@@ -430,13 +469,13 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
     bad = 0
     if ONE_PASS:
         if HAS_A8:
-            a0, a1, ab, am = _chunk_values(xrow, perm_ptr, smooth_ptr, 0, K8, 0, R8, BB8, False,
-                                           HAS_PERM, HAS_SMOOTH)
+            a0, a1, ab, am = _chunk_values(xrow, perm_ptr, smooth_ptr, 0, K8, 0, K, R8, BB8,
+                                           False, HAS_PERM, HAS_SMOOTH, GATED)
             amax8 = _amax(a0, a1)
             bad += _num_nonfinite(a0, a1)
         if HAS_A4:
-            b0, b1, bb, bm = _chunk_values(xrow, perm_ptr, smooth_ptr, K8, N4, 0, R4, BB4, True,
-                                           HAS_PERM, HAS_SMOOTH)
+            b0, b1, bb, bm = _chunk_values(xrow, perm_ptr, smooth_ptr, K8, N4, 0, K, R4, BB4,
+                                           True, HAS_PERM, HAS_SMOOTH, GATED)
             amax4 = _amax(b0, b1)
             bad += _num_nonfinite(b0, b1)
         if HAS_A8:
@@ -446,19 +485,19 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
             _encode_chunk(b0, b1, bb, bm, 0, N4, q4, sr4, amax4, bad, 7, True, PER_BLOCK, R4, BB4)
     else:
         if HAS_A8:
-            amax8, bad8 = _segment_stats(xrow, perm_ptr, smooth_ptr, 0, K8, R8, BB8, NCHUNK8,
-                                         False, HAS_PERM, HAS_SMOOTH)
+            amax8, bad8 = _segment_stats(xrow, perm_ptr, smooth_ptr, 0, K8, K, R8, BB8, NCHUNK8,
+                                         False, HAS_PERM, HAS_SMOOTH, GATED)
             bad += bad8
         if HAS_A4:
-            amax4, bad4 = _segment_stats(xrow, perm_ptr, smooth_ptr, K8, N4, R4, BB4, NCHUNK4,
-                                         True, HAS_PERM, HAS_SMOOTH)
+            amax4, bad4 = _segment_stats(xrow, perm_ptr, smooth_ptr, K8, N4, K, R4, BB4, NCHUNK4,
+                                         True, HAS_PERM, HAS_SMOOTH, GATED)
             bad += bad4
         if HAS_A8:
-            _encode_segment(xrow, perm_ptr, smooth_ptr, 0, K8, q8, sr8, amax8, bad, 127, False,
-                            PER_BLOCK, R8, BB8, NCHUNK8, HAS_PERM, HAS_SMOOTH)
+            _encode_segment(xrow, perm_ptr, smooth_ptr, 0, K8, q8, sr8, amax8, bad, K, 127,
+                            False, PER_BLOCK, R8, BB8, NCHUNK8, HAS_PERM, HAS_SMOOTH, GATED)
         if HAS_A4:
-            _encode_segment(xrow, perm_ptr, smooth_ptr, K8, N4, q4, sr4, amax4, bad, 7, True,
-                            PER_BLOCK, R4, BB4, NCHUNK4, HAS_PERM, HAS_SMOOTH)
+            _encode_segment(xrow, perm_ptr, smooth_ptr, K8, N4, q4, sr4, amax4, bad, K, 7, True,
+                            PER_BLOCK, R4, BB4, NCHUNK4, HAS_PERM, HAS_SMOOTH, GATED)
 
 
 # ======================================================================================
@@ -723,13 +762,18 @@ def _num_warps_for(values: int) -> int:
     return 1 << max(0, min(4, (values // 512).bit_length() - 1))
 
 
-def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool) -> None:
+def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool, gated: bool = False
+                  ) -> None:
+    """gated: x is [M, 2K] = [gate | up], quantized as SiluAndMul(x) [M, K]."""
     M, K = x.shape
+    K //= 1 + gated
     if M == 0:
         return
-    r8, b8, c8 = _segment_chunks(k8, 1, F.ACT_BLOCK if per_block else None)
-    r4, b4, c4 = _segment_chunks((K - k8) // 2, 2, F.ACT_BLOCK // 2 if per_block else None)
-    values = [r8 * b8] * (k8 > 0) + [2 * r4 * b4] * (k8 < K)  # per chunk, of each segment
+    r8, b8, c8 = _segment_chunks(k8, 1 + gated, F.ACT_BLOCK if per_block else None)
+    r4, b4, c4 = _segment_chunks((K - k8) // 2, 2 * (1 + gated),
+                                 F.ACT_BLOCK // 2 if per_block else None)
+    # values loaded per chunk, of each segment (gated: gate and up)
+    values = [(1 + gated) * r8 * b8] * (k8 > 0) + [2 * (1 + gated) * r4 * b4] * (k8 < K)
     one_pass = c8 == 1 and c4 == 1 and sum(values) <= _MAX_ROW_VALUES
     x8 = x8 if x8.numel() else x4.view(torch.int8)  # placeholders of empty parts (unread)
     x4 = x4 if x4.numel() else x8.view(torch.uint8)
@@ -738,7 +782,7 @@ def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool) -> None:
     _quant_act_kernel[(M,)](
         x, perm if perm is not None else x, smooth if smooth is not None else x,
         x8, s8, x4, s4, K, k8, x.stride(0), x8.stride(0), x4.stride(0), s8.stride(0),
-        s4.stride(0), HAS_PERM=perm is not None, HAS_SMOOTH=smooth is not None,
+        s4.stride(0), HAS_PERM=perm is not None, HAS_SMOOTH=smooth is not None, GATED=gated,
         HAS_A8=k8 > 0, HAS_A4=k8 < K, PER_BLOCK=per_block, ONE_PASS=one_pass,
         R8=r8, BB8=b8, NCHUNK8=c8, R4=r4, BB4=b4, NCHUNK4=c4,
         num_warps=_num_warps_for(sum(values) if one_pass else max(values)))
@@ -766,6 +810,25 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
     _launch_quant(x, None, smooth.contiguous() if smooth is not None else None, K, q, s, q, s,
                   per_block=False)
+    return q, s
+
+
+def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_act(SiluAndMul(gate_up), smooth) in one kernel: gate_up [M, 2K] -> (int8
+    [M, K], float32 scale [M]). The row's silu(gate) * up never reaches memory; each value
+    is rounded to gate_up's dtype as torch rounds it, so the codes are those of the two ops."""
+    _check_dtype("gate_up", gate_up, _ACT_DTYPES)
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be 2-D [M, 2K]; got shape {tuple(gate_up.shape)}")
+    M, K = gate_up.shape[0], gate_up.shape[1] // 2
+    if smooth is not None:
+        _check_dtype("smooth", smooth, _ACT_DTYPES)
+        _check_shape("smooth", smooth, (K,))
+    q = torch.empty((M, K), dtype=torch.int8, device=gate_up.device)
+    s = torch.empty((M,), dtype=torch.float32, device=gate_up.device)
+    _launch_quant(_row_major(gate_up), None, smooth.contiguous() if smooth is not None else None,
+                  K, q, s, q, s, per_block=False, gated=True)
     return q, s
 
 

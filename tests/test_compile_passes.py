@@ -1,0 +1,116 @@
+"""compile_passes.SiluMulQuantFusion: under torch.compile (Inductor, CPU here) the down
+projection's SiluAndMul + traced quantize_act become mixprec::silu_mul_quantize_act, with
+the same numbers; other producers and other splits are left alone; install() puts the pass
+in vLLM's post-grad hook once if MIXPREC_FUSE_SILU_QUANT=1 (it is opt-in: slower than
+Inductor's kernel on the H100), and leaves a user's pass in place."""
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as Fn
+
+from vllm_mixprec import compile_passes as cp
+from vllm_mixprec import kernels
+from vllm_mixprec import reference as ref
+
+
+def _layer(seeded, n=48, k=64, smooth=False, device="cpu"):
+    w = ref.quantize_weight_lqq(torch.randn(n, k, generator=seeded), 64)
+    sm = (torch.rand(k, generator=seeded) + 0.5) if smooth else None
+    return SimpleNamespace(**{name: t.to(device) for name, t in w.items()},
+                           mixprec_impl="reference" if device == "cpu" else "triton",
+                           mixprec_scheme="w4a8", input_smooth=None if sm is None else sm.to(device))
+
+
+def _compiled(fn, *args):
+    """fn compiled by Inductor with a fresh SiluMulQuantFusion (dynamic batch, as vLLM)."""
+    fusion = cp.SiluMulQuantFusion()
+    torch._dynamo.reset()
+    for a in args:
+        torch._dynamo.mark_dynamic(a, 0)
+    out = torch.compile(fn, fullgraph=True,
+                        options={cp.HOOK: fusion, "fx_graph_cache": False})(*args)
+    return out, fusion
+
+
+@pytest.fixture
+def fused_act_quant(monkeypatch):
+    monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_down_projection_input_becomes_one_op(seeded, fused_act_quant, smooth, device):
+    """On CUDA the op is the Triton kernel, bit for bit the eager torch ops."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    layer = _layer(seeded, smooth=smooth, device=device)
+    gate_up = (torch.randn(5, 128, generator=seeded) * 2).to(torch.bfloat16).to(device)
+
+    def mlp_down(gu):
+        return kernels.apply_linear(layer, SiluAndMul.forward_native(gu), None)
+
+    out, fusion = _compiled(mlp_down, gate_up)
+    assert fusion.matched == 1
+    torch.testing.assert_close(out, mlp_down(gate_up), rtol=0, atol=0)
+
+
+def test_other_producers_and_other_splits_are_left_alone(seeded, fused_act_quant):
+    layer = _layer(seeded)
+
+    def norm_then_linear(x):  # RMSNorm's quantization stays Inductor's
+        h = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return kernels.apply_linear(layer, h, None)
+
+    def thirds(x):  # silu(x[:, :d]) * x[:, d:2d] of a 3d-wide x: not SiluAndMul
+        return kernels.apply_linear(layer, Fn.silu(x[:, :64]) * x[:, 64:128], None)
+
+    x = torch.randn(4, 64, generator=seeded).to(torch.bfloat16)
+    assert _compiled(norm_then_linear, x)[1].matched == 0
+    x3 = torch.randn(4, 192, generator=seeded).to(torch.bfloat16)
+    out, fusion = _compiled(thirds, x3)
+    assert fusion.matched == 0
+    want = thirds(x3).float()  # Inductor skips the eager bf16 roundings: a few codes move
+    assert float((out.float() - want).norm() / want.norm()) < 0.02
+
+
+def test_op_reference_and_fake(seeded):
+    gate_up = torch.randn(3, 32, generator=seeded).to(torch.float16)
+    q, s = torch.ops.mixprec.silu_mul_quantize_act(gate_up, None)
+    q_ref, s_ref = ref.quantize_act(Fn.silu(gate_up[:, :16]) * gate_up[:, 16:])
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fq, fs = torch.ops.mixprec.silu_mul_quantize_act(mode.from_tensor(gate_up), None)
+    assert (fq.shape, fq.dtype, fs.shape, fs.dtype) == ((3, 16), torch.int8, (3,), torch.float32)
+
+
+def test_install_once_and_respects_a_users_pass(monkeypatch, caplog):
+    monkeypatch.delenv("MIXPREC_FUSE_SILU_QUANT", raising=False)
+    off = SimpleNamespace(inductor_compile_config={})
+    assert not cp.install(off) and cp.HOOK not in off.inductor_compile_config  # opt-in
+    monkeypatch.setenv("MIXPREC_FUSE_SILU_QUANT", "1")
+    cc = SimpleNamespace(inductor_compile_config={})
+    assert cp.install(cc) and isinstance(cc.inductor_compile_config[cp.HOOK], cp.SiluMulQuantFusion)
+    first = cc.inductor_compile_config[cp.HOOK]
+    assert cp.install(cc) and cc.inductor_compile_config[cp.HOOK] is first
+    users = SimpleNamespace(inductor_compile_config={cp.HOOK: "user pass"})
+    with caplog.at_level(logging.WARNING, logger="vllm.mixprec"):
+        assert not cp.install(users)
+    assert users.inductor_compile_config[cp.HOOK] == "user pass"
+    assert "fusion is left out" in caplog.text
+    monkeypatch.setenv("MIXPREC_FUSE_SILU_QUANT", "0")
+    assert not cp.install(off) and cp.HOOK not in off.inductor_compile_config
+    monkeypatch.setenv("MIXPREC_FUSE_SILU_QUANT", "yes")
+    with pytest.raises(ValueError, match="MIXPREC_FUSE_SILU_QUANT='yes': expected 0"):
+        cp.install(off)
+
+
+def test_act_quant_benchmark_fuses_its_silu_pattern(seeded, repo_module):
+    """bench_act_quant's "amax+pass" row times the fused op: the pass matches its function."""
+    bench = repo_module("benchmarks/bench_act_quant.py")
+    gate_up = torch.randn(3, 96, generator=seeded).to(torch.bfloat16)
+    (q, s), fusion = _compiled(bench.pattern("silu", bench.quant_amax), gate_up)
+    assert fusion.matched == 1
+    q_ref, s_ref = ref.silu_mul_quantize_act(gate_up)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
