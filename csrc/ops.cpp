@@ -75,8 +75,11 @@ at::Tensor aligned_contiguous(const at::Tensor& t) {
 // so one zeroed buffer per (device, stream) serves every launch on that stream; zeroing per
 // launch cost 68 fills and 65 us a decode step (H100 profile, 2026-11-25). Buffers are never
 // freed: a captured CUDA graph keeps the pointer it saw. A buffer is not created or grown while
-// the stream captures (its fill would only run at replay); such a launch zeroes its own.
-// Assumes, as vLLM does, that nothing runs on a capture stream while its graphs replay.
+// the stream captures (its fill would only run at replay). vLLM warms up on one stream and
+// captures on another, so its graphs still zeroed their own: 64 fills, 62 us a decode step at
+// batch 8 (H100 profile, 2026-11-26). A capture now takes the device's largest buffer instead,
+// and zeroes its own only if none is large enough. Assumes, as vLLM does, that the model runs
+// one launch at a time: graph replays and eager launches never overlap on the device.
 at::Tensor split_counters(const at::Tensor& like, int64_t n, const c10::cuda::CUDAStream& stream) {
   struct Pool {
     std::mutex mu;
@@ -91,7 +94,15 @@ at::Tensor split_counters(const at::Tensor& like, int64_t n, const c10::cuda::CU
   const auto key = std::make_pair(static_cast<int>(stream.device_index()), stream.id());
   auto it = pool->live.find(key);
   if (it != pool->live.end() && it->second.numel() >= n) return it->second;
-  if (capturing != cudaStreamCaptureStatusNone) return at::zeros({n}, options);
+  if (capturing != cudaStreamCaptureStatusNone) {
+    const at::Tensor* largest = nullptr;
+    for (const auto& [stream_key, buffer] : pool->live) {
+      if (stream_key.first == key.first && buffer.numel() >= n &&
+          (largest == nullptr || buffer.numel() > largest->numel()))
+        largest = &buffer;
+    }
+    return largest != nullptr ? *largest : at::zeros({n}, options);
+  }
   at::Tensor fresh = at::zeros({std::max<int64_t>(n, 4096)}, options);
   if (it == pool->live.end()) {
     pool->live.emplace(key, fresh);
