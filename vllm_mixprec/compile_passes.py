@@ -30,10 +30,11 @@ HOOK = "post_grad_custom_post_pass"
 def enabled(environ=os.environ) -> bool:
     """MIXPREC_FUSE_SILU_QUANT: 0 (default: Inductor's fused kernel) or 1 (this pass).
 
-    Off by default because it is slower: on the H100 (2026-11-26, bench_act_quant.py) the
+    Off by default because it was slower: on the H100 (2026-11-26, bench_act_quant.py) the
     one-program-per-row kernel took 9.7 us at M = 1 and 38.4 us at M = 512 for Llama-3-8B's
-    14336-wide row, against 5.3 and 17.5 for Inductor's. One SM per row does the exact silu
-    and both correctly rounded divisions; a faster kernel must spread a row over SMs."""
+    14336-wide row, against 5.3 and 17.5 for Inductor's: one SM per row does the exact silu and
+    both correctly rounded divisions. Rows of up to 16 tokens are now split over programs
+    (gemm.SPLIT_ROWS_MAX_M), which has not been timed yet; `gpu_check.sh act_quant` does."""
     v = environ.get("MIXPREC_FUSE_SILU_QUANT", "0").strip()
     if v not in ("0", "1"):
         raise ValueError(f"MIXPREC_FUSE_SILU_QUANT={v!r}: expected 0 (the default: Inductor fuses "

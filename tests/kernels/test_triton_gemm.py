@@ -144,6 +144,24 @@ def test_silu_mul_quantize_act_bit_exact(m, k, dtype, smooth, seeded):
     assert torch.equal(q.cpu(), q_ref)
 
 
+@pytest.mark.parametrize("m", [1, 3, 5])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_silu_mul_quantize_act_split_rows(monkeypatch, m, smooth, seeded):
+    """Rows of few tokens are split over programs (two passes through an fp32 copy): the same
+    bits. 300 columns in 64-wide chunks, the last one partial; m = 5 is above the split limit
+    (set to 3 here) and takes one program a row. Row 1 holds a NaN."""
+    monkeypatch.setattr(tg, "SPLIT_ROWS_BLOCK", 64)
+    monkeypatch.setattr(tg, "SPLIT_ROWS_MAX_M", 3)
+    gate_up = _act(m, 600, seeded, torch.bfloat16)
+    if m > 1:
+        gate_up[1, 450] = float("nan")  # in the up half
+    sm = (torch.rand(300, generator=seeded) + 0.5).to(DEV) if smooth else None
+    q, s = tg.silu_mul_quantize_act(gate_up, sm)
+    q_ref, s_ref = ref.silu_mul_quantize_act(gate_up.cpu(), None if sm is None else sm.cpu())
+    assert m == 1 or (torch.isnan(s_ref[1]) and (q_ref[1] == 0).all())
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(s.cpu().nan_to_num(-1.0), s_ref.nan_to_num(-1.0))
+
+
 def test_silu_mul_quantize_act_two_pass_and_errors(monkeypatch, seeded):
     monkeypatch.setattr(tg, "_MAX_ROW_VALUES", 128)  # 300 columns: three chunks, two passes
     gate_up = _act(3, 600, seeded, torch.bfloat16)
@@ -483,7 +501,8 @@ def test_gpu_w4a8_configs_and_portable_path(config, asm, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_silu_mul_quantize_act(m, k, dtype):
     """Bit for bit the two torch ops on the GPU, a NaN row included (H100, 2026-11-26: bf16
-    lost the NaN, to -0, before _rounded_as kept NaN apart)."""
+    lost the NaN, to -0, before _rounded_as kept NaN apart). m = 1 and 8 take the split-row
+    kernels, m = 257 one program a row (28672 columns: two passes)."""
     gen = torch.Generator().manual_seed(m + k)
     gate_up = (_act(m, 2 * k, gen) * 0.5).to(dtype).cuda()
     gate_up[-1, 5] = float("nan")

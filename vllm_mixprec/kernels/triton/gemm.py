@@ -500,6 +500,45 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
                             PER_BLOCK, R4, BB4, NCHUNK4, HAS_PERM, HAS_SMOOTH, GATED)
 
 
+@triton.jit
+def _row_chunk_stats_kernel(x_ptr, smooth_ptr, v_ptr, stats_ptr, K, stride_x, stride_v,
+                            CHUNKS, BLOCK: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                            GATED: tl.constexpr):
+    """Split rows, pass 1, grid (M, CHUNKS): chunk c's values (_act_values) to v [M, K] fp32
+    and its (max |v|, NaN/Inf count) to stats [M, CHUNKS, 2]. A few programs per row instead
+    of one: at decode M one program per row leaves the GPU idle (compile_passes.py)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < K
+    v = _act_values(x_ptr + row * stride_x, x_ptr, smooth_ptr, cols, mask, K, False, HAS_SMOOTH,
+                    GATED)
+    tl.store(v_ptr + row * stride_v + cols, v, mask=mask)
+    st = stats_ptr + (row * CHUNKS + c) * 2
+    tl.store(st, tl.max(tl.abs(v)))
+    tl.store(st + 1, _num_nonfinite(v, v).to(tl.float32))
+
+
+@triton.jit
+def _row_chunk_codes_kernel(v_ptr, stats_ptr, q_ptr, s_ptr, K, stride_v, stride_q, CHUNKS,
+                            BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr):
+    """Split rows, pass 2, grid (M, CHUNKS): the row's scale from every chunk's stats, then
+    chunk c's int8 codes; chunk 0 stores the scale. Same values and rounding as one pass."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    k = tl.arange(0, CHUNKS_P2)
+    st = stats_ptr + (row * CHUNKS + k) * 2
+    amax = tl.max(tl.load(st, mask=k < CHUNKS, other=0.0))
+    bad = tl.sum(tl.load(st + 1, mask=k < CHUNKS, other=0.0))
+    scale = _scale_of(amax, bad, 127)
+    cols = c * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < K
+    v = tl.load(v_ptr + row * stride_v + cols, mask=mask, other=0.0)
+    tl.store(q_ptr + row * stride_q + cols, _codes(v, scale, 127), mask=mask)
+    if c == 0:
+        tl.store(s_ptr + row, scale)
+
+
 # ======================================================================================
 # Host side
 # ======================================================================================
@@ -827,9 +866,35 @@ def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None = N
         _check_shape("smooth", smooth, (K,))
     q = torch.empty((M, K), dtype=torch.int8, device=gate_up.device)
     s = torch.empty((M,), dtype=torch.float32, device=gate_up.device)
-    _launch_quant(_row_major(gate_up), None, smooth.contiguous() if smooth is not None else None,
-                  K, q, s, q, s, per_block=False, gated=True)
+    gate_up = _row_major(gate_up)
+    smooth = smooth.contiguous() if smooth is not None else None
+    if 0 < M <= SPLIT_ROWS_MAX_M and K > SPLIT_ROWS_BLOCK:
+        _launch_split_rows(gate_up, smooth, K, q, s)
+    else:
+        _launch_quant(gate_up, None, smooth, K, q, s, q, s, per_block=False, gated=True)
     return q, s
+
+
+# Rows of at most this many tokens are split over programs of SPLIT_ROWS_BLOCK columns (two
+# launches); more rows keep one program each. Not yet timed on a GPU (session 14).
+SPLIT_ROWS_MAX_M = 16
+SPLIT_ROWS_BLOCK = 1024
+
+
+def _launch_split_rows(x, smooth, K, q, s, gated: bool = True) -> None:
+    """quantize_act's per-token int8 of x's rows (gated: of SiluAndMul(x)) in two passes over
+    (M, ceil(K / SPLIT_ROWS_BLOCK)) programs, through an fp32 copy of the values."""
+    M, block = x.shape[0], SPLIT_ROWS_BLOCK
+    chunks = triton.cdiv(K, block)
+    v = torch.empty((M, K), dtype=torch.float32, device=x.device)
+    stats = torch.empty((M, chunks, 2), dtype=torch.float32, device=x.device)
+    warps = _num_warps_for(block * (1 + gated))
+    _row_chunk_stats_kernel[(M, chunks)](
+        x, smooth if smooth is not None else x, v, stats, K, x.stride(0), v.stride(0), chunks,
+        BLOCK=block, HAS_SMOOTH=smooth is not None, GATED=gated, num_warps=warps)
+    _row_chunk_codes_kernel[(M, chunks)](v, stats, q, s, K, v.stride(0), q.stride(0), chunks,
+                                         BLOCK=block, CHUNKS_P2=_pow2_at_least(chunks, 2),
+                                         num_warps=_num_warps_for(block))
 
 
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
