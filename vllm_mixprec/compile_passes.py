@@ -98,10 +98,10 @@ def _halves_of_gate_up(match) -> bool:
         if n.args[1] not in (-1, ndim - 1) or (len(n.args) > 4 and n.args[4] != 1):
             return False
     d = lo.meta["val"].shape[-1]
-    return (lo.args[2] == 0 and hi.args[2] is lo.args[3]
-            or statically_known_true(hi.args[2] == lo.args[3])) \
-        and statically_known_true(2 * d == width) \
-        and statically_known_true(hi.meta["val"].shape[-1] == d)
+    return (lo.args[2] == 0
+            and (hi.args[2] is lo.args[3] or statically_known_true(hi.args[2] == lo.args[3]))
+            and statically_known_true(2 * d == width)
+            and statically_known_true(hi.meta["val"].shape[-1] == d))
 
 
 @functools.lru_cache(maxsize=None)
