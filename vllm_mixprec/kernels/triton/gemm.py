@@ -501,9 +501,9 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
 
 
 @triton.jit
-def _row_chunk_stats_kernel(x_ptr, smooth_ptr, v_ptr, stats_ptr, K, stride_x, stride_v,
-                            CHUNKS, BLOCK: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                            GATED: tl.constexpr):
+def _quant_act_chunk_stats_kernel(x_ptr, smooth_ptr, v_ptr, stats_ptr, K, stride_x, stride_v,
+                                  CHUNKS, BLOCK: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                                  GATED: tl.constexpr):
     """Split rows, pass 1, grid (M, CHUNKS): chunk c's values (_act_values) to v [M, K] fp32
     and its (max |v|, NaN/Inf count) to stats [M, CHUNKS, 2]. A few programs per row instead
     of one: at decode M one program per row leaves the GPU idle (compile_passes.py)."""
@@ -520,8 +520,8 @@ def _row_chunk_stats_kernel(x_ptr, smooth_ptr, v_ptr, stats_ptr, K, stride_x, st
 
 
 @triton.jit
-def _row_chunk_codes_kernel(v_ptr, stats_ptr, q_ptr, s_ptr, K, stride_v, stride_q, CHUNKS,
-                            BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr):
+def _quant_act_chunk_codes_kernel(v_ptr, stats_ptr, q_ptr, s_ptr, K, stride_v, stride_q,
+                                  CHUNKS, BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr):
     """Split rows, pass 2, grid (M, CHUNKS): the row's scale from every chunk's stats, then
     chunk c's int8 codes; chunk 0 stores the scale. Same values and rounding as one pass."""
     row = tl.program_id(0).to(tl.int64)
@@ -889,12 +889,12 @@ def _launch_split_rows(x, smooth, K, q, s, gated: bool = True) -> None:
     v = torch.empty((M, K), dtype=torch.float32, device=x.device)
     stats = torch.empty((M, chunks, 2), dtype=torch.float32, device=x.device)
     warps = _num_warps_for(block * (1 + gated))
-    _row_chunk_stats_kernel[(M, chunks)](
+    _quant_act_chunk_stats_kernel[(M, chunks)](
         x, smooth if smooth is not None else x, v, stats, K, x.stride(0), v.stride(0), chunks,
         BLOCK=block, HAS_SMOOTH=smooth is not None, GATED=gated, num_warps=warps)
-    _row_chunk_codes_kernel[(M, chunks)](v, stats, q, s, K, v.stride(0), q.stride(0), chunks,
-                                         BLOCK=block, CHUNKS_P2=_pow2_at_least(chunks, 2),
-                                         num_warps=_num_warps_for(block))
+    _quant_act_chunk_codes_kernel[(M, chunks)](
+        v, stats, q, s, K, v.stride(0), q.stride(0), chunks, BLOCK=block,
+        CHUNKS_P2=_pow2_at_least(chunks, 2), num_warps=_num_warps_for(block))
 
 
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
