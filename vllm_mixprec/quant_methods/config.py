@@ -188,9 +188,10 @@ class MixPrecConfig(QuantizationConfig):
                 return RecordingUnquantizedLinearMethod(prefix)
             from vllm.config import get_current_vllm_config
 
-            from ..compile_passes import install
+            from .. import compile_passes
             from .linear import MixPrecLinearMethod
-            install(get_current_vllm_config().compilation_config)  # once; later calls see it
+            if compile_passes.enabled():  # opt-in; installs once, later calls see it there
+                compile_passes.install(get_current_vllm_config().compilation_config)
             return MixPrecLinearMethod(self, prefix)
         if isinstance(layer, Attention):
             from .kv_cache import MixPrecKVCacheMethod
