@@ -51,6 +51,10 @@ _INF = tl.constexpr(float("inf"))
 # No NaN global: Triton re-checks globals by ==, and NaN != NaN fails every launch.
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
 # ======================================================================================
 # Triton helpers (shared by the W4A8 and W4Ax paths)
 # ======================================================================================
@@ -293,7 +297,7 @@ def _silu_interpreted(g):
     return tl.math.div_rn(g, 1.0 + tl.exp(-g))
 
 
-_silu = _silu_interpreted if os.environ.get("TRITON_INTERPRET", "0") == "1" else _silu_libdevice
+_silu = _silu_interpreted if _interpreting() else _silu_libdevice
 
 
 @triton.jit
@@ -556,10 +560,6 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     group_m: int = 8
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 @functools.lru_cache(maxsize=None)
