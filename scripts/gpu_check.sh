@@ -5,6 +5,7 @@
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
+# finish_rows
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -170,6 +171,21 @@ stage_tail() {
     --out "$OUT/tail-program-pdl" || rc=1
   return $rc
 }
+# Session 15: the finish kernel merges over the group's rows (not tl.dot's 16), and the split-K
+# counters of captured GEMMs are no longer zeroed by a fill per GEMM: their GPU tests, then the
+# decode grid at batch 1/8/64 with the default tail placement and with the tail program.
+stage_finish_rows() {
+  local rc=0
+  pytest_logged pytest-gpu-finish-rows 300 tests/kernels/test_cuda_gemm.py \
+    tests/attention_backend/test_attn_kernels.py \
+    -k "graph or merges_many_splits or decode_cuda_graph_replay or pdl_matches or decode_configs" || rc=1
+  run_bench bench_attention_rows 150 python3 benchmarks/bench_attention.py --rep-ms 100 \
+    --batch 1 8 64 --ctx 1024 8192 --methods fa3-bf16 mixprec-kv4-r16 --out "$OUT" || rc=1
+  mkdir -p "$OUT/tail-program"
+  MIXPREC_ATTN_TAIL=program run_bench bench_attention_rows_tail_program 150 python3 benchmarks/bench_attention.py \
+    --rep-ms 100 --batch 1 8 64 --ctx 1024 8192 --methods mixprec-kv4-r16 --out "$OUT/tail-program" || rc=1
+  return $rc
+}
 stage_property_cuda_gemm() {
   use_pyextra || return 1
   pytest_logged pytest-property-cuda 200 tests/kernels/test_cuda_properties.py
@@ -188,6 +204,10 @@ stage_act_quant() {
   pytest_logged pytest-gpu-silu-quant 200 tests/kernels/test_triton_gemm.py tests/test_compile_passes.py \
     -k "silu_mul or compile" || rc=1
   run_bench bench_act_quant 300 python3 benchmarks/bench_act_quant.py --ms 1 8 64 512 --out "$OUT" || rc=1
+  # the split rows' second pass as a plain launch (gemm.split_rows_pdl)
+  mkdir -p "$OUT/quant-no-pdl"
+  MIXPREC_QUANT_PDL=0 run_bench bench_act_quant_no_pdl 200 python3 benchmarks/bench_act_quant.py --ms 1 8 \
+    --out "$OUT/quant-no-pdl" || rc=1
   return $rc
 }
 stage_bench_gemm() { run_bench bench_gemm 420 python3 benchmarks/bench_gemm.py --out "$OUT"; }

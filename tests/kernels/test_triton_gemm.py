@@ -144,12 +144,16 @@ def test_silu_mul_quantize_act_bit_exact(m, k, dtype, smooth, seeded):
     assert torch.equal(q.cpu(), q_ref)
 
 
+@pytest.mark.parametrize("pdl", ["0", "1"], ids=["plain", "pdl"])
 @pytest.mark.parametrize("m", [1, 3, 5])
 @pytest.mark.parametrize("smooth", [False, True])
-def test_silu_mul_quantize_act_split_rows(monkeypatch, m, smooth, seeded):
+def test_silu_mul_quantize_act_split_rows(monkeypatch, m, smooth, pdl, seeded):
     """Rows of few tokens are split over programs (two passes through an fp32 copy): the same
     bits. 300 columns in 64-wide chunks, the last one partial; m = 5 is above the split limit
-    (set to 3 here) and takes one program a row. Row 1 holds a NaN."""
+    (set to 3 here) and takes one program a row. Row 1 holds a NaN. On an H100 the second
+    pass is a programmatic dependent launch unless MIXPREC_QUANT_PDL=0 (elsewhere both
+    ids run the plain launches)."""
+    monkeypatch.setenv("MIXPREC_QUANT_PDL", pdl)
     monkeypatch.setattr(tg, "SPLIT_ROWS_BLOCK", 64)
     monkeypatch.setattr(tg, "SPLIT_ROWS_MAX_M", 3)
     gate_up = _act(m, 600, seeded, torch.bfloat16)
@@ -160,6 +164,14 @@ def test_silu_mul_quantize_act_split_rows(monkeypatch, m, smooth, seeded):
     q_ref, s_ref = ref.silu_mul_quantize_act(gate_up.cpu(), None if sm is None else sm.cpu())
     assert m == 1 or (torch.isnan(s_ref[1]) and (q_ref[1] == 0).all())
     assert torch.equal(q.cpu(), q_ref) and torch.equal(s.cpu().nan_to_num(-1.0), s_ref.nan_to_num(-1.0))
+
+
+def test_split_rows_pdl_env(monkeypatch):
+    monkeypatch.setenv("MIXPREC_QUANT_PDL", "yes")
+    with pytest.raises(ValueError, match=r"MIXPREC_QUANT_PDL='yes': expected 0 or 1"):
+        tg.split_rows_pdl(torch.device("cpu"))
+    monkeypatch.setenv("MIXPREC_QUANT_PDL", "1")
+    assert not tg.split_rows_pdl(torch.device("cpu"))  # PDL needs a Hopper GPU
 
 
 def test_silu_mul_quantize_act_two_pass_and_errors(monkeypatch, seeded):

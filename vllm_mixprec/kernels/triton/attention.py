@@ -301,6 +301,23 @@ def _finite_rows(x):
 
 
 @triton.jit
+def _first_rows(x, R: tl.constexpr):
+    """x [M, H] (M a multiple of R) -> x[:R] [R, H], as a masked sum over the M // R row
+    blocks (Triton has no slicing)."""
+    M: tl.constexpr = x.shape[0]
+    H: tl.constexpr = x.shape[1]
+    blocks = tl.reshape(x, [M // R, R, H])
+    first = tl.arange(0, M // R)[:, None, None] == 0
+    return tl.sum(tl.where(first, blocks, 0.0), 0)
+
+
+@triton.jit
+def _first_entries(v, R: tl.constexpr):
+    """v [M] -> v[:R] (_first_rows of a vector)."""
+    return tl.reshape(_first_rows(v[:, None], R), [R])
+
+
+@triton.jit
 def _poison_scores(s, bad):
     """NaN in the scores of bad key columns [N]: the queries that attend them (causally; the
     mask applied after this turns the others' into -inf) return NaN, while the bad rows' V is
@@ -719,7 +736,7 @@ def _decode_finish_kernel(
         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
         KV4: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr,
         KB_V: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr,
-        TAIL: tl.constexpr, PDL: tl.constexpr = False):
+        TAIL: tl.constexpr, G_ROWS: tl.constexpr, PDL: tl.constexpr = False):
     """Decode epilogue, grid (rows, kv_heads): attend the residual tail (TAIL_FINISH; else a
     program of the page kernel did), then merge it with the partials of the splits that wrote one
     (log-sum-exp) and write the output. The merge is unrolled over NUM_SPLITS with masked
@@ -727,8 +744,8 @@ def _decode_finish_kernel(
     and no cross-warp reduction (shared memory) is needed. A loop of [SC, 16, D/2] loads
     reduced over the splits took 11.6 us a layer at batch 1 to merge 16 splits (H100 step
     profile, 2026-11-25), and racecheck flagged its reductions (docs/RELIABILITY.md).
-    Merge-only launches (no tail here) pass G_PAD = the group rounded up to a power of two,
-    not tl.dot's 16. PDL (a programmatic dependent launch after the page kernel): the tail is
+    The merge runs over G_ROWS = the group rounded up to a power of two, not tl.dot's 16
+    (G_PAD, which only the tail here uses). PDL (a programmatic dependent launch after the page kernel): the tail is
     attended while the splits still run; every program waits for them before it reads a
     partial or exits, so the kernels after this one also come after the splits."""
     row = tl.program_id(0)
@@ -740,19 +757,24 @@ def _decode_finish_kernel(
         return
     HALF: tl.constexpr = D // 2 if KV4 else D
     STEP: tl.constexpr = 2 if KV4 else 1
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc_a = tl.zeros([G_PAD, HALF], tl.float32)
-    acc_b = tl.zeros([G_PAD, HALF], tl.float32)
-    acc_z = tl.zeros([G_PAD], tl.float32)
+    g = tl.arange(0, G_ROWS)
+    rmask = g < G
+    head = kvh * G + g
+    tok = q_start.to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + row)
     if TAIL != TAIL_FINISH or not HAS_RES:  # merge only: no query needed
-        g = tl.arange(0, G_PAD)
-        rmask = g < G
-        head = kvh * G + g
-        tok = q_start.to(tl.int64)
-        seq_len = tl.load(seq_lens_ptr + row)
+        m_i = tl.full([G_ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_ROWS], tl.float32)
+        acc_a = tl.zeros([G_ROWS, HALF], tl.float32)
+        acc_b = tl.zeros([G_ROWS, HALF], tl.float32)
+        acc_z = tl.zeros([G_ROWS], tl.float32)
     else:
-        qa, qb, qa16, qb16, qsum, shift, tok, head, rmask, qpos, qlen, seq_len = _query_tile(
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc_a = tl.zeros([G_PAD, HALF], tl.float32)
+        acc_b = tl.zeros([G_PAD, HALF], tl.float32)
+        acc_z = tl.zeros([G_PAD], tl.float32)
+        qa, qb, qa16, qb16, qsum, shift, q_tok, q_head, q_rmask, qpos, qlen, seq_len = _query_tile(
             q_ptr, stride_qt, stride_qh, smooth_ptr, qsl_ptr, seq_lens_ptr, row, kvh, 0,
             D, G, G_PAD, 1, KV4, HAS_SMOOTH, DT)
         win = tl.maximum(seq_len - res_tokens, 0)
@@ -760,7 +782,7 @@ def _decode_finish_kernel(
             kb_a, kb_b, kshift, kb_steps = qsum, qsum, shift, qsum  # unread without HAS_KB
             if HAS_KB:
                 kb_a, kb_b, kshift, kb_steps = _kbias_query(
-                    q_ptr, tok, head, rmask, stride_qt, stride_qh, kb_ptr + kvh * D,
+                    q_ptr, q_tok, q_head, q_rmask, stride_qt, stride_qh, kb_ptr + kvh * D,
                     pairs_ptr + kvh * NP, steps_ptr, D, NP)
             m_i, l_i, acc_a, acc_b, acc_z = _attend_tail(
                 qa, qb, qa16, qb16, qsum, shift, qpos, m_i, l_i, acc_a, acc_b, acc_z,
@@ -768,6 +790,13 @@ def _decode_finish_kernel(
                 stride_cb, stride_ch, res_k_ptr, res_v_ptr, stride_rt, stride_rh, sob_ptr,
                 tags_ptr, qk_scale, kb_a, kb_b, kshift, kb_steps, B, D, BLOCK_R, KV4, DT,
                 HAS_KB)
+        # tl.dot's 16 rows down to the group's G_ROWS: the merge below is unrolled over the
+        # splits, and its registers and loads grow with the rows (at G = 4, 4x fewer)
+        m_i = _first_entries(m_i, G_ROWS)
+        l_i = _first_entries(l_i, G_ROWS)
+        acc_z = _first_entries(acc_z, G_ROWS)
+        acc_a = _first_rows(acc_a, G_ROWS)
+        acc_b = _first_rows(acc_b, G_ROWS)
     # Fold the V zero column in now: split partials are complete (normalised) outputs.
     acc_a = acc_a + acc_z[:, None]
     acc_b = acc_b + acc_z[:, None]
@@ -1032,11 +1061,10 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
         CHUNK_MODE=CHUNK_CACHE.value, PDL=pdl, num_warps=warps, num_stages=stages,
         **decode_maxnreg(), **common)
     if finish:
-        if tail != TAIL_FINISH.value or not has_res:  # merge only: no tl.dot, no 16-row padding
-            common["G_PAD"] = triton.next_power_of_2(group)
         pdl_launch = {"launch_pdl": True} if pdl else {}
-        _decode_finish_kernel[(num_rows, num_kv_heads)](*args, BLOCK_N=block_n, PDL=pdl,
-                                                         num_warps=4, **pdl_launch, **common)
+        _decode_finish_kernel[(num_rows, num_kv_heads)](
+            *args, BLOCK_N=block_n, PDL=pdl, G_ROWS=triton.next_power_of_2(group), num_warps=4,
+            **pdl_launch, **common)
 
 
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ... import formats as F
 
@@ -507,10 +508,12 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
 @triton.jit
 def _quant_act_chunk_stats_kernel(x_ptr, smooth_ptr, v_ptr, stats_ptr, K, stride_x, stride_v,
                                   CHUNKS, BLOCK: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                                  GATED: tl.constexpr):
+                                  GATED: tl.constexpr, PDL: tl.constexpr):
     """Split rows, pass 1, grid (M, CHUNKS): chunk c's values (_act_values) to v [M, K] fp32
     and its (max |v|, NaN/Inf count) to stats [M, CHUNKS, 2]. A few programs per row instead
     of one: at decode M one program per row leaves the GPU idle (compile_passes.py)."""
+    if PDL:  # pass 2 may be scheduled now; it waits for this grid before reading (split_rows_pdl)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
@@ -525,9 +528,12 @@ def _quant_act_chunk_stats_kernel(x_ptr, smooth_ptr, v_ptr, stats_ptr, K, stride
 
 @triton.jit
 def _quant_act_chunk_codes_kernel(v_ptr, stats_ptr, q_ptr, s_ptr, K, stride_v, stride_q,
-                                  CHUNKS, BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr):
+                                  CHUNKS, BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr,
+                                  PDL: tl.constexpr):
     """Split rows, pass 2, grid (M, CHUNKS): the row's scale from every chunk's stats, then
     chunk c's int8 codes; chunk 0 stores the scale. Same values and rounding as one pass."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     k = tl.arange(0, CHUNKS_P2)
@@ -881,6 +887,17 @@ SPLIT_ROWS_MAX_M = 16
 SPLIT_ROWS_BLOCK = 1024
 
 
+def split_rows_pdl(device: torch.device) -> bool:
+    """Whether the split rows' second pass is a programmatic dependent launch (Hopper and
+    later): scheduled while the first runs, so the two cost about one launch.
+    MIXPREC_QUANT_PDL=0 turns it off (on by default where it applies)."""
+    v = os.environ.get("MIXPREC_QUANT_PDL", "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"MIXPREC_QUANT_PDL={v!r}: expected 0 or 1")
+    return (v != "0" and device.type == "cuda" and not _interpreting()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def _launch_split_rows(x, smooth, K, q, s, gated: bool = True) -> None:
     """quantize_act's per-token int8 of x's rows (gated: of SiluAndMul(x)) in two passes over
     (M, ceil(K / SPLIT_ROWS_BLOCK)) programs, through an fp32 copy of the values."""
@@ -889,12 +906,14 @@ def _launch_split_rows(x, smooth, K, q, s, gated: bool = True) -> None:
     v = torch.empty((M, K), dtype=torch.float32, device=x.device)
     stats = torch.empty((M, chunks, 2), dtype=torch.float32, device=x.device)
     warps = _num_warps_for(block * (1 + gated))
+    pdl = split_rows_pdl(x.device)
     _quant_act_chunk_stats_kernel[(M, chunks)](
         x, smooth if smooth is not None else x, v, stats, K, x.stride(0), v.stride(0), chunks,
-        BLOCK=block, HAS_SMOOTH=smooth is not None, GATED=gated, num_warps=warps)
+        BLOCK=block, HAS_SMOOTH=smooth is not None, GATED=gated, PDL=pdl, num_warps=warps)
     _quant_act_chunk_codes_kernel[(M, chunks)](
         v, stats, q, s, K, v.stride(0), q.stride(0), chunks, BLOCK=block,
-        CHUNKS_P2=_pow2_at_least(chunks, 2), num_warps=_num_warps_for(block))
+        CHUNKS_P2=_pow2_at_least(chunks, 2), PDL=pdl, num_warps=_num_warps_for(block),
+        **({"launch_pdl": True} if pdl else {}))
 
 
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
