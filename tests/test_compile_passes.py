@@ -90,8 +90,9 @@ def test_install_once_and_respects_a_users_pass(monkeypatch, caplog):
     off = SimpleNamespace(inductor_compile_config={})
     assert not cp.install(off) and cp.HOOK not in off.inductor_compile_config  # opt-in
     monkeypatch.setenv("MIXPREC_FUSE_SILU_QUANT", "1")
-    cc = SimpleNamespace(inductor_compile_config={})
+    cc = SimpleNamespace(inductor_compile_config={}, compile_ranges_endpoints=[8192])
     assert cp.install(cc) and isinstance(cc.inductor_compile_config[cp.HOOK], cp.SiluMulQuantFusion)
+    assert cc.compile_ranges_endpoints == [cp.FUSE_MAX_TOKENS, 8192]  # a graph for each side
     first = cc.inductor_compile_config[cp.HOOK]
     assert cp.install(cc) and cc.inductor_compile_config[cp.HOOK] is first
     users = SimpleNamespace(inductor_compile_config={cp.HOOK: "user pass"})
@@ -104,6 +105,23 @@ def test_install_once_and_respects_a_users_pass(monkeypatch, caplog):
     monkeypatch.setenv("MIXPREC_FUSE_SILU_QUANT", "yes")
     with pytest.raises(ValueError, match="MIXPREC_FUSE_SILU_QUANT='yes': expected 0"):
         cp.install(off)
+
+
+def test_pass_applies_up_to_its_compile_range_end():
+    """vLLM's pass manager skips the pass on graphs for batches above FUSE_MAX_TOKENS, and
+    install() splits the compile ranges there only when a range crosses it."""
+    from vllm.config.utils import Range
+    fusion = cp.SiluMulQuantFusion()
+    end = cp.FUSE_MAX_TOKENS
+    assert fusion.is_applicable_for_range(Range(1, end))
+    assert fusion.is_applicable_for_range(Range(8, 8))  # a compile size
+    assert not fusion.is_applicable_for_range(Range(end + 1, 8192))
+    assert not fusion.is_applicable_for_range(Range(1, 8192))
+    for before, after in (([8192], [end, 8192]), ([16, 8192], [16, end, 8192]),
+                          ([end, 8192], [end, 8192]), ([16], [16]), ([], []), (None, None)):
+        cc = SimpleNamespace(compile_ranges_endpoints=before)
+        cp._add_compile_range_end(cc, end)
+        assert cc.compile_ranges_endpoints == after, before
 
 
 def test_act_quant_benchmark_fuses_its_silu_pattern(seeded, repo_module):

@@ -5,12 +5,16 @@ __init__.py) that Inductor fuses into the op before it. For the down projection 
 SiluAndMul, and Inductor's fused reduction walks the 14336-wide row twice in 2048-wide steps
 on one program per token: 5.6 us at batch 1 on an H100, where SiluAndMul alone takes 1.4
 (docs/BENCHMARKS.md, session 13). This pass replaces the pair with
-`mixprec::silu_mul_quantize_act`, which holds the whole row in registers and reads it once.
+`mixprec::silu_mul_quantize_act`, whose rows are split over many programs (gemm.py:
+SPLIT_ROWS_MAX_M), so that a batch of a few tokens does not wait on one SM per row.
 
 It is installed through vLLM's hook for custom post-grad passes
 (compilation_config.inductor_compile_config["post_grad_custom_post_pass"], which vLLM's pass
 manager runs after its own passes) when the quantization method first builds a layer, if
-MIXPREC_FUSE_SILU_QUANT=1. It is opt-in: its kernel is slower than Inductor's (enabled()).
+MIXPREC_FUSE_SILU_QUANT=1 (enabled()). It rewrites only graphs compiled for at most
+FUSE_MAX_TOKENS tokens, where its kernel is the faster one: install() adds that endpoint to
+vLLM's compile ranges (compilation_config.compile_ranges_endpoints), so that the larger
+batches get a graph of their own, compiled without it.
 """
 from __future__ import annotations
 
@@ -25,16 +29,18 @@ from . import reference as ref
 logger = logging.getLogger("vllm.mixprec")
 
 HOOK = "post_grad_custom_post_pass"
+# The largest batch whose graph the pass rewrites. H100, 2026-11-26, Llama-3-8B's 14336-wide
+# row, CUDA graphs: the op (split rows, PDL) 3.75 / 4.03 / 4.42 / 4.91 / 6.12 / 31.3 us at
+# M = 1 / 8 / 16 / 32 / 64 / 512 against Inductor's 5.28 / 5.24 / - / - / 5.48 / 17.5.
+FUSE_MAX_TOKENS = 32
 
 
 def enabled(environ=os.environ) -> bool:
     """MIXPREC_FUSE_SILU_QUANT: 0 (default: Inductor's fused kernel) or 1 (this pass).
 
-    Off by default because it was slower: on the H100 (2026-11-26, bench_act_quant.py) the
-    one-program-per-row kernel took 9.7 us at M = 1 and 38.4 us at M = 512 for Llama-3-8B's
-    14336-wide row, against 5.3 and 17.5 for Inductor's: one SM per row does the exact silu and
-    both correctly rounded divisions. Rows of up to 16 tokens are now split over programs
-    (gemm.SPLIT_ROWS_MAX_M), which has not been timed yet; `gpu_check.sh act_quant` does."""
+    Off by default until served with its compile range (FUSE_MAX_TOKENS): on all sizes it
+    matched Marlin's TPOT at concurrency 1 on the H100 (3.52 ms each, 2026-11-26) but would
+    cost large batches, where Inductor's kernel is faster."""
     v = environ.get("MIXPREC_FUSE_SILU_QUANT", "0").strip()
     if v not in ("0", "1"):
         raise ValueError(f"MIXPREC_FUSE_SILU_QUANT={v!r}: expected 0 (the default: Inductor fuses "
@@ -149,6 +155,10 @@ class SiluMulQuantFusion(_pass_base()):
                         "mixprec::silu_mul_quantize_act (%d in the first graph)", n)
         self.matched += n
 
+    def is_applicable_for_range(self, compile_range) -> bool:
+        """vLLM's pass manager asks this for each compile range (vllm Range, end inclusive)."""
+        return compile_range.end <= FUSE_MAX_TOKENS
+
     def uuid(self) -> str:  # Inductor's cache key: this file's source
         import hashlib
         import inspect
@@ -171,4 +181,19 @@ def install(compilation_config) -> bool:
                        "quantizes its input in Inductor's kernel)", HOOK, current)
         return False
     cfg[HOOK] = SiluMulQuantFusion()
+    _add_compile_range_end(compilation_config, FUSE_MAX_TOKENS)
     return True
+
+
+def _add_compile_range_end(compilation_config, end: int) -> None:
+    """Split vLLM's compile ranges at `end` (vLLM sorted them, its largest being
+    max_num_batched_tokens, when it built the config; the compile backend reads them after
+    the model is built, which is when install() runs). Nothing to split when every batch is
+    at most `end` tokens, or when there are no ranges (no compilation)."""
+    ends = list(getattr(compilation_config, "compile_ranges_endpoints", None) or [])
+    if not ends or end >= max(ends) or end in ends:
+        return
+    compilation_config.compile_ranges_endpoints = sorted(ends + [end])
+    logger.info("vllm_mixprec: compile ranges split at %d tokens (the SiLU-and-mul + quantize "
+                "fusion applies up to there): endpoints %s", end,
+                compilation_config.compile_ranges_endpoints)

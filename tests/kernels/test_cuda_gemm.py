@@ -175,12 +175,14 @@ def test_cuda_graph_capture_and_replay(m, n, k, same_stream, tmp_path):
         for _ in range(2):
             f(x_static)
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)  # (debug_dump needs the cudaGraph_t kept)
     graph.enable_debug_mode()
     with torch.cuda.graph(graph, stream=side if same_stream else None):
         y_static = f(x_static)
     graph.debug_dump(str(tmp_path / "graph.dot"))
-    assert "FillFunctor" not in (tmp_path / "graph.dot").read_text()
+    dot = (tmp_path / "graph.dot").read_text()
+    assert "w4a8" in dot, "the dump does not name the GEMM kernel: wrong graph dumped?"
+    assert "FillFunctor" not in dot
     for trial in range(3):
         x_new = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=_gen(trial))
         x_static.copy_(x_new)
