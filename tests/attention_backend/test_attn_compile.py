@@ -41,7 +41,8 @@ SCRIPT = textwrap.dedent(r'''
             compile_(A._paged_attn_kernel, attn_ptrs(kv4, dt), dict(main, CHUNK_MODE=mode.value), arch,
                      ("qk_scale",), num_warps=4, num_stages=3)
         if decode:
-            compile_(A._decode_finish_kernel, attn_ptrs(kv4, dt), dict(common, BLOCK_N=block_n),
+            compile_(A._decode_finish_kernel, attn_ptrs(kv4, dt),
+                     dict(common, BLOCK_N=block_n, G_ROWS=triton.next_power_of_2(g)),
                      arch, ("qk_scale",),
                      num_warps=4)
     # the tuned decode tile under a register cap (attention.decode_maxnreg) reaches ptxas
@@ -66,7 +67,7 @@ SCRIPT = textwrap.dedent(r'''
                              CHUNK_MODE=A.CHUNK_CACHE.value), arch, ("qk_scale",),
                         num_warps=4, num_stages=3)
         fin = compile_(A._decode_finish_kernel, attn_ptrs(kv4, "bf16"),
-                       dict(consts, BLOCK_N=64, G_PAD=finish_g_pad), arch, ("qk_scale",),
+                       dict(consts, BLOCK_N=64, G_PAD=finish_g_pad, G_ROWS=4), arch, ("qk_scale",),
                        num_warps=4)
         return page, fin
 
