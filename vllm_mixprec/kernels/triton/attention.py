@@ -873,7 +873,9 @@ def decode_tail_mode(num_rows: int) -> str:
     first), concurrent with the page splits: exact, but mixed on the H100 (2026-11-26) against
     the default: 17.4/19.7 us (b1 1K), 26.2/30.0 (b1 8K), 36.1/39.6 (b8 1K), 108.7/99.1 (b8 8K),
     79.7/79.9 (b64 1K), 384.4/375.4 (b64 8K); served TPOT 3.66/3.65 ms (C=1), 4.28/4.22 (C=8).
-    So not a default.
+    So not a default. Since the finish kernel merges over the group's rows (G_ROWS), batch 8
+    with the tail there takes 33.2 us at 1K and 91.5 at 8K, against 36.3 and 108.4 for
+    "program" (H100, 2026-11-26).
     MIXPREC_ATTN_TAIL=finish|split|program forces one (MIXPREC_ATTN_TAIL_IN_SPLIT=0/1, the
     older knob, means finish/split)."""
     v = os.environ.get("MIXPREC_ATTN_TAIL", "").strip()
