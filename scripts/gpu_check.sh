@@ -5,7 +5,7 @@
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
-# finish_rows
+# finish_rows min_tiles
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -184,6 +184,19 @@ stage_finish_rows() {
   mkdir -p "$OUT/tail-program"
   MIXPREC_ATTN_TAIL=program run_bench bench_attention_rows_tail_program 150 python3 benchmarks/bench_attention.py \
     --rep-ms 100 --batch 1 8 64 --ctx 1024 8192 --methods mixprec-kv4-r16 --out "$OUT/tail-program" || rc=1
+  return $rc
+}
+# Session 15: at least MIXPREC_ATTN_MIN_TILES page tiles a decode split (fewer partials for a
+# short row); its GPU tests, then batch 1/8 x 1K/8K with 1 (the default), 2 and 4.
+stage_min_tiles() {
+  local rc=0 t
+  pytest_logged pytest-gpu-min-tiles 200 tests/attention_backend/test_attn_kernels.py \
+    -k "min_tiles or merges_many_splits" || rc=1
+  for t in 1 2 4; do
+    mkdir -p "$OUT/min-tiles-$t"
+    MIXPREC_ATTN_MIN_TILES=$t run_bench bench_attention_min_tiles_$t 120 python3 benchmarks/bench_attention.py \
+      --rep-ms 100 --batch 1 8 --ctx 1024 2048 8192 --methods fa3-bf16 mixprec-kv4-r16 --out "$OUT/min-tiles-$t" || rc=1
+  done
   return $rc
 }
 stage_property_cuda_gemm() {

@@ -130,6 +130,34 @@ def test_decode_merges_many_splits(scheme, d, res, splits, group, tail, monkeypa
                                **tolerance(torch.bfloat16))
 
 
+@pytest.mark.parametrize("tail", ["finish", "split"], ids=["tail-in-finish", "tail-in-split"])
+def test_decode_min_tiles_per_split(tail, monkeypatch):
+    """MIXPREC_ATTN_MIN_TILES=3: rows of up to 3 tiles fill one split, longer ones fewer
+    splits than they have tiles; the page and finish kernels agree on which splits wrote."""
+    use_tail(monkeypatch, tail)
+    monkeypatch.setenv("MIXPREC_ATTN_MIN_TILES", "3")
+    rows = [(1, 700), (1, 200), (1, 64), (1, 9)]
+    batch = make_batch("kv4", torch.bfloat16, 64, 2, 4, rows, residual_tokens=16, writer=_writer)
+    out = torch.full_like(batch.q, float("nan"))
+    paged_attention(batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens,
+                    batch.qsl, 64 ** -0.5, batch.residual, num_splits=8, out=out)
+    assert not out.isnan().any(), "a query row was not written"
+    torch.testing.assert_close(out.double().cpu(), batch.reference(64 ** -0.5, False),
+                               **tolerance(torch.bfloat16))
+
+
+def test_decode_min_tiles_env(monkeypatch):
+    monkeypatch.delenv("MIXPREC_ATTN_MIN_TILES", raising=False)
+    from vllm_mixprec.kernels.triton import attention as A
+    assert A.decode_min_tiles() == 1
+    monkeypatch.setenv("MIXPREC_ATTN_MIN_TILES", "4")
+    assert A.decode_min_tiles() == 4
+    for bad in ("0", "two", "65"):
+        monkeypatch.setenv("MIXPREC_ATTN_MIN_TILES", bad)
+        with pytest.raises(ValueError, match="MIXPREC_ATTN_MIN_TILES"):
+            A.decode_min_tiles()
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("res,smooth,bias", [(0, False, False), (16, True, False),

@@ -563,7 +563,7 @@ def _store_rows(dst_row, acc_a, acc_b, acc_z, l_i, rmask, D: tl.constexpr, KV4: 
 
 @triton.jit
 def _decode_tiles(seq_len, res_tokens, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  HAS_RES: tl.constexpr, TAIL: tl.constexpr):
+                  HAS_RES: tl.constexpr, TAIL: tl.constexpr, MIN_TILES: tl.constexpr):
     """A decode row's page tiles (all but the newest res_tokens positions, the residual
     tail's) in runs of whole tiles per split: (tiles, tiles per split, page splits that write
     a partial). With TAIL_LAST_SPLIT the last of those also attends the tail, so a row without
@@ -572,7 +572,7 @@ def _decode_tiles(seq_len, res_tokens, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.con
     if HAS_RES:
         win = tl.maximum(seq_len - res_tokens, 0)
     n_tiles = tl.cdiv(win, BLOCK_N)
-    per_split = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), 1)
+    per_split = tl.maximum(tl.cdiv(n_tiles, NUM_SPLITS), MIN_TILES)  # (decode_min_tiles)
     writers = tl.cdiv(n_tiles, per_split)
     if TAIL == TAIL_LAST_SPLIT:
         writers = tl.maximum(writers, 1)
@@ -617,7 +617,8 @@ def _paged_attn_kernel(
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, KV4: tl.constexpr,
         HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr, KB_V: tl.constexpr,
         HAS_RES: tl.constexpr, DT: tl.constexpr, FAST_UNPACK: tl.constexpr,
-        CHUNK_MODE: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr = False):
+        CHUNK_MODE: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr = False,
+        MIN_TILES: tl.constexpr = 1):
     """Decode (grid rows x kv_heads x splits; rows of query length 1) or prefill/extend
     (grid rows x kv_heads x query blocks; rows of query length > 1). Decode writes split
     partials when _decode_finish_kernel follows; the residual tail is attended as TAIL says:
@@ -638,7 +639,7 @@ def _paged_attn_kernel(
             return
         mb = 0
         n_tiles, per_split, writers = _decode_tiles(tl.load(seq_lens_ptr + row), res_tokens,
-                                                    BLOCK_N, NUM_SPLITS, HAS_RES, TAIL)
+                                                    BLOCK_N, NUM_SPLITS, HAS_RES, TAIL, MIN_TILES)
         if x >= writers and NUM_SPLITS > 1 and x < NUM_SPLITS:  # a split past the row's tiles
             return                                   # writes nothing; the finish kernel skips it
     else:
@@ -736,7 +737,8 @@ def _decode_finish_kernel(
         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
         KV4: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr,
         KB_V: tl.constexpr, HAS_RES: tl.constexpr, DT: tl.constexpr,
-        TAIL: tl.constexpr, G_ROWS: tl.constexpr, PDL: tl.constexpr = False):
+        TAIL: tl.constexpr, G_ROWS: tl.constexpr, PDL: tl.constexpr = False,
+        MIN_TILES: tl.constexpr = 1):
     """Decode epilogue, grid (rows, kv_heads): attend the residual tail (TAIL_FINISH; else a
     program of the page kernel did), then merge it with the partials of the splits that wrote one
     (log-sum-exp) and write the output. The merge is unrolled over NUM_SPLITS with masked
@@ -802,7 +804,7 @@ def _decode_finish_kernel(
     acc_b = acc_b + acc_z[:, None]
     hh = tl.arange(0, HALF)
     n_tiles, per_split, writers = _decode_tiles(seq_len, res_tokens, BLOCK_N, NUM_SPLITS,
-                                                HAS_RES, TAIL)
+                                                HAS_RES, TAIL, MIN_TILES)
     if PDL:
         gdc_wait()
     SLOTS: tl.constexpr = NUM_SPLITS + 1 if TAIL == TAIL_PROGRAM else NUM_SPLITS
@@ -890,6 +892,19 @@ def decode_tail_mode(num_rows: int) -> str:
     if old:
         return "split" if old == "1" else "finish"
     return v or ("split" if num_rows == 1 else "finish")
+
+
+def decode_min_tiles() -> int:
+    """Page tiles a decode split attends at least (MIXPREC_ATTN_MIN_TILES, default 1): a row
+    of few tiles then fills fewer splits, leaving the finish kernel fewer partials to merge.
+    A function of nothing but the environment, so captured CUDA graphs stay valid for any
+    length (the split count stays a function of the batch)."""
+    v = os.environ.get("MIXPREC_ATTN_MIN_TILES", "").strip()
+    if not v:
+        return 1
+    if not v.isdigit() or not 1 <= int(v) <= 64:
+        raise ValueError(f"MIXPREC_ATTN_MIN_TILES={v!r}: expected a tile count in [1, 64]")
+    return int(v)
 
 
 def decode_maxnreg() -> dict:
@@ -1057,7 +1072,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
                   NUM_SPLITS=num_splits, KV4=layout.scheme == "kv4",
                   HAS_SMOOTH=k_smooth is not None, HAS_KB=k_bias is not None,
                   NP=_num_pairs(k_bias), KB_V=kbias_chunk(block_n), HAS_RES=has_res,
-                  DT=_TL_DTYPE[q.dtype], TAIL=tail)
+                  DT=_TL_DTYPE[q.dtype], TAIL=tail, MIN_TILES=decode_min_tiles())
     _paged_attn_kernel[(num_rows, num_kv_heads, slots)](
         *args, BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
         CHUNK_MODE=CHUNK_CACHE.value, PDL=pdl, num_warps=warps, num_stages=stages,
