@@ -5,7 +5,7 @@
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
-# finish_rows min_tiles
+# finish_rows min_tiles pdl_rows
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -197,6 +197,17 @@ stage_min_tiles() {
     MIXPREC_ATTN_MIN_TILES=$t run_bench bench_attention_min_tiles_$t 120 python3 benchmarks/bench_attention.py \
       --rep-ms 100 --batch 1 8 --ctx 1024 2048 8192 --methods fa3-bf16 mixprec-kv4-r16 --out "$OUT/min-tiles-$t" || rc=1
   done
+  return $rc
+}
+# Session 15: the finish kernel as a PDL launch again, now that its merge runs over the group's
+# rows (session 13 found PDL 5.2 us slower at 8 x 1K with the 16-row merge)
+stage_pdl_rows() {
+  local rc=0
+  run_bench bench_attention_plain 120 python3 benchmarks/bench_attention.py --rep-ms 100 \
+    --batch 1 8 --ctx 1024 2048 8192 --methods fa3-bf16 mixprec-kv4-r16 --out "$OUT" || rc=1
+  mkdir -p "$OUT/pdl"
+  MIXPREC_ATTN_PDL=1 run_bench bench_attention_pdl 120 python3 benchmarks/bench_attention.py --rep-ms 100 \
+    --batch 1 8 --ctx 1024 2048 8192 --methods fa3-bf16 mixprec-kv4-r16 --out "$OUT/pdl" || rc=1
   return $rc
 }
 stage_property_cuda_gemm() {
