@@ -938,7 +938,9 @@ def decode_pdl(device: torch.device) -> bool:
     """Whether the finish kernel is a programmatic dependent launch after the page kernel
     (Hopper and later): it can start, and attend the residual tail, while the splits still
     run. MIXPREC_ATTN_PDL=1 turns it on. Off by default: exact on the H100, but timed there it
-    saved 0.5-2.8 us at batch 1 and 8 x 8K and cost 5.2 us at batch 8 x 1K (BENCHMARKS, session 13)."""
+    saved 0.5-2.8 us at batch 1 and 8 x 8K and cost 5.2 us at batch 8 x 1K (BENCHMARKS, session 13).
+    With the merge over G_ROWS (2026-11-26) it saved 0.5-6.9 us at all of batch 1/8 x 1K/2K/8K,
+    but served TPOT did not move beyond the host-to-host spread; batch 64 not yet timed."""
     v = os.environ.get("MIXPREC_ATTN_PDL", "").strip()
     if v not in ("", "0", "1"):
         raise ValueError(f"MIXPREC_ATTN_PDL={v!r}: expected 0 or 1")
