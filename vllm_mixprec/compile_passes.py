@@ -45,8 +45,8 @@ def enabled(environ=os.environ) -> bool:
     if v not in ("0", "1"):
         raise ValueError(f"MIXPREC_FUSE_SILU_QUANT={v!r}: expected 0 (the default: Inductor fuses "
                          "the down projection's input quantization into SiLU-and-mul) or 1 "
-                         "(mixprec::silu_mul_quantize_act in their place for batches of at most 32 tokens; see "
-                         "compile_passes.py)")
+                         "(mixprec::silu_mul_quantize_act in their place for batches of at most "
+                         "32 tokens; see compile_passes.py)")
     return v == "1"
 
 
