@@ -120,8 +120,6 @@ def _patterns():
     from torch._inductor.pattern_matcher import (PatternMatcherPass, gen_pattern,
                                                  register_replacement)
 
-    from . import kernels  # noqa: F401  (registers mixprec::silu_mul_quantize_act)
-
     patterns = PatternMatcherPass(pass_name="mixprec_silu_mul_quant")
     gate_up = torch.randn(4, 16, dtype=torch.bfloat16)
     smooth = torch.rand(8) + 0.5  # float32, as the linear method registers input_smooth
@@ -146,8 +144,9 @@ class SiluMulQuantFusion(_pass_base()):
     """Post-grad pass: quantize_act(SiluAndMul(x)) -> mixprec::silu_mul_quantize_act(x)."""
 
     def __init__(self):
-        # Register the op now: on a compile-cache hit the pass never runs, but the cached
-        # code calls the op (bench_act_quant's second run failed so on the H100, 2026-11-26).
+        # Register the op (which _patterns' replacements call) now: on a compile-cache hit
+        # the pass never runs, but the cached code calls the op (bench_act_quant's second
+        # run failed so on the H100, 2026-11-26).
         from . import kernels  # noqa: F401
         self.matched = 0  # replacements made, over every graph this pass has seen
 

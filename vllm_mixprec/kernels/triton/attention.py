@@ -759,23 +759,20 @@ def _decode_finish_kernel(
         return
     HALF: tl.constexpr = D // 2 if KV4 else D
     STEP: tl.constexpr = 2 if KV4 else 1
+    # the tail's tl.dot needs G_PAD rows; the merge runs over G_ROWS
+    ROWS: tl.constexpr = G_ROWS if TAIL != TAIL_FINISH or not HAS_RES else G_PAD
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc_a = tl.zeros([ROWS, HALF], tl.float32)
+    acc_b = tl.zeros([ROWS, HALF], tl.float32)
+    acc_z = tl.zeros([ROWS], tl.float32)
     g = tl.arange(0, G_ROWS)
     rmask = g < G
     head = kvh * G + g
     tok = q_start.to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + row)
     if TAIL != TAIL_FINISH or not HAS_RES:  # merge only: no query needed
-        m_i = tl.full([G_ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_ROWS], tl.float32)
-        acc_a = tl.zeros([G_ROWS, HALF], tl.float32)
-        acc_b = tl.zeros([G_ROWS, HALF], tl.float32)
-        acc_z = tl.zeros([G_ROWS], tl.float32)
+        seq_len = tl.load(seq_lens_ptr + row)
     else:
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc_a = tl.zeros([G_PAD, HALF], tl.float32)
-        acc_b = tl.zeros([G_PAD, HALF], tl.float32)
-        acc_z = tl.zeros([G_PAD], tl.float32)
         qa, qb, qa16, qb16, qsum, shift, q_tok, q_head, q_rmask, qpos, qlen, seq_len = _query_tile(
             q_ptr, stride_qt, stride_qh, smooth_ptr, qsl_ptr, seq_lens_ptr, row, kvh, 0,
             D, G, G_PAD, 1, KV4, HAS_SMOOTH, DT)
