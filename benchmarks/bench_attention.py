@@ -192,7 +192,8 @@ def setup_mixprec(shape: Shape, scheme: str, residual_tokens: int = 0, splits: i
     from vllm_mixprec import formats as F
     from vllm_mixprec.attention_backend import residual as R
     from vllm_mixprec.kernels.chunk_attention import chunk_attention, context_attention
-    from vllm_mixprec.kernels.triton.attention import (decode_attention, decode_num_splits,
+    from vllm_mixprec.kernels.triton.attention import (decode_attention, decode_merge_counters,
+                                                       decode_num_splits,
                                                        prefill_attention)
     from vllm_mixprec.kernels.triton.context import gather_context_kv
     from vllm_mixprec.kernels.triton.kv_cache import KVResidual, quantize_and_store
@@ -221,6 +222,7 @@ def setup_mixprec(shape: Shape, scheme: str, residual_tokens: int = 0, splits: i
     max_splits = max(splits or 1, 2 * decode_num_splits(shape.batch, HKV))
     part_o = torch.empty(shape.batch * max_splits, HQ, D, dtype=torch.float32, device="cuda")
     part_lse = torch.empty(part_o.shape[:2], dtype=torch.float32, device="cuda")
+    counters = decode_merge_counters(shape.batch, HKV, torch.device("cuda"))  # as the backend's
     out = torch.empty_like(shape.q)
     cu_k = F.context_seqlens(shape.seq_lens, shape.qsl, shape.batch)
     ws = None
@@ -247,7 +249,7 @@ def setup_mixprec(shape: Shape, scheme: str, residual_tokens: int = 0, splits: i
         else:
             decode_attention(shape.q, cache, layout, shape.block_table, shape.seq_lens,
                              shape.qsl, out, shape.scale, shape.batch, run.splits, part_o,
-                             part_lse, res)
+                             part_lse, res, merge_counters=counters)
     run.splits = splits or decode_num_splits(shape.batch, HKV)  # --tune changes it
     run.directory = directory
     return [write], run, out

@@ -5,7 +5,7 @@
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
-# finish_rows min_tiles pdl_rows
+# finish_rows min_tiles pdl_rows merge_fused
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -208,6 +208,24 @@ stage_pdl_rows() {
   mkdir -p "$OUT/pdl"
   MIXPREC_ATTN_PDL=1 run_bench bench_attention_pdl 120 python3 benchmarks/bench_attention.py --rep-ms 100 \
     --batch 1 8 --ctx 1024 2048 8192 --methods fa3-bf16 mixprec-kv4-r16 --out "$OUT/pdl" || rc=1
+  return $rc
+}
+# Session 16: the decode merge fused into the page kernel (MIXPREC_ATTN_MERGE=fused: the last
+# program of a (row, kv head) merges, no finish kernel). Its GPU tests (graph replay, bit-equal
+# to the finish kernel's merge, counters left zero), then batch 1/8/64 x 1K/8K: the default,
+# fused with the tail in the last split, fused with the tail program.
+stage_merge_fused() {
+  local rc=0
+  pytest_logged pytest-gpu-merge-fused 300 tests/attention_backend/test_attn_kernels.py \
+    -k "fused or merges_many_splits or decode_cuda_graph_replay" || rc=1
+  run_bench bench_attention_default 150 python3 benchmarks/bench_attention.py --rep-ms 100 \
+    --batch 1 8 64 --ctx 1024 8192 --methods fa3-bf16 mixprec-kv4-r16 --out "$OUT" || rc=1
+  mkdir -p "$OUT/fused" "$OUT/fused-tail-program"
+  MIXPREC_ATTN_MERGE=fused run_bench bench_attention_fused 150 python3 benchmarks/bench_attention.py \
+    --rep-ms 100 --batch 1 8 64 --ctx 1024 8192 --methods mixprec-kv4-r16 --out "$OUT/fused" || rc=1
+  MIXPREC_ATTN_MERGE=fused MIXPREC_ATTN_TAIL=program run_bench bench_attention_fused_tail_program 150 \
+    python3 benchmarks/bench_attention.py --rep-ms 100 --batch 1 8 64 --ctx 1024 8192 \
+    --methods mixprec-kv4-r16 --out "$OUT/fused-tail-program" || rc=1
   return $rc
 }
 stage_property_cuda_gemm() {

@@ -47,7 +47,8 @@ def compile_kernel(fn, ptrs: dict, consts: dict, arch: int, floats=(), **opts):
 def attn_ptrs(kv4: bool, dt: str) -> dict:
     """Pointer types of the paged-attention kernels' arguments."""
     return {"q_ptr": f"*{dt}", "out_ptr": f"*{dt}", "part_o_ptr": "*fp32",
-            "part_lse_ptr": "*fp32", "codes_ptr": "*u8" if kv4 else "*i8",
+            "part_lse_ptr": "*fp32", "merge_cnt_ptr": "*i32",
+            "codes_ptr": "*u8" if kv4 else "*i8",
             "meta_ptr": "*fp16" if kv4 else "*fp32", "bt_ptr": "*i32",
             "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "smooth_ptr": "*fp32",
             "kb_ptr": "*fp32", "steps_ptr": "*i64", "pairs_ptr": "*i32",

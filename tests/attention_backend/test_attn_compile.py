@@ -79,6 +79,19 @@ SCRIPT = textwrap.dedent(r'''
             for k in (small, merge):
                 assert ptxas_usage(k, arch)[1] == 0, ptxas_usage(k, arch)
             assert "griddepcontrol" not in small.asm["ptx"] + merge.asm["ptx"]  # PDL off
+    # MIXPREC_ATTN_MERGE=fused: the page kernel counts its stored partial with one thread's
+    # acq_rel atomic after a barrier, and the last program merges (attention.decode_merge_mode)
+    for kv4 in (True, False):
+        for tail in (A.TAIL_LAST_SPLIT, A.TAIL_PROGRAM):
+            fused = compile_(A._paged_attn_kernel, attn_ptrs(kv4, "bf16"),
+                             dict(common, NUM_SPLITS=32, KV4=kv4, TAIL=tail.value, BLOCK_M=1,
+                                  BLOCK_N=64, DECODE=True, FAST_UNPACK=True,
+                                  CHUNK_MODE=A.CHUNK_CACHE.value, MERGE_FUSED=True, G_ROWS=4),
+                             arch, ("qk_scale",), num_warps=4, num_stages=3)
+            ptx = fused.asm["ptx"]
+            assert ptx.count("atom.global.gpu.acq_rel.add") == 1, "one counted arrival"
+            assert "ld.global.cg" in ptx  # the partials of other SMs, read past L1
+            assert ptxas_usage(fused, arch)[1] == 0, ptxas_usage(fused, arch)
     # MIXPREC_ATTN_PDL (sm_90+): the page kernel lets the finish kernel launch, which waits
     # for it before reading a partial (attention.decode_pdl)
     if arch >= 90:

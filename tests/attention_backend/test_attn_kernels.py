@@ -107,18 +107,23 @@ def test_paged_attention_matches_reference(case, exact):
     torch.testing.assert_close(out.double().cpu(), want, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("tail", ["finish", "split", "program"],
-                         ids=["tail-in-finish", "tail-in-split", "tail-program"])
+@pytest.mark.parametrize("tail,merge", [("finish", "kernel"), ("split", "kernel"),
+                                        ("program", "kernel"), ("split", "fused"),
+                                        ("program", "fused")],
+                         ids=["tail-in-finish", "tail-in-split", "tail-program",
+                              "fused-tail-in-split", "fused-tail-program"])
 @pytest.mark.parametrize("scheme,d,res,splits,group", [
     ("kv8", 128, 16, 8, 4), ("kv4", 64, 0, 16, 4), ("kv4", 64, 16, 16, 4), ("kv4", 64, 16, 1, 4),
     ("kv4", 64, 16, 16, 1), ("kv8", 64, 0, 8, 6)])
-def test_decode_merges_many_splits(scheme, d, res, splits, group, tail, monkeypatch):
+def test_decode_merges_many_splits(scheme, d, res, splits, group, tail, merge, monkeypatch):
     """Rows whose tiles fill a different number of splits (the rest exit unwritten), and a
     row shorter than the residual window (no page tile: with the tail in a split, split 0
     attends the tail alone). One split with the tail in it: no finish kernel at all. The
     tail as its own program: one more partial, merged last. A merge-only finish pads the
-    group to a power of two: 1 and 6 (padded to 8) too."""
+    group to a power of two: 1 and 6 (padded to 8) too. merge "fused": the last page program
+    of each (row, kv head) to arrive merges (decode_merge_mode)."""
     use_tail(monkeypatch, tail)
+    monkeypatch.setenv("MIXPREC_ATTN_MERGE", merge)
     rows = [(1, 700), (1, 330), (1, 64), (1, 20), (1, 9)]
     batch = make_batch(scheme, torch.bfloat16, d, 2, group, rows, residual_tokens=res,
                        writer=_writer)
@@ -144,6 +149,66 @@ def test_decode_min_tiles_per_split(tail, monkeypatch):
     assert not out.isnan().any(), "a query row was not written"
     torch.testing.assert_close(out.double().cpu(), batch.reference(64 ** -0.5, False),
                                **tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("tail", ["split", "program"])
+def test_decode_fused_merge_counts_and_resets(tail, monkeypatch):
+    """MIXPREC_ATTN_MERGE=fused through decode_attention with the backend's own counter
+    buffer: the output equals the finish kernel's merge bit for bit (same partials, same
+    merge order), and every count is zero again after each of two launches (the next launch,
+    or a CUDA-graph replay, starts from zero); a prefill row in the batch counts nothing."""
+    from vllm_mixprec.kernels.triton.attention import decode_merge_counters
+    use_tail(monkeypatch, tail)
+    rows = [(1, 700), (5, 40), (1, 64), (1, 9)]
+    batch = make_batch("kv4", torch.bfloat16, 64, 2, 4, rows, residual_tokens=16, writer=_writer)
+    n, splits = len(rows), 8
+    part_o = torch.empty(n * (splits + 1), batch.q.shape[1], 64, device=batch.q.device)
+    part_lse = torch.empty(n * (splits + 1), batch.q.shape[1], device=batch.q.device)
+    counters = decode_merge_counters(n + 2, 2, batch.q.device)
+    counters[n * 2:] = 7  # beyond this batch's rows: never touched
+    outs = {}
+    for merge in ("kernel", "fused", "fused"):
+        monkeypatch.setenv("MIXPREC_ATTN_MERGE", merge)
+        out = torch.full_like(batch.q, float("nan"))
+        decode_attention(batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens,
+                         batch.qsl, out, 64 ** -0.5, n, splits, part_o, part_lse, batch.residual,
+                         merge_counters=counters)
+        assert counters[:n * 2].eq(0).all() and counters[n * 2:].eq(7).all(), counters
+        outs.setdefault(merge, []).append(out)
+    dec = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(batch.qsl[:-1], batch.qsl[1:])
+                     if b - a == 1])
+    assert not outs["fused"][0][dec].isnan().any(), "a decode row was not written"
+    for out in outs["fused"]:
+        assert torch.equal(out[dec], outs["kernel"][0][dec])
+
+
+def test_decode_merge_env_and_counters(monkeypatch):
+    from vllm_mixprec.kernels.triton import attention as A
+    monkeypatch.delenv("MIXPREC_ATTN_MERGE", raising=False)
+    monkeypatch.delenv("MIXPREC_ATTN_TAIL", raising=False)
+    monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
+    assert A.decode_merge_mode() == "kernel"
+    monkeypatch.setenv("MIXPREC_ATTN_MERGE", "last")
+    with pytest.raises(ValueError, match="MIXPREC_ATTN_MERGE='last'"):
+        A.decode_merge_mode()
+    # fused has no finish kernel: the tail goes to a split unless a program is asked for
+    assert A.decode_tail_mode(8, "fused") == "split"
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL", "program")
+    assert A.decode_tail_mode(8, "fused") == "program"
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL", "finish")
+    with pytest.raises(ValueError, match="MIXPREC_ATTN_MERGE=fused has no finish kernel"):
+        A.decode_tail_mode(1, "fused")
+    monkeypatch.delenv("MIXPREC_ATTN_TAIL")
+    # a counter buffer too small for the batch is refused by name
+    monkeypatch.setenv("MIXPREC_ATTN_MERGE", "fused")
+    batch = make_batch("kv4", torch.bfloat16, 64, 2, 4, [(1, 100), (1, 50)], residual_tokens=16,
+                       writer=_writer)
+    part_o = torch.empty(2 * 9, batch.q.shape[1], 64, device=batch.q.device)
+    part_lse = torch.empty(2 * 9, batch.q.shape[1], device=batch.q.device)
+    with pytest.raises(ValueError, match="merge_counters must be >= 4 contiguous int32"):
+        decode_attention(batch.q, batch.cache, batch.layout, batch.block_table, batch.seq_lens,
+                         batch.qsl, torch.empty_like(batch.q), 0.125, 2, 8, part_o, part_lse,
+                         batch.residual, merge_counters=A.decode_merge_counters(1, 2, batch.q.device))
 
 
 def test_decode_min_tiles_env(monkeypatch):
@@ -509,15 +574,20 @@ def _need_pdl(pdl: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl,tail", [("0", "finish"), ("1", "finish"), ("0", "program")],
-                         ids=["plain", "pdl", "tail-program"])
+@pytest.mark.parametrize("pdl,tail,merge", [("0", "finish", "kernel"), ("1", "finish", "kernel"),
+                                            ("0", "program", "kernel"), ("0", "split", "fused"),
+                                            ("0", "program", "fused")],
+                         ids=["plain", "pdl", "tail-program", "fused", "fused-tail-program"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_decode_cuda_graph_replay(scheme, pdl, tail, monkeypatch):
+def test_decode_cuda_graph_replay(scheme, pdl, tail, merge, monkeypatch):
     """Capture the decode launch once; replay with new lengths, tables, queries, pages.
     pdl: the finish kernel as a programmatic dependent launch, inside the graph too;
-    tail-program: the residual tail attended by a program of its own."""
+    tail-program: the residual tail attended by a program of its own; fused: the last page
+    program merges, counting in one buffer that every replay leaves zero."""
+    from vllm_mixprec.kernels.triton.attention import decode_merge_counters
     _need_pdl(pdl)
     monkeypatch.setenv("MIXPREC_ATTN_PDL", pdl)
+    monkeypatch.setenv("MIXPREC_ATTN_MERGE", merge)
     use_tail(monkeypatch, tail)
     torch.manual_seed(2)
     dtype, d, hkv, g, n, b = torch.bfloat16, 128, 8, 4, 8, 16
@@ -537,9 +607,11 @@ def test_decode_cuda_graph_replay(scheme, pdl, tail, monkeypatch):
     pool = R.allocate_pool(slots * b, hkv, d, dtype, torch.device("cuda"))
     res = KVResidual(*pool, directory.slot_of_block, directory.tags, 16)
 
+    counters = decode_merge_counters(n, hkv, torch.device("cuda"))
+
     def launch():
         decode_attention(q, cache, layout, bt, seq_lens, qsl, out, d ** -0.5, n, splits,
-                         part_o, part_lse, res)
+                         part_o, part_lse, res, merge_counters=counters)
 
     launch()  # compile outside the capture
     torch.cuda.synchronize()
@@ -563,6 +635,7 @@ def test_decode_cuda_graph_replay(scheme, pdl, tail, monkeypatch):
             quantize_and_store(k, v, cache, slots_of(bt[i], torch.arange(int(lens[i]),
                                device="cuda"), b), layout, None, res)
         graph.replay()
+        assert counters.eq(0).all()
         want = ref.paged_attention_residual(
             q.cpu(), cache.cpu(), layout, bt.cpu(), seq_lens.cpu(), qsl.cpu(), d ** -0.5,
             tuple(x.cpu() if torch.is_tensor(x) else x for x in res))

@@ -334,7 +334,8 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
         if md.num_decodes:
             decode_attention(query, kv_cache, layout, md.block_table, md.seq_lens,
                              md.query_start_loc, output, self.scale, md.num_reqs,
-                             md.num_splits, md.part_o, md.part_lse, residual, k_smooth, k_bias)
+                             md.num_splits, md.part_o, md.part_lse, residual, k_smooth, k_bias,
+                             md.merge_counters)
         if md.num_prefills and not prefill_done and (chunk_lse is None
                                                       or md.prefill_has_context):
             prefill_attention(q, kv_cache, layout, md.block_table, md.seq_lens,

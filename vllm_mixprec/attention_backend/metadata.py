@@ -32,7 +32,8 @@ from vllm.v1.attention.backend import (AttentionCGSupport, AttentionMetadataBuil
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 
 from .. import formats as F
-from ..kernels.triton.attention import decode_num_splits, decode_partials_rows
+from ..kernels.triton.attention import (decode_merge_counters, decode_num_splits,
+                                        decode_partials_rows)
 from . import residual as R
 
 logger = logging.getLogger("vllm.mixprec")
@@ -54,6 +55,8 @@ class MixPrecAttentionMetadata:
     part_o: torch.Tensor | None     # [rows*(splits+1), Hq, D] fp32 split (and tail) outputs
     part_lse: torch.Tensor | None   # [rows*(splits+1), Hq] fp32 their log2-sum-exp
     residual: R.ResidualDirectory | None
+    # [max_num_seqs * Hkv] int32, zero between launches: MIXPREC_ATTN_MERGE=fused's counts
+    merge_counters: torch.Tensor | None = None
     key_positions: torch.Tensor | None = None  # [>= num tokens] int32 cache positions
     # a prefill row has tokens cached before this step (True when vLLM gives no CPU bound):
     # without one, exact prefill through FlashAttention needs no merge launch at all
@@ -94,6 +97,9 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
                                       dtype=torch.float32, device=device)
             self.part_lse = torch.empty(rows, self.num_q_heads, dtype=torch.float32,
                                         device=device)
+        # one zeroed buffer for every launch (each leaves it zero): graphs keep its pointer
+        self.merge_counters = decode_merge_counters(vllm_config.scheduler_config.max_num_seqs,
+                                                    self.num_kv_heads, torch.device(device))
         self.res_tokens = R.residual_tokens(vllm_config, self.block_size)
         R.check_supported(vllm_config, self.res_tokens)
         if self.res_tokens and pc.use_ubatching:
@@ -186,6 +192,7 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
             slot_mapping=cm.slot_mapping, num_decodes=int((qlens == 1).sum()),
             num_prefills=int((qlens > 1).sum()), num_splits=self._splits(n),
             part_o=self.part_o, part_lse=self.part_lse, residual=directory,
+            merge_counters=self.merge_counters,
             key_positions=self._key_positions(cm), prefill_has_context=has_ctx,
             context_cu_k=cu_k, context_total_k=total_k, context_max_k=max_k)
 

@@ -599,6 +599,41 @@ def _query_tile(q_ptr, stride_qt, stride_qh, smooth_ptr, qsl_ptr, seq_lens_ptr, 
     return qa, qb, qa16, qb16, qsum, shift, tok, head, rmask, qpos, qlen, seq_len
 
 
+@triton.jit
+def _merge_splits(part_o_ptr, part_lse_ptr, row, head, rmask, writers, m_i, l_i, acc_a, acc_b,
+                  num_q_heads, D: tl.constexpr, KV4: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  SLOTS: tl.constexpr):
+    """Fold the split partials of a decode row (slots < writers, and a tail program's slot
+    NUM_SPLITS) into the (m_i, l_i, acc) state of its [R] query heads, by log-sum-exp.
+    Unrolled over the slots with masked loads that do not depend on each other, so they are
+    all in flight at once and no cross-warp reduction is needed. The loads bypass L1 (.cg):
+    with MERGE_FUSED the partials were written by other SMs during this launch."""
+    HALF: tl.constexpr = D // 2 if KV4 else D
+    STEP: tl.constexpr = 2 if KV4 else 1
+    hh = tl.arange(0, HALF)
+    for s in tl.static_range(SLOTS):
+        live = rmask & (s < writers)
+        if s == NUM_SPLITS:  # the tail program's partial (lse -inf when the row has no tail)
+            live = rmask
+        pidx = ((row * SLOTS + s) * num_q_heads + head).to(tl.int64)
+        lse = tl.load(part_lse_ptr + pidx, mask=live, other=float("-inf"), cache_modifier=".cg")
+        src = part_o_ptr + pidx[:, None] * D + STEP * hh[None, :]
+        part_a = tl.load(src, mask=live[:, None], other=0.0, cache_modifier=".cg")
+        part_b = part_a
+        if KV4:
+            part_b = tl.load(src + 1, mask=live[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_i, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        beta = tl.math.exp2(lse - m_safe)
+        acc_a = acc_a * alpha[:, None] + beta[:, None] * part_a
+        if KV4:
+            acc_b = acc_b * alpha[:, None] + beta[:, None] * part_b
+        l_i = l_i * alpha + beta
+        m_i = m_new
+    return acc_a, acc_b, l_i
+
+
 # --- the kernels -----------------------------------------------------------------------------
 
 # stride_lse_h is FlashAttention's token count, new every step: specializing on its value
@@ -606,6 +641,7 @@ def _query_tile(q_ptr, stride_qt, stride_qh, smooth_ptr, qsl_ptr, seq_lens_ptr, 
 @triton.jit(do_not_specialize=["stride_lse_h"])
 def _paged_attn_kernel(
         q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, part_o_ptr, part_lse_ptr,
+        merge_cnt_ptr,
         codes_ptr, meta_ptr, stride_cb, stride_ch,
         bt_ptr, stride_bt, seq_lens_ptr, qsl_ptr,
         smooth_ptr, kb_ptr, steps_ptr, pairs_ptr,
@@ -618,12 +654,16 @@ def _paged_attn_kernel(
         HAS_SMOOTH: tl.constexpr, HAS_KB: tl.constexpr, NP: tl.constexpr, KB_V: tl.constexpr,
         HAS_RES: tl.constexpr, DT: tl.constexpr, FAST_UNPACK: tl.constexpr,
         CHUNK_MODE: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr = False,
-        MIN_TILES: tl.constexpr = 1):
+        MIN_TILES: tl.constexpr = 1, MERGE_FUSED: tl.constexpr = False,
+        G_ROWS: tl.constexpr = 1):
     """Decode (grid rows x kv_heads x splits; rows of query length 1) or prefill/extend
     (grid rows x kv_heads x query blocks; rows of query length > 1). Decode writes split
     partials when _decode_finish_kernel follows; the residual tail is attended as TAIL says:
     by the finish kernel, the last writing split, or (TAIL_PROGRAM) one more program (grid
     z = 0, partial slot NUM_SPLITS) that attends no pages.
+    MERGE_FUSED (decode_merge_mode "fused"): no finish kernel; each writer counts itself in
+    merge_cnt_ptr[row, kv head] once its partial is stored, and the last to arrive merges
+    the row's partials (_merge_splits, over the group's G_ROWS) and resets the count.
     Prefill: the older tokens come from the pages (and the residual pool) as decode reads
     them, the row's own new tokens as CHUNK_MODE says (module docstring)."""
     row = tl.program_id(0)
@@ -719,6 +759,27 @@ def _paged_attn_kernel(
         lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + pidx, lse, mask=rmask)
         _store_rows(part_o_ptr + pidx * D, acc_a, acc_b, acc_z, l_i, rmask, D, KV4)
+        if MERGE_FUSED:
+            # Every thread's stores come before the count (bar.sync, then one thread's
+            # acq_rel atomic: release for this partial, acquire of the others' for the last).
+            tl.debug_barrier()
+            cnt = merge_cnt_ptr + row * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            last = writers - 1
+            if TAIL == TAIL_PROGRAM:  # its slot NUM_SPLITS is one more writer
+                last = writers
+            if arrived == last:
+                tl.store(cnt, 0)  # ready for the next launch (stream order)
+                gr = tl.arange(0, G_ROWS)
+                mrow = gr < G
+                mhead = kvh * G + gr
+                zero = tl.zeros([G_ROWS], tl.float32)
+                m_a = tl.zeros([G_ROWS, HALF], tl.float32)
+                m_a, m_b, m_l = _merge_splits(part_o_ptr, part_lse_ptr, row, mhead, mrow, writers,
+                                              zero - float("inf"), zero, m_a, m_a, num_q_heads,
+                                              D, KV4, NUM_SPLITS, SLOTS)
+                dst = out_ptr + tl.load(qsl_ptr + row).to(tl.int64) * stride_ot + mhead * stride_oh
+                _store_rows(dst, m_a, m_b, zero, m_l, mrow, D, KV4)
     else:
         _store_rows(out_ptr + tok * stride_ot + head * stride_oh, acc_a, acc_b, acc_z, l_i,
                     rmask, D, KV4)
@@ -727,6 +788,7 @@ def _paged_attn_kernel(
 @triton.jit
 def _decode_finish_kernel(
         q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, part_o_ptr, part_lse_ptr,
+        merge_cnt_ptr,
         codes_ptr, meta_ptr, stride_cb, stride_ch,
         bt_ptr, stride_bt, seq_lens_ptr, qsl_ptr,
         smooth_ptr, kb_ptr, steps_ptr, pairs_ptr,
@@ -758,7 +820,6 @@ def _decode_finish_kernel(
             gdc_wait()
         return
     HALF: tl.constexpr = D // 2 if KV4 else D
-    STEP: tl.constexpr = 2 if KV4 else 1
     # the tail's tl.dot needs G_PAD rows; the merge runs over G_ROWS
     ROWS: tl.constexpr = G_ROWS if TAIL != TAIL_FINISH or not HAS_RES else G_PAD
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -799,32 +860,13 @@ def _decode_finish_kernel(
     # Fold the V zero column in now: split partials are complete (normalised) outputs.
     acc_a = acc_a + acc_z[:, None]
     acc_b = acc_b + acc_z[:, None]
-    hh = tl.arange(0, HALF)
     n_tiles, per_split, writers = _decode_tiles(seq_len, res_tokens, BLOCK_N, NUM_SPLITS,
                                                 HAS_RES, TAIL, MIN_TILES)
     if PDL:
         gdc_wait()
     SLOTS: tl.constexpr = NUM_SPLITS + 1 if TAIL == TAIL_PROGRAM else NUM_SPLITS
-    for s in tl.static_range(SLOTS):
-        live = rmask & (s < writers)
-        if s == NUM_SPLITS:  # the tail program's partial (lse -inf when the row has no tail)
-            live = rmask
-        pidx = ((row * SLOTS + s) * num_q_heads + head).to(tl.int64)
-        lse = tl.load(part_lse_ptr + pidx, mask=live, other=float("-inf"))
-        src = part_o_ptr + pidx[:, None] * D + STEP * hh[None, :]
-        part_a = tl.load(src, mask=live[:, None], other=0.0)
-        part_b = part_a
-        if KV4:
-            part_b = tl.load(src + 1, mask=live[:, None], other=0.0)
-        m_new = tl.maximum(m_i, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        beta = tl.math.exp2(lse - m_safe)
-        acc_a = acc_a * alpha[:, None] + beta[:, None] * part_a
-        if KV4:
-            acc_b = acc_b * alpha[:, None] + beta[:, None] * part_b
-        l_i = l_i * alpha + beta
-        m_i = m_new
+    acc_a, acc_b, l_i = _merge_splits(part_o_ptr, part_lse_ptr, row, head, rmask, writers, m_i,
+                                      l_i, acc_a, acc_b, num_q_heads, D, KV4, NUM_SPLITS, SLOTS)
     _store_rows(out_ptr + tok * stride_ot + head * stride_oh, acc_a, acc_b, acc_z * 0.0, l_i,
                 rmask, D, KV4)
 
@@ -861,7 +903,27 @@ def decode_config(head_dim: int, scheme: str = "kv4", num_rows: int = 0,
     return 64, 4, 3
 
 
-def decode_tail_mode(num_rows: int) -> str:
+def decode_merge_mode() -> str:
+    """Who merges a decode row's split partials: "kernel", the finish kernel launched after
+    the page kernel (default), or "fused", the last page-kernel program of the (row, kv head)
+    to store its partial (an atomic count per pair, reset by that program): one launch fewer,
+    no finish kernel. MIXPREC_ATTN_MERGE=kernel|fused. With "fused" the residual tail is
+    attended in a split or a program of its own (decode_tail_mode), never in a finish kernel.
+    A function of the environment only, so captured CUDA graphs stay valid."""
+    v = os.environ.get("MIXPREC_ATTN_MERGE", "").strip()
+    if v not in ("", "kernel", "fused"):
+        raise ValueError(f"MIXPREC_ATTN_MERGE={v!r}: expected 'kernel' or 'fused'")
+    return v or "kernel"
+
+
+def decode_merge_counters(num_rows: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """The zeroed int32 counts MERGE_FUSED needs, one per (row, kv head); each launch leaves
+    them zero again, so one buffer serves every launch of a stream (the metadata builder keeps
+    one per layer group, sized for max_num_seqs)."""
+    return torch.zeros(max(1, num_rows * num_kv_heads), dtype=torch.int32, device=device)
+
+
+def decode_tail_mode(num_rows: int, merge: str = "kernel") -> str:
     """Who attends a decode row's residual tail (TAIL_MODES): "split", the row's last writing
     split, for single-row batches; "finish", the finish kernel after every split, otherwise.
     H100, 2026-11-25, kv4 + 16-token residual, D = 128, 8 kv heads, split against finish:
@@ -887,7 +949,13 @@ def decode_tail_mode(num_rows: int) -> str:
         raise ValueError("MIXPREC_ATTN_TAIL and MIXPREC_ATTN_TAIL_IN_SPLIT are both set: "
                          "unset MIXPREC_ATTN_TAIL_IN_SPLIT (MIXPREC_ATTN_TAIL=split is its 1)")
     if old:
-        return "split" if old == "1" else "finish"
+        v = "split" if old == "1" else "finish"
+    if merge == "fused":
+        if v == "finish":
+            raise ValueError("MIXPREC_ATTN_MERGE=fused has no finish kernel to attend the "
+                             "residual tail in: unset MIXPREC_ATTN_TAIL (or "
+                             "MIXPREC_ATTN_TAIL_IN_SPLIT), or set it to split or program")
+        return v or "split"
     return v or ("split" if num_rows == 1 else "finish")
 
 
@@ -1039,14 +1107,17 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
                      num_rows: int, num_splits: int = 1, part_o: torch.Tensor | None = None,
                      part_lse: torch.Tensor | None = None, residual: KVResidual | None = None,
                      k_smooth: torch.Tensor | None = None,
-                     k_bias: F.KRopeBias | None = None) -> None:
+                     k_bias: F.KRopeBias | None = None,
+                     merge_counters: torch.Tensor | None = None) -> None:
     """Attention of the rows of query length 1 (others are left untouched) into `out`.
 
     part_o [>= num_rows*num_splits, Hq, D] fp32 and part_lse [>= ..., Hq] fp32 are needed
     when num_splits > 1 or with a residual: the page kernel then writes per-split partials
     and _decode_finish_kernel adds the residual tail and merges (with the tail as its own
     program, decode_tail_mode "program": num_rows*(num_splits + 1) rows, the tail's partial last). Launch parameters depend
-    only on shapes and num_rows (CUDA graphs).
+    only on shapes and num_rows (CUDA graphs). With decode_merge_mode "fused" the page kernel
+    merges instead, counting in merge_counters (>= num_rows * kv_heads zeroed int32, left zero;
+    decode_merge_counters; allocated here when None).
     """
     if num_rows == 0:
         return
@@ -1057,18 +1128,30 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else 8
     block_n, warps, stages = decode_config(layout.head_dim, layout.scheme, num_rows, num_kv_heads, sms)
-    tail = TAIL_MODES[decode_tail_mode(num_rows)] if has_res else TAIL_FINISH.value
+    merge = decode_merge_mode()
+    tail = TAIL_MODES[decode_tail_mode(num_rows, merge)] if has_res else TAIL_FINISH.value
     slots = num_splits + (tail == TAIL_PROGRAM.value)  # the tail program writes one more partial
-    finish = num_splits > 1 or (has_res and tail != TAIL_LAST_SPLIT.value)
+    partials = num_splits > 1 or (has_res and tail != TAIL_LAST_SPLIT.value)
+    fused = partials and merge == "fused"
+    finish = partials and not fused
     pdl = finish and decode_pdl(q.device)
-    if finish and (part_o is None or part_lse is None or part_o.shape[0] < num_rows * slots):
+    if partials and (part_o is None or part_lse is None or part_o.shape[0] < num_rows * slots):
         raise ValueError(f"num_splits > 1 or a residual needs part_o/part_lse with "
                          f"num_rows*(num_splits{' + 1' if slots > num_splits else ''}) = "
                          f"{num_rows * slots} rows")
+    if fused and merge_counters is None:
+        merge_counters = decode_merge_counters(num_rows, num_kv_heads, q.device)
+    if fused and (merge_counters.dtype != torch.int32 or not merge_counters.is_contiguous()
+                  or merge_counters.numel() < num_rows * num_kv_heads):
+        raise ValueError(f"merge_counters must be >= {num_rows * num_kv_heads} contiguous int32 "
+                         f"(rows x kv heads), got {tuple(merge_counters.shape)} "
+                         f"{merge_counters.dtype}")
     args = (q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),
-            part_o if finish else q, part_lse if finish else q,
+            part_o if partials else q, part_lse if partials else q,
+            merge_counters if fused else q,
             *cache_args, block_table, block_table.stride(0), seq_lens, query_start_loc,
             *opt, *res, *_chunk_args(q, None, num_kv_heads), num_q_heads, sm_scale * LOG2E)
+    g_rows = triton.next_power_of_2(group)  # the merge's rows (tl.dot's need 16: G_PAD)
     common = dict(B=layout.block_size, D=layout.head_dim, G=group,
                   G_PAD=max(16, triton.next_power_of_2(group)), BLOCK_R=block_r,
                   NUM_SPLITS=num_splits, KV4=layout.scheme == "kv4",
@@ -1077,13 +1160,12 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
                   DT=_TL_DTYPE[q.dtype], TAIL=tail, MIN_TILES=decode_min_tiles())
     _paged_attn_kernel[(num_rows, num_kv_heads, slots)](
         *args, BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
-        CHUNK_MODE=CHUNK_CACHE.value, PDL=pdl, num_warps=warps, num_stages=stages,
-        **decode_maxnreg(), **common)
+        CHUNK_MODE=CHUNK_CACHE.value, PDL=pdl, MERGE_FUSED=fused, G_ROWS=g_rows,
+        num_warps=warps, num_stages=stages, **decode_maxnreg(), **common)
     if finish:
         pdl_launch = {"launch_pdl": True} if pdl else {}
         _decode_finish_kernel[(num_rows, num_kv_heads)](
-            *args, BLOCK_N=block_n, PDL=pdl, G_ROWS=triton.next_power_of_2(group), num_warps=4,
-            **pdl_launch, **common)
+            *args, BLOCK_N=block_n, PDL=pdl, G_ROWS=g_rows, num_warps=4, **pdl_launch, **common)
 
 
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
@@ -1114,7 +1196,7 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayo
     g_pad = triton.next_power_of_2(group)
     block_m = max(block_m, -(-16 // g_pad))  # tl.dot needs >= 16 rows
     _paged_attn_kernel[(num_rows, num_kv_heads, triton.cdiv(max_query_len, block_m))](
-        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), q, q,
+        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), q, q, q,
         *cache_args, block_table, block_table.stride(0), seq_lens, query_start_loc,
         *opt, *res, *_chunk_args(q, chunk_kv, num_kv_heads, chunk_lse), num_q_heads,
         sm_scale * LOG2E,
