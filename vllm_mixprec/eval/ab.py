@@ -106,15 +106,10 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
         (("MIXPREC_ATTN_TAIL", "program"),), attention_backend="CUSTOM",
         what="w4a8kv4 whose decode attends the residual tail in a program of its own, beside "
              "the page splits"),
-    Arm("w4a8kv4-fusedmerge", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
-        (("MIXPREC_ATTN_MERGE", "fused"),), attention_backend="CUSTOM",
-        what="w4a8kv4 whose decode split partials are merged by the last page program to "
-             "finish (no finish kernel; the residual tail in the last split)"),
-    Arm("w4a8kv4-fusedmerge-siluquant", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
-        (("MIXPREC_ATTN_MERGE", "fused"), ("MIXPREC_FUSE_SILU_QUANT", "1")),
-        attention_backend="CUSTOM",
-        what="w4a8kv4 with both latency options: the fused decode merge and "
-             "mixprec::silu_mul_quantize_act"),
+    Arm("w4a8kv4-mergekernel", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
+        (("MIXPREC_ATTN_MERGE", "kernel"),), attention_backend="CUSTOM",
+        what="w4a8kv4 whose batch-1 decode merges its split partials in the finish kernel "
+             "(the default before 2026-11-26), not in the last page program"),
     Arm("w4a8kv4-mergectx", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
         (("MIXPREC_ATTN_CONTEXT_TOKENS", "0"),), attention_backend="CUSTOM",
         what="w4a8kv4 without the 16-bit context workspace: our Triton kernel merges a chunk's "

@@ -903,17 +903,28 @@ def decode_config(head_dim: int, scheme: str = "kv4", num_rows: int = 0,
     return 64, 4, 3
 
 
-def decode_merge_mode() -> str:
+def decode_merge_mode(num_rows: int = 1) -> str:
     """Who merges a decode row's split partials: "kernel", the finish kernel launched after
-    the page kernel (default), or "fused", the last page-kernel program of the (row, kv head)
-    to store its partial (an atomic count per pair, reset by that program): one launch fewer,
-    no finish kernel. MIXPREC_ATTN_MERGE=kernel|fused. With "fused" the residual tail is
-    attended in a split or a program of its own (decode_tail_mode), never in a finish kernel.
-    A function of the environment only, so captured CUDA graphs stay valid."""
+    the page kernel, or "fused", the last page-kernel program of the (row, kv head) to store
+    its partial (an atomic count per pair, reset by that program): one launch fewer, no
+    finish kernel, and the residual tail in a program of its own (decode_tail_mode).
+    Default: "fused" for a batch of one row (unless the tail is forced into the finish
+    kernel), "kernel" otherwise. H100, 2026-11-26, kv4 + 16-token residual, D = 128, 8 kv
+    heads, finish kernel / fused with the tail in the last split / fused with the tail
+    program, us: 1 x 1K 18.8 / 17.0 / 15.4 (FA3 14.8), 1 x 8K 29.7 / 26.3 / 23.5 (FA3 28.7);
+    8 x 1K 33.2 / 38.3 / 37.5, 8 x 8K 93.2 / 108.5 / 108.3 (the finish kernel attends the
+    tail off the splits' critical path there); 64 x 1K 78.6 / 76.4 / 78.7, 64 x 8K
+    383 / 380 / 383. MIXPREC_ATTN_MERGE=kernel|fused forces one. A function of the batch and
+    the environment only, so captured CUDA graphs stay valid."""
     v = os.environ.get("MIXPREC_ATTN_MERGE", "").strip()
     if v not in ("", "kernel", "fused"):
         raise ValueError(f"MIXPREC_ATTN_MERGE={v!r}: expected 'kernel' or 'fused'")
-    return v or "kernel"
+    if v:
+        return v
+    tail = os.environ.get("MIXPREC_ATTN_TAIL", "").strip()
+    if tail == "finish" or os.environ.get("MIXPREC_ATTN_TAIL_IN_SPLIT", "").strip() == "0":
+        return "kernel"
+    return "fused" if num_rows == 1 else "kernel"
 
 
 def decode_merge_counters(num_rows: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
@@ -955,7 +966,7 @@ def decode_tail_mode(num_rows: int, merge: str = "kernel") -> str:
             raise ValueError("MIXPREC_ATTN_MERGE=fused has no finish kernel to attend the "
                              "residual tail in: unset MIXPREC_ATTN_TAIL (or "
                              "MIXPREC_ATTN_TAIL_IN_SPLIT), or set it to split or program")
-        return v or "split"
+        return v or "program"
     return v or ("split" if num_rows == 1 else "finish")
 
 
@@ -1128,7 +1139,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else 8
     block_n, warps, stages = decode_config(layout.head_dim, layout.scheme, num_rows, num_kv_heads, sms)
-    merge = decode_merge_mode()
+    merge = decode_merge_mode(num_rows)
     tail = TAIL_MODES[decode_tail_mode(num_rows, merge)] if has_res else TAIL_FINISH.value
     slots = num_splits + (tail == TAIL_PROGRAM.value)  # the tail program writes one more partial
     partials = num_splits > 1 or (has_res and tail != TAIL_LAST_SPLIT.value)
