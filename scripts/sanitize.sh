@@ -33,9 +33,11 @@ TRITON_TESTS=(
   "tests/attention_backend/test_attn_kernels.py::test_paged_attention_gpu"
   "tests/attention_backend/test_attn_kernels.py::test_gather_path_gpu"
   "tests/attention_backend/test_attn_kernels.py::test_paged_attention_gpu_decode_configs"
+  "tests/attention_backend/test_attn_kernels.py::test_decode_fused_merge_counts_and_resets"
 )
-# the last: one decode row, its residual tail attended in the last split (decode_tail_mode)
-TRITON_K="${SANITIZE_TRITON_K:-test_gpu_w4ax or (1-4-128 and dtype1) or (gather_path_gpu and 4-128 and dtype1) or (decode_configs and kv4 and 64 and tail-in-split)}"
+# decode_configs: five decode rows, the residual tail attended in the last split
+# (decode_tail_mode); fused_merge: the last page program merges (decode_merge_mode)
+TRITON_K="${SANITIZE_TRITON_K:-test_gpu_w4ax or (1-4-128 and dtype1) or (gather_path_gpu and 4-128 and dtype1) or (decode_configs and kv4 and 64 and tail-in-split) or fused_merge}"
 status=0
 : > "$OUT_DIR/summary.txt"
 for target in "${targets[@]}"; do

@@ -187,14 +187,30 @@ def test_decode_merge_env_and_counters(monkeypatch):
     monkeypatch.delenv("MIXPREC_ATTN_MERGE", raising=False)
     monkeypatch.delenv("MIXPREC_ATTN_TAIL", raising=False)
     monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
-    assert A.decode_merge_mode() == "kernel"
+    # batch 1 merges in the page kernel, with the tail as a program of its own; larger
+    # batches keep the finish kernel, which attends the tail off the splits' critical path
+    assert (A.decode_merge_mode(1), A.decode_merge_mode(2), A.decode_merge_mode(64)) == \
+        ("fused", "kernel", "kernel")
+    assert A.decode_tail_mode(1, A.decode_merge_mode(1)) == "program"
+    assert A.decode_tail_mode(8, A.decode_merge_mode(8)) == "finish"
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL", "finish")  # a forced finish tail keeps the kernel
+    assert A.decode_merge_mode(1) == "kernel"
+    monkeypatch.delenv("MIXPREC_ATTN_TAIL")
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL_IN_SPLIT", "0")
+    assert A.decode_merge_mode(1) == "kernel"
+    monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT")
+    monkeypatch.setenv("MIXPREC_ATTN_MERGE", "kernel")
+    assert A.decode_merge_mode(1) == "kernel"
+    monkeypatch.setenv("MIXPREC_ATTN_MERGE", "fused")
+    assert A.decode_merge_mode(64) == "fused"
     monkeypatch.setenv("MIXPREC_ATTN_MERGE", "last")
     with pytest.raises(ValueError, match="MIXPREC_ATTN_MERGE='last'"):
         A.decode_merge_mode()
-    # fused has no finish kernel: the tail goes to a split unless a program is asked for
-    assert A.decode_tail_mode(8, "fused") == "split"
-    monkeypatch.setenv("MIXPREC_ATTN_TAIL", "program")
+    # fused has no finish kernel: the tail goes to a program of its own, or a split if asked
+    monkeypatch.delenv("MIXPREC_ATTN_MERGE")
     assert A.decode_tail_mode(8, "fused") == "program"
+    monkeypatch.setenv("MIXPREC_ATTN_TAIL", "split")
+    assert A.decode_tail_mode(8, "fused") == "split"
     monkeypatch.setenv("MIXPREC_ATTN_TAIL", "finish")
     with pytest.raises(ValueError, match="MIXPREC_ATTN_MERGE=fused has no finish kernel"):
         A.decode_tail_mode(1, "fused")
@@ -653,6 +669,7 @@ def test_decode_pdl_matches_plain_launch(scheme, rows, tail, monkeypatch):
     one row, in the finish kernel for four; or in a program of its own)."""
     _need_pdl("1")
     use_tail(monkeypatch, tail)
+    monkeypatch.setenv("MIXPREC_ATTN_MERGE", "kernel")  # one row would merge in the page kernel
     torch.manual_seed(5)
     batch = make_batch(scheme, torch.bfloat16, 128, 4, 4, rows, residual_tokens=16,
                        writer=_writer)

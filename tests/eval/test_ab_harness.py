@@ -43,6 +43,7 @@ def test_arm_table():
     assert a["w4a8kv4-pdl"].flags == a["w4a8kv4"].flags
     assert dict(a["w4a8kv4-pdl"].env) == {"MIXPREC_ATTN_PDL": "1"}
     assert dict(a["w4a8kv4-tailprog"].env) == {"MIXPREC_ATTN_TAIL": "program"}
+    assert dict(a["w4a8kv4-mergekernel"].env) == {"MIXPREC_ATTN_MERGE": "kernel"}
     assert dict(a["w4a8kv4-siluquant"].env) == {"MIXPREC_FUSE_SILU_QUANT": "1"}
     assert all(arm.ckpt in syn.CKPT_KINDS for arm in a.values())
 
