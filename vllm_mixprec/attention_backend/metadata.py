@@ -97,9 +97,10 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
                                       dtype=torch.float32, device=device)
             self.part_lse = torch.empty(rows, self.num_q_heads, dtype=torch.float32,
                                         device=device)
-        # one zeroed buffer for every launch (each leaves it zero): graphs keep its pointer
-        self.merge_counters = decode_merge_counters(vllm_config.scheduler_config.max_num_seqs,
-                                                    self.num_kv_heads, torch.device(device))
+        # one zeroed buffer for every launch (each leaves it zero): graphs keep its pointer.
+        # Micro-batches may run concurrently: then each launch zeroes its own (None).
+        self.merge_counters = None if pc.use_ubatching else decode_merge_counters(
+            vllm_config.scheduler_config.max_num_seqs, self.num_kv_heads, torch.device(device))
         self.res_tokens = R.residual_tokens(vllm_config, self.block_size)
         R.check_supported(vllm_config, self.res_tokens)
         if self.res_tokens and pc.use_ubatching:
