@@ -935,8 +935,11 @@ def decode_merge_counters(num_rows: int, num_kv_heads: int, device: torch.device
 
 
 def decode_tail_mode(num_rows: int, merge: str = "kernel") -> str:
-    """Who attends a decode row's residual tail (TAIL_MODES): "split", the row's last writing
-    split, for single-row batches; "finish", the finish kernel after every split, otherwise.
+    """Who attends a decode row's residual tail (TAIL_MODES). With the finish kernel's merge
+    (merge "kernel"): "split", the row's last writing split, for single-row batches;
+    "finish", the finish kernel after every split, otherwise. With the merge in the page
+    kernel (merge "fused", decode_merge_mode: the batch-1 default) there is no finish kernel:
+    "program" unless "split" is asked for; "finish" is refused.
     H100, 2026-11-25, kv4 + 16-token residual, D = 128, 8 kv heads, split against finish:
     batch 1 25.9/26.6 us (1K), 43.2/46.3 (8K), 73.8/77.3 (32K); batch 8 44.9/42.0,
     114.7/102.0, 333.8/288.7 (the last split's longer run, and its 208 registers, cost more
@@ -945,7 +948,7 @@ def decode_tail_mode(num_rows: int, merge: str = "kernel") -> str:
     first), concurrent with the page splits: exact, but mixed on the H100 (2026-11-26) against
     the default: 17.4/19.7 us (b1 1K), 26.2/30.0 (b1 8K), 36.1/39.6 (b8 1K), 108.7/99.1 (b8 8K),
     79.7/79.9 (b64 1K), 384.4/375.4 (b64 8K); served TPOT 3.66/3.65 ms (C=1), 4.28/4.22 (C=8).
-    So not a default. Since the finish kernel merges over the group's rows (G_ROWS), batch 8
+    So not a default with the kernel merge. Since the finish kernel merges over the group's rows (G_ROWS), batch 8
     with the tail there takes 33.2 us at 1K and 91.5 at 8K, against 36.3 and 108.4 for
     "program" (H100, 2026-11-26).
     MIXPREC_ATTN_TAIL=finish|split|program forces one (MIXPREC_ATTN_TAIL_IN_SPLIT=0/1, the
