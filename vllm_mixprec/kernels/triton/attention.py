@@ -6,7 +6,9 @@ One kernel body serves both paths; it is specialised by constexprs:
     (padded to 16 rows), so every page is read once per kv head. A small second kernel
     (_decode_finish_kernel) attends the residual tail and merges the splits by LSE, a few
     splits per load so that their loads are in flight together; splits with no page tiles
-    (short rows) exit at once and are not merged.
+    (short rows) exit at once and are not merged. A batch of one row instead merges in the
+    page kernel: the last program of a (row, kv head) to store its partial does it
+    (MERGE_FUSED, decode_merge_mode), and the tail is a program of its own.
   * prefill / extend (rows with query length > 1): grid (rows, query blocks, kv_heads);
     BLOCK_M query tokens x G heads per tile, causal mask. Older tokens come from the same
     pages (and residual pool) as decode reads them; the chunk's own tokens (CHUNK_MODE)
