@@ -905,6 +905,23 @@ def decode_config(head_dim: int, scheme: str = "kv4", num_rows: int = 0,
     return 64, 4, 3
 
 
+def _forced_tail() -> str:
+    """The tail placement the environment forces (decode_tail_mode), or "" for the default:
+    MIXPREC_ATTN_TAIL, or the older MIXPREC_ATTN_TAIL_IN_SPLIT=0/1 (finish/split)."""
+    v = os.environ.get("MIXPREC_ATTN_TAIL", "").strip()
+    old = os.environ.get("MIXPREC_ATTN_TAIL_IN_SPLIT", "").strip()
+    if v and v not in TAIL_MODES:
+        raise ValueError(f"MIXPREC_ATTN_TAIL={v!r}: expected one of {sorted(TAIL_MODES)}")
+    if old and old not in ("0", "1"):
+        raise ValueError(f"MIXPREC_ATTN_TAIL_IN_SPLIT={old!r}: expected 0 or 1")
+    if v and old:
+        raise ValueError("MIXPREC_ATTN_TAIL and MIXPREC_ATTN_TAIL_IN_SPLIT are both set: "
+                         "unset MIXPREC_ATTN_TAIL_IN_SPLIT (MIXPREC_ATTN_TAIL=split is its 1)")
+    if old:
+        return "split" if old == "1" else "finish"
+    return v
+
+
 def decode_merge_mode(num_rows: int = 1) -> str:
     """Who merges a decode row's split partials: "kernel", the finish kernel launched after
     the page kernel, or "fused", the last page-kernel program of the (row, kv head) to store
@@ -923,10 +940,7 @@ def decode_merge_mode(num_rows: int = 1) -> str:
         raise ValueError(f"MIXPREC_ATTN_MERGE={v!r}: expected 'kernel' or 'fused'")
     if v:
         return v
-    tail = os.environ.get("MIXPREC_ATTN_TAIL", "").strip()
-    if tail == "finish" or os.environ.get("MIXPREC_ATTN_TAIL_IN_SPLIT", "").strip() == "0":
-        return "kernel"
-    return "fused" if num_rows == 1 else "kernel"
+    return "fused" if num_rows == 1 and _forced_tail() != "finish" else "kernel"
 
 
 def decode_merge_counters(num_rows: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
@@ -955,17 +969,7 @@ def decode_tail_mode(num_rows: int, merge: str = "kernel") -> str:
     "program" (H100, 2026-11-26).
     MIXPREC_ATTN_TAIL=finish|split|program forces one (MIXPREC_ATTN_TAIL_IN_SPLIT=0/1, the
     older knob, means finish/split)."""
-    v = os.environ.get("MIXPREC_ATTN_TAIL", "").strip()
-    old = os.environ.get("MIXPREC_ATTN_TAIL_IN_SPLIT", "").strip()
-    if v and v not in TAIL_MODES:
-        raise ValueError(f"MIXPREC_ATTN_TAIL={v!r}: expected one of {sorted(TAIL_MODES)}")
-    if old and old not in ("0", "1"):
-        raise ValueError(f"MIXPREC_ATTN_TAIL_IN_SPLIT={old!r}: expected 0 or 1")
-    if v and old:
-        raise ValueError("MIXPREC_ATTN_TAIL and MIXPREC_ATTN_TAIL_IN_SPLIT are both set: "
-                         "unset MIXPREC_ATTN_TAIL_IN_SPLIT (MIXPREC_ATTN_TAIL=split is its 1)")
-    if old:
-        v = "split" if old == "1" else "finish"
+    v = _forced_tail()
     if merge == "fused":
         if v == "finish":
             raise ValueError("MIXPREC_ATTN_MERGE=fused has no finish kernel to attend the "
