@@ -44,7 +44,7 @@ for target in "${targets[@]}"; do
   case $target in
     cuda) cmd=("$PY" scripts/sanitize_cuda_driver.py)
           ours_re="w4a8_(decode|tiled|wgmma)[a-z_]*kernel|quantize_act_int8_kernel" ;;
-    triton) cmd=("$PY" -m pytest -m gpu -q -p no:cacheprovider -x "${TRITON_TESTS[@]}"
+    triton) cmd=("$PY" -m pytest -q -p no:cacheprovider -x "${TRITON_TESTS[@]}"
                  -k "$TRITON_K")
           ours_re="_(paged_attn|decode_finish|quant|w4a8|w4ax|gemm|store|gather_context)[a-z0-9_]*" ;;
     *) echo "unknown target $target (cuda, triton)"; exit 2 ;;

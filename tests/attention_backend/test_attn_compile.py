@@ -92,6 +92,15 @@ SCRIPT = textwrap.dedent(r'''
             assert ptx.count("atom.global.gpu.acq_rel.add") == 1, "one counted arrival"
             assert "ld.global.cg" in ptx  # the partials of other SMs, read past L1
             assert ptxas_usage(fused, arch)[1] == 0, ptxas_usage(fused, arch)
+    # ...and the multi-row default, kv4 + tail program under the register cap, does not spill
+    capped = compile_(A._paged_attn_kernel, attn_ptrs(True, "bf16"),
+                      dict(common, NUM_SPLITS=16, TAIL=A.TAIL_PROGRAM.value, BLOCK_M=1,
+                           BLOCK_N=64, DECODE=True, FAST_UNPACK=True,
+                           CHUNK_MODE=A.CHUNK_CACHE.value, MERGE_FUSED=True, G_ROWS=4),
+                      arch, ("qk_scale",), num_warps=4, num_stages=3,
+                      maxnreg=A.FUSED_ROWS_MAXNREG)
+    regs, spill = ptxas_usage(capped, arch)
+    assert regs <= A.FUSED_ROWS_MAXNREG and spill == 0, (regs, spill)
     # MIXPREC_ATTN_PDL (sm_90+): the page kernel lets the finish kernel launch, which waits
     # for it before reading a partial (attention.decode_pdl)
     if arch >= 90:

@@ -187,12 +187,19 @@ def test_decode_merge_env_and_counters(monkeypatch):
     monkeypatch.delenv("MIXPREC_ATTN_MERGE", raising=False)
     monkeypatch.delenv("MIXPREC_ATTN_TAIL", raising=False)
     monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)
-    # batch 1 merges in the page kernel, with the tail as a program of its own; larger
-    # batches keep the finish kernel, which attends the tail off the splits' critical path
-    assert (A.decode_merge_mode(1), A.decode_merge_mode(2), A.decode_merge_mode(64)) == \
-        ("fused", "kernel", "kernel")
+    # batch 1, and KV4 (D <= 128) batches of fewer (row, kv head) pairs than SMs, merge in the
+    # page kernel, with the tail as a program of its own; larger batches, KV8 and D = 256 keep
+    # the finish kernel, which attends the tail off the splits' critical path
+    h8 = dict(num_kv_heads=8, num_sms=132)
+    assert [A.decode_merge_mode(n, **h8) for n in (1, 2, 8, 16, 17, 64)] == \
+        ["fused"] * 4 + ["kernel"] * 2
+    assert A.decode_merge_mode(1) == A.decode_merge_mode(2) == "fused"  # 1 kv head
+    assert A.decode_merge_mode(8, "kv8", **h8) == A.decode_merge_mode(8, head_dim=256, **h8) == \
+        "kernel"
+    assert A.decode_merge_mode(1, "kv8", 256, **h8) == "fused"
     assert A.decode_tail_mode(1, A.decode_merge_mode(1)) == "program"
-    assert A.decode_tail_mode(8, A.decode_merge_mode(8)) == "finish"
+    assert A.decode_tail_mode(8, A.decode_merge_mode(8, **h8)) == "program"
+    assert A.decode_tail_mode(64, A.decode_merge_mode(64, **h8)) == "finish"
     monkeypatch.setenv("MIXPREC_ATTN_TAIL", "finish")  # a forced finish tail keeps the kernel
     assert A.decode_merge_mode(1) == "kernel"
     monkeypatch.delenv("MIXPREC_ATTN_TAIL")
@@ -570,11 +577,18 @@ def test_decode_tail_mode_choice(monkeypatch):
 def test_decode_maxnreg_env(monkeypatch):
     from vllm_mixprec.kernels.triton.attention import decode_maxnreg
     monkeypatch.delenv("MIXPREC_ATTN_DECODE_MAXNREG", raising=False)
-    assert decode_maxnreg() == {}
-    monkeypatch.setenv("MIXPREC_ATTN_DECODE_MAXNREG", "0")
-    assert decode_maxnreg() == {}
-    monkeypatch.setenv("MIXPREC_ATTN_DECODE_MAXNREG", "168")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert decode_maxnreg() == {}
+    # the default cap: the fused merge of a multi-row KV4 batch of fewer pairs than SMs only
+    h8 = dict(num_kv_heads=8, num_sms=132)
+    assert decode_maxnreg(8, "fused", **h8) == {"maxnreg": 168}
+    assert decode_maxnreg(1, "fused", **h8) == decode_maxnreg(8, "kernel", **h8) == \
+        decode_maxnreg(64, "fused", **h8) == decode_maxnreg(8, "fused", "kv8", **h8) == {}
+    monkeypatch.setenv("MIXPREC_ATTN_DECODE_MAXNREG", "0")  # the compiler's choice, always
+    assert decode_maxnreg() == decode_maxnreg(8, "fused", **h8) == {}
+    monkeypatch.setenv("MIXPREC_ATTN_DECODE_MAXNREG", "160")
+    assert decode_maxnreg() == decode_maxnreg(8, "fused", **h8) == {"maxnreg": 160}
+    monkeypatch.setenv("MIXPREC_ATTN_DECODE_MAXNREG", "168")
     assert decode_maxnreg() == {"maxnreg": 168}
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter has no registers to cap
     assert decode_maxnreg() == {}

@@ -6,9 +6,10 @@ One kernel body serves both paths; it is specialised by constexprs:
     (padded to 16 rows), so every page is read once per kv head. A small second kernel
     (_decode_finish_kernel) attends the residual tail and merges the splits by LSE, a few
     splits per load so that their loads are in flight together; splits with no page tiles
-    (short rows) exit at once and are not merged. A batch of one row instead merges in the
-    page kernel: the last program of a (row, kv head) to store its partial does it
-    (MERGE_FUSED, decode_merge_mode), and the tail is a program of its own.
+    (short rows) exit at once and are not merged. A batch of one row (and a KV4 batch of
+    fewer (row, kv head) pairs than SMs) instead merges in the page kernel: the last program
+    of a (row, kv head) to store its partial does it (MERGE_FUSED, decode_merge_mode), and
+    the tail is a program of its own.
   * prefill / extend (rows with query length > 1): grid (rows, query blocks, kv_heads);
     BLOCK_M query tokens x G heads per tile, causal mask. Older tokens come from the same
     pages (and residual pool) as decode reads them; the chunk's own tokens (CHUNK_MODE)
@@ -922,25 +923,43 @@ def _forced_tail() -> str:
     return v
 
 
-def decode_merge_mode(num_rows: int = 1) -> str:
+def decode_merge_mode(num_rows: int = 1, scheme: str = "kv4", head_dim: int = 128,
+                      num_kv_heads: int = 1, num_sms: int = 132) -> str:
     """Who merges a decode row's split partials: "kernel", the finish kernel launched after
     the page kernel, or "fused", the last page-kernel program of the (row, kv head) to store
     its partial (an atomic count per pair, reset by that program): one launch fewer, no
     finish kernel, and the residual tail in a program of its own (decode_tail_mode).
-    Default: "fused" for a batch of one row (unless the tail is forced into the finish
-    kernel), "kernel" otherwise. H100, 2026-11-26, kv4 + 16-token residual, D = 128, 8 kv
-    heads, finish kernel / fused with the tail in the last split / fused with the tail
-    program, us: 1 x 1K 18.8 / 17.0 / 15.4 (FA3 14.8), 1 x 8K 29.7 / 26.3 / 23.5 (FA3 28.7);
-    8 x 1K 33.2 / 38.3 / 37.5, 8 x 8K 93.2 / 108.5 / 108.3 (the finish kernel attends the
-    tail off the splits' critical path there); 64 x 1K 78.6 / 76.4 / 78.7, 64 x 8K
-    383 / 380 / 383. MIXPREC_ATTN_MERGE=kernel|fused forces one. A function of the batch and
-    the environment only, so captured CUDA graphs stay valid."""
+    Default (unless the tail is forced into the finish kernel): "fused" for a batch of one
+    row, and for KV4 (D <= 128) batches of fewer (row, kv head) pairs than SMs, which then
+    also cap the page kernel's registers (decode_maxnreg); "kernel" otherwise.
+    H100, kv4 + 16-token residual, D = 128, 8 kv heads, us. 2026-11-26 (session 16), finish
+    kernel / fused, tail in the last split / fused, tail program: 1 x 1K 18.8 / 17.0 / 15.4
+    (FA3 14.8), 1 x 8K 29.7 / 26.3 / 23.5 (FA3 28.7); 8 x 1K 33.2 / 38.3 / 37.5, 8 x 8K
+    93.2 / 108.5 / 108.3; 64 x 1K 78.6 / 76.4 / 78.7, 64 x 8K 383 / 380 / 383. Session 17,
+    finish kernel / fused + tail program / the same capped at 168 registers: 2 x 1K
+    21.9 / 18.8 / 17.5, 4 x 1K 26.8 / 24.9 / 24.1, 8 x 1K 33.1 / 37.4 / 30.5, 2 x 8K
+    42.0 / 37.4 / 38.2, 4 x 8K 59.9 / 66.1 / 58.0, 8 x 8K 92.4 / 107.3 / 89.8; 1 x 1K
+    15.3 / 15.4 / 16.3; 64 x 8K 374.9 / 381.8 / 530 (the cap halves the big tile's warps'
+    registers into spills there). MIXPREC_ATTN_MERGE=kernel|fused forces one. A function of
+    the batch and the environment only, so captured CUDA graphs stay valid."""
     v = os.environ.get("MIXPREC_ATTN_MERGE", "").strip()
     if v not in ("", "kernel", "fused"):
         raise ValueError(f"MIXPREC_ATTN_MERGE={v!r}: expected 'kernel' or 'fused'")
     if v:
         return v
-    return "fused" if num_rows == 1 and _forced_tail() != "finish" else "kernel"
+    if _forced_tail() == "finish":
+        return "kernel"
+    if num_rows == 1 or _fused_rows(num_rows, scheme, head_dim, num_kv_heads, num_sms):
+        return "fused"
+    return "kernel"
+
+
+def _fused_rows(num_rows: int, scheme: str, head_dim: int, num_kv_heads: int, num_sms: int) -> bool:
+    """A multi-row batch that merges in the page kernel under the register cap by default:
+    KV4, D <= 128, fewer (row, kv head) pairs than SMs (the split (64, 4, 3) tile of
+    decode_config), the case timed in session 17."""
+    return (num_rows > 1 and scheme == "kv4" and head_dim <= 128
+            and num_rows * num_kv_heads < num_sms)
 
 
 def decode_merge_counters(num_rows: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
@@ -995,19 +1014,30 @@ def decode_min_tiles() -> int:
     return int(v)
 
 
-def decode_maxnreg() -> dict:
-    """Launch option capping the decode kernel's registers per thread, from
-    MIXPREC_ATTN_DECODE_MAXNREG (unset or 0: the compiler's choice). The (128, 2, 2) config
-    uses 255, which holds an SM to 4 CTAs = 8 warps (ncu, 64 x 8K, 2026-11-23: 12.5 %
-    occupancy, 38 % DRAM throughput): `bench_attention.py --tune` weighs a cap (more warps
-    in flight) against the spills it costs."""
+FUSED_ROWS_MAXNREG = 168  # the page kernel's cap with the fused merge of a multi-row batch
+
+
+def decode_maxnreg(num_rows: int = 0, merge: str = "kernel", scheme: str = "kv4",
+                   head_dim: int = 128, num_kv_heads: int = 1, num_sms: int = 132) -> dict:
+    """Launch option capping the decode kernel's registers per thread. Default: 168 for the
+    fused merge of a multi-row batch (decode_merge_mode; ptxas, sm_90a, kv4 + tail program:
+    180 registers uncapped = 2 CTAs of 4 warps an SM, 165 capped without spills = 3 CTAs),
+    the compiler's choice otherwise.
+    MIXPREC_ATTN_DECODE_MAXNREG overrides it for every launch (0: the compiler's choice).
+    The (128, 2, 2) config uses 255, which holds an SM to 4 CTAs = 8 warps (ncu, 64 x 8K,
+    2026-11-23: 12.5 % occupancy, 38 % DRAM throughput): `bench_attention.py --tune` weighs a
+    cap (more warps in flight) against the spills it costs."""
     v = os.environ.get("MIXPREC_ATTN_DECODE_MAXNREG", "").strip()
-    if not v or v == "0":
-        return {}
-    if not v.isdigit() or not 24 <= int(v) <= 255:
-        raise ValueError(f"MIXPREC_ATTN_DECODE_MAXNREG={v!r}: expected 0 (compiler's choice) "
-                         "or a register count in [24, 255]")
-    return {} if os.environ.get("TRITON_INTERPRET") == "1" else {"maxnreg": int(v)}
+    if v:
+        if not v.isdigit() or not (v == "0" or 24 <= int(v) <= 255):
+            raise ValueError(f"MIXPREC_ATTN_DECODE_MAXNREG={v!r}: expected 0 (compiler's "
+                             "choice) or a register count in [24, 255]")
+        cap = int(v)
+    elif merge == "fused" and _fused_rows(num_rows, scheme, head_dim, num_kv_heads, num_sms):
+        cap = FUSED_ROWS_MAXNREG
+    else:
+        cap = 0
+    return {} if not cap or os.environ.get("TRITON_INTERPRET") == "1" else {"maxnreg": cap}
 
 
 def prefill_config(head_dim: int, group: int) -> tuple[int, int, int, int]:
@@ -1148,7 +1178,9 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
         if q.is_cuda else 8
     block_n, warps, stages = decode_config(layout.head_dim, layout.scheme, num_rows, num_kv_heads, sms)
-    merge = decode_merge_mode(num_rows)
+    shape = dict(scheme=layout.scheme, head_dim=layout.head_dim, num_kv_heads=num_kv_heads,
+                 num_sms=sms)
+    merge = decode_merge_mode(num_rows, **shape)
     tail = TAIL_MODES[decode_tail_mode(num_rows, merge)] if has_res else TAIL_FINISH.value
     slots = num_splits + (tail == TAIL_PROGRAM.value)  # the tail program writes one more partial
     partials = num_splits > 1 or (has_res and tail != TAIL_LAST_SPLIT.value)
@@ -1181,7 +1213,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
     _paged_attn_kernel[(num_rows, num_kv_heads, slots)](
         *args, BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
         CHUNK_MODE=CHUNK_CACHE.value, PDL=pdl, MERGE_FUSED=fused, G_ROWS=g_rows,
-        num_warps=warps, num_stages=stages, **decode_maxnreg(), **common)
+        num_warps=warps, num_stages=stages, **decode_maxnreg(num_rows, merge, **shape),
+        **common)
     if finish:
         pdl_launch = {"launch_pdl": True} if pdl else {}
         _decode_finish_kernel[(num_rows, num_kv_heads)](
