@@ -49,9 +49,10 @@ gpu-bundle: $(STAMP)
 
 # The real SmolLM2-135M (bf16, rebuilt from the blocks of the GGUF it was converted from), the
 # `make demo` W4A8+KV8 checkpoint (its embedding shared with bf16) and the eval texts, packed into
-# parts of <= 60 MiB for the offline GPU host: scripts/gpu_models.sh says how they travel there.
+# parts of <= 48 MiB for the offline GPU host (a call carries the tree too, 8 MiB and growing, within
+# 64 MiB: 60 MiB parts stopped fitting in session 17): scripts/gpu_models.sh says how they travel there.
 CACHE ?= $(or $(VLLM_MIXPREC_CACHE),$(HOME)/.cache/vllm_mixprec)
-# QWEN=1 adds the real Qwen2.5-Coder-1.5B (its 1,060 MiB of GGUF blocks: ~18 more parts).
+# QWEN=1 adds the real Qwen2.5-Coder-1.5B (its 1,060 MiB of GGUF blocks: ~23 more parts).
 QWEN ?= 0
 QWEN_ITEMS := $(if $(filter 1,$(QWEN)),--item models/qwen2.5-coder-1.5b=$(CACHE)/models/qwen2.5-coder-1.5b \
   --gguf models/qwen2.5-coder-1.5b=$(CACHE)/gguf/qwen2.5-coder-1.5b.gguf)
@@ -59,7 +60,7 @@ gpu-models: $(STAMP)
 	@test -f $(CACHE)/demo-smollm2-w4a8-kv8/config.json || { echo "no demo checkpoint in $(CACHE): run make demo first"; exit 1; }
 	$(PY) -c "from vllm_mixprec.quantize import models as m; m.fetch_gguf('smollm2-135m'); [m.fetch_text(t) for t in m.EVAL_TEXTS]"
 	$(if $(filter 1,$(QWEN)),$(PY) -c "from vllm_mixprec.quantize import models as m; m.fetch_model('qwen2.5-coder-1.5b')")
-	$(PY) -m vllm_mixprec.eval.modelpack pack --out .gpu/models \
+	$(PY) -m vllm_mixprec.eval.modelpack pack --out .gpu/models --part-mib 48 \
 	  --item text/lcet10.txt=$(CACHE)/text/lcet10.txt --item text/botchan.txt=$(CACHE)/text/botchan.txt \
 	  --item models/smollm2-135m=$(CACHE)/models/smollm2-135m --gguf models/smollm2-135m=$(CACHE)/gguf/smollm2-135m.gguf \
 	  --item demo-smollm2-w4a8-kv8=$(CACHE)/demo-smollm2-w4a8-kv8 $(QWEN_ITEMS)

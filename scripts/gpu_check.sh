@@ -250,7 +250,7 @@ stage_merge_fused_cap() {
 # for batch > 1), both in this run.
 stage_merge_rows() {
   local rc=0
-  pytest_logged pytest-gpu-merge-rows 300 tests/attention_backend/test_attn_kernels.py \
+  pytest_logged pytest-gpu-merge-rows 480 tests/attention_backend/test_attn_kernels.py \
     -k "fused or merges_many_splits or decode_cuda_graph_replay or paged_attention_gpu" || rc=1
   run_bench bench_attention_default 180 python3 benchmarks/bench_attention.py --rep-ms 100 \
     --batch 1 2 4 8 16 32 64 --ctx 1024 8192 --methods fa3-bf16 mixprec-kv4-r16 mixprec-kv8 --out "$OUT" || rc=1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The real models on the offline GPU host: SmolLM2-135M bf16, the `make demo` W4A8+KV8 checkpoint and
-# the eval texts travel as the parts `make gpu-models` writes (.gpu/models/partK, <= 60 MiB each:
-# 3 parts, of which the last is ~18 MiB), then scripts/real_model_check.py runs there (issues #5, #6).
+# the eval texts travel as the parts `make gpu-models` writes (.gpu/models/partK, <= 48 MiB each:
+# 3 parts, of which the last is ~42 MiB), then scripts/real_model_check.py runs there (issues #5, #6).
 #
 # Device calls (the `run` tool), back to back so that the host stays warm (it goes ~30 s after a call
 # ends, and with it /root/mixprec-stash, /root/mixprec-models and /tmp/mixprec-site):
