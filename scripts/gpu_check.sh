@@ -5,7 +5,7 @@
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
-# finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows
+# finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -245,13 +245,16 @@ stage_merge_fused_cap() {
   return $rc
 }
 # Session 17: the fused merge with its page kernel capped at 168 registers is the default for
-# KV4 batches of fewer (row, kv head) pairs than SMs (decode_merge_mode). Its GPU tests, then
-# batch 1-64 x 1K/8K with the defaults and with the finish kernel forced (session 16's rule
-# for batch > 1), both in this run.
+# KV4 batches of fewer (row, kv head) pairs than SMs (decode_merge_mode). merge_rows: its GPU
+# tests (session 17 ran 41 of them in 300 s, with the benches after them in the same stage;
+# alone they get a call of their own). merge_rows_bench: batch 1-64 x 1K/8K with the defaults
+# and with the finish kernel forced (session 16's rule for batch > 1), both in this run.
 stage_merge_rows() {
+  pytest_logged pytest-gpu-merge-rows 540 tests/attention_backend/test_attn_kernels.py \
+    -k "fused or merges_many_splits or decode_cuda_graph_replay or paged_attention_gpu"
+}
+stage_merge_rows_bench() {
   local rc=0
-  pytest_logged pytest-gpu-merge-rows 480 tests/attention_backend/test_attn_kernels.py \
-    -k "fused or merges_many_splits or decode_cuda_graph_replay or paged_attention_gpu" || rc=1
   run_bench bench_attention_default 180 python3 benchmarks/bench_attention.py --rep-ms 100 \
     --batch 1 2 4 8 16 32 64 --ctx 1024 8192 --methods fa3-bf16 mixprec-kv4-r16 mixprec-kv8 --out "$OUT" || rc=1
   mkdir -p "$OUT/merge-kernel"
