@@ -156,6 +156,48 @@ def test_w4ax_nonfinite_row_poisons_every_block(seeded):
         ref.quantize_act_w4ax(x, perm, 64)
 
 
+def test_quantize_act_chunked_one_scale_per_chunk(seeded):
+    """A8_CHUNK-channel chunks, each with its own scale; where every chunk of a row has the same
+    amax, the codes and the scales equal quantize_act's."""
+    m, k = 5, 4 * F.A8_CHUNK
+    x = torch.randn(m, k, generator=seeded)
+    q, s = ref.quantize_act_chunked(x)
+    assert q.dtype == torch.int8 and s.shape == (m, k // F.A8_CHUNK) and s.dtype == torch.float32
+    assert q.view(m, -1, F.A8_CHUNK).abs().amax(-1).eq(127).all()  # each chunk's largest -> +-127
+    x.view(m, -1, F.A8_CHUNK)[..., 0] = 10.0  # the same amax in every chunk
+    q, s = ref.quantize_act_chunked(x)
+    q1, s1 = ref.quantize_act(x)
+    assert torch.equal(q, q1) and torch.equal(s, s1[:, None].expand_as(s))
+
+
+def test_w4a8_gemm_chunked_matches_float64_and_is_no_worse(seeded):
+    m, n, k = 6, 48, 512
+    w = torch.randn(n, k, generator=seeded, dtype=torch.float64)
+    t = ref.quantize_weight_lqq(w, 64)
+    args = (t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"])
+    x = _block_magnitudes(m, k, seeded, -2, 1).double()  # chunk magnitudes over three decades
+    bias = torch.randn(n, generator=seeded, dtype=torch.float64)
+    xq, xs = ref.quantize_act_chunked(x)
+    y = ref.w4a8_gemm_chunked(xq, xs, *args, bias, torch.float64)
+    w_hat = ref.dequantize_weight(*args, torch.float64)
+    x_hat = xq.double() * xs.double().repeat_interleave(F.A8_CHUNK, dim=1)
+    assert _rel(y, x_hat @ w_hat.T + bias) < 1e-12
+    # per-chunk scales keep the small chunks' resolution: closer to the float layer than per token
+    exact = x @ w_hat.T + bias
+    xq1, xs1 = ref.quantize_act(x)
+    y1 = ref.w4a8_gemm(xq1, xs1, *args, bias, torch.float64)
+    assert _rel(y, exact) < 0.8 * _rel(y1, exact)  # 0.61x here
+
+
+def test_quantize_act_chunked_nonfinite_rows_and_bad_k(seeded):
+    x = torch.randn(3, 2 * F.A8_CHUNK, generator=seeded)
+    x[1, 100] = float("nan")
+    q, s = ref.quantize_act_chunked(x)
+    assert torch.isnan(s[1]).all() and (q[1] == 0).all() and torch.isfinite(s[[0, 2]]).all()
+    with pytest.raises(ValueError, match="K=96 is not a multiple of the activation chunk 64"):
+        ref.quantize_act_chunked(torch.randn(2, 96))
+
+
 @pytest.mark.parametrize("scheme", ["kv4", "kv8"])
 def test_paged_attention_matches_dense(seeded, scheme):
     h, hq, d, b = 2, 4, 64, 16

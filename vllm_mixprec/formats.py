@@ -37,6 +37,7 @@ W4_MAX = 15
 MAX_GROUP_STEP = 16  # ceil(2 * 119 / 15)
 SUPPORTED_GROUP_SIZES = (64, 128)
 ACT_BLOCK = 128  # W4Ax precision block along K (COMET)
+A8_CHUNK = 64  # per-(token, chunk) int8 scales of the decode GEMM's in-register quantization (proposed: csrc/gemm/NOTES.md)
 A8_MAX = 127
 A4_MAX = 7
 

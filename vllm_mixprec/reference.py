@@ -150,6 +150,22 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
     return q[:, 0].to(torch.int8), scale[:, 0]
 
 
+def quantize_act_chunked(x: torch.Tensor, smooth: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per (token, A8_CHUNK channels): x [M, K] -> (int8 [M, K],
+    float32 scale [M, K/A8_CHUNK]). The format a decode GEMM quantizing its activations in
+    registers would use (csrc/gemm/NOTES.md: a chunk is one warp's four t-lanes, so the amax
+    needs no other warp). Specified here first; no kernel produces it yet.
+    A row holding a NaN or an Inf gets NaN in all of its scales and zero codes."""
+    xf = _act_input(x, smooth)
+    m, k = xf.shape
+    if k % F.A8_CHUNK:
+        raise ValueError(f"K={k} is not a multiple of the activation chunk {F.A8_CHUNK}")
+    row_ok = torch.isfinite(xf.abs().amax(dim=-1))
+    q, scale = _quantize_sym(xf.view(m, k // F.A8_CHUNK, F.A8_CHUNK), F.A8_MAX, row_ok)
+    return q.reshape(m, k).to(torch.int8), scale
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """vLLM's SiluAndMul (its native form): [..., 2K] -> silu(gate) * up [..., K], in x's dtype."""
     d = gate_up.shape[-1] // 2
@@ -216,6 +232,24 @@ def w4a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
     return y.to(out_dtype)
 
 
+def _block_scaled_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
+                       channel_scale: torch.Tensor, bias: torch.Tensor | None,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """y[m, n] = channel_scale[n] * sum_b x_scale[m, b] * (sum_{k in block b} xq[m, k] w8[n, k])
+    + bias[n]: each block's exact integer dot product (_int_gemm), times its activation scale,
+    summed over the K / x_scale.shape[1] blocks in float64."""
+    block = xq.shape[1] // x_scale.shape[1]
+    xq, s, w8 = xq.to(torch.float64), x_scale.to(torch.float64), w8.to(torch.float64)
+    y = torch.zeros(xq.shape[0], w8.shape[0], dtype=torch.float64, device=xq.device)
+    for b in range(s.shape[1]):
+        blk = slice(b * block, (b + 1) * block)
+        y.addcmul_(xq[:, blk] @ w8[:, blk].T, s[:, b, None])
+    y = y * channel_scale.to(torch.float64)[None, :]
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y.to(out_dtype)
+
+
 def w4ax_gemm(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Tensor,
               qweight: torch.Tensor, group_scale: torch.Tensor, group_offset: torch.Tensor,
               channel_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -223,17 +257,19 @@ def w4ax_gemm(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Te
     """W4Ax: y[m, n] = channel_scale[n] * sum_b s[m, b] * (sum_{k in block b} xq[m, k] w8[n, k])
     + bias[n], over the ACT_BLOCK-channel blocks b of both parts (s = [s8 | s4]): each block's
     exact integer dot product is scaled by its own activation scale, then the blocks are summed."""
-    w8 = dequantize_weight_w8(qweight, group_scale, group_offset).to(torch.float64)
     xq, s = _w4ax_codes_and_scales(x8, s8, x4, s4)
-    xq, s = xq.to(torch.float64), s.to(torch.float64)
-    y = torch.zeros(xq.shape[0], w8.shape[0], dtype=torch.float64, device=xq.device)
-    for b in range(s.shape[1]):  # exact integer dot of block b (_int_gemm), times its scales
-        blk = slice(b * F.ACT_BLOCK, (b + 1) * F.ACT_BLOCK)
-        y.addcmul_(xq[:, blk] @ w8[:, blk].T, s[:, b, None])
-    y = y * channel_scale.to(torch.float64)[None, :]
-    if bias is not None:
-        y = y + bias.to(torch.float64)
-    return y.to(out_dtype)
+    return _block_scaled_gemm(xq, s, dequantize_weight_w8(qweight, group_scale, group_offset),
+                              channel_scale, bias, out_dtype)
+
+
+def w4a8_gemm_chunked(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
+                      group_scale: torch.Tensor, group_offset: torch.Tensor,
+                      channel_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                      out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """w4a8_gemm on quantize_act_chunked's activations: x_scale [M, K/A8_CHUNK], one scale per
+    (token, chunk), each chunk's integer dot product scaled by its own."""
+    return _block_scaled_gemm(xq, x_scale, dequantize_weight_w8(qweight, group_scale, group_offset),
+                              channel_scale, bias, out_dtype)
 
 
 def w4a8_linear(x: torch.Tensor, qweight, group_scale, group_offset, channel_scale,
