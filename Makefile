@@ -40,6 +40,8 @@ gpu-bundle: $(STAMP)
 	# part1 (59.6 MiB) plus the tracked tree passed the 64 MiB a call carries (session 11):
 	# the CUTLASS wheel travels alone in .gpu/part1w (docs/GPU_HOST.md, call 1b)
 	rm -rf .gpu/part1w && mkdir -p .gpu/part1w && mv .gpu/part1/wheels .gpu/part1w/
+	# part2 plus the tree reached 64 MiB in session 18: part2's two largest wheels go to part1w too
+	mv .gpu/part2/wheels/pycountry-*.whl .gpu/part2/wheels/mistral_common-*.whl .gpu/part1w/wheels/
 	rm -rf .gpu/pyextra .gpu/pyextra-wheels
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(HOST_PY) \
 	  --platform manylinux_2_17_x86_64 -d .gpu/pyextra-wheels sortedcontainers \
