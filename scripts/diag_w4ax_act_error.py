@@ -14,6 +14,12 @@ Weights stay in float64, so the numbers isolate the activation quantization. Cal
 permutation, alpha) on the first half of the tokens, error on the second:
 rel = |x_q W^T - x W^T| / |x W^T|. Diagnostic behind BENCHMARKS.md rows:
   python scripts/diag_w4ax_act_error.py [--tokens 512] [LINEAR_NAME ...]
+
+--ppl: the same activation variants in every decoder linear at once, weights in float, as a
+perplexity (eval text lcet10, calibration on alice29: disjoint). Each linear calibrates its
+own permutation and clip ratio on --tokens alice29 tokens. What 4-bit activations cost the
+model end to end, apart from weight quantization:
+  python scripts/diag_w4ax_act_error.py --ppl [--eval-tokens 2048] [--variants A8,W4Ax25,+rot,all]
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ DEFAULT = ("model.layers.3.self_attn.q_proj", "model.layers.3.mlp.down_proj",
            "model.layers.14.mlp.gate_proj", "model.layers.14.self_attn.o_proj",
            "model.layers.25.mlp.down_proj")
 ALPHAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
+PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "all")
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -70,18 +77,93 @@ def sensitive_permutation(amax: torch.Tensor, w: torch.Tensor, nb8: int) -> torc
     return torch.cat([by_max(top), by_max(rest)])
 
 
+class ActQuant:
+    """One decoder linear's activation variants, calibrated on that linear's own input."""
+
+    def __init__(self, x: torch.Tensor, w: torch.Tensor):
+        x, w = x.double(), w.double()
+        amax = x.abs().amax(0)
+        self.nb8 = num_a8_blocks(x.shape[1], 0.25)
+        self.perm = outlier_permutation(amax).long()
+        self.sens = sensitive_permutation(amax, w, self.nb8)
+        self.rot = hadamard(F.ACT_BLOCK)
+        y = x @ w.T
+        err = lambda xq: float((xq @ w.T - y).norm() / y.norm())  # noqa: E731
+        self.alpha = min(ALPHAS, key=lambda al: err(w4ax_fake(x, self.sens, self.nb8, self.rot, al)))
+
+    def __call__(self, variant: str, x: torch.Tensor) -> torch.Tensor:
+        xd = x.reshape(-1, x.shape[-1]).double()
+        if variant == "A8":
+            q = fake_sym(xd, F.A8_MAX)
+        elif variant == "W4Ax25":
+            q = w4ax_fake(xd, self.perm, self.nb8)
+        elif variant == "+rot":
+            q = w4ax_fake(xd, self.perm, self.nb8, self.rot)
+        elif variant == "g32":
+            q = w4ax_fake(xd, self.perm, self.nb8, group4=32)
+        else:  # "all"
+            q = w4ax_fake(xd, self.sens, self.nb8, self.rot, self.alpha)
+        return q.to(x.dtype).reshape(x.shape)
+
+
+def decoder_linears(model) -> dict[str, torch.nn.Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+
+
+def ppl_main(a, model, folder: str, cal_ids: torch.Tensor) -> None:
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from vllm_mixprec.eval.perplexity import perplexity_cpu, tokenize, windows
+
+    variants = a.variants.split(",")
+    lins, quant = decoder_linears(model), {}
+    bar = tqdm(total=len(lins), desc="calibrating linears")
+
+    def calibrate(m, inp, name):
+        quant[name] = ActQuant(inp[0].reshape(-1, inp[0].shape[-1]), m.weight.detach())
+        bar.update()
+
+    hooks = [m.register_forward_pre_hook(lambda m, i, n=n: calibrate(m, i, n)) for n, m in lins.items()]
+    with torch.no_grad():
+        model(cal_ids)
+    for h in hooks:
+        h.remove()
+    bar.close()
+    ev = tokenize(AutoTokenizer.from_pretrained(folder), M.load_text("lcet10"))
+    print(f"eval: lcet10, {a.eval_tokens} tokens in {len(windows(ev, a.eval_tokens, 1024))} windows of 1024; "
+          f"calibration: alice29, {cal_ids.shape[1]} tokens; weights in float32; 25% of blocks at 8 bits")
+    base = perplexity_cpu(model, ev, a.eval_tokens, 1024)["ppl"]
+    print(f"{'float (no quantization)':24} ppl {base:8.4f}", flush=True)
+    for v in variants:
+        hooks = [m.register_forward_pre_hook(lambda m, i, n=n, v=v: (quant[n](v, i[0]),))
+                 for n, m in lins.items()]
+        ppl = perplexity_cpu(model, ev, a.eval_tokens, 1024, progress=True)["ppl"]
+        for h in hooks:
+            h.remove()
+        print(f"{v:24} ppl {ppl:8.4f}  {100 * (ppl / base - 1):+6.2f} %", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("names", nargs="*", default=list(DEFAULT))
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--ppl", action="store_true", help="perplexity with every decoder linear's input quantized")
+    p.add_argument("--eval-tokens", type=int, default=2048)
+    p.add_argument("--variants", default="A8,W4Ax25,+rot,all")
     a = p.parse_args()
+    for v in a.variants.split(",") if a.ppl else ():  # before the model loads
+        if v not in PPL_VARIANTS:
+            raise SystemExit(f"--variants: unknown {v!r} (one of {', '.join(PPL_VARIANTS)})")
     torch.set_num_threads(1)
     folder = M.cached_model(a.model) or M.fetch_model(a.model)
     model, _ = load_model_cpu(folder)
     from transformers import AutoTokenizer
     ids = AutoTokenizer.from_pretrained(folder)(M.load_text("alice29"), return_tensors="pt",
                                                 add_special_tokens=False).input_ids[:, :a.tokens]
+    if a.ppl:
+        return ppl_main(a, model, folder, ids)
     mods, acts = dict(model.named_modules()), {}
     for n in a.names:
         mods[n].register_forward_hook(lambda m, i, o, n=n: acts.__setitem__(n, i[0].reshape(-1, i[0].shape[-1])))
