@@ -20,6 +20,9 @@ perplexity (eval text lcet10, calibration on alice29: disjoint). Each linear cal
 own permutation and clip ratio on --tokens alice29 tokens. What 4-bit activations cost the
 model end to end, apart from weight quantization:
   python scripts/diag_w4ax_act_error.py --ppl [--eval-tokens 2048] [--variants A8,W4Ax25,+rot,all]
+--weights: each variant also rounds the weights to LiquidQuant W4 (round to nearest, group 64)
+in its own basis (permuted, and for +rot/all rotated in the 4-bit blocks), so A8 is W4A8:
+the whole formats, without smoothing or GPTQ.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import argparse
 import torch
 
 from vllm_mixprec import formats as F
+from vllm_mixprec import reference as ref
 from vllm_mixprec.eval.perplexity import load_model_cpu
 from vllm_mixprec.quantize import models as M
 from vllm_mixprec.quantize.fmpq import num_a8_blocks, outlier_permutation
@@ -67,6 +71,26 @@ def w4ax_fake(x: torch.Tensor, perm: torch.Tensor, nb8: int, rot: torch.Tensor |
     return out
 
 
+def rtn_weight(w: torch.Tensor, perm: torch.Tensor | None = None, nb8: int = 0,
+               rot: torch.Tensor | None = None) -> torch.Tensor:
+    """W rounded to LiquidQuant W4 (RTN, group 64) in the basis the activations are quantized in
+    (columns permuted, the 4-bit blocks rotated), then brought back to the original basis."""
+    n, k = w.shape
+    k8 = nb8 * F.ACT_BLOCK
+    wp = w.double() if perm is None else w.double()[:, perm]
+    if rot is not None:
+        wp = torch.cat([wp[:, :k8], (wp[:, k8:].reshape(n, -1, F.ACT_BLOCK) @ rot).reshape(n, k - k8)], 1)
+    t = ref.quantize_weight_lqq(wp, 64)
+    wq = ref.dequantize_weight(t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"], torch.float64)
+    if rot is not None:
+        wq = torch.cat([wq[:, :k8], (wq[:, k8:].reshape(n, -1, F.ACT_BLOCK) @ rot.T).reshape(n, k - k8)], 1)
+    if perm is None:
+        return wq.to(w.dtype)
+    out = torch.empty_like(wq)
+    out[:, perm] = wq
+    return out.to(w.dtype)
+
+
 def sensitive_permutation(amax: torch.Tensor, w: torch.Tensor, nb8: int) -> torch.Tensor:
     """8-bit channels by max|x_c| * |W[:, c]|; within and after them, by max|x_c|."""
     top = torch.argsort(amax * w.norm(dim=0), descending=True, stable=True)[:nb8 * F.ACT_BLOCK]
@@ -80,13 +104,16 @@ def sensitive_permutation(amax: torch.Tensor, w: torch.Tensor, nb8: int) -> torc
 class ActQuant:
     """One decoder linear's activation variants, calibrated on that linear's own input."""
 
-    def __init__(self, x: torch.Tensor, w: torch.Tensor):
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, with_alpha: bool = True):
         x, w = x.double(), w.double()
         amax = x.abs().amax(0)
         self.nb8 = num_a8_blocks(x.shape[1], 0.25)
         self.perm = outlier_permutation(amax).long()
         self.sens = sensitive_permutation(amax, w, self.nb8)
         self.rot = hadamard(F.ACT_BLOCK)
+        self.w = w
+        if not with_alpha:
+            return
         y = x @ w.T
         err = lambda xq: float((xq @ w.T - y).norm() / y.norm())  # noqa: E731
         self.alpha = min(ALPHAS, key=lambda al: err(w4ax_fake(x, self.sens, self.nb8, self.rot, al)))
@@ -105,6 +132,16 @@ class ActQuant:
             q = w4ax_fake(xd, self.sens, self.nb8, self.rot, self.alpha)
         return q.to(x.dtype).reshape(x.shape)
 
+    def weight(self, variant: str) -> torch.Tensor:
+        """The RTN W4 weight of `variant`'s basis (--weights)."""
+        if variant == "A8":
+            return rtn_weight(self.w)
+        if variant in ("W4Ax25", "g32"):
+            return rtn_weight(self.w, self.perm, self.nb8)
+        if variant == "+rot":
+            return rtn_weight(self.w, self.perm, self.nb8, self.rot)
+        return rtn_weight(self.w, self.sens, self.nb8, self.rot)
+
 
 def decoder_linears(model) -> dict[str, torch.nn.Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
@@ -121,7 +158,7 @@ def ppl_main(a, model, folder: str, cal_ids: torch.Tensor) -> None:
     bar = tqdm(total=len(lins), desc="calibrating linears")
 
     def calibrate(m, inp, name):
-        quant[name] = ActQuant(inp[0].reshape(-1, inp[0].shape[-1]), m.weight.detach())
+        quant[name] = ActQuant(inp[0].reshape(-1, inp[0].shape[-1]), m.weight.detach(), "all" in variants)
         bar.update()
 
     hooks = [m.register_forward_pre_hook(lambda m, i, n=n: calibrate(m, i, n)) for n, m in lins.items()]
@@ -132,15 +169,22 @@ def ppl_main(a, model, folder: str, cal_ids: torch.Tensor) -> None:
     bar.close()
     ev = tokenize(AutoTokenizer.from_pretrained(folder), M.load_text("lcet10"))
     print(f"eval: lcet10, {a.eval_tokens} tokens in {len(windows(ev, a.eval_tokens, 1024))} windows of 1024; "
-          f"calibration: alice29, {cal_ids.shape[1]} tokens; weights in float32; 25% of blocks at 8 bits")
+          f"calibration: alice29, {cal_ids.shape[1]} tokens; weights "
+          f"{'RTN LiquidQuant W4 g64 in each basis' if a.weights else 'in float32'}; 25% of blocks at 8 bits")
     base = perplexity_cpu(model, ev, a.eval_tokens, 1024)["ppl"]
     print(f"{'float (no quantization)':24} ppl {base:8.4f}", flush=True)
     for v in variants:
         hooks = [m.register_forward_pre_hook(lambda m, i, n=n, v=v: (quant[n](v, i[0]),))
                  for n, m in lins.items()]
+        if a.weights:
+            for n, m in tqdm(lins.items(), desc=f"{v}: weights"):
+                m.weight.data = quant[n].weight(v).float()
         ppl = perplexity_cpu(model, ev, a.eval_tokens, 1024, progress=True)["ppl"]
         for h in hooks:
             h.remove()
+        if a.weights:
+            for n, m in lins.items():
+                m.weight.data = quant[n].w.float()
         print(f"{v:24} ppl {ppl:8.4f}  {100 * (ppl / base - 1):+6.2f} %", flush=True)
 
 
@@ -152,6 +196,7 @@ def main() -> None:
     p.add_argument("--ppl", action="store_true", help="perplexity with every decoder linear's input quantized")
     p.add_argument("--eval-tokens", type=int, default=2048)
     p.add_argument("--variants", default="A8,W4Ax25,+rot,all")
+    p.add_argument("--weights", action="store_true", help="--ppl: RTN W4 weights too (W4A8 / W4Ax)")
     a = p.parse_args()
     for v in a.variants.split(",") if a.ppl else ():  # before the model loads
         if v not in PPL_VARIANTS:
