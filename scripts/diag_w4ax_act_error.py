@@ -71,19 +71,24 @@ def w4ax_fake(x: torch.Tensor, perm: torch.Tensor, nb8: int, rot: torch.Tensor |
     return out
 
 
+def rotate_4bit_blocks(t: torch.Tensor, k8: int, rot: torch.Tensor) -> torch.Tensor:
+    """t [n, K] with each ACT_BLOCK-column block after the first k8 columns multiplied by rot."""
+    n, k = t.shape
+    return torch.cat([t[:, :k8], (t[:, k8:].reshape(n, -1, F.ACT_BLOCK) @ rot).reshape(n, k - k8)], 1)
+
+
 def rtn_weight(w: torch.Tensor, perm: torch.Tensor | None = None, nb8: int = 0,
                rot: torch.Tensor | None = None) -> torch.Tensor:
     """W rounded to LiquidQuant W4 (RTN, group 64) in the basis the activations are quantized in
     (columns permuted, the 4-bit blocks rotated), then brought back to the original basis."""
-    n, k = w.shape
     k8 = nb8 * F.ACT_BLOCK
     wp = w.double() if perm is None else w.double()[:, perm]
     if rot is not None:
-        wp = torch.cat([wp[:, :k8], (wp[:, k8:].reshape(n, -1, F.ACT_BLOCK) @ rot).reshape(n, k - k8)], 1)
+        wp = rotate_4bit_blocks(wp, k8, rot)
     t = ref.quantize_weight_lqq(wp, 64)
     wq = ref.dequantize_weight(t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"], torch.float64)
     if rot is not None:
-        wq = torch.cat([wq[:, :k8], (wq[:, k8:].reshape(n, -1, F.ACT_BLOCK) @ rot.T).reshape(n, k - k8)], 1)
+        wq = rotate_4bit_blocks(wq, k8, rot.T)
     if perm is None:
         return wq.to(w.dtype)
     out = torch.empty_like(wq)
@@ -105,42 +110,41 @@ class ActQuant:
     """One decoder linear's activation variants, calibrated on that linear's own input."""
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, with_alpha: bool = True):
-        x, w = x.double(), w.double()
+        self.w = w  # as the model holds it: --weights puts it back after each variant
+        x, wd = x.double(), w.double()
         amax = x.abs().amax(0)
         self.nb8 = num_a8_blocks(x.shape[1], 0.25)
         self.perm = outlier_permutation(amax).long()
-        self.sens = sensitive_permutation(amax, w, self.nb8)
+        self.sens = sensitive_permutation(amax, wd, self.nb8)
         self.rot = hadamard(F.ACT_BLOCK)
-        self.w = w
+        self.alpha = 1.0
         if not with_alpha:
             return
-        y = x @ w.T
-        err = lambda xq: float((xq @ w.T - y).norm() / y.norm())  # noqa: E731
+        y = x @ wd.T
+        err = lambda xq: float((xq @ wd.T - y).norm() / y.norm())  # noqa: E731
         self.alpha = min(ALPHAS, key=lambda al: err(w4ax_fake(x, self.sens, self.nb8, self.rot, al)))
+
+    def basis(self, variant: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(channel permutation, rotation of the 4-bit blocks) of a W4Ax variant."""
+        return {"W4Ax25": (self.perm, None), "g32": (self.perm, None), "+rot": (self.perm, self.rot),
+                "all": (self.sens, self.rot)}[variant]
 
     def __call__(self, variant: str, x: torch.Tensor) -> torch.Tensor:
         xd = x.reshape(-1, x.shape[-1]).double()
         if variant == "A8":
             q = fake_sym(xd, F.A8_MAX)
-        elif variant == "W4Ax25":
-            q = w4ax_fake(xd, self.perm, self.nb8)
-        elif variant == "+rot":
-            q = w4ax_fake(xd, self.perm, self.nb8, self.rot)
-        elif variant == "g32":
-            q = w4ax_fake(xd, self.perm, self.nb8, group4=32)
-        else:  # "all"
-            q = w4ax_fake(xd, self.sens, self.nb8, self.rot, self.alpha)
+        else:
+            perm, rot = self.basis(variant)
+            q = w4ax_fake(xd, perm, self.nb8, rot, self.alpha if variant == "all" else 1.0,
+                          32 if variant == "g32" else F.ACT_BLOCK)
         return q.to(x.dtype).reshape(x.shape)
 
     def weight(self, variant: str) -> torch.Tensor:
         """The RTN W4 weight of `variant`'s basis (--weights)."""
         if variant == "A8":
             return rtn_weight(self.w)
-        if variant in ("W4Ax25", "g32"):
-            return rtn_weight(self.w, self.perm, self.nb8)
-        if variant == "+rot":
-            return rtn_weight(self.w, self.perm, self.nb8, self.rot)
-        return rtn_weight(self.w, self.sens, self.nb8, self.rot)
+        perm, rot = self.basis(variant)
+        return rtn_weight(self.w, perm, self.nb8, rot)
 
 
 def decoder_linears(model) -> dict[str, torch.nn.Linear]:
@@ -178,13 +182,13 @@ def ppl_main(a, model, folder: str, cal_ids: torch.Tensor) -> None:
                  for n, m in lins.items()]
         if a.weights:
             for n, m in tqdm(lins.items(), desc=f"{v}: weights"):
-                m.weight.data = quant[n].weight(v).float()
+                m.weight.data = quant[n].weight(v)
         ppl = perplexity_cpu(model, ev, a.eval_tokens, 1024, progress=True)["ppl"]
         for h in hooks:
             h.remove()
         if a.weights:
             for n, m in lins.items():
-                m.weight.data = quant[n].w.float()
+                m.weight.data = quant[n].w
         print(f"{v:24} ppl {ppl:8.4f}  {100 * (ppl / base - 1):+6.2f} %", flush=True)
 
 
