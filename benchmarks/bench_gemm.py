@@ -11,6 +11,8 @@ Measured in the same run, on the same random data sizes:
                      quantization into the RMSNorm / SiLU-and-mul before it (kernels/__init__.py)
   ours_w4ax_triton_q Triton quantize_act_w4ax + w4ax_gemm, 25% of the 128-channel blocks at 8 bits
                      (W4Ax, COMET's FMPQ; Hopper widens the int4 blocks to int8 in registers)
+  ours_w4ax_rot_triton_q  the same with act_rotation "hadamard" (the quantizer's W4Ax default): a
+                     torch matmul rotates each 4-bit block before the quantize kernel (not fused)
   marlin_w4a16       Marlin, uint4b8 group 128, fp16 activations (apply_gptq_marlin_linear)
   marlin_w4a8        Marlin with its own int8 activations (VLLM_MARLIN_INPUT_DTYPE=int8 path)
   machete_w4a16      Machete, uint4b8 group 128, fp16 activations
@@ -52,7 +54,8 @@ MAX_COPIES = 16
 GROUP = 128  # Marlin/Machete group size (ours: --group-size, 128 by default, same bytes)
 
 METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "ours_cuda_gemm", "ours_w4ax_triton_q",
-           "marlin_w4a16", "marlin_w4a8", "machete_w4a16", "cublas_bf16", "int8_mm", "fp8_w8a8")
+           "ours_w4ax_rot_triton_q", "marlin_w4a16", "marlin_w4a8", "machete_w4a16", "cublas_bf16", "int8_mm",
+           "fp8_w8a8")
 
 
 def parse_args(argv=None):
@@ -140,7 +143,7 @@ def random_lqq(N: int, K: int, G: int, device):
 def setup_of(name: str) -> str:
     """The weight setup a method times: the Triton variants share "ours", the csrc ones
     "ours_cuda"."""
-    if name in ("ours_triton", "ours_triton_q", "ours_w4ax_triton_q"):
+    if name in ("ours_triton", "ours_triton_q", "ours_w4ax_triton_q", "ours_w4ax_rot_triton_q"):
         return "ours"
     return "ours_cuda" if name == "ours_cuda_gemm" else name
 
@@ -240,6 +243,7 @@ class Methods:
     def calls(self, name: str, M: int, config=None):
         """[callable per weight copy] of method `name` at batch M (raises if unsupported)."""
         import torch
+        from vllm_mixprec import formats as F
         from vllm_mixprec.kernels.triton import gemm as tg
         K, dev = self.K, self.dev
         base = setup_of(name)
@@ -257,15 +261,16 @@ class Methods:
                 out.append(lambda t=t, xb=xb: tg.w4a8_gemm(
                     *tg.quantize_act(xb), t["qweight"], t["group_scale"], t["group_offset"],
                     t["channel_scale"], None, torch.bfloat16, config=config))
-            elif name == "ours_w4ax_triton_q":  # the same weights read as permuted along K
+            elif name in ("ours_w4ax_triton_q", "ours_w4ax_rot_triton_q"):  # the same weights, K permuted
                 if K % 128:
                     raise RuntimeError("W4Ax needs K to be a multiple of 128")
                 xb = x16.bfloat16()
                 perm = torch.randperm(K, device=dev).to(torch.int32)
                 k8 = 128 * max(1, round(0.25 * K / 128))
-                out.append(lambda t=t, xb=xb, perm=perm, k8=k8: tg.w4ax_gemm(
-                    *tg.quantize_act_w4ax(xb, perm, k8), t["qweight"], t["group_scale"], t["group_offset"],
-                    t["channel_scale"], None, torch.bfloat16, config=config))
+                rot = F.hadamard().to(dev) if name == "ours_w4ax_rot_triton_q" else None
+                out.append(lambda t=t, xb=xb, perm=perm, k8=k8, rot=rot: tg.w4ax_gemm(
+                    *tg.quantize_act_w4ax(xb, perm, k8, None, rot), t["qweight"], t["group_scale"],
+                    t["group_offset"], t["channel_scale"], None, torch.bfloat16, config=config))
             elif name == "ours_cuda":  # quantize_act + the auto-selected csrc GEMM, prepacked
                 xb = x16.bfloat16()
                 out.append(lambda t=t, xb=xb: torch.ops.mixprec.w4a8_linear(
@@ -319,7 +324,8 @@ class Methods:
         base = setup_of(name)
         wbytes = self.setups[base][0]
         a_in = {"cublas_bf16": 2, "fp8_w8a8": 2, "marlin_w4a16": 2, "machete_w4a16": 2, "marlin_w4a8": 2,
-                "ours_triton_q": 2, "ours_cuda": 2, "ours_w4ax_triton_q": 2}.get(name, 1)
+                "ours_triton_q": 2, "ours_cuda": 2, "ours_w4ax_triton_q": 2,
+                "ours_w4ax_rot_triton_q": 2}.get(name, 1)
         a_out = 4 if name == "int8_mm" else 2
         return wbytes + M * self.K * a_in + M * self.N * a_out
 
@@ -469,7 +475,7 @@ def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms):
 # --- output ----------------------------------------------------------------------------------
 
 _SHORT = {"ours_triton": "tri", "ours_triton_q": "tri+q", "ours_cuda": "cuda", "ours_cuda_gemm": "cuda-g",
-          "ours_w4ax_triton_q": "w4ax",
+          "ours_w4ax_triton_q": "w4ax", "ours_w4ax_rot_triton_q": "w4ax+rot",
           "marlin_w4a16": "mar16",
           "marlin_w4a8": "mar8", "machete_w4a16": "mach", "cublas_bf16": "bf16", "int8_mm": "i8mm", "fp8_w8a8": "fp8"}
 _RATIOS = (("ours_cuda", "marlin_w4a16"), ("ours_cuda_gemm", "marlin_w4a16"), ("ours_cuda", "fp8_w8a8"),

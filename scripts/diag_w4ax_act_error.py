@@ -43,13 +43,6 @@ ALPHAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "all")
 
 
-def hadamard(n: int) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / n ** 0.5
-
-
 def fake_sym(blocks: torch.Tensor, qmax: int, alpha: float = 1.0) -> torch.Tensor:
     s = blocks.abs().amax(-1, keepdim=True) * alpha / qmax
     s = torch.where(s == 0, torch.ones_like(s), s)
@@ -71,12 +64,6 @@ def w4ax_fake(x: torch.Tensor, perm: torch.Tensor, nb8: int, rot: torch.Tensor |
     return out
 
 
-def rotate_4bit_blocks(t: torch.Tensor, k8: int, rot: torch.Tensor) -> torch.Tensor:
-    """t [n, K] with each ACT_BLOCK-column block after the first k8 columns multiplied by rot."""
-    n, k = t.shape
-    return torch.cat([t[:, :k8], (t[:, k8:].reshape(n, -1, F.ACT_BLOCK) @ rot).reshape(n, k - k8)], 1)
-
-
 def rtn_weight(w: torch.Tensor, perm: torch.Tensor | None = None, nb8: int = 0,
                rot: torch.Tensor | None = None) -> torch.Tensor:
     """W rounded to LiquidQuant W4 (RTN, group 64) in the basis the activations are quantized in
@@ -84,11 +71,11 @@ def rtn_weight(w: torch.Tensor, perm: torch.Tensor | None = None, nb8: int = 0,
     k8 = nb8 * F.ACT_BLOCK
     wp = w.double() if perm is None else w.double()[:, perm]
     if rot is not None:
-        wp = rotate_4bit_blocks(wp, k8, rot)
+        wp = ref.rotate_a4_blocks(wp, k8, rot)
     t = ref.quantize_weight_lqq(wp, 64)
     wq = ref.dequantize_weight(t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"], torch.float64)
     if rot is not None:
-        wq = rotate_4bit_blocks(wq, k8, rot.T)
+        wq = ref.rotate_a4_blocks(wq, k8, rot.T)
     if perm is None:
         return wq.to(w.dtype)
     out = torch.empty_like(wq)
@@ -116,7 +103,7 @@ class ActQuant:
         self.nb8 = num_a8_blocks(x.shape[1], 0.25)
         self.perm = outlier_permutation(amax).long()
         self.sens = sensitive_permutation(amax, wd, self.nb8)
-        self.rot = hadamard(F.ACT_BLOCK)
+        self.rot = F.hadamard().double()
         self.alpha = 1.0
         if not with_alpha:
             return
@@ -218,7 +205,7 @@ def main() -> None:
         mods[n].register_forward_hook(lambda m, i, o, n=n: acts.__setitem__(n, i[0].reshape(-1, i[0].shape[-1])))
     with torch.no_grad():
         model(ids)
-    rot = hadamard(F.ACT_BLOCK)
+    rot = F.hadamard().double()
     cols = ("A8", "W4Ax25", "+rot", "sens", "clip", "g32", "all")
     print(f"{'linear':40} " + " ".join(f"{c:>7}" for c in cols))
     for n in a.names:

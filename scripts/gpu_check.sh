@@ -5,7 +5,7 @@
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
-# finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench
+# finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench w4ax
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -260,6 +260,17 @@ stage_merge_rows_bench() {
   mkdir -p "$OUT/merge-kernel"
   MIXPREC_ATTN_MERGE=kernel run_bench bench_attention_merge_kernel 150 python3 benchmarks/bench_attention.py \
     --rep-ms 100 --batch 2 4 8 16 --ctx 1024 8192 --methods mixprec-kv4-r16 --out "$OUT/merge-kernel" || rc=1
+  return $rc
+}
+# W4Ax with the block rotation (act_rotation "hadamard"): its GPU tests, then its cost against W4Ax
+# without rotation, W4A8 and Marlin on two Llama-3-8B shapes
+stage_w4ax() {
+  local rc=0
+  pytest_logged pytest-gpu-w4ax 240 tests/kernels/test_triton_gemm.py -m gpu -k w4ax || rc=1
+  mkdir -p "$OUT/w4ax"
+  run_bench bench_gemm_w4ax 300 python3 benchmarks/bench_gemm.py --shapes 4096x6144,14336x4096 \
+    --ms 1,16,256,4096 --methods ours_triton_q,ours_cuda,ours_w4ax_triton_q,ours_w4ax_rot_triton_q,marlin_w4a16 \
+    --out "$OUT/w4ax" || rc=1
   return $rc
 }
 stage_property_cuda_gemm() {

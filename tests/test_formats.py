@@ -110,3 +110,21 @@ def test_kv_quant_error_bound(seeded, scheme):
     step = scale.float()[..., None]
     # within half a step (plus fp16 rounding of the scale/zero)
     assert ((xh - x).abs() <= 0.5 * step + 2e-3 * x.abs().amax(-1, keepdim=True)).all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 128])
+def test_hadamard_is_sylvester_and_orthonormal(n):
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:  # Sylvester's recursion, the oracle: [[H, H], [H, -H]]
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    got = F.hadamard(n)
+    assert got.dtype == torch.float32 and got.shape == (n, n)
+    assert torch.allclose(got.double() * n ** 0.5, h, rtol=1e-6, atol=0)
+    assert torch.equal(got, got.T)
+    assert torch.allclose(got.double() @ got.double(), torch.eye(n, dtype=torch.float64), atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [0, 3, 96])
+def test_hadamard_rejects_other_sizes(n):
+    with pytest.raises(ValueError, match=f"n={n} is not a power of two"):
+        F.hadamard(n)

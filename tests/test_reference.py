@@ -156,6 +156,59 @@ def test_w4ax_nonfinite_row_poisons_every_block(seeded):
         ref.quantize_act_w4ax(x, perm, 64)
 
 
+@pytest.mark.parametrize("k8", [0, 128, 512])
+def test_w4ax_rotation_quantizes_rotated_4bit_blocks(seeded, k8):
+    """act_rotation: the 8-bit part is untouched; each 4-bit block is x_b @ H, rounded to within
+    half a step of its own scale (oracle: the rotation written out in float64)."""
+    m, k = 6, 512
+    x = _block_magnitudes(m, k, seeded, -1, 1)
+    perm = torch.randperm(k, generator=seeded)
+    h = F.hadamard()
+    plain = ref.quantize_act_w4ax(x, perm, k8)
+    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, k8, rotation=h)
+    assert torch.equal(x8, plain[0]) and torch.equal(s8, plain[1])
+    blocks = x.double()[:, perm][:, k8:].reshape(m, -1, F.ACT_BLOCK) @ h.double()
+    assert torch.allclose(s4.double(), blocks.abs().amax(-1) / 7, rtol=1e-6)
+    err = F.unpack_int4(x4).double().view_as(blocks) * s4.double()[..., None] - blocks
+    assert bool((err.abs() <= s4.double()[..., None] * (0.5 + 1e-5)).all())
+
+
+def test_w4ax_rotated_basis_is_the_same_gemm(seeded):
+    """(x_b H)(W_b H)^T = x_b W_b^T: the weight stored in the rotated basis gives the float64
+    product of the original x and W, up to the quantization of both."""
+    m, n, k, k8 = 8, 48, 512, 128
+    w = torch.randn(n, k, generator=seeded, dtype=torch.float64)
+    x = torch.randn(m, k, generator=seeded)
+    perm = torch.randperm(k, generator=seeded).to(torch.int32)
+    h = F.hadamard()
+    wb = ref.rotate_a4_blocks(w[:, perm.long()], k8, h)
+    assert _rel(ref.w4ax_act_input(x, perm, k8, None, h).double() @ wb.T, x.double() @ w.T) < 1e-6
+    t = ref.quantize_weight_lqq(wb, 64)
+    y = ref.w4ax_gemm(*ref.quantize_act_w4ax(x, perm, k8, rotation=h), t["qweight"],
+                      t["group_scale"], t["group_offset"], t["channel_scale"],
+                      out_dtype=torch.float64)
+    assert _rel(y, x.double() @ w.T) < 0.25
+
+
+def test_w4ax_rotation_spreads_spikes_inside_a_block(seeded):
+    """One spike per token in every 4-bit block (at a random channel, so the permutation cannot
+    isolate it): unrotated, the spike sets the block's step and the rest rounds to zero; rotated,
+    the spike is spread over the block's 128 channels. The point of act_rotation."""
+    m, k = 64, 512
+    x = torch.randn(m, k, generator=seeded)
+    spikes = torch.randint(0, F.ACT_BLOCK, (m, k // F.ACT_BLOCK), generator=seeded)
+    spikes += torch.arange(0, k, F.ACT_BLOCK)
+    x.scatter_(1, spikes, 25.0)
+    ident = torch.arange(k)
+
+    def act_error(rotation):
+        xq = ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, ident, 0, rotation=rotation))
+        back = xq if rotation is None else ref.rotate_a4_blocks(xq, 0, rotation)  # H^-1 = H
+        return _rel(back, x)
+
+    assert act_error(F.hadamard()) < 0.5 * act_error(None)
+
+
 def test_quantize_act_chunked_one_scale_per_chunk(seeded):
     """A8_CHUNK-channel chunks, each with its own scale; where every chunk of a row has the same
     amax, the codes and the scales equal quantize_act's."""

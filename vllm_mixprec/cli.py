@@ -106,6 +106,7 @@ def cmd_quantize(args) -> int:
         weight_scheme=args.scheme, group_size=args.group_size, kv_scheme=args.kv, smooth=args.smooth,
         smooth_attention=args.smooth_attention, smooth_attention_alpha=args.smooth_attention_alpha,
         k_centering=args.k_centering, gptq=args.gptq, clip=args.clip, a8_fraction=args.a8_fraction,
+        act_rotation=args.act_rotation or ("hadamard" if args.scheme == "w4ax" else "none"),
         calib_text=args.calib_text, calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen,
         propagate=args.propagate, progress=not args.quiet)
     try:
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--gptq", action="store_true", help="GPTQ on the W4A8 grid")
     q.add_argument("--clip", action="store_true", help="per-channel clipping search")
     q.add_argument("--a8-fraction", type=float, default=0.25, help="W4Ax: share of 8-bit K blocks")
+    q.add_argument("--act-rotation", choices=list(F.ACT_ROTATIONS),
+                   help="W4Ax: rotate each 4-bit activation block (and its weight columns) by a "
+                        "128-point Hadamard matrix (default for --scheme w4ax: hadamard)")
     q.add_argument("--calib-text", default="alice29", help="known text name or a file")
     q.add_argument("--calib-samples", type=int, default=64)
     q.add_argument("--calib-seqlen", type=int, default=512)

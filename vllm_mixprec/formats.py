@@ -19,6 +19,10 @@ A8/A4 (W4Ax): channels permuted, then K is cut into ACT_BLOCK-channel blocks; th
   num_a8_blocks are int8 (scale = block amax / 127), the rest int4 in [-7, 7] (scale = block
   amax / 7), two per byte (k even in the low nibble, two's complement nibbles). One scale per
   (token, block): float32 [M, num_a8_blocks] and [M, num_a4_blocks] (W4ActLayout).
+  act_rotation "hadamard": before quantization each 4-bit block is multiplied by the
+  orthonormal Hadamard matrix hadamard(ACT_BLOCK) (x_b <- x_b H); the exporter stored that
+  block's weight columns as W_b H, so x_b H (W_b H)^T = x_b W_b^T and the GEMM is unchanged.
+  The 8-bit blocks are not rotated (they hold the outlier channels on purpose).
 
 KV pages: see KVPageLayout.
 """
@@ -42,6 +46,7 @@ A8_MAX = 127
 A4_MAX = 7
 
 WEIGHT_SCHEMES = ("w4a8", "w4ax")
+ACT_ROTATIONS = ("none", "hadamard")  # W4Ax: what multiplies each 4-bit activation block
 KV_SCHEMES = ("none", "kv8", "kv4")
 
 
@@ -189,6 +194,20 @@ class W4ActLayout:
     @property
     def num_a4_blocks(self) -> int:
         return self.k4 // ACT_BLOCK
+
+
+def hadamard(n: int = ACT_BLOCK) -> torch.Tensor:
+    """float32 [n, n]: the Sylvester Hadamard matrix / sqrt(n) (symmetric and orthogonal, so
+    it is its own inverse). Row i, column j is (-1)^popcount(i & j) / sqrt(n)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"hadamard: n={n} is not a power of two")
+    i = torch.arange(n)
+    bits = torch.bitwise_and(i[:, None], i[None, :])
+    parity = torch.zeros_like(bits)
+    while bool(bits.any()):
+        parity ^= bits & 1
+        bits = bits >> 1
+    return (1 - 2 * parity).to(torch.float32) / math.sqrt(n)
 
 
 # --- KV cache pages --------------------------------------------------------------------

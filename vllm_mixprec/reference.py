@@ -180,20 +180,38 @@ def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None = N
     return quantize_act(silu_and_mul(gate_up), smooth)
 
 
+def rotate_a4_blocks(xp: torch.Tensor, k8: int, rotation: torch.Tensor | None) -> torch.Tensor:
+    """Permuted float32 activations [M, K] with each 4-bit block (channels k8 onward, in
+    ACT_BLOCK-channel blocks) multiplied by `rotation` [ACT_BLOCK, ACT_BLOCK] (x_b @ R); the
+    8-bit part is returned as it is. rotation None: xp itself (formats: act_rotation)."""
+    if rotation is None:
+        return xp
+    m, k = xp.shape
+    a4 = xp[:, k8:].reshape(m, (k - k8) // F.ACT_BLOCK, F.ACT_BLOCK) @ rotation.to(xp.dtype)
+    return torch.cat([xp[:, :k8], a4.reshape(m, k - k8)], dim=1)
+
+
+def w4ax_act_input(x: torch.Tensor, perm: torch.Tensor, k8: int, smooth: torch.Tensor | None,
+                   rotation: torch.Tensor | None) -> torch.Tensor:
+    """The float32 values W4Ax quantizes: x / smooth, channels permuted, 4-bit blocks rotated."""
+    return rotate_a4_blocks(_act_input(x, smooth)[:, perm.long()], k8, rotation)
+
+
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
-                      smooth: torch.Tensor | None = None
+                      smooth: torch.Tensor | None = None, rotation: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W4Ax activations: permute channels, first k8 to int8, the rest to packed int4, with one
-    symmetric scale per (token, ACT_BLOCK-channel block) (COMET's FMPQ: an outlier-free 4-bit
-    block keeps its own resolution instead of sharing the token's largest 4-bit value).
+    """W4Ax activations: permute channels, first k8 to int8, the rest (each block rotated by
+    `rotation` when given, formats.hadamard) to packed int4, with one symmetric scale per
+    (token, ACT_BLOCK-channel block) (COMET's FMPQ: an outlier-free 4-bit block keeps its own
+    resolution instead of sharing the token's largest 4-bit value).
 
     Returns (x8 int8 [M, k8], s8 float32 [M, k8/128], x4 uint8 [M, (K-k8)/2],
     s4 float32 [M, (K-k8)/128]). A row holding a NaN or an Inf gets NaN in all of its scales
     (both parts) and zero codes.
     """
-    xf = _act_input(x, smooth)[:, perm.long()]
+    lay = F.W4ActLayout.from_k8(x.shape[-1], k8)
+    xf = w4ax_act_input(x, perm, k8, smooth, rotation)
     m, k = xf.shape
-    lay = F.W4ActLayout.from_k8(k, k8)
     blocks = xf.view(m, k // F.ACT_BLOCK, F.ACT_BLOCK)
     row_ok = torch.isfinite(xf.abs().amax(dim=-1))
     q8, s8 = _quantize_sym(blocks[:, :lay.num_a8_blocks], F.A8_MAX, row_ok)
@@ -209,7 +227,7 @@ def _w4ax_codes_and_scales(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor,
 
 def dequantize_act_w4ax(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Tensor
                         ) -> torch.Tensor:
-    """Inverse of quantize_act_w4ax, float32 [M, K] in the permuted channel order."""
+    """Inverse of quantize_act_w4ax, float32 [M, K] in the permuted (and rotated) basis."""
     q, s = _w4ax_codes_and_scales(x8, s8, x4, s4)
     return q.to(torch.float32) * s.repeat_interleave(F.ACT_BLOCK, dim=1)
 

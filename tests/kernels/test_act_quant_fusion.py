@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_mixprec import formats as F
 from vllm_mixprec import kernels
 from vllm_mixprec import reference as ref
 
@@ -77,11 +78,13 @@ def test_traced_quantization_reduces_each_row_once(seeded, monkeypatch):
     assert len(reductions) == 1 and "amax" in reductions[0], reductions
 
 
-def test_compiled_w4ax_linear_splits_quantization_from_the_gemm(seeded, monkeypatch):
+@pytest.mark.parametrize("rotate", [False, True])
+def test_compiled_w4ax_linear_splits_quantization_from_the_gemm(seeded, monkeypatch, rotate):
     monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", True)
     layer = _layer(seeded, k=256)
     layer.mixprec_scheme, layer.mixprec_k8 = "w4ax", 128
     layer.act_perm = torch.randperm(256, generator=seeded).to(torch.int32)
+    layer.act_rotation = F.hadamard() if rotate else None
     x = torch.randn(6, 256, generator=seeded).to(torch.bfloat16)
     gamma = torch.rand(256, generator=seeded).to(torch.bfloat16) + 0.5
     fn = _block(layer)

@@ -189,12 +189,14 @@ def test_silu_mul_quantize_act_two_pass_and_errors(monkeypatch, seeded):
 @pytest.mark.parametrize("k,k8", [(256, 0), (256, 128), (256, 256), (384, 128)])
 @pytest.mark.parametrize("smooth", [False, True])
 @pytest.mark.parametrize("m", [1, 6])
-def test_quantize_act_w4ax_bit_exact(k, k8, smooth, m, seeded):
+@pytest.mark.parametrize("rotate", [False, True])
+def test_quantize_act_w4ax_bit_exact(k, k8, smooth, m, rotate, seeded):
     x = _act(m, k, seeded, torch.bfloat16)
     perm = torch.randperm(k, generator=seeded).to(DEV)
     sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV) if smooth else None
-    got = tg.quantize_act_w4ax(x, perm, k8, sm)
-    expect = ref.quantize_act_w4ax(x.cpu(), perm.cpu(), k8, None if sm is None else sm.cpu())
+    rot = F.hadamard() if rotate else None
+    got = tg.quantize_act_w4ax(x, perm, k8, sm, None if rot is None else rot.to(DEV))
+    expect = ref.quantize_act_w4ax(x.cpu(), perm.cpu(), k8, None if sm is None else sm.cpu(), rot)
     for name, a, b in zip(("x8", "s8", "x4", "s4"), got, expect):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(a.cpu(), b), name
@@ -526,13 +528,15 @@ def test_gpu_silu_mul_quantize_act(m, k, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k8", [(1, 0), (16, 512), (200, 1024), (1000, 4096)])
-def test_gpu_w4ax(m, k8):
+@pytest.mark.parametrize("m,k8,rotate", [(1, 0, False), (16, 512, False), (200, 1024, False),
+                                         (1000, 4096, False), (1, 1024, True), (200, 1024, True)])
+def test_gpu_w4ax(m, k8, rotate):
     n, k, g = 4096 + 64, 4096, 128
     t, x = _gpu_case(m, n, k, g, seed=m)
     perm = torch.randperm(k, device="cuda")
-    x8, s8, x4, s4 = tg.quantize_act_w4ax(x, perm, k8)
-    for a, b in zip((x8, s8, x4, s4), ref.quantize_act_w4ax(x, perm, k8)):
+    rot = F.hadamard().cuda() if rotate else None
+    x8, s8, x4, s4 = tg.quantize_act_w4ax(x, perm, k8, None, rot)
+    for a, b in zip((x8, s8, x4, s4), ref.quantize_act_w4ax(x, perm, k8, None, rot)):
         assert torch.equal(a, b)
     y = tg.w4ax_gemm(x8, s8, x4, s4, t["qweight"], t["group_scale"], t["group_offset"],
                      t["channel_scale"], None, torch.float16, out=_poisoned(m, n, torch.float16))

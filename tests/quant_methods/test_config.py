@@ -20,6 +20,11 @@ def test_round_trip():
 def test_w4ax_round_trip():
     d = dict(GOOD, weight_scheme="w4ax", act_bits="4/8", a8_fraction=0.25)
     assert MixPrecScheme.from_dict(d).to_dict() == d
+    assert MixPrecScheme.from_dict(d).act_rotation == "none"  # checkpoints from before the field
+    d_rot = dict(d, act_rotation="hadamard")
+    assert MixPrecScheme.from_dict(d_rot).act_rotation == "hadamard"
+    assert MixPrecScheme.from_dict(d_rot).to_dict() == d_rot
+    assert MixPrecScheme.from_dict(dict(d, act_rotation="none")).to_dict() == d
 
 
 # (bad value, field the error must name, the fix it must spell out)
@@ -44,6 +49,11 @@ def test_w4ax_round_trip():
     ({"kv_residual_tokens": -1}, "kv_residual_tokens", "remove it to use the default"),
     ({"kv_residual_tokens": "16"}, "kv_residual_tokens", "remove it to use the default"),
     ({"bogus": 1}, "bogus", "Upgrade vllm_mixprec, or remove the field"),
+    ({"act_rotation": "hadamard"}, "act_rotation", "only valid with weight_scheme 'w4ax'"),
+    ({"weight_scheme": "w4ax", "act_bits": "4/8", "a8_fraction": 0.25, "act_rotation": "givens"},
+     "act_rotation", "--act-rotation hadamard"),
+    ({"weight_scheme": "w4ax", "act_bits": "4/8", "a8_fraction": 0.25, "act_rotation": True},
+     "act_rotation", "--act-rotation hadamard"),
 ])
 def test_bad_field_is_named(change, field, fix):
     with pytest.raises(MixPrecConfigError, match=field) as e:

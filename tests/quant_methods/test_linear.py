@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from linear_helpers import load_tensors
+from vllm_mixprec import formats as F
 from vllm_mixprec import reference as ref
 from vllm_mixprec.quant_methods.config import MixPrecConfig
 
@@ -117,9 +118,11 @@ def test_group_size_must_divide_k(vllm_tp1):
                           prefix="model.layers.0.mlp.down_proj")
 
 
-def test_w4ax_layer(vllm_tp1, seeded):
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_w4ax_layer(vllm_tp1, seeded, rotation):
     from vllm.model_executor.layers.linear import RowParallelLinear
-    cfg = MixPrecConfig.from_config(dict(BASE, weight_scheme="w4ax", act_bits="4/8", a8_fraction=0.25))
+    cfg = MixPrecConfig.from_config(dict(BASE, weight_scheme="w4ax", act_bits="4/8", a8_fraction=0.25,
+                                         act_rotation=rotation))
     k, n = 512, 64
     layer = RowParallelLinear(k, n, bias=False, quant_config=cfg, params_dtype=torch.float16,
                               prefix="model.layers.0.mlp.down_proj")
@@ -130,9 +133,12 @@ def test_w4ax_layer(vllm_tp1, seeded):
     load_tensors(layer, t, None)
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.mixprec_k8 == 128
+    rot = F.hadamard() if rotation == "hadamard" else None
+    assert (layer.act_rotation is None) == (rot is None)
+    assert rot is None or torch.equal(layer.act_rotation, rot)
     x = torch.randn(3, k, generator=seeded).half()
     y = layer.quant_method.apply(layer, x)
-    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, 128)
+    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, 128, rotation=rot)
     assert s8.shape == (3, 1) and s4.shape == (3, 3)  # one scale per (token, 128-channel block)
     expect = ref.w4ax_gemm(x8, s8, x4, s4, t["qweight"], t["group_scale"], t["group_offset"],
                            t["channel_scale"], out_dtype=torch.float64)

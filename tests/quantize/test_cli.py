@@ -96,3 +96,15 @@ def test_quantize_then_eval_end_to_end(tiny, tmp_path, capsys):
     assert rc == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if str(out) in line]
     assert rows and "%" in rows[0]
+
+
+def test_w4ax_rotates_by_default_and_the_rotation_needs_w4ax(tiny, tmp_path, capsys):
+    src, text = tiny
+    rc = cli.main(["quantize", str(src), str(tmp_path / "bad"), "--act-rotation", "hadamard", *small(text)])
+    assert rc == 2 and "--act-rotation hadamard applies to the w4ax scheme only" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+    for flags, want in (([], "hadamard"), (["--act-rotation", "none"], None)):
+        out = tmp_path / f"w4ax-{want}"
+        assert cli.main(["quantize", str(src), str(out), "--scheme", "w4ax", *flags, *small(text)]) == 0
+        qc = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert qc.get("act_rotation") == want

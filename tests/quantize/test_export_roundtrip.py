@@ -16,6 +16,9 @@ SCHEMES = {
     "w4a8-llama": ("llama", dict(weight_scheme="w4a8", smooth=True, gptq=True, clip=True,
                                  smooth_attention=True, kv_scheme="kv4")),
     "w4ax-qwen2": ("qwen2", dict(weight_scheme="w4ax", smooth=True, a8_fraction=0.5, group_size=128)),
+    # GPTQ on the rotated basis (fmpq.hessian_basis); 0.25 of one or two blocks rounds to none at 8 bits
+    "w4ax-rot-llama": ("llama", dict(weight_scheme="w4ax", act_rotation="hadamard", gptq=True,
+                                     a8_fraction=0.25)),
 }
 
 
@@ -28,15 +31,16 @@ def exported(request, tmp_path_factory):
     opts = QuantOptions(calib_text=str(text), calib_samples=4, calib_seqlen=64, sample_rows=128,
                         progress=False, **kw)
     summary = quantize_model(src, d / "out", opts)
-    return arch, d / "out", summary
+    return arch, d / "out", summary, kw
 
 
 def test_config_and_tensor_specs(exported):
-    arch, out, _ = exported
+    arch, out, _, kw = exported
     cfg = json.loads((out / "config.json").read_text())
     qc = cfg["quantization_config"]
     from vllm_mixprec.quant_methods.config import MixPrecScheme
     scheme = MixPrecScheme.from_dict(qc)  # the loader accepts it
+    assert qc.get("act_rotation", "none") == kw.get("act_rotation", "none")
     assert cfg["rope_theta"] and cfg["torch_dtype"]
     assert (out / "tokenizer.json").exists()
     t = load_file(str(out / "model.safetensors"))
@@ -83,7 +87,7 @@ def test_loads_through_vllm_and_matches_reference(exported, kind, vllm_tp1):
     from vllm.config import set_current_vllm_config
     from vllm_mixprec.quant_methods.config import MixPrecConfig
 
-    arch, out, _ = exported
+    arch, out, _, _ = exported
     cfg = json.loads((out / "config.json").read_text())
     qcfg = MixPrecConfig.from_config(cfg["quantization_config"])
     t = load_file(str(out / "model.safetensors"))
@@ -99,7 +103,7 @@ def test_loads_through_vllm_and_matches_reference(exported, kind, vllm_tp1):
                 args = () if shard is None else (shard,)
                 param.weight_loader(param, tensor, *args)
             bias = own.pop("bias", None)
-            refs.append(MixPrecLinear(own, bias, qcfg.scheme.weight_scheme))
+            refs.append(MixPrecLinear(own, bias, qcfg.scheme.weight_scheme, qcfg.scheme.act_rotation))
         layer.quant_method.process_weights_after_loading(layer)
         x = torch.randn(7, layer.input_size, generator=torch.Generator().manual_seed(0)).bfloat16()
         got = layer(x)
@@ -110,7 +114,7 @@ def test_loads_through_vllm_and_matches_reference(exported, kind, vllm_tp1):
 
 
 def test_summary_reports_time(exported):
-    _, _, summary = exported
+    _, _, summary, _ = exported
     assert summary["seconds_quantize"] > 0 and len(summary["layers"]) == 2
 
 

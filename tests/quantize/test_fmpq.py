@@ -56,3 +56,48 @@ def test_permuted_layer_is_the_same_gemm_and_matches_float64():
     assert ((y - exact) ** 2).sum() < 0.5 * ((all4 - exact) ** 2).sum()
     # fake_w4ax (the alpha search's simulation) agrees with the module
     assert torch.allclose(fmpq.fake_w4ax(x, w, gs, perm, 128).double(), y, rtol=1e-4, atol=1e-4)
+
+
+def test_basis_changes_keep_the_product_and_the_hessian():
+    """weight_basis and hessian_basis put W and E[x^T x] in the basis w4ax_act_input gives x."""
+    g = torch.Generator().manual_seed(2)
+    n, k, k8 = 24, 512, 128
+    w = torch.randn(n, k, generator=g, dtype=torch.float64)
+    x = torch.randn(40, k, generator=g, dtype=torch.float64)
+    perm = torch.randperm(k, generator=g).to(torch.int32)
+    rot = fmpq.rotation_matrix("hadamard").double()
+    xb = ref.rotate_a4_blocks(x[:, perm.long()], k8, rot)  # float64 (w4ax_act_input: float32)
+    assert torch.allclose(xb @ fmpq.weight_basis(w, perm, k8, rot).T, x @ w.T, atol=1e-5)  # H from float32
+    assert torch.allclose(fmpq.hessian_basis(x.T @ x, perm, k8, rot), xb.T @ xb, rtol=1e-9, atol=1e-9)
+    assert fmpq.rotation_matrix("none") is None
+    with pytest.raises(ValueError, match="'givens' is not one of"):
+        fmpq.rotation_matrix("givens")
+
+
+@pytest.mark.parametrize("use_gptq", [False, True])
+def test_quantize_linear_exports_the_rotated_basis(use_gptq):
+    """pipeline.quantize_linear with act_rotation: the exported tensors, read with the same
+    rotation, compute x W^T; read without it they do not (so the basis really changed)."""
+    from vllm_mixprec.quantize import calibration as C
+    from vllm_mixprec.quantize.pipeline import QuantOptions, quantize_linear
+
+    g = torch.Generator().manual_seed(3)
+    n, k = 64, 512
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(256, k, generator=g)
+    x[:, [5, 300]] *= 40
+    spikes = torch.randint(0, k, (256, 8), generator=g)  # per-token spikes the permutation can't isolate
+    x.scatter_(1, spikes, 12.0)
+    x64 = x.double()
+    st = C.LinearStats(x64.abs().amax(0), x64.T @ x64 if use_gptq else None, 256, x)
+    exact = x64 @ w.double().T
+    errs = {}
+    for rot in ("none", "hadamard"):
+        opts = QuantOptions(weight_scheme="w4ax", a8_fraction=0.25, act_rotation=rot, gptq=use_gptq)
+        t = quantize_linear(w, st, opts)
+        y = MixPrecLinear(t, None, "w4ax", rot)(x).double()
+        errs[rot] = float((y - exact).norm() / exact.norm())
+        if rot == "hadamard":
+            wrong = MixPrecLinear(t, None, "w4ax", "none")(x).double()
+            assert float((wrong - exact).norm() / exact.norm()) > 0.5
+    assert errs["hadamard"] < 0.7 * errs["none"], errs

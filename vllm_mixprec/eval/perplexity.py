@@ -176,7 +176,7 @@ def load_model_cpu(folder: str | Path):
         if method == "gptq":
             new = dense_linear(dequantize_gptq(own), bias)
         else:
-            new = MixPrecLinear(own, bias, qc["weight_scheme"])
+            new = MixPrecLinear(own, bias, qc["weight_scheme"], qc.get("act_rotation", "none"))
         replace_module(model, prefix, new)
         for k in list(tensors):
             if k.startswith(prefix + "."):

@@ -32,10 +32,12 @@ class MixPrecScheme:
     ignored_layers: tuple[str, ...] = ()
     runtime_smooth: bool = False  # layers carry input_smooth [K] (smoothing not folded)
     kv_residual_tokens: int | None = None  # newest tokens the CUSTOM backend keeps in 16 bits
+    act_rotation: str = "none"  # W4Ax only: formats.ACT_ROTATIONS, applied to each 4-bit block
 
     REQUIRED = ("quant_method", "format_version", "weight_scheme", "weight_bits", "act_bits",
                 "group_size", "kv_scheme")
-    OPTIONAL = ("a8_fraction", "ignored_layers", "runtime_smooth", "calibration", "kv_residual_tokens")
+    OPTIONAL = ("a8_fraction", "ignored_layers", "runtime_smooth", "calibration", "kv_residual_tokens",
+                "act_rotation")
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "MixPrecScheme":
@@ -91,6 +93,15 @@ class MixPrecScheme:
         elif frac is not None:
             raise MixPrecConfigError("quantization_config.a8_fraction is only valid with weight_scheme "
                                      "'w4ax'; remove the field (or set weight_scheme to 'w4ax')")
+        rot = cfg.get("act_rotation", "none")
+        if rot not in F.ACT_ROTATIONS:
+            raise MixPrecConfigError(f"quantization_config.act_rotation={rot!r} is not one of "
+                                     f"{F.ACT_ROTATIONS}; {REEXPORT} --scheme w4ax "
+                                     "--act-rotation hadamard (or none)")
+        if rot != "none" and ws != "w4ax":
+            raise MixPrecConfigError(f"quantization_config.act_rotation={rot!r} is only valid with "
+                                     "weight_scheme 'w4ax' (it rotates the 4-bit activation blocks); "
+                                     "remove the field, or set it to 'none'")
         ignored = cfg.get("ignored_layers", [])
         if not isinstance(ignored, list) or not all(isinstance(x, str) for x in ignored):
             raise MixPrecConfigError(f"quantization_config.ignored_layers={ignored!r} must be a list of "
@@ -106,7 +117,7 @@ class MixPrecScheme:
                 f"quantization_config.kv_residual_tokens={res!r} must be an integer in "
                 f"[0, {MAX_KV_RESIDUAL_TOKENS}] (0 disables the 16-bit residual window); fix the "
                 "field, or remove it to use the default (the KV block size)")
-        return cls(ws, gs, kv, None if frac is None else float(frac), tuple(ignored), smooth, res)
+        return cls(ws, gs, kv, None if frac is None else float(frac), tuple(ignored), smooth, res, rot)
 
     def to_dict(self) -> dict[str, Any]:
         d = {"quant_method": "mixprec", "format_version": FORMAT_VERSION,
@@ -118,6 +129,8 @@ class MixPrecScheme:
             d["a8_fraction"] = self.a8_fraction
         if self.kv_residual_tokens is not None:
             d["kv_residual_tokens"] = self.kv_residual_tokens
+        if self.act_rotation != "none":
+            d["act_rotation"] = self.act_rotation
         return d
 
 

@@ -107,7 +107,7 @@ class MixPrecLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self._check_complete(layer)
         self._validate(layer)
-        kernels.prepare_linear(layer, self.scheme.weight_scheme, self.prefix)
+        kernels.prepare_linear(layer, self.scheme.weight_scheme, self.prefix, self.scheme.act_rotation)
         k_bias.record_qkv_bias(layer, self.prefix)
 
     def _check_complete(self, layer: torch.nn.Module) -> None:

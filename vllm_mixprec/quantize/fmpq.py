@@ -5,6 +5,11 @@ its own per-token scale. The channels with the largest calibration |x| are permu
 front, so that the first `a8_blocks` blocks hold them and are quantized to int8; the
 weight's K is permuted the same way, so the GEMM is unchanged. Layers that share an input (q/k/v, gate/up) must share
 the permutation, because vLLM fuses them into one GEMM.
+
+With act_rotation "hadamard" each 4-bit block of the permuted K is also multiplied by an
+orthonormal Hadamard matrix H (QuaRot's idea, inside a block): x_b H spreads a block's
+largest values over all 128 channels, so the 16-level grid fits it far better, and the
+exporter stores W_b H, so the product is unchanged.
 """
 from __future__ import annotations
 
@@ -36,8 +41,31 @@ def permute_weight(w: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return w[:, perm.long()]
 
 
-def fake_w4ax(x: torch.Tensor, w: torch.Tensor, group_size: int, perm: torch.Tensor, k8: int) -> torch.Tensor:
-    """Float simulation of a W4Ax layer (RTN LQQ weights on permuted K)."""
-    t = ref.quantize_weight_lqq(permute_weight(w, perm), group_size)
+def rotation_matrix(act_rotation: str) -> torch.Tensor | None:
+    """The [128, 128] float32 matrix of a formats.ACT_ROTATIONS name (None for "none")."""
+    if act_rotation not in F.ACT_ROTATIONS:
+        raise ValueError(f"act rotation {act_rotation!r} is not one of {F.ACT_ROTATIONS}")
+    return F.hadamard() if act_rotation == "hadamard" else None
+
+
+def weight_basis(w: torch.Tensor, perm: torch.Tensor, k8: int, rotation: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """W [N, K] in the basis its activations are quantized in: K permuted, each 4-bit block
+    times `rotation` (W_b H, so that (x_b H)(W_b H)^T = x_b W_b^T)."""
+    return ref.rotate_a4_blocks(permute_weight(w, perm), k8, rotation)
+
+
+def hessian_basis(h: torch.Tensor, perm: torch.Tensor, k8: int, rotation: torch.Tensor | None
+                  ) -> torch.Tensor:
+    """GPTQ's H = E[x^T x] [K, K] in the same basis: R^T H[perm][:, perm] R, R = blockdiag(I, rot...)."""
+    p = perm.long()
+    hr = ref.rotate_a4_blocks(h[p][:, p], k8, rotation)
+    return ref.rotate_a4_blocks(hr.T.contiguous(), k8, rotation).T.contiguous()
+
+
+def fake_w4ax(x: torch.Tensor, w: torch.Tensor, group_size: int, perm: torch.Tensor, k8: int,
+              rotation: torch.Tensor | None = None) -> torch.Tensor:
+    """Float simulation of a W4Ax layer (RTN LQQ weights on permuted, rotated K)."""
+    t = ref.quantize_weight_lqq(weight_basis(w, perm, k8, rotation), group_size)
     wq = ref.dequantize_weight(t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"])
-    return ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, perm, k8)) @ wq.T
+    return ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, perm, k8, rotation=rotation)) @ wq.T

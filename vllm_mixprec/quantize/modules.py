@@ -13,11 +13,12 @@ class MixPrecLinear(nn.Module):
     """One exported `mixprec` linear layer, computed exactly as reference.py defines it."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None = None,
-                 weight_scheme: str = "w4a8"):
+                 weight_scheme: str = "w4a8", act_rotation: str = "none"):
         super().__init__()
         self.weight_scheme = weight_scheme
         for name, t in tensors.items():
             self.register_buffer(name, t.clone())
+        self.act_rotation = F.hadamard() if act_rotation == "hadamard" else None
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         self.out_features, self.in_features = self.qweight.shape[0], self.qweight.shape[1] * 2
 
@@ -28,7 +29,7 @@ class MixPrecLinear(nn.Module):
                                    self.channel_scale, self.bias, smooth)
         x2 = x.reshape(-1, x.shape[-1])
         k8 = int(self.a8_blocks[0]) * F.ACT_BLOCK
-        x8, s8, x4, s4 = ref.quantize_act_w4ax(x2, self.act_perm, k8, smooth)
+        x8, s8, x4, s4 = ref.quantize_act_w4ax(x2, self.act_perm, k8, smooth, self.act_rotation)
         y = ref.w4ax_gemm(x8, s8, x4, s4, self.qweight, self.group_scale, self.group_offset,
                           self.channel_scale, self.bias, x.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])

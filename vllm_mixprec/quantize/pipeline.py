@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .. import formats as F
+from .. import reference as ref
 from . import calibration as C
 from . import fmpq, gptq, lqq
 from . import smoothing as S
@@ -115,6 +116,7 @@ class QuantOptions:
     gptq: bool = False  # w4a8/w4ax: GPTQ on the LiquidQuant grid
     clip: bool = False  # w4a8/w4ax: per-channel clip ratio + per-group range search
     a8_fraction: float = 0.25  # w4ax
+    act_rotation: str = "none"  # w4ax: formats.ACT_ROTATIONS, on each 4-bit block (the CLI's default: hadamard)
     calib_text: str = "alice29"
     calib_samples: int = 64
     calib_seqlen: int = 512
@@ -149,6 +151,11 @@ class QuantOptions:
             raise ValueError(f"propagate {self.propagate!r} is not 'quantized' or 'float'")
         if not 0.0 <= self.a8_fraction <= 1.0:
             raise ValueError(f"a8 fraction {self.a8_fraction} is not in [0, 1]")
+        if self.act_rotation not in F.ACT_ROTATIONS:
+            raise ValueError(f"act rotation {self.act_rotation!r} is not one of {F.ACT_ROTATIONS}")
+        if self.act_rotation != "none" and self.weight_scheme != "w4ax":
+            raise ValueError(f"--act-rotation {self.act_rotation} applies to the w4ax scheme only "
+                             "(it rotates the 4-bit activation blocks)")
 
 
 def linear_shapes(config) -> dict[str, tuple[int, int]]:
@@ -183,7 +190,8 @@ def quantization_config(opts: QuantOptions) -> dict | None:
     from ..quant_methods.config import MixPrecScheme
 
     frac = opts.a8_fraction if opts.weight_scheme == "w4ax" else None
-    cfg = MixPrecScheme(opts.weight_scheme, opts.group_size, opts.kv_scheme, frac).to_dict()
+    cfg = MixPrecScheme(opts.weight_scheme, opts.group_size, opts.kv_scheme, frac,
+                        act_rotation=opts.act_rotation).to_dict()
     cfg["calibration"] = {"text": opts.calib_text, "samples": opts.calib_samples, "seqlen": opts.calib_seqlen,
                           "smooth": opts.smooth,
                           "smooth_attention_alpha": opts.smooth_attention_alpha if opts.smooth_attention else None,
@@ -202,11 +210,12 @@ def quantize_linear(w: torch.Tensor, st: C.LinearStats, opts: QuantOptions) -> d
     act_sq = st.sample.double().pow(2).mean(0)
     if opts.weight_scheme == "w4ax":
         perm = fmpq.outlier_permutation(st.absmax)
-        w = fmpq.permute_weight(w, perm)
-        act_sq = act_sq[perm.long()]
-        h = None if h is None else h[perm.long()][:, perm.long()]
-        extra = {"act_perm": perm, "a8_blocks": torch.tensor([fmpq.num_a8_blocks(w.shape[1], opts.a8_fraction)],
-                                                               dtype=torch.int32)}
+        blocks = fmpq.num_a8_blocks(w.shape[1], opts.a8_fraction)
+        k8, rot = blocks * F.ACT_BLOCK, fmpq.rotation_matrix(opts.act_rotation)
+        w = fmpq.weight_basis(w, perm, k8, rot)
+        act_sq = ref.w4ax_act_input(st.sample.double(), perm, k8, None, rot).pow(2).mean(0)
+        h = None if h is None else fmpq.hessian_basis(h, perm, k8, rot)
+        extra = {"act_perm": perm, "a8_blocks": torch.tensor([blocks], dtype=torch.int32)}
     ratio = lqq.clip_search(w, g, act_sq)[1] if opts.clip else 1.0
     if opts.gptq:
         t = gptq.gptq_lqq(w, h, g, opts.percdamp, ratio, act_sq if opts.clip else None)
@@ -220,10 +229,12 @@ def quantize_linear(w: torch.Tensor, st: C.LinearStats, opts: QuantOptions) -> d
 def fake_quant_fn(opts: QuantOptions):
     """The layer simulation the alpha search minimises the error of."""
     if opts.weight_scheme == "w4ax":
+        rot = fmpq.rotation_matrix(opts.act_rotation)
+
         def fake(x, w):
             perm = fmpq.outlier_permutation(x.abs().amax(0))
             k8 = fmpq.num_a8_blocks(x.shape[1], opts.a8_fraction) * F.ACT_BLOCK
-            return fmpq.fake_w4ax(x, w, opts.group_size, perm, k8)
+            return fmpq.fake_w4ax(x, w, opts.group_size, perm, k8, rot)
         return fake
     return lambda x, w: lqq.fake_w4a8(x, w, opts.group_size)
 
@@ -297,7 +308,7 @@ def quantize_layer(layer, i: int, hidden: torch.Tensor, kwargs: dict, config, op
         if opts.weight_scheme == "gptq-w4a16":
             new = dense_linear(gptq.dequantize_gptq(t), bias)
         else:
-            new = MixPrecLinear(t, bias, opts.weight_scheme)
+            new = MixPrecLinear(t, bias, opts.weight_scheme, opts.act_rotation)
         replace_module(layer, name, new)
     for norm in ("input_layernorm", "post_attention_layernorm"):
         out[prefix + norm + ".weight"] = layer.get_submodule(norm).weight.detach().to(torch.bfloat16)

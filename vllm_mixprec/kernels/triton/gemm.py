@@ -41,6 +41,7 @@ from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ... import formats as F
+from ... import reference as ref
 
 _EPS = tl.constexpr(1e-8)  # reference._EPS
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -918,10 +919,14 @@ def _launch_split_rows(x, smooth, K, q, s, gated: bool = True) -> None:
 
 
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
-                      smooth: torch.Tensor | None = None
+                      smooth: torch.Tensor | None = None, rotation: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W4Ax activations: permute channels, first k8 to int8, the rest to packed int4, one
-    scale per (token, ACT_BLOCK-channel block); bit-exact with the reference.
+    """W4Ax activations: permute channels, first k8 to int8, the rest (each block rotated by
+    `rotation` [128, 128] when given) to packed int4, one scale per (token, ACT_BLOCK-channel
+    block); bit-exact with the reference.
+
+    The rotation is not fused: reference.w4ax_act_input (a torch matmul, one more pass over x)
+    builds the rotated float32 input that the kernel then quantizes without perm or smooth.
 
     Returns (x8 int8 [M, k8], s8 float32 [M, k8/128], x4 uint8 [M, (K-k8)/2],
     s4 float32 [M, (K-k8)/128])."""
@@ -931,11 +936,17 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     if perm.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"perm has dtype {perm.dtype}; expected torch.int32 or torch.int64")
     lay = F.W4ActLayout.from_k8(K, k8)
+    if rotation is not None:
+        _check_dtype("rotation", rotation, (torch.float32,))
+        _check_shape("rotation", rotation, (F.ACT_BLOCK, F.ACT_BLOCK))
+        x = ref.w4ax_act_input(x, perm, k8, smooth, rotation)
+        perm = smooth = None
     dev = x.device
     x8 = torch.empty((M, k8), dtype=torch.int8, device=dev)
     x4 = torch.empty((M, lay.k4 // 2), dtype=torch.uint8, device=dev)
     s8 = torch.empty((M, lay.num_a8_blocks), dtype=torch.float32, device=dev)
     s4 = torch.empty((M, lay.num_a4_blocks), dtype=torch.float32, device=dev)
-    _launch_quant(x, perm.contiguous(), smooth.contiguous() if smooth is not None else None,
+    _launch_quant(x, perm.contiguous() if perm is not None else None,
+                  smooth.contiguous() if smooth is not None else None,
                   k8, x8, s8, x4, s4, per_block=True)
     return x8, s8, x4, s4
