@@ -55,9 +55,11 @@ def lqq_group_params(w8: torch.Tensor, group_size: int, step_candidates: int = 2
     q*step + offset <= 255 (FORMAT.md), so the choice is free.
     """
     n, k = w8.shape
-    g = w8.view(n, k // group_size, group_size).to(torch.int32)
+    # float32 is exact here: integers below 2^24, and a quotient of two of them with a divisor
+    # <= 16 is either exact or >= 1/32 away from a rounding boundary (float64 gives the same)
+    g = w8.view(n, k // group_size, group_size).to(torch.float32)
     mn, mx = g.amin(-1), g.amax(-1)
-    rng = (mx - mn).to(torch.float64)
+    rng = mx - mn
     hi = torch.ceil(rng / F.W4_MAX).clamp_(1, F.MAX_GROUP_STEP)
     if step_candidates == 1:
         return hi.to(torch.uint8), (128 + mn).to(torch.uint8)
@@ -79,9 +81,9 @@ def lqq_encode(w8: torch.Tensor, group_step: torch.Tensor, group_offset: torch.T
                group_size: int) -> torch.Tensor:
     """Level 2 codes: int8 w8 [N, K] -> uint8 q [N, K] in [0, 15] for the given group params."""
     n, k = w8.shape
-    g = w8.view(n, k // group_size, group_size).to(torch.float64)
-    mn = group_offset.to(torch.float64)[..., None] - 128
-    q = torch.round((g - mn) / group_step.to(torch.float64)[..., None]).clamp_(0, F.W4_MAX)
+    g = w8.view(n, k // group_size, group_size).to(torch.float32)  # exact: see lqq_group_params
+    mn = group_offset.to(torch.float32)[..., None] - 128
+    q = torch.round((g - mn) / group_step.to(torch.float32)[..., None]).clamp_(0, F.W4_MAX)
     return q.to(torch.uint8).view(n, k)
 
 
@@ -109,6 +111,9 @@ def dequantize_weight_w8(qweight: torch.Tensor, group_scale: torch.Tensor,
 def dequantize_weight(qweight, group_scale, group_offset, channel_scale,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     w8 = dequantize_weight_w8(qweight, group_scale, group_offset)
+    if dtype == torch.float32 and channel_scale.dtype == torch.float32:
+        # int8 x float32 is exact in float64, so one float32 multiply rounds it the same way
+        return w8.to(torch.float32) * channel_scale[:, None]
     return (w8.to(torch.float64) * channel_scale.to(torch.float64)[:, None]).to(dtype)
 
 

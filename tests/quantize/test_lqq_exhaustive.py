@@ -68,3 +68,25 @@ def test_group_params_and_encode_never_leave_the_reachable_set():
         assert bool((2 * err <= torch.maximum(st, 2 * clamped)).all())
         if cands == 1:  # ceil step alone: plain rounding
             assert bool((2 * err <= st).all())
+
+
+def test_group_params_and_codes_match_a_float64_oracle():
+    """lqq_group_params / lqq_encode compute in float32 for speed; for every (min, max) pair
+    (values spread between them, both ends included) they equal this float64 oracle."""
+    mn, mx = all_pairs()
+    g = (mn[:, None] + (mx - mn)[:, None] * torch.linspace(0, 1, 64)).round().double()
+    rng = (mx - mn).double()
+    oracle_step, oracle_err = None, None
+    for step in (torch.ceil(rng / 15).clamp(1, 16), torch.floor(rng / 15).clamp(1, 16)):
+        q = torch.round((g - mn[:, None]) / step[:, None]).clamp(0, 15)
+        err = ((q * step[:, None] + mn[:, None] - g) ** 2).sum(-1)
+        if oracle_step is None:
+            oracle_step, oracle_err = step, err
+        else:
+            oracle_step = torch.where(err < oracle_err, step, oracle_step)
+    w8 = g.to(torch.int8)
+    step, offset = ref.lqq_group_params(w8, 64)
+    assert torch.equal(step.flatten().double(), oracle_step)
+    assert torch.equal(offset.flatten().long(), 128 + mn)
+    codes = torch.round((g - mn[:, None]) / oracle_step[:, None]).clamp(0, 15)
+    assert torch.equal(ref.lqq_encode(w8, step, offset, 64).double(), codes)
