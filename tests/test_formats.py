@@ -128,3 +128,11 @@ def test_hadamard_is_sylvester_and_orthonormal(n):
 def test_hadamard_rejects_other_sizes(n):
     with pytest.raises(ValueError, match=f"n={n} is not a power of two"):
         F.hadamard(n)
+
+
+def test_act_rotation_matrix_names():
+    """The one mapping from a checkpoint's act_rotation name to its matrix."""
+    assert torch.equal(F.act_rotation_matrix("hadamard"), F.hadamard(F.ACT_BLOCK))
+    assert F.act_rotation_matrix("none") is None
+    with pytest.raises(ValueError, match="act_rotation 'givens' is not one of"):
+        F.act_rotation_matrix("givens")

@@ -210,6 +210,13 @@ def hadamard(n: int = ACT_BLOCK) -> torch.Tensor:
     return (1 - 2 * parity).to(torch.float32) / math.sqrt(n)
 
 
+def act_rotation_matrix(act_rotation: str) -> torch.Tensor | None:
+    """The float32 [ACT_BLOCK, ACT_BLOCK] matrix of an ACT_ROTATIONS name; None for "none"."""
+    if act_rotation not in ACT_ROTATIONS:
+        raise ValueError(f"act_rotation {act_rotation!r} is not one of {ACT_ROTATIONS}")
+    return hadamard() if act_rotation == "hadamard" else None
+
+
 # --- KV cache pages --------------------------------------------------------------------
 
 # vLLM 0.26 sizes pages from --kv-cache-dtype; these carriers give us the byte budget.

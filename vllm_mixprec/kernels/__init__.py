@@ -229,7 +229,8 @@ def prepare_linear(layer: torch.nn.Module, weight_scheme: str, prefix: str,
     if weight_scheme == "w4ax":
         layer.mixprec_k8 = int(layer.a8_blocks.data[0]) * F.ACT_BLOCK
         del layer.a8_blocks
-        rot = F.hadamard().to(layer.qweight.device) if act_rotation == "hadamard" else None
+        rot = F.act_rotation_matrix(act_rotation)
+        rot = None if rot is None else rot.to(layer.qweight.device)
         layer.register_buffer("act_rotation", rot, persistent=False)
     if impl == "cuda":
         _cuda.prepare_weights(layer)

@@ -41,13 +41,6 @@ def permute_weight(w: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return w[:, perm.long()]
 
 
-def rotation_matrix(act_rotation: str) -> torch.Tensor | None:
-    """The [128, 128] float32 matrix of a formats.ACT_ROTATIONS name (None for "none")."""
-    if act_rotation not in F.ACT_ROTATIONS:
-        raise ValueError(f"act rotation {act_rotation!r} is not one of {F.ACT_ROTATIONS}")
-    return F.hadamard() if act_rotation == "hadamard" else None
-
-
 def weight_basis(w: torch.Tensor, perm: torch.Tensor, k8: int, rotation: torch.Tensor | None
                  ) -> torch.Tensor:
     """W [N, K] in the basis its activations are quantized in: K permuted, each 4-bit block

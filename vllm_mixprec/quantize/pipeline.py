@@ -211,7 +211,7 @@ def quantize_linear(w: torch.Tensor, st: C.LinearStats, opts: QuantOptions) -> d
     if opts.weight_scheme == "w4ax":
         perm = fmpq.outlier_permutation(st.absmax)
         blocks = fmpq.num_a8_blocks(w.shape[1], opts.a8_fraction)
-        k8, rot = blocks * F.ACT_BLOCK, fmpq.rotation_matrix(opts.act_rotation)
+        k8, rot = blocks * F.ACT_BLOCK, F.act_rotation_matrix(opts.act_rotation)
         w = fmpq.weight_basis(w, perm, k8, rot)
         act_sq = ref.w4ax_act_input(st.sample.double(), perm, k8, None, rot).pow(2).mean(0)
         h = None if h is None else fmpq.hessian_basis(h, perm, k8, rot)
@@ -229,7 +229,7 @@ def quantize_linear(w: torch.Tensor, st: C.LinearStats, opts: QuantOptions) -> d
 def fake_quant_fn(opts: QuantOptions):
     """The layer simulation the alpha search minimises the error of."""
     if opts.weight_scheme == "w4ax":
-        rot = fmpq.rotation_matrix(opts.act_rotation)
+        rot = F.act_rotation_matrix(opts.act_rotation)
 
         def fake(x, w):
             perm = fmpq.outlier_permutation(x.abs().amax(0))
