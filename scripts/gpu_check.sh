@@ -5,7 +5,7 @@
 # Stages (default: env build test bench e2e): env build diag test (= test_kernels + test_other)
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
-# finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench w4ax
+# finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench w4ax startup
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -271,6 +271,14 @@ stage_w4ax() {
   run_bench bench_gemm_w4ax 300 python3 benchmarks/bench_gemm.py --shapes 4096x6144,14336x4096 \
     --ms 1,16,256,4096 --methods ours_triton_q,ours_cuda,ours_w4ax_triton_q,ours_w4ax_rot_triton_q,marlin_w4a16 \
     --out "$OUT/w4ax" || rc=1
+  return $rc
+}
+# The decode kernels' start-up compiles (docs/STARTUP.md): the precompile's GPU test (warmed keys are
+# serving's), then a cold Triton cache per mode, one-by-one at first launch against the parallel precompile
+stage_startup() {
+  local rc=0
+  pytest_logged pytest-gpu-precompile 240 tests/attention_backend/test_attn_precompile.py -m gpu || rc=1
+  run_bench bench_startup_compile 420 python3 benchmarks/bench_startup_compile.py --out "$OUT" || rc=1
   return $rc
 }
 stage_property_cuda_gemm() {

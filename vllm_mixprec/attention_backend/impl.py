@@ -43,7 +43,8 @@ from .. import formats as F
 from ..kernels.chunk_attention import (chunk_attention, chunk_setting, context_attention,
                                        select_chunk_impl)
 from ..kernels.triton.context import gather_context_kv
-from ..kernels.triton.attention import decode_attention, prefill_attention
+from ..kernels.triton import precompile
+from ..kernels.triton.attention import decode_attention, precompile_decode, prefill_attention
 from ..kernels.triton.kv_cache import KVResidual, quantize_and_store
 from . import residual as R
 from .backend import page_layout
@@ -146,6 +147,9 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
         self._chunk_setting = chunk_setting()  # validated at start-up
         self._chunk_impl: str | None = None    # "flash" or "triton", chosen at the first use
         self._context_tokens = context_tokens(self.vllm_config)
+        # the decode variants of batches up to max_num_seqs compile at the first decode step
+        self._precompile_rows = (self.vllm_config.scheduler_config.max_num_seqs
+                                 if self.vllm_config else 0)
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -264,6 +268,17 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
                                  dtype, device)
         return k[:need], v[:need]
 
+    def _precompile_decode(self, query, kv_cache, layout, md, output, residual, k_smooth,
+                           k_bias) -> None:
+        """Every decode variant of this layer's settings, compiled in parallel before the
+        first decode launch (kernels/triton/precompile.py; the later layers find them)."""
+        rows, self._precompile_rows = self._precompile_rows, 0
+        if md.part_o is None or not query.is_cuda or not precompile.enabled():
+            return
+        precompile_decode(query, kv_cache, layout, md.block_table, md.seq_lens,
+                          md.query_start_loc, output, self.scale, rows, md.part_o,
+                          md.part_lse, residual, k_smooth, k_bias, md.merge_counters)
+
     @staticmethod
     def _metadata_of(layer) -> MixPrecAttentionMetadata | None:
         if not is_forward_context_available():
@@ -332,6 +347,9 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
                                             out)
             chunk = None
         if md.num_decodes:
+            if self._precompile_rows:
+                self._precompile_decode(query, kv_cache, layout, md, output, residual,
+                                        k_smooth, k_bias)
             decode_attention(query, kv_cache, layout, md.block_table, md.seq_lens,
                              md.query_start_loc, output, self.scale, md.num_reqs,
                              md.num_splits, md.part_o, md.part_lse, residual, k_smooth, k_bias,

@@ -32,8 +32,8 @@ from vllm.v1.attention.backend import (AttentionCGSupport, AttentionMetadataBuil
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 
 from .. import formats as F
-from ..kernels.triton.attention import (decode_merge_counters, decode_num_splits,
-                                        decode_partials_rows)
+from ..kernels.triton.attention import (decode_merge_counters, decode_partials_rows,
+                                        decode_splits)
 from . import residual as R
 
 logger = logging.getLogger("vllm.mixprec")
@@ -124,8 +124,9 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
             raise RuntimeError(f"mixprec: cannot find the KV cache of {self.layer_names[0]} "
                                "to size the residual directory")
         slots = R.residual_slots(self.vllm_config, self.res_tokens, self.block_size)
-        self.directory = R.ResidualDirectory(kv.shape[0], slots, self.block_size,
-                                             self.res_tokens, torch.device(self.device))
+        self.directory = R.ResidualDirectory(
+            kv.shape[0], slots, self.block_size, self.res_tokens, torch.device(self.device),
+            max_rows=self.vllm_config.scheduler_config.max_num_seqs)
         logger.info("mixprec KV residual: newest %d tokens kept in 16 bits, %d pool slots of "
                     "%d tokens per layer", self.res_tokens, slots, self.block_size)
         return self.directory
@@ -155,11 +156,8 @@ class MixPrecAttentionMetadataBuilder(AttentionMetadataBuilder[MixPrecAttentionM
         return self.key_positions
 
     def _splits(self, num_reqs: int) -> int:
-        s = decode_num_splits(num_reqs, self.num_kv_heads, self.num_sms)
-        cap = 0 if self.part_o is None else self.part_o.shape[0]
-        while s > 1 and num_reqs * (s + 1) > cap:  # + 1: a tail program's partial
-            s //= 2
-        return s
+        return decode_splits(num_reqs, self.num_kv_heads, self.num_sms,
+                             0 if self.part_o is None else self.part_o.shape[0])
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> MixPrecAttentionMetadata:

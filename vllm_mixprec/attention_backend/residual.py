@@ -58,6 +58,7 @@ import os
 
 import torch
 
+from ..kernels.triton import precompile
 from ..kernels.triton import residual_directory as _kernel
 
 logger = logging.getLogger("vllm.mixprec")
@@ -138,7 +139,7 @@ class ResidualDirectory:
 
     def __init__(self, num_blocks: int, num_slots: int, block_size: int, tokens: int,
                  device: torch.device, graphs: bool | None = None,
-                 kernel: bool | None = None):
+                 kernel: bool | None = None, max_rows: int = 0):
         self.num_blocks, self.num_slots, self.block_size, self.tokens = (
             num_blocks, num_slots, block_size, tokens)
         self.bpw = window_blocks(tokens, block_size)
@@ -152,6 +153,9 @@ class ResidualDirectory:
             kernel = kernel_by_default(device)
         self.kernel = kernel
         self.scratch = torch.empty(0, dtype=torch.int64, device=device)
+        # batches of up to max_rows rows: their kernel variants compile in parallel at the
+        # first update (kernels/triton/precompile.py); 0: each at its first batch size
+        self.precompile_rows = max_rows
         if graphs is None:
             graphs = graphs_by_default(device)
         self.graphs = StepGraphs(self._assign) if graphs else None  # unused while kernel
@@ -178,9 +182,13 @@ class ResidualDirectory:
         need = _kernel.scratch_size(block_table.shape[0] * self.bpw, self.num_slots)
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=torch.int64, device=self.scratch.device)
-        _kernel.residual_assign(block_table, seq_lens, query_start_loc, slot_mapping,
-                          self.slot_of_block, self.block_of_slot, self.last_use, self.tags,
-                          self.step, self.scratch, self.tokens, self.bpw)
+        args = (block_table, seq_lens, query_start_loc, slot_mapping, self.slot_of_block,
+                self.block_of_slot, self.last_use, self.tags, self.step, self.scratch,
+                self.tokens, self.bpw)
+        if self.precompile_rows and precompile.enabled():
+            _kernel.precompile_residual_assign(*args, self.precompile_rows)
+        self.precompile_rows = 0
+        _kernel.residual_assign(*args)
 
     def _assign(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
                 query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> None:

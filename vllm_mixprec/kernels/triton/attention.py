@@ -1171,12 +1171,69 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
     """
     if num_rows == 0:
         return
+    for kernel, grid, args, kwargs in _decode_launches(
+            q, cache, layout, block_table, seq_lens, query_start_loc, out, sm_scale, num_rows,
+            num_splits, part_o, part_lse, residual, k_smooth, k_bias, merge_counters,
+            _device_sms(q)):
+        kernel[grid](*args, **kwargs)
+
+
+def precompile_decode(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
+                      block_table: torch.Tensor, seq_lens: torch.Tensor,
+                      query_start_loc: torch.Tensor, out: torch.Tensor, sm_scale: float,
+                      max_rows: int, part_o: torch.Tensor, part_lse: torch.Tensor,
+                      residual: KVResidual | None = None, k_smooth: torch.Tensor | None = None,
+                      k_bias: F.KRopeBias | None = None,
+                      merge_counters: torch.Tensor | None = None,
+                      num_sms: int | None = None) -> int:
+    """Compile, in parallel (precompile.compile_in_parallel), every decode variant that a batch
+    of 1..max_rows rows selects, for launches on these tensors (decode_attention's arguments
+    of one real step: the ints and alignments Triton specialises on are serving's). Without
+    it each variant compiled at its first batch size, one after another, mostly inside
+    vLLM's CUDA-graph capture (docs/STARTUP.md). Returns how many compiled."""
+    from .precompile import compile_in_parallel
+    num_kv_heads = cache.shape[1]
+    sms = _device_sms(q) if num_sms is None else num_sms
+    cap = part_o.shape[0]
+    seen, launches = set(), []
+    for n in range(1, max_rows + 1):
+        splits = decode_splits(n, num_kv_heads, sms, cap)
+        for kernel, grid, args, kwargs in _decode_launches(
+                q, cache, layout, block_table, seq_lens, query_start_loc, out, sm_scale, n,
+                splits, part_o, part_lse, residual, k_smooth, k_bias, merge_counters, sms):
+            key = (kernel, tuple(sorted(kwargs.items())))  # the grid is not compiled in
+            if key not in seen:
+                seen.add(key)
+                launches.append((kernel, grid, args, kwargs))
+    return compile_in_parallel([functools.partial(k.warmup, *a, grid=g, **kw)
+                                for k, g, a, kw in launches], "decode-attention")
+
+
+def _device_sms(q: torch.Tensor) -> int:
+    """The SM count the decode selectors plan for (8 off the GPU: interpreter tests)."""
+    if not q.is_cuda:
+        return 8
+    return _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
+def decode_splits(num_rows: int, num_kv_heads: int, num_sms: int, partial_rows: int) -> int:
+    """decode_num_splits, halved until num_rows*(splits + 1) partials fit partial_rows (the
+    metadata builder's buffer; + 1: a tail program's partial)."""
+    s = decode_num_splits(num_rows, num_kv_heads, num_sms)
+    while s > 1 and num_rows * (s + 1) > partial_rows:
+        s //= 2
+    return s
+
+
+def _decode_launches(q, cache, layout, block_table, seq_lens, query_start_loc, out, sm_scale,
+                     num_rows, num_splits, part_o, part_lse, residual, k_smooth, k_bias,
+                     merge_counters, sms: int) -> list[tuple]:
+    """decode_attention's launches as (kernel, grid, args, kwargs): one list for the launch
+    and for precompile_decode, so that the variants warmed are the ones launched."""
     num_q_heads, num_kv_heads = q.shape[1], cache.shape[1]
     group = num_q_heads // num_kv_heads
     cache_args, opt, res, has_res, block_r = _common_args(q, cache, layout, residual, k_smooth,
                                                           k_bias)
-    sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
-        if q.is_cuda else 8
     block_n, warps, stages = decode_config(layout.head_dim, layout.scheme, num_rows, num_kv_heads, sms)
     shape = dict(scheme=layout.scheme, head_dim=layout.head_dim, num_kv_heads=num_kv_heads,
                  num_sms=sms)
@@ -1210,15 +1267,16 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayou
                   HAS_SMOOTH=k_smooth is not None, HAS_KB=k_bias is not None,
                   NP=_num_pairs(k_bias), KB_V=kbias_chunk(block_n), HAS_RES=has_res,
                   DT=_TL_DTYPE[q.dtype], TAIL=tail, MIN_TILES=decode_min_tiles())
-    _paged_attn_kernel[(num_rows, num_kv_heads, slots)](
-        *args, BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
+    launches = [(_paged_attn_kernel, (num_rows, num_kv_heads, slots), args, dict(
+        BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
         CHUNK_MODE=CHUNK_CACHE.value, PDL=pdl, MERGE_FUSED=fused, G_ROWS=g_rows,
         num_warps=warps, num_stages=stages, **decode_maxnreg(num_rows, merge, **shape),
-        **common)
+        **common))]
     if finish:
         pdl_launch = {"launch_pdl": True} if pdl else {}
-        _decode_finish_kernel[(num_rows, num_kv_heads)](
-            *args, BLOCK_N=block_n, PDL=pdl, G_ROWS=g_rows, num_warps=4, **pdl_launch, **common)
+        launches.append((_decode_finish_kernel, (num_rows, num_kv_heads), args, dict(
+            BLOCK_N=block_n, PDL=pdl, G_ROWS=g_rows, num_warps=4, **pdl_launch, **common)))
+    return launches
 
 
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
@@ -1330,4 +1388,5 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout
 
 
 __all__ = ["decode_attention", "prefill_attention", "paged_attention", "decode_num_splits",
+           "decode_splits", "precompile_decode",
            "decode_partials_rows", "decode_config", "prefill_config", "KVResidual"]

@@ -134,17 +134,47 @@ def residual_assign(block_table: torch.Tensor, seq_lens: torch.Tensor,
                     scratch: torch.Tensor, tokens: int, window_blocks: int) -> None:
     """ResidualDirectory._assign's update, in place, for rows block_table[n, W], seq_lens[n],
     query_start_loc[n + 1] and this step's slot_mapping[T]."""
-    n, width = block_table.shape
-    num_slots, block_size = tags.shape[0] - 1, tags.shape[1]
+    n = block_table.shape[0]
     block_w = window_tile(n * window_blocks)
-    block_p = triton.next_power_of_2(num_slots)
+    block_p = triton.next_power_of_2(tags.shape[0] - 1)
     if scratch.numel() < block_w + block_p or scratch.dtype != torch.int64:
         raise ValueError(f"scratch must be int64 with >= {block_w + block_p} entries, got "
                          f"{scratch.numel()} {scratch.dtype}")
+    args, kwargs = _assign_args(block_table, seq_lens, query_start_loc, slot_mapping,
+                                slot_of_block, block_of_slot, last_use, tags, step, scratch,
+                                tokens, window_blocks, block_w)
+    _residual_assign_kernel[(1,)](*args, **kwargs)
+
+
+def precompile_residual_assign(block_table: torch.Tensor, seq_lens: torch.Tensor,
+                               query_start_loc: torch.Tensor, slot_mapping: torch.Tensor,
+                               slot_of_block: torch.Tensor, block_of_slot: torch.Tensor,
+                               last_use: torch.Tensor, tags: torch.Tensor, step: torch.Tensor,
+                               scratch: torch.Tensor, tokens: int, window_blocks: int,
+                               max_rows: int) -> int:
+    """Compile, in parallel, the BLOCK_W variant of every batch of 1..max_rows rows
+    (residual_assign's arguments of one real step; nothing runs). Returns how many compiled."""
+    from .precompile import compile_in_parallel
+    tiles = sorted({window_tile(n * window_blocks) for n in range(1, max_rows + 1)})
+    warm = []
+    for block_w in tiles:
+        args, kwargs = _assign_args(block_table, seq_lens, query_start_loc, slot_mapping,
+                                    slot_of_block, block_of_slot, last_use, tags, step, scratch,
+                                    tokens, window_blocks, block_w)
+        warm.append(lambda a=args, kw=kwargs: _residual_assign_kernel.warmup(*a, grid=(1,), **kw))
+    return compile_in_parallel(warm, "residual-directory")
+
+
+def _assign_args(block_table, seq_lens, query_start_loc, slot_mapping, slot_of_block,
+                 block_of_slot, last_use, tags, step, scratch, tokens, window_blocks, block_w):
+    """The kernel's arguments (one list for the launch and the precompile)."""
+    n, width = block_table.shape
+    num_slots, block_size = tags.shape[0] - 1, tags.shape[1]
     if block_table.stride(1) != 1:
         raise ValueError("block_table must have unit stride along its columns")
-    _residual_assign_kernel[(1,)](
-        block_table, block_table.stride(0), seq_lens, query_start_loc, slot_mapping, n, width,
-        slot_mapping.shape[0], slot_of_block, block_of_slot, last_use, tags, step, scratch,
-        slot_of_block.shape[0] - 1, num_slots, R=tokens, B=block_size, BPW=window_blocks,
-        BLOCK_W=block_w, BLOCK_P=block_p, BLOCK_T=TOKEN_TILE, num_warps=8)
+    args = (block_table, block_table.stride(0), seq_lens, query_start_loc, slot_mapping, n,
+            width, slot_mapping.shape[0], slot_of_block, block_of_slot, last_use, tags, step,
+            scratch, slot_of_block.shape[0] - 1, num_slots)
+    return args, dict(R=tokens, B=block_size, BPW=window_blocks, BLOCK_W=block_w,
+                      BLOCK_P=triton.next_power_of_2(num_slots), BLOCK_T=TOKEN_TILE,
+                      num_warps=8)
