@@ -54,18 +54,20 @@ gpu-bundle: $(STAMP)
 # parts of <= 48 MiB for the offline GPU host (a call carries the tree too, 8 MiB and growing, within
 # 64 MiB: 60 MiB parts stopped fitting in session 17): scripts/gpu_models.sh says how they travel there.
 CACHE ?= $(or $(VLLM_MIXPREC_CACHE),$(HOME)/.cache/vllm_mixprec)
-# QWEN=1 adds the real Qwen2.5-Coder-1.5B (its 1,060 MiB of GGUF blocks: ~23 more parts).
+# QWEN=1 adds the real Qwen2.5-Coder-1.5B (its 1,060 MiB of GGUF blocks: ~23 more parts);
+# QWEN=only packs the texts and Qwen without SmolLM2 (the qwen-* arms; 22 parts of 50 MiB).
 QWEN ?= 0
-QWEN_ITEMS := $(if $(filter 1,$(QWEN)),--item models/qwen2.5-coder-1.5b=$(CACHE)/models/qwen2.5-coder-1.5b \
+QWEN_ITEMS := $(if $(filter 1 only,$(QWEN)),--item models/qwen2.5-coder-1.5b=$(CACHE)/models/qwen2.5-coder-1.5b \
   --gguf models/qwen2.5-coder-1.5b=$(CACHE)/gguf/qwen2.5-coder-1.5b.gguf)
+SMOL_ITEMS := $(if $(filter only,$(QWEN)),,--item models/smollm2-135m=$(CACHE)/models/smollm2-135m \
+  --gguf models/smollm2-135m=$(CACHE)/gguf/smollm2-135m.gguf --item demo-smollm2-w4a8-kv8=$(CACHE)/demo-smollm2-w4a8-kv8)
 gpu-models: $(STAMP)
-	@test -f $(CACHE)/demo-smollm2-w4a8-kv8/config.json || { echo "no demo checkpoint in $(CACHE): run make demo first"; exit 1; }
-	$(PY) -c "from vllm_mixprec.quantize import models as m; m.fetch_gguf('smollm2-135m'); [m.fetch_text(t) for t in m.EVAL_TEXTS]"
-	$(if $(filter 1,$(QWEN)),$(PY) -c "from vllm_mixprec.quantize import models as m; m.fetch_model('qwen2.5-coder-1.5b')")
-	$(PY) -m vllm_mixprec.eval.modelpack pack --out .gpu/models --part-mib 48 \
+	@test "$(QWEN)" = only || test -f $(CACHE)/demo-smollm2-w4a8-kv8/config.json || { echo "no demo checkpoint in $(CACHE): run make demo first"; exit 1; }
+	$(PY) -c "from vllm_mixprec.quantize import models as m; $(if $(filter only,$(QWEN)),,m.fetch_gguf('smollm2-135m');) [m.fetch_text(t) for t in m.EVAL_TEXTS]"
+	$(if $(filter 1 only,$(QWEN)),$(PY) -c "from vllm_mixprec.quantize import models as m; m.fetch_model('qwen2.5-coder-1.5b')")
+	$(PY) -m vllm_mixprec.eval.modelpack pack --out .gpu/models --part-mib $(if $(filter only,$(QWEN)),50,48) \
 	  --item text/lcet10.txt=$(CACHE)/text/lcet10.txt --item text/botchan.txt=$(CACHE)/text/botchan.txt \
-	  --item models/smollm2-135m=$(CACHE)/models/smollm2-135m --gguf models/smollm2-135m=$(CACHE)/gguf/smollm2-135m.gguf \
-	  --item demo-smollm2-w4a8-kv8=$(CACHE)/demo-smollm2-w4a8-kv8 $(QWEN_ITEMS)
+	  $(SMOL_ITEMS) $(QWEN_ITEMS)
 
 clean:
 	rm -rf build vllm_mixprec/_C*.so
