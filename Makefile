@@ -42,6 +42,10 @@ gpu-bundle: $(STAMP)
 	rm -rf .gpu/part1w && mkdir -p .gpu/part1w && mv .gpu/part1/wheels .gpu/part1w/
 	# part2 plus the tree reached 64 MiB in session 18: part2's two largest wheels go to part1w too
 	mv .gpu/part2/wheels/pycountry-*.whl .gpu/part2/wheels/mistral_common-*.whl .gpu/part1w/wheels/
+	# part1's C.so.xz (55.9 MB) plus the tree (11.4 MB) passed 64 MiB in session 20: its tail goes to
+	# part1w too, and call 1b (scripts/gpu_part1w.sh) joins the two pieces on the host
+	split -b 48M .gpu/part1/C.so.xz .gpu/part1/C.so.xz. && rm .gpu/part1/C.so.xz
+	for f in .gpu/part1/C.so.xz.a?; do [ "$$f" = .gpu/part1/C.so.xz.aa ] || mv "$$f" .gpu/part1w/; done
 	rm -rf .gpu/pyextra .gpu/pyextra-wheels
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(HOST_PY) \
 	  --platform manylinux_2_17_x86_64 -d .gpu/pyextra-wheels sortedcontainers \

@@ -6,7 +6,7 @@
 # Device calls (the `run` tool), back to back so that the host stays warm (it goes ~30 s after a call
 # ends, and with it /root/mixprec-stash, /root/mixprec-models and /tmp/mixprec-site):
 #   1. carry [".gpu/part1"]          bash .gpu/part1/install-on-host.sh stash .gpu/part1 && mkdir -p /root/mixprec-stash/wheels
-#  1b. carry [".gpu/part1w"]         cp .gpu/part1w/wheels/*.whl /root/mixprec-stash/wheels/
+#  1b. carry [".gpu/part1w"]         bash scripts/gpu_part1w.sh
 #   2. carry [".gpu/models/part1"]   bash scripts/gpu_models.sh stash .gpu/models/part1
 #   3. carry [".gpu/models/part2"]   bash scripts/gpu_models.sh stash .gpu/models/part2
 #   4. carry [".gpu/models/part3"]   bash scripts/gpu_models.sh stash .gpu/models/part3
