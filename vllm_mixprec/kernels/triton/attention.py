@@ -1195,9 +1195,15 @@ def precompile_decode(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayo
     num_kv_heads = cache.shape[1]
     sms = _device_sms(q) if num_sms is None else num_sms
     cap = part_o.shape[0]
-    seen, launches = set(), []
+    has_res = residual is not None
+    seen, launches, selections = set(), [], set()
     for n in range(1, max_rows + 1):
         splits = decode_splits(n, num_kv_heads, sms, cap)
+        # building a batch's launches costs ~100x its selection; every layer runs this loop
+        sel = _decode_selection(n, splits, layout, num_kv_heads, sms, has_res)
+        if sel in selections:
+            continue
+        selections.add(sel)
         for kernel, grid, args, kwargs in _decode_launches(
                 q, cache, layout, block_table, seq_lens, query_start_loc, out, sm_scale, n,
                 splits, part_o, part_lse, residual, k_smooth, k_bias, merge_counters, sms):
@@ -1207,6 +1213,18 @@ def precompile_decode(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayo
                 launches.append((kernel, grid, args, kwargs))
     return compile_in_parallel([functools.partial(k.warmup, *a, grid=g, **kw)
                                 for k, g, a, kw in launches], "decode-attention")
+
+
+def _decode_selection(num_rows: int, num_splits: int, layout: F.KVPageLayout, num_kv_heads: int,
+                      sms: int, has_res: bool) -> tuple:
+    """Every choice _decode_launches makes from the row count: batches with equal selections
+    launch the same variants (test_attn_precompile checks it over 1..1024 rows)."""
+    shape = dict(scheme=layout.scheme, head_dim=layout.head_dim, num_kv_heads=num_kv_heads,
+                 num_sms=sms)
+    merge = decode_merge_mode(num_rows, **shape)
+    return (num_splits, decode_config(layout.head_dim, layout.scheme, num_rows, num_kv_heads, sms),
+            merge, decode_tail_mode(num_rows, merge) if has_res else None,
+            tuple(sorted(decode_maxnreg(num_rows, merge, **shape).items())))
 
 
 def _device_sms(q: torch.Tensor) -> int:
