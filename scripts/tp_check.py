@@ -10,6 +10,9 @@ Checkpoints (random weights, built here; RTN W4A8 g64 like scripts/e2e_serve.py)
          so 2 KV heads split 1 per rank and down_proj's K = 8960 splits into 4480 = 70 groups);
 each with a bf16 KV cache (`-none`) and with KV4 through the CUSTOM backend (`-kv4`); `-bf16` is
 the control: the same bf16 model served unquantized at TP=1 and TP=2.
+With --real DIR (a real bf16 Hugging Face folder: Qwen2.5-Coder-1.5B, assembled on the host by
+scripts/gpu_models.sh), `real-none`, `real-kv4` and `real-bf16` are the same three for that model:
+its RTN W4A8 g64 export (made here, in the same way) and the bf16 folder itself.
 Random weights give flat logits, where a different all-reduce order may flip a near-tie: the
 unquantized Qwen2 shape itself gave 4 of 8 identical completions at TP=2 (H100, 2026-11-25). And
 W4A8 at TP=2 quantizes each rank's half of a row-parallel layer's input with its own per-token
@@ -17,7 +20,8 @@ scale, which TP=1 does not. So a model passes when every prompt is identical, or
 at a near-tie (TP=1's logprob gap between the two picks <= NEAR_TIE) with the logprobs of the
 shared prefix within MAX_DLOGPROB of each other; a sharding bug puts the two runs' logprobs far
 apart from step 0. The real models cannot reach the host (64 MiB per call) and SmolLM2's 9 heads
-do not split in 2; docs/RELIABILITY.md says so.
+do not split in 2, so --real takes Qwen2.5-Coder-1.5B (12/2 heads), whose 22 parts travel
+one call each (docs/GPU_HOST.md); docs/RELIABILITY.md has the results.
 
 NVLink multicast stays off (device KINDS.md): NCCL_NVLS_ENABLE=0 and friends are forced in the
 children's environment, and vLLM's custom all-reduce is disabled. The parent never touches CUDA.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -39,11 +44,40 @@ MAX_TOKENS = 32
 TOPK = 5
 NEAR_TIE = 0.25  # logprob gap at a divergence below which it counts as a tie flip
 MAX_DLOGPROB = 0.25  # largest |logprob difference| of a token in both runs' top-5 on the shared prefix
-MODELS = tuple(f"{m}-{k}" for m in ("llama", "qwen2") for k in ("none", "kv4", "bf16"))
+MODELS = tuple(f"{m}-{k}" for m in ("llama", "qwen2", "real") for k in ("none", "kv4", "bf16"))
 
 
-def build(work: str, names: list[str]) -> dict[str, str]:
-    """name ("llama-none", "qwen2-kv4", ...) -> checkpoint folder, built unless already there."""
+def export_real(src: str, work: str, kvs: list[str]) -> dict[str, str]:
+    """The real bf16 folder's RTN W4A8 export, once, and a folder per KV scheme that differs
+    only in config.json (the weights linked)."""
+    import torch
+    from e2e_serve import export_mixprec
+    from transformers import AutoModelForCausalLM
+
+    base = os.path.join(work, "real-w4a8-none")
+    if not os.path.exists(os.path.join(base, "config.json")):
+        t0 = time.monotonic()
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+        export_mixprec(model, src, base, "none")
+        print(f"exported {src} -> {base} in {time.monotonic() - t0:.0f} s", flush=True)
+    out = {}
+    for kv in kvs:
+        dst = os.path.join(work, f"real-w4a8-{kv}")
+        if kv != "none":
+            os.makedirs(dst, exist_ok=True)
+            for f in os.listdir(base):
+                if f != "config.json" and not os.path.exists(os.path.join(dst, f)):
+                    os.symlink(os.path.join(base, f), os.path.join(dst, f))
+            cfg = json.load(open(os.path.join(base, "config.json")))
+            cfg["quantization_config"]["kv_scheme"] = kv
+            json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=1)
+        out[f"real-{kv}"] = dst
+    return out
+
+
+def build(work: str, names: list[str], real: str | None = None) -> dict[str, str]:
+    """name ("llama-none", "qwen2-kv4", "real-none", ...) -> checkpoint folder, built unless
+    already there."""
     import shutil
 
     import torch
@@ -53,6 +87,11 @@ def build(work: str, names: list[str]) -> dict[str, str]:
     llama_src, qwen_src = os.path.join(work, "llama-bf16"), os.path.join(work, "qwen2-bf16")
     out = {n: (os.path.join(work, n) if n.endswith("-bf16") else
                os.path.join(work, f"{n.split('-')[0]}-w4a8-{n.split('-')[1]}")) for n in names}
+    reals = [n for n in names if n.startswith("real-")]
+    if reals:
+        out["real-bf16"] = real
+        out.update(export_real(real, work, [n.split("-")[1] for n in reals if n != "real-bf16"]))
+        out = {n: out[n] for n in names}
     todo = [n for n in names if not os.path.exists(os.path.join(out[n], "config.json"))]
     models = {}
     if any(n.startswith("llama") for n in todo):
@@ -109,19 +148,24 @@ def compare(a: list[dict], b: list[dict]) -> dict:
     on the steps before it; `pass` by the rule of the module docstring."""
     rows = []
     for pa, pb in zip(a, b):
+        # a NaN/Inf logprob fails the prompt: NaN compares False against every bound, and a run
+        # of NaN logits greedily picks the same token at both TPs (session 21: real Qwen + KV4)
+        bad = sum(not all(math.isfinite(x) for x in top.values()) for run in (pa, pb) for top in run["top"])
         step = next((i for i, (x, y) in enumerate(zip(pa["tokens"], pb["tokens"])) if x != y), None)
         shared = len(pa["tokens"]) if step is None else step + 1  # the diverging step's logprobs too
         dlp = max((abs(ta[t] - tb[t]) for ta, tb in zip(pa["top"][:shared], pb["top"][:shared])
                    for t in set(ta) & set(tb)), default=0.0)
-        row = {"identical": step is None, "first_diff": step, "max_dlogprob": round(dlp, 4)}
+        row = {"identical": step is None, "first_diff": step, "max_dlogprob": round(dlp, 4),
+               "nonfinite_steps": bad}
         if step is not None:  # TP=1's logprobs of its own pick and of TP=2's pick at that step
             top = pa["top"][step]
             mine, theirs = top.get(str(pa["tokens"][step])), top.get(str(pb["tokens"][step]))
             row["gap"] = None if mine is None or theirs is None else mine - theirs
         tie = step is None or (row["gap"] is not None and row["gap"] <= NEAR_TIE)
-        row["pass"] = tie and dlp <= MAX_DLOGPROB
+        row["pass"] = tie and dlp <= MAX_DLOGPROB and bad == 0
         rows.append(row)
     return {"identical": sum(r["identical"] for r in rows), "prompts": len(rows),
+            "nonfinite_prompts": sum(r["nonfinite_steps"] > 0 for r in rows),
             "pass": all(r["pass"] for r in rows), "max_dlogprob": max(r["max_dlogprob"] for r in rows),
             "per_prompt": rows}
 
@@ -131,8 +175,9 @@ def main() -> int:
     ap.add_argument("--out", default="out")
     ap.add_argument("--work", default="/tmp/mixprec-tp")
     ap.add_argument("--models", default="llama-none,qwen2-none,llama-kv4,qwen2-kv4",
-                    help="comma-separated {llama,qwen2}-{none,kv4,bf16} (-bf16: the unquantized "
+                    help="comma-separated {llama,qwen2,real}-{none,kv4,bf16} (-bf16: the unquantized "
                          "control); 1-5 min each (2 vLLM starts)")
+    ap.add_argument("--real", help="a real bf16 model folder for the real-* models (Qwen2.5-Coder-1.5B)")
     ap.add_argument("--child", nargs=4, metavar=("CKPT", "TP", "KV", "OUT_JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -143,7 +188,11 @@ def main() -> int:
     bad = [n for n in names if n not in MODELS]
     if bad:
         ap.error(f"unknown --models {bad}: use {', '.join(MODELS)}")
-    ckpts = build(args.work, names)
+    if any(n.startswith("real-") for n in names) and not (args.real and os.path.isfile(
+            os.path.join(args.real, "config.json"))):
+        ap.error(f"--models real-* needs --real, a model folder (got {args.real!r})")
+    os.makedirs(args.work, exist_ok=True)
+    ckpts = build(args.work, names, args.real)
     env = {**os.environ, **NO_MULTICAST}
     summary, ok = {}, True
     for name, ckpt in ckpts.items():

@@ -1,6 +1,7 @@
 """scripts/tp_check.py's verdict (issue #7, TP=2 against TP=1), on made-up completions: the rule
 must pass identical runs and tie flips, and fail runs whose logprobs part from step 0."""
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -41,5 +42,56 @@ def test_drifting_logprobs_fail_even_with_equal_tokens(tp):
     assert got["identical"] == 1 and not got["pass"]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_nonfinite_logprobs_fail_even_when_identical(tp, bad):
+    """Session 21: NaN logits pick the same token at TP=1 and TP=2, so 'identical' alone passed
+    them (NaN compares False against every bound)."""
+    a = [_run([5, 5], [{5: bad, 1: bad}, {5: bad}]), _run([6], [{6: -0.1}])]
+    b = [_run([5, 5], [{5: bad, 1: bad}, {5: bad}]), _run([6], [{6: -0.1}])]
+    got = tp.compare(a, b)
+    assert got["identical"] == 2 and not got["pass"] and got["nonfinite_prompts"] == 1
+    assert [r["pass"] for r in got["per_prompt"]] == [False, True]
+    assert got["per_prompt"][0]["nonfinite_steps"] == 4
+
+
 def test_models_and_control_names(tp):
-    assert set(tp.MODELS) == {"llama-none", "llama-kv4", "llama-bf16", "qwen2-none", "qwen2-kv4", "qwen2-bf16"}
+    assert set(tp.MODELS) == {"llama-none", "llama-kv4", "llama-bf16", "qwen2-none", "qwen2-kv4", "qwen2-bf16",
+                              "real-none", "real-kv4", "real-bf16"}
+
+
+def test_real_exports_once_and_links_per_kv_scheme(tp, tmp_path, monkeypatch):
+    """--real: the real folder's RTN W4A8 export is made once; the kv4 folder differs only in its
+    config (weights linked); real-bf16 is the folder itself."""
+    import json
+    import pathlib
+
+    from safetensors.torch import load_file
+
+    from vllm_mixprec import reference as ref
+    from vllm_mixprec.quant_methods.config import MixPrecScheme
+    from vllm_mixprec.quantize.testing import save_tiny
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(tp.__file__).parent))
+    src = save_tiny(tmp_path / "qwen", "qwen2")
+    out = tp.build(str(tmp_path / "work"), ["real-none", "real-kv4", "real-bf16"], str(src))
+    assert out["real-bf16"] == str(src)
+    none, kv4 = (pathlib.Path(out[n]) for n in ("real-none", "real-kv4"))
+    assert (kv4 / "model.safetensors").is_symlink()
+    assert (kv4 / "model.safetensors").resolve() == (none / "model.safetensors").resolve()
+    cfgs = [json.loads((d / "config.json").read_text())["quantization_config"] for d in (none, kv4)]
+    assert [MixPrecScheme.from_dict(c).kv_scheme for c in cfgs] == ["none", "kv4"]
+    got = load_file(str(none / "model.safetensors"))
+    w = load_file(str(src / "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
+    want = ref.quantize_weight_lqq(w.float(), 64)
+    assert all(torch.equal(got[f"model.layers.0.mlp.down_proj.{k}"], v) for k, v in want.items())
+    assert "model.layers.0.self_attn.k_proj.bias" in got  # Qwen2's biases travel as they are
+    mtime = (none / "model.safetensors").stat().st_mtime
+    tp.build(str(tmp_path / "work"), ["real-kv4"], str(src))  # reused, not exported again
+    assert (none / "model.safetensors").stat().st_mtime == mtime
+
+
+def test_real_models_need_a_folder(tp, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["tp_check.py", "--models", "real-none"])
+    with pytest.raises(SystemExit) as e:
+        tp.main()
+    assert e.value.code == 2 and "--models real-* needs --real" in capsys.readouterr().err
