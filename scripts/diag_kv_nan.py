@@ -5,8 +5,10 @@ CUSTOM backend, gave NaN logprobs from the first generated token on for 7 of 8 p
 as one batch (prompt 0 was fine), at TP=1 and at TP=2; with a 16-bit KV cache it did not. Its k
 biases (up to 354) turn bias-aware K on (quant_methods/k_bias.py), which the random Qwen2 shape
 of tp_check.py (biases ~N(0, 0.5)) never does. This serves tp_check's random Qwen2 W4A8 + KV4
-with its small biases and with large ones (N(0, BIG_BIAS) on k_proj) under several settings,
-eager, one vLLM per variant, and prints which prompts carry NaN:
+with its small biases and with large ones (N(0, BIG_BIAS) on k_proj, on every layer or on some)
+under several settings, one vLLM per variant, and prints which prompts carry NaN. Session 21
+(H100): big, small, big-noaware, big-noexact and big-nores, all eager, gave no NaN; mixed and
+the compiled variants did not run (the device budget ran out):
 
   python3 scripts/diag_kv_nan.py --out $OUT [--variants big,small,big-noaware,...] [--budget S]
 """
@@ -23,6 +25,9 @@ import time
 BIG_BIAS = 80.0
 VARIANTS = {  # name -> (k bias, env, eager)
     "big": ("big", {}, True),
+    # the real model's pattern: bias-aware K on some layers only (Qwen: 0, 1, 7, 15 of 28)
+    "mixed": ("mixed", {}, True),
+    "mixed-compiled": ("mixed", {}, False),
     "small": ("small", {}, True),
     "big-noaware": ("big", {"MIXPREC_KV_BIAS_AWARE": "0"}, True),
     "big-noexact": ("big", {"MIXPREC_ATTN_PREFILL_EXACT": "0"}, True),
@@ -33,8 +38,9 @@ VARIANTS = {  # name -> (k bias, env, eager)
 CARRIER = {"kv4": "int4_per_token_head", "kv8": "int8_per_token_head"}
 
 
-def big_bias_copy(src: str, dst: str, std: float) -> str:
-    """src's checkpoint with every k_proj bias drawn from N(0, std) (other files linked)."""
+def big_bias_copy(src: str, dst: str, std: float, layers: tuple[int, ...] | None = None) -> str:
+    """src's checkpoint with the k_proj biases of `layers` (None: all) drawn from N(0, std)
+    (other files linked)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -44,7 +50,7 @@ def big_bias_copy(src: str, dst: str, std: float) -> str:
     state = load_file(os.path.join(src, "model.safetensors"))
     g = torch.Generator().manual_seed(3)
     for k, v in state.items():
-        if k.endswith("self_attn.k_proj.bias"):
+        if k.endswith("self_attn.k_proj.bias") and (layers is None or int(k.split(".")[2]) in layers):
             state[k] = (torch.randn(v.shape, generator=g) * std).to(v.dtype)
     save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     for f in os.listdir(src):
@@ -85,7 +91,8 @@ def main() -> int:
     import tp_check
     os.makedirs(a.out, exist_ok=True)
     small = tp_check.build(a.work, ["qwen2-kv4"])["qwen2-kv4"]
-    ckpts = {"small": small, "big": big_bias_copy(small, os.path.join(a.work, "qwen2-w4a8-kv4-bigbias"), BIG_BIAS)}
+    ckpts = {"small": small, "big": big_bias_copy(small, os.path.join(a.work, "qwen2-w4a8-kv4-bigbias"), BIG_BIAS),
+             "mixed": big_bias_copy(small, os.path.join(a.work, "qwen2-w4a8-kv4-mixedbias"), BIG_BIAS, (0, 2))}
     summary = {}
     for name in a.variants.split(","):
         left = t_end - time.monotonic()

@@ -12,7 +12,10 @@ each with a bf16 KV cache (`-none`) and with KV4 through the CUSTOM backend (`-k
 the control: the same bf16 model served unquantized at TP=1 and TP=2.
 With --real DIR (a real bf16 Hugging Face folder: Qwen2.5-Coder-1.5B, assembled on the host by
 scripts/gpu_models.sh), `real-none`, `real-kv4` and `real-bf16` are the same three for that model:
-its RTN W4A8 g64 export (made here, in the same way) and the bf16 folder itself.
+its RTN W4A8 g64 export (made here, in the same way) and the bf16 folder itself. On a real model
+W4A8's greedy tokens part from TP=1 at bf16 ties (session 21: 1 of 8 identical), so
+--ppl-text FILE also scores the perplexity of FILE at both TPs and judges by that (TP_PPL_RTOL)
+and by finite logprobs, reporting greedy agreement.
 Random weights give flat logits, where a different all-reduce order may flip a near-tie: the
 unquantized Qwen2 shape itself gave 4 of 8 identical completions at TP=2 (H100, 2026-11-25). And
 W4A8 at TP=2 quantizes each rank's half of a row-parallel layer's input with its own per-token
@@ -44,6 +47,7 @@ MAX_TOKENS = 32
 TOPK = 5
 NEAR_TIE = 0.25  # logprob gap at a divergence below which it counts as a tie flip
 MAX_DLOGPROB = 0.25  # largest |logprob difference| of a token in both runs' top-5 on the shared prefix
+TP_PPL_RTOL = 0.01  # --ppl-text: |ppl(TP=2) / ppl(TP=1) - 1| allowed; a wrong shard multiplies it
 MODELS = tuple(f"{m}-{k}" for m in ("llama", "qwen2", "real") for k in ("none", "kv4", "bf16"))
 
 
@@ -122,10 +126,10 @@ def build(work: str, names: list[str], real: str | None = None) -> dict[str, str
     return out
 
 
-def child(ckpt: str, tp: int, kv: str, out_file: str) -> None:
+def child(ckpt: str, tp: int, kv: str, out_file: str, ppl_text: str | None = None) -> None:
     from vllm import LLM, SamplingParams
 
-    kwargs = dict(model=ckpt, tensor_parallel_size=tp, max_model_len=1024,
+    kwargs = dict(model=ckpt, tensor_parallel_size=tp, max_model_len=1024 + 16,  # a ppl window + 1 token
                   gpu_memory_utilization=0.5, disable_custom_all_reduce=True, seed=0)
     if kv != "bf16":
         kwargs["quantization"] = "mixprec"
@@ -140,6 +144,26 @@ def child(ckpt: str, tp: int, kv: str, out_file: str) -> None:
                     "top": [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]})
     with open(out_file, "w") as f:
         json.dump(res, f)
+    if ppl_text:  # the windows and metric of real_model_check (eval/realcheck.py)
+        from vllm.inputs import TokensPrompt
+
+        from vllm_mixprec.eval.realcheck import token_windows
+        ws = token_windows(ckpt, ppl_text)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in ws],
+                            SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))
+        nll = -sum(lp[t].logprob for w, o in zip(ws, outs) for t, lp in zip(w[1:], o.prompt_logprobs[1:]))
+        count = sum(len(w) - 1 for w in ws)
+        with open(out_file + ".ppl.json", "w") as f:
+            json.dump({"nll": nll, "tokens": count, "ppl": math.exp(nll / count)}, f)
+
+
+def ppl_verdict(p1: dict, p2: dict) -> dict:
+    """Perplexity of the same windows at TP=1 and TP=2: a real model's criterion. W4A8 at TP=2
+    quantizes each rank's half of a row-parallel input with its own scale, so greedy tokens part
+    at bf16 ties (session 21), while a wrong shard of codes, scales or biases wrecks the ppl."""
+    rel = p2["ppl"] / p1["ppl"] - 1
+    return {"ppl_tp1": round(p1["ppl"], 4), "ppl_tp2": round(p2["ppl"], 4), "ppl_rel": round(rel, 5),
+            "ppl_pass": math.isfinite(rel) and abs(rel) <= TP_PPL_RTOL}
 
 
 def compare(a: list[dict], b: list[dict]) -> dict:
@@ -178,10 +202,13 @@ def main() -> int:
                     help="comma-separated {llama,qwen2,real}-{none,kv4,bf16} (-bf16: the unquantized "
                          "control); 1-5 min each (2 vLLM starts)")
     ap.add_argument("--real", help="a real bf16 model folder for the real-* models (Qwen2.5-Coder-1.5B)")
-    ap.add_argument("--child", nargs=4, metavar=("CKPT", "TP", "KV", "OUT_JSON"), help=argparse.SUPPRESS)
+    ap.add_argument("--ppl-text", help="also the perplexity of this text file (4096 tokens, 1024-token "
+                                       "windows) at TP=1 and TP=2; then a model passes by it (TP_PPL_RTOL) "
+                                       "and by finite logprobs, and its greedy agreement is reported")
+    ap.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child[0], int(args.child[1]), args.child[2], args.child[3])
+        child(args.child[0], int(args.child[1]), args.child[2], args.child[3], *args.child[4:5])
         return 0
     os.makedirs(args.out, exist_ok=True)
     names = args.models.split(",")
@@ -191,6 +218,8 @@ def main() -> int:
     if any(n.startswith("real-") for n in names) and not (args.real and os.path.isfile(
             os.path.join(args.real, "config.json"))):
         ap.error(f"--models real-* needs --real, a model folder (got {args.real!r})")
+    if args.ppl_text and not os.path.isfile(args.ppl_text):
+        ap.error(f"--ppl-text {args.ppl_text!r} is not a file")
     os.makedirs(args.work, exist_ok=True)
     ckpts = build(args.work, names, args.real)
     env = {**os.environ, **NO_MULTICAST}
@@ -202,7 +231,8 @@ def main() -> int:
             log = os.path.join(args.out, f"tp-{name}-tp{tp}.log")
             t0 = time.monotonic()
             with open(log, "w") as f:
-                rc = subprocess.run([sys.executable, __file__, "--child", ckpt, str(tp), name.split("-")[1], res],
+                rc = subprocess.run([sys.executable, __file__, "--child", ckpt, str(tp), name.split("-")[1], res,
+                                     *([args.ppl_text] if args.ppl_text else [])],
                                     env=env, stdout=f, stderr=subprocess.STDOUT, timeout=420).returncode
             runs[tp] = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1)}
             if rc == 0:
@@ -210,6 +240,11 @@ def main() -> int:
         entry = {f"tp{tp}": {k: v for k, v in r.items() if k != "result"} for tp, r in runs.items()}
         if all(r["rc"] == 0 for r in runs.values()):
             entry.update(compare(runs[1]["result"], runs[2]["result"]))
+            if args.ppl_text:
+                pv = ppl_verdict(*(json.load(open(os.path.join(args.work, f"{name}-tp{tp}.json.ppl.json")))
+                                   for tp in (1, 2)))
+                entry.update(pv, greedy_pass=entry["pass"],
+                             **{"pass": pv["ppl_pass"] and entry["nonfinite_prompts"] == 0})
             ok &= entry["pass"] or name.endswith("-bf16")  # the control is reported, not judged
         else:
             ok = False

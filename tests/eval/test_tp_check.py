@@ -95,3 +95,20 @@ def test_real_models_need_a_folder(tp, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         tp.main()
     assert e.value.code == 2 and "--models real-* needs --real" in capsys.readouterr().err
+
+
+def test_ppl_verdict(tp):
+    """--ppl-text judges a real model by its perplexity at TP=2 against TP=1."""
+    import math
+    one = {"ppl": 20.0}
+    assert tp.ppl_verdict(one, {"ppl": 20.1})["ppl_pass"]  # +0.5 %
+    got = tp.ppl_verdict(one, {"ppl": 20.5})
+    assert not got["ppl_pass"] and got["ppl_rel"] == pytest.approx(0.025)
+    assert not tp.ppl_verdict(one, {"ppl": math.nan})["ppl_pass"]
+
+
+def test_ppl_text_must_be_a_file(tp, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["tp_check.py", "--models", "llama-none", "--ppl-text", "/nonexistent.txt"])
+    with pytest.raises(SystemExit) as e:
+        tp.main()
+    assert e.value.code == 2 and "is not a file" in capsys.readouterr().err
