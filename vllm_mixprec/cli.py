@@ -145,7 +145,7 @@ def cmd_eval(args) -> int:
         res = evaluate(folder, args.text, args.tokens, args.window, args.kv, args.backend,
                        progress=not args.quiet, kv_residual=args.kv_residual,
                        kv_skip_layers=args.kv_skip_layers, kv_bias_aware=args.kv_bias_aware,
-                       kv_chunk=args.kv_chunk)
+                       kv_chunk=args.kv_chunk, kv_dtype=args.kv_dtype)
         secs = time.time() - t0
         for text, r in res.items():
             if base is None:
@@ -222,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu: each window is a prompt prefilled in C-token chunks with exact "
                         "prefill (the backend's default): a position reads its own chunk's keys "
                         "in 16 bits, older ones quantized; 0 = off")
+    e.add_argument("--kv-dtype", default="served", choices=["served", "float32"],
+                   help="cpu: K/V are rounded to the dtype vLLM serves the model in (bf16/fp16) before "
+                        "the KV scheme quantizes them, as the cache receives them (served); float32: "
+                        "the float32 model's K/V as they are (before session 21)")
     e.add_argument("--backend", default="cpu", choices=["cpu", "vllm"])
     e.add_argument("--quiet", action="store_true")
     e.add_argument("--json", help="write the result rows here")

@@ -45,6 +45,34 @@ def test_kv_attention_matches_reference_attention(scheme):
     assert torch.allclose(out[0].double(), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("config, want", [({"torch_dtype": "bfloat16"}, torch.bfloat16),
+                                          ({"dtype": "float16"}, torch.float16),
+                                          ({"torch_dtype": "float32"}, torch.bfloat16), ({}, torch.bfloat16)])
+def test_served_dtype_is_vllm_auto(config, want):
+    assert P.served_dtype(config) == want
+
+
+def test_kv_attention_quantizes_kv_rounded_to_the_served_dtype():
+    """The cache receives the served model's 16-bit K/V: the CPU path rounds them first, so
+    its codes are those of the bf16 values (and differ from quantizing float32 K/V)."""
+    from transformers import AttentionInterface
+
+    fn = AttentionInterface._global_mapping[P.register_kv_attention("kv8", kv_dtype=torch.bfloat16)]
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, h, 9, 16, generator=g) * 3 for h in (4, 2, 2))
+
+    class Mod(torch.nn.Module):
+        is_causal = True
+        num_key_value_groups = 2
+
+    out, _ = fn(Mod(), q, k, v, None, scaling=0.25, dropout=0.0)
+    kb, vb = k.bfloat16().float(), v.bfloat16().float()
+    kd, vd = P.fake_quant_kv(kb, "kv8"), P.fake_quant_kv(vb, "kv8")
+    tr = lambda t: t[0].transpose(0, 1)  # noqa: E731
+    assert torch.allclose(out[0].double(), ref.attention(tr(q), tr(kd), tr(vd), 0.25), atol=1e-5)
+    assert not torch.equal(kd, P.fake_quant_kv(k, "kv8"))
+
+
 def test_windows():
     ids = torch.arange(10)
     w = P.windows(ids, 9, 4)
@@ -149,6 +177,20 @@ def test_kv_chunk_of_a_whole_window_is_16_bit(folders):
     assert abs(chunked / full - 1) < abs(kv4 / full - 1)
     with pytest.raises(ValueError, match="kv_chunk=-1"):
         run(kv_scheme="kv4", kv_chunk=-1)
+
+
+def test_kv_dtype_option(folders):
+    """served (the default) and float32 inputs give different KV8 perplexities of the same
+    model; the option is CPU-only and validated."""
+    text = [str(folders["text"])]
+    run = lambda **kw: next(iter(P.evaluate(folders["src"], text, n_tokens=256, window=64, **kw).values()))["ppl"]  # noqa: E731
+    served, f32 = run(kv_scheme="kv8"), run(kv_scheme="kv8", kv_dtype="float32")
+    assert served != f32 and served == pytest.approx(f32, rel=0.05)
+    with pytest.raises(ValueError, match="kv_dtype 'float16' is not one of"):
+        run(kv_scheme="kv8", kv_dtype="float16")
+    with pytest.raises(ValueError, match="CPU-path options"):
+        P.evaluate(folders["src"], text, n_tokens=256, window=64, kv_scheme="kv8", backend="vllm",
+                   kv_dtype="float32")
 
 
 def test_kv_skip_layers(folders):

@@ -390,8 +390,10 @@ def test_token_windows_are_the_cpu_paths(tmp_path):
 # --- the verdict and main(), with canned arms -----------------------------------------------------
 
 def _reference(ppl: dict[str, float]) -> dict:
+    kv = lambda name: RC.PPL_RUNS[name].kv if name in RC.PPL_RUNS else "none"  # noqa: E731
     return {"models": {}, "command": "test", "runs": {
-        name: {"texts": {t: {"nll": 100 * math.log(p), "tokens": 100, "ppl": p, "ids_sha256": "h"} for t in RC.TEXTS}}
+        name: {"kv": kv(name), "kv_dtype": None if kv(name) == "none" else "served",
+               "texts": {t: {"nll": 100 * math.log(p), "tokens": 100, "ppl": p, "ids_sha256": "h"} for t in RC.TEXTS}}
         for name, p in ppl.items()}}
 
 
@@ -506,6 +508,19 @@ def test_main_refuses_other_checkpoints_and_missing_inputs(host):
     assert started == ["bf16-kv8"]
 
 
+def test_main_refuses_a_kv_reference_computed_from_float32_kv(host):
+    """A KV run pinned before the CPU path rounded K/V to the served dtype is stale: refused by name."""
+    models, ref, canned, started, tmp = host
+    r = json.loads(ref.read_text())
+    del r["runs"]["qwen-kv8"]["kv_dtype"]
+    ref.write_text(json.dumps(r))
+    base = ["--models-dir", str(models), "--reference", str(ref), "--fresh", "--out", str(tmp / "o")]
+    assert RC.main([*base, "--arms", "qwen-bf16,qwen-kv8"]) == 1
+    assert "the CPU reference of qwen-kv8 quantized float32 K/V" in (tmp / "o" / "real_model_check.log").read_text()
+    assert started == []
+    assert RC.main([*base, "--arms", "qwen-bf16"]) == 0  # a 16-bit KV run does not care
+
+
 def test_rest_runs_only_the_models_on_this_host(host):
     """Qwen's parts are optional: without its folder, `rest` leaves its arms out and says so."""
     models, ref, canned, started, tmp = host
@@ -535,7 +550,7 @@ def test_cpu_reference_adds_runs_to_an_existing_file(tmp_path, monkeypatch):
     old = {"n_tokens": RC.N_TOKENS, "window": RC.WINDOW, "texts": texts,
            "models": {"smollm2-135m": {"config.json": "a"}}, "runs": {"bf16": {"model": "smollm2-135m"}}}
     out.write_text(json.dumps(old))
-    monkeypatch.setattr(perplexity, "evaluate", lambda folder, texts, n, w, kv_scheme: {
+    monkeypatch.setattr(perplexity, "evaluate", lambda folder, texts, n, w, kv_scheme, kv_dtype="served": {
         t: {"ppl": 15.0, "nll": 1.0, "tokens": 1} for t in texts})
     monkeypatch.setattr(RC, "model_files", lambda d, m: {"config.json": m})
     monkeypatch.setattr(RC, "token_windows", lambda folder, text: [[1, 2]])
@@ -567,6 +582,7 @@ def test_committed_reference_matches_the_check():
     assert set(ref["runs"]) == set(RC.PPL_RUNS)
     for name, run in ref["runs"].items():
         assert run["kv"] == RC.PPL_RUNS[name].kv and set(run["texts"]) == set(RC.TEXTS)
+        assert run.get("kv_dtype") == (None if run["kv"] == "none" else "served"), name
         for t in run["texts"].values():
             assert t["tokens"] == RC.N_TOKENS - RC.N_TOKENS // RC.WINDOW
             assert t["ppl"] == pytest.approx(math.exp(t["nll"] / t["tokens"]))

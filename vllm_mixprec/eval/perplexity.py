@@ -5,7 +5,8 @@ Two paths:
             quantize.modules.MixPrecLinear (reference.py, bit-exact to the format) or, for a
             GPTQ checkpoint, a dense linear with the dequantized weights; K/V are
             fake-quantized per (token, head) with reference.quantize_kv/dequantize_kv after
-            RoPE when a KV scheme is evaluated (what the paged cache stores);
+            RoPE when a KV scheme is evaluated (what the paged cache stores), from K/V rounded
+            to the dtype vLLM serves the model in (kv_dtype "served"), as the cache receives them;
   * `vllm`: vLLM prompt logprobs on a GPU (KV schemes through the CUSTOM backend).
 """
 from __future__ import annotations
@@ -78,21 +79,35 @@ def served_k_bias(bias: torch.Tensor | None, head_dim: int) -> torch.Tensor | No
     return F.make_k_rope_bias(b, torch.ones(head_dim // 2), KB.num_pairs(head_dim)).bias.reshape(-1)
 
 
+KV_DTYPES = ("served", "float32")
+
+
+def served_dtype(config: dict) -> torch.dtype:
+    """The dtype vLLM's dtype="auto" serves a checkpoint in: float16 stays float16, anything
+    else (bfloat16, float32) is bfloat16 on the GPUs this targets."""
+    name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").replace("torch.", "")
+    return torch.float16 if name in ("float16", "half") else torch.bfloat16
+
+
 def register_kv_attention(scheme: str, residual: int = 0, skip_layers: tuple[int, ...] = (),
-                          rotary=None, chunk: int = 0) -> str:
+                          rotary=None, chunk: int = 0, kv_dtype: torch.dtype | None = None) -> str:
     """An attention implementation that fake-quantizes K and V, then runs SDPA
     (or, with residual > 0, keeps each query's newest `residual` keys in 16 bits).
     Layers in skip_layers keep their whole K and V in 16 bits (a per-layer KV precision
     experiment: the backend has no such option yet). With `rotary` (the model's rotary
     embedding), K is quantized bias-aware: K - RoPE_p(b), b = k_proj's bias, and RoPE_p(b) is
     added back exactly after dequantization, as the backend's kernels add q.RoPE_p(b);
-    positions are 0..T-1 of each window. chunk > 0: residual_attention's exact-prefill chunks."""
+    positions are 0..T-1 of each window. chunk > 0: residual_attention's exact-prefill chunks.
+    kv_dtype: the K and V that get quantized are rounded to it first (the served model hands
+    the cache bf16/fp16 K/V; Qwen's KV8 ppl moves by 1.3 % between float32 and bf16 inputs).
+    Keys read in 16 bits (residual, chunk) stay float32, as in the kv-none run the deltas are
+    taken against. None: quantize the float32 K/V as they are."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     skip = frozenset(skip_layers)
     name = (f"mixprec_{scheme}_r{residual}_c{chunk}_skip{'-'.join(map(str, sorted(skip)))}"
-            f"{'_biasaware' if rotary is not None else ''}")
+            f"{'_biasaware' if rotary is not None else ''}_{str(kv_dtype).replace('torch.', '')}")
 
     def quant_k(module, key):
         bias = served_k_bias(getattr(getattr(module, "k_proj", None), "bias", None), key.shape[-1])
@@ -105,7 +120,10 @@ def register_kv_attention(scheme: str, residual: int = 0, skip_layers: tuple[int
     def attention(module, query, key, value, attention_mask, **kwargs):
         if getattr(module, "layer_idx", None) in skip:
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        kq, vq = quant_k(module, key), fake_quant_kv(value, scheme)
+        kc, vc = key, value
+        if kv_dtype is not None:  # what the cache receives; 16-bit reads stay as the kv-none run has them
+            kc, vc = key.to(kv_dtype).to(key.dtype), value.to(kv_dtype).to(value.dtype)
+        kq, vq = quant_k(module, kc), fake_quant_kv(vc, scheme)
         if residual <= 0 and chunk <= 0:
             return sdpa_attention_forward(module, query, kq, vq, attention_mask, **kwargs)
         if attention_mask is not None:
@@ -119,7 +137,7 @@ def register_kv_attention(scheme: str, residual: int = 0, skip_layers: tuple[int
 
 
 def set_kv_scheme(model, scheme: str, residual: int = 0, skip_layers: tuple[int, ...] = (),
-                  bias_aware: bool = False, chunk: int = 0) -> None:
+                  bias_aware: bool = False, chunk: int = 0, kv_dtype: torch.dtype | None = None) -> None:
     if scheme not in F.KV_SCHEMES:
         raise ValueError(f"kv scheme {scheme!r} is not one of {F.KV_SCHEMES}")
     n_layers = model.config.num_hidden_layers
@@ -129,7 +147,7 @@ def set_kv_scheme(model, scheme: str, residual: int = 0, skip_layers: tuple[int,
     rotary = model.model.rotary_emb if bias_aware else None
     model.config._attn_implementation = ("sdpa" if scheme == "none"
                                          else register_kv_attention(scheme, residual, tuple(skip_layers), rotary,
-                                                                    chunk))
+                                                                    chunk, kv_dtype))
 
 
 def read_config(folder: Path) -> dict:
@@ -242,7 +260,7 @@ def evaluate(folder: str | Path, texts: list[str], n_tokens: int = 4096, window:
              kv_scheme: str | None = None, backend: str = "cpu", progress: bool = False,
              tokenizer_dir: str | Path | None = None, kv_residual: int = 0,
              kv_skip_layers: tuple[int, ...] = (), kv_bias_aware: bool = False,
-             kv_chunk: int = 0) -> dict[str, dict]:
+             kv_chunk: int = 0, kv_dtype: str = "served") -> dict[str, dict]:
     """Perplexity of a folder on each text; kv_scheme None = the checkpoint's own.
 
     kv_residual R > 0 (cpu only): every position reads its newest R keys in 16 bits, as
@@ -251,26 +269,32 @@ def evaluate(folder: str | Path, texts: list[str], n_tokens: int = 4096, window:
     stay in 16 bits. kv_bias_aware (cpu only): K quantized as K - RoPE_p(k_proj.bias), the
     rotated bias added back after dequantization. kv_chunk C > 0 (cpu only): each window is
     a prompt prefilled in chunks of C tokens with exact prefill (the backend's default): a
-    position reads its own chunk's keys in 16 bits, older ones quantized.
+    position reads its own chunk's keys in 16 bits, older ones quantized. kv_dtype (cpu
+    only): "served" rounds K/V to the dtype vLLM serves the folder in before quantizing them
+    (what the cache receives; served_dtype), "float32" quantizes the float32 model's K/V.
     """
     from transformers import AutoTokenizer
 
     from ..quantize.models import load_text
 
     folder = Path(folder)
-    qc = read_config(folder).get("quantization_config") or {}
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not one of {KV_DTYPES}")
+    config = read_config(folder)
+    qc = config.get("quantization_config") or {}
     kv = kv_scheme or qc.get("kv_scheme", "none")
     tok = AutoTokenizer.from_pretrained(tokenizer_dir or folder)
     ids = {t: tokenize(tok, load_text(t)) for t in texts}
     if backend == "vllm":
-        if kv_residual or kv_skip_layers or kv_bias_aware or kv_chunk:
-            raise ValueError("kv_residual, kv_skip_layers, kv_bias_aware and kv_chunk are CPU-path options "
-                             "(backend='cpu')")
+        if kv_residual or kv_skip_layers or kv_bias_aware or kv_chunk or kv_dtype != "served":
+            raise ValueError("kv_residual, kv_skip_layers, kv_bias_aware, kv_chunk and kv_dtype='float32' are "
+                             "CPU-path options (backend='cpu')")
         return {t: perplexity_vllm(folder, ids[t], n_tokens, window, kv) for t in texts}
     if backend != "cpu":
         raise ValueError(f"backend {backend!r} is not 'cpu' or 'vllm'")
     model, _ = load_model_cpu(folder)
     if kv_chunk < 0 or kv_residual < 0:
         raise ValueError(f"kv_chunk={kv_chunk} and kv_residual={kv_residual} must be >= 0")
-    set_kv_scheme(model, kv, kv_residual, tuple(kv_skip_layers), kv_bias_aware, kv_chunk)
+    set_kv_scheme(model, kv, kv_residual, tuple(kv_skip_layers), kv_bias_aware, kv_chunk,
+                  served_dtype(config) if kv_dtype == "served" else None)
     return {t: perplexity_cpu(model, ids[t], n_tokens, window, progress) for t in texts}

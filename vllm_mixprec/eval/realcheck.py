@@ -184,7 +184,8 @@ def cpu_reference(models_dir: Path, out: Path, runs: list[str], command: str) ->
         t0 = time.time()
         res = evaluate(folder, list(TEXTS), N_TOKENS, WINDOW, kv_scheme=run.kv)
         ref["runs"][name] = {
-            "model": run.model, "kv": run.kv, "seconds": round(time.time() - t0, 1), "date": ref["date"],
+            "model": run.model, "kv": run.kv, "kv_dtype": "served" if run.kv != "none" else None,
+            "seconds": round(time.time() - t0, 1), "date": ref["date"],
             "command": command, "torch": ref["torch"], "transformers": ref["transformers"],
             "texts": {t: {**res[t], "ids_sha256": ids_sha256(token_windows(folder, t))} for t in TEXTS}}
         print(name, {t: round(r["ppl"], 4) for t, r in res.items()}, flush=True)
@@ -448,6 +449,11 @@ def check_inputs(models_dir: Path, reference: dict, names: list[str]) -> list[st
         for f, sha in reference.get("models", {}).get(m, {}).items():
             if not (folder / f).is_file() or sha256_file(folder / f) != sha:
                 problems.append(f"{folder / f} is not the file the CPU reference used (sha256 differs)")
+    for n in names:  # a KV run pinned before session 21 quantized float32 K/V, not what vLLM serves
+        run = reference.get("runs", {}).get(ARMS[n].ppl or "", {})
+        if run.get("kv", "none") != "none" and run.get("kv_dtype") != "served":
+            problems.append(f"the CPU reference of {ARMS[n].ppl} quantized float32 K/V (recompute it: "
+                            f"--cpu-reference ... --runs {ARMS[n].ppl})")
     if any(ARMS[n].ppl for n in names):
         problems += [f"{models_dir / 'text' / t}.txt is missing" for t in TEXTS
                      if not (models_dir / "text" / f"{t}.txt").is_file()]
