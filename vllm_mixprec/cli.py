@@ -106,6 +106,7 @@ def cmd_quantize(args) -> int:
         weight_scheme=args.scheme, group_size=args.group_size, kv_scheme=args.kv, smooth=args.smooth,
         smooth_attention=args.smooth_attention, smooth_attention_alpha=args.smooth_attention_alpha,
         k_centering=args.k_centering, gptq=args.gptq, clip=args.clip, a8_fraction=args.a8_fraction,
+        a8_allocation=args.a8_allocation,
         act_rotation=args.act_rotation or ("hadamard" if args.scheme == "w4ax" else "none"),
         calib_text=args.calib_text, calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen,
         propagate=args.propagate, progress=not args.quiet)
@@ -121,11 +122,14 @@ def cmd_quantize(args) -> int:
     except pipeline.SourceError as e:  # found while loading: missing or non-finite tensors
         raise CliError(str(e)) from e
     rows = []
+    w4ax = args.scheme == "w4ax"
     for info in summary["layers"]:
         alpha = info.get("alpha")
         alpha_s = " ".join(f"{k}={'-' if v is None else v}" for k, v in alpha.items()) if alpha else "-"
-        rows.append([info["layer"], f"{info['seconds']:.1f}", alpha_s])
-    print(_table(rows, ["layer", "seconds", "smoothing alpha (- = none)"]))
+        blocks = " ".join(f"{k}={v}" for k, v in info.get("a8_blocks", {}).items())
+        rows.append([info["layer"], f"{info['seconds']:.1f}", alpha_s] + ([blocks] if w4ax else []))
+    print(_table(rows, ["layer", "seconds", "smoothing alpha (- = none)"]
+                 + (["8-bit activation blocks"] if w4ax else [])))
     print(f"\n{args.scheme} g{args.group_size} kv={args.kv}: {summary['calibration_tokens']} calibration tokens, "
           f"load {summary['seconds_load']:.1f} s, quantize {summary['seconds_quantize']:.1f} s, "
           f"total {summary['seconds_total']:.1f} s -> {summary['output']}")
@@ -190,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--gptq", action="store_true", help="GPTQ on the W4A8 grid")
     q.add_argument("--clip", action="store_true", help="per-channel clipping search")
     q.add_argument("--a8-fraction", type=float, default=0.25, help="W4Ax: share of 8-bit K blocks")
+    q.add_argument("--a8-allocation", default="uniform", choices=["uniform", "layer"],
+                   help="W4Ax: uniform = that share in every linear; layer = each decoder layer's total of "
+                        "them spread over its input groups by the error a block saves on calibration data")
     q.add_argument("--act-rotation", choices=list(F.ACT_ROTATIONS),
                    help="W4Ax: rotate each 4-bit activation block (and its weight columns) by a "
                         "128-point Hadamard matrix (default for --scheme w4ax: hadamard)")

@@ -98,3 +98,78 @@ def test_quantize_linear_exports_the_rotated_basis(use_gptq):
             wrong = MixPrecLinear(t, None, "w4ax", "none")(x).double()
             assert float((wrong - exact).norm() / exact.norm()) > 0.5
     assert errs["hadamard"] < 0.7 * errs["none"], errs
+
+
+@pytest.mark.parametrize("rot", ["none", "hadamard"])
+def test_block_gains_match_the_per_block_errors_written_out(rot):
+    """block_gains (Gram matrices) against each block's output error computed with explicit
+    matmuls: 4-bit (rotated, mapped back) minus 8-bit, over |x W^T|^2."""
+    g = torch.Generator().manual_seed(4)
+    n, k = 24, 512
+    w = torch.randn(n, k, generator=g, dtype=torch.float64)
+    x = torch.randn(48, k, generator=g)
+    x[:, [7, 260]] *= 30
+    perm = fmpq.outlier_permutation(x.abs().amax(0))
+    r = F.act_rotation_matrix(rot)
+    got = fmpq.block_gains(x, w, perm, r)
+    p = perm.long()
+    xp, wp = x.double()[:, p], w[:, p]
+    y2 = float((x.double() @ w.T).pow(2).sum())
+    for b in range(k // 128):
+        cols = slice(128 * b, 128 * (b + 1))
+        xb = xp[:, cols]
+        s8 = xb.abs().amax(1, keepdim=True).float().double() / 127
+        d8 = torch.round(xb / s8).clamp(-127, 127) * s8 - xb
+        xr = xb if r is None else xb @ r.double()
+        s4 = xr.abs().amax(1, keepdim=True).float().double() / 7
+        q4 = torch.round(xr / s4).clamp(-7, 7) * s4
+        d4 = (q4 if r is None else q4 @ r.double().T) - xb
+        want = ((d4 @ wp[:, cols].T).pow(2).sum() - (d8 @ wp[:, cols].T).pow(2).sum()) / y2
+        assert float(got[b]) == pytest.approx(float(want), rel=2e-3, abs=1e-9), b
+    assert float(got[0]) > float(got[-1])  # the outlier block gains most from 8 bits
+
+
+def test_allocate_a8_blocks_is_greedy_over_prefixes_by_gain_per_cost():
+    gains = {"a": torch.tensor([5.0, 1.0, 0.5]), "b": torch.tensor([4.0, 3.0, 2.0, 0.1])}
+    one = {"a": 1.0, "b": 1.0}
+    assert fmpq.allocate_a8_blocks(gains, one, 0) == {"a": 0, "b": 0}
+    assert fmpq.allocate_a8_blocks(gains, one, 3) == {"a": 1, "b": 2}
+    assert fmpq.allocate_a8_blocks(gains, one, 5) == {"a": 2, "b": 3}
+    assert fmpq.allocate_a8_blocks(gains, one, 99) == {"a": 3, "b": 4}  # capped at every block
+    # "a" blocks cost 4: b's gain per cost wins until a's 5/4 beats b's third block (2/1 does not)
+    wide = {"a": 4.0, "b": 1.0}
+    assert fmpq.allocate_a8_blocks(gains, wide, 3) == {"a": 0, "b": 3}
+    assert fmpq.allocate_a8_blocks(gains, wide, 7) == {"a": 1, "b": 3}
+    assert fmpq.allocate_a8_blocks(gains, wide, 6.5) == {"a": 0, "b": 4}  # a does not fit after b's 3
+
+
+def test_layer_allocation_keeps_each_layers_total(tmp_path):
+    """--a8-allocation layer: per decoder layer the 8-bit MACs stay within the uniform ones,
+    the count is shared by the linears of an input group, recorded, and the checkpoint evaluates."""
+    from vllm_mixprec.eval.perplexity import evaluate
+    from vllm_mixprec.quantize.pipeline import QuantOptions, quantize_model
+    from vllm_mixprec.quantize.testing import calib_text_file, save_tiny
+    from safetensors.torch import load_file
+    import json
+
+    src = save_tiny(tmp_path / "src", "qwen2", hidden_size=256, intermediate_size=512,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    text = calib_text_file(tmp_path / "calib.txt")
+    opts = QuantOptions(weight_scheme="w4ax", a8_fraction=0.5, a8_allocation="layer", act_rotation="hadamard",
+                        calib_text=str(text), calib_samples=4, calib_seqlen=64, progress=False)
+    summary = quantize_model(src, tmp_path / "out", opts)
+    t = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for info in summary["layers"]:
+        i, blocks = info["layer"], info["a8_blocks"]
+        n_out = {"qkv": 256 + 2 * 128, "o": 256, "gate_up": 2 * 512, "down": 256}
+        uniform = {"qkv": 1, "o": 1, "gate_up": 1, "down": 2}  # round(0.5 * K/128): of 2, 2, 2, 4
+        assert sum(blocks[g] * n_out[g] for g in n_out) <= sum(uniform[g] * n_out[g] for g in n_out)
+        for name, want in (("self_attn.q_proj", "qkv"), ("self_attn.v_proj", "qkv"), ("mlp.up_proj", "gate_up"),
+                           ("mlp.down_proj", "down")):
+            assert int(t[f"model.layers.{i}.{name}.a8_blocks"][0]) == blocks[want]
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert cfg["a8_fraction"] == 0.5 and cfg["calibration"]["a8_allocation"] == "layer"
+    ppl = next(iter(evaluate(tmp_path / "out", [str(text)], n_tokens=128, window=64).values()))["ppl"]
+    assert ppl == ppl and ppl < 1e4
+    with pytest.raises(ValueError, match="a8 allocation 'global' is not one of"):
+        QuantOptions(weight_scheme="w4ax", a8_allocation="global").validate()

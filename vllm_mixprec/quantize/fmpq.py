@@ -27,6 +27,51 @@ def num_a8_blocks(in_features: int, a8_fraction: float) -> int:
     return n
 
 
+A8_ALLOCATIONS = ("uniform", "layer")
+
+
+def block_gains(x: torch.Tensor, w: torch.Tensor, perm: torch.Tensor,
+                rotation: torch.Tensor | None) -> torch.Tensor:
+    """float64 [K/128]: what keeping block b (in permutation order) at 8 bits instead of 4
+    saves in output error on these rows, (|D4_b W_b^T|^2 - |D8_b W_b^T|^2) / |x W^T|^2, with D
+    the quantized minus the float x_b (4 bits in the rotated basis, mapped back). Every block
+    has its own per-token scale, so a block's error does not depend on how many others are at
+    8 bits; cross-block terms are left out (independent rounding). |D W^T|^2 = sum((D^T D) *
+    (W^T W)) keeps the work to 128x128 Gram matrices. w [N, K]: a group's linears stacked."""
+    x, w = x.double(), w.double()
+    p = perm.long()
+    blocks = lambda t: t[:, p].reshape(t.shape[0], -1, F.ACT_BLOCK)  # noqa: E731
+    xb, wb = blocks(x), blocks(w)
+    gram_w = torch.einsum("nbi,nbj->bij", wb, wb)
+    err = lambda d: (torch.einsum("mbi,mbj->bij", d, d) * gram_w).sum((1, 2))  # noqa: E731
+    m, k = x.shape
+    xq = ref.w4ax_act_input(x, perm, 0, None, rotation)  # every block at 4 bits, rotated
+    d4 = ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, perm, 0, rotation=rotation)) - xq
+    if rotation is not None:
+        d4 = ref.rotate_a4_blocks(d4, 0, rotation.double().T)
+    d8 = ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, perm, k, rotation=rotation)) - x[:, p]
+    y2 = (x @ w.T).pow(2).sum().clamp_min(torch.finfo(torch.float64).tiny)
+    return (err(d4.reshape(m, -1, F.ACT_BLOCK)) - err(d8.reshape(m, -1, F.ACT_BLOCK))) / y2
+
+
+def allocate_a8_blocks(gains: dict[str, torch.Tensor], cost: dict[str, float], budget: float
+                       ) -> dict[str, int]:
+    """8-bit blocks per group within `budget` (in the units of `cost`, what one more 8-bit block
+    of a group costs: its GEMM's N, the MACs per token and channel). Greedy: the next block of
+    the group with the most gain per cost that still fits (a group's 8-bit blocks are a prefix
+    of its permutation order). With N as the cost, 25 % of the budget means 25 % of the MACs
+    at 8 bits, not 25 % of the blocks: a wide gate_up block costs 12x a down_proj one."""
+    n = dict.fromkeys(gains, 0)
+    left = budget
+    while True:
+        fits = [k for k in gains if n[k] < len(gains[k]) and cost[k] <= left + 1e-9]
+        if not fits:
+            return n
+        best = max(fits, key=lambda k: float(gains[k][n[k]]) / cost[k])
+        n[best] += 1
+        left -= cost[best]
+
+
 def outlier_permutation(act_absmax: torch.Tensor) -> torch.Tensor:
     """int32 [K]: channels by decreasing calibration max |x| (stable for ties).
 

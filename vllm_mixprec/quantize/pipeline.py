@@ -116,6 +116,9 @@ class QuantOptions:
     gptq: bool = False  # w4a8/w4ax: GPTQ on the LiquidQuant grid
     clip: bool = False  # w4a8/w4ax: per-channel clip ratio + per-group range search
     a8_fraction: float = 0.25  # w4ax
+    # w4ax: "uniform", every linear keeps round(a8_fraction * K/128) blocks at 8 bits; "layer",
+    # a decoder layer's 8-bit MACs under uniform go to the input groups where they save most error
+    a8_allocation: str = "uniform"
     act_rotation: str = "none"  # w4ax: formats.ACT_ROTATIONS, on each 4-bit block (the CLI's default: hadamard)
     calib_text: str = "alice29"
     calib_samples: int = 64
@@ -151,6 +154,8 @@ class QuantOptions:
             raise ValueError(f"propagate {self.propagate!r} is not 'quantized' or 'float'")
         if not 0.0 <= self.a8_fraction <= 1.0:
             raise ValueError(f"a8 fraction {self.a8_fraction} is not in [0, 1]")
+        if self.a8_allocation not in fmpq.A8_ALLOCATIONS:
+            raise ValueError(f"a8 allocation {self.a8_allocation!r} is not one of {fmpq.A8_ALLOCATIONS}")
         if self.act_rotation not in F.ACT_ROTATIONS:
             raise ValueError(f"act rotation {self.act_rotation!r} is not one of {F.ACT_ROTATIONS}")
         if self.act_rotation != "none" and self.weight_scheme != "w4ax":
@@ -196,13 +201,37 @@ def quantization_config(opts: QuantOptions) -> dict | None:
                           "smooth": opts.smooth,
                           "smooth_attention_alpha": opts.smooth_attention_alpha if opts.smooth_attention else None,
                           "k_centering": opts.k_centering, "gptq": opts.gptq, "clip": opts.clip}
+    if opts.weight_scheme == "w4ax":
+        cfg["calibration"]["a8_allocation"] = opts.a8_allocation
     return cfg
 
 
 # --- one linear -------------------------------------------------------------------------
 
-def quantize_linear(w: torch.Tensor, st: C.LinearStats, opts: QuantOptions) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors of one linear (without bias) for opts.weight_scheme."""
+def a8_blocks_per_group(layer, stats: dict[str, C.LinearStats], opts: QuantOptions) -> dict[str, int]:
+    """W4Ax: 8-bit activation blocks of each input group of a decoder layer (its linears share
+    the input, so one count). "uniform": round(a8_fraction * K/128) each; "layer": the same total
+    spread by fmpq.block_gains on the calibration sample (COMET keeps the blocks that hold
+    outliers at 8 bits, so its share varies by layer too). The budget is in MACs (a block of a
+    group costs its N), so the layer's 8-bit share of the GEMM work stays uniform's."""
+    first = {g: d["linears"][0] for g, d in C.LINEAR_GROUPS.items()}
+    uniform = {g: fmpq.num_a8_blocks(stats[n].absmax.numel(), opts.a8_fraction) for g, n in first.items()}
+    if opts.a8_allocation == "uniform":
+        return uniform
+    rot = F.act_rotation_matrix(opts.act_rotation)
+    gains, cost = {}, {}
+    for g, d in C.LINEAR_GROUPS.items():
+        st = stats[first[g]]
+        w = torch.cat([layer.get_submodule(n).weight.detach() for n in d["linears"]])
+        gains[g] = fmpq.block_gains(st.sample, w, fmpq.outlier_permutation(st.absmax), rot)
+        cost[g] = float(w.shape[0])
+    return fmpq.allocate_a8_blocks(gains, cost, sum(uniform[g] * cost[g] for g in uniform))
+
+
+def quantize_linear(w: torch.Tensor, st: C.LinearStats, opts: QuantOptions,
+                    a8_blocks: int | None = None) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors of one linear (without bias) for opts.weight_scheme; a8_blocks (w4ax):
+    its 8-bit blocks, by default round(a8_fraction * K/128)."""
     g = opts.group_size
     if opts.weight_scheme == "gptq-w4a16":
         return gptq.gptq_w4a16(w, st.hessian, g, opts.percdamp)
@@ -210,7 +239,7 @@ def quantize_linear(w: torch.Tensor, st: C.LinearStats, opts: QuantOptions) -> d
     act_sq = st.sample.double().pow(2).mean(0)
     if opts.weight_scheme == "w4ax":
         perm = fmpq.outlier_permutation(st.absmax)
-        blocks = fmpq.num_a8_blocks(w.shape[1], opts.a8_fraction)
+        blocks = fmpq.num_a8_blocks(w.shape[1], opts.a8_fraction) if a8_blocks is None else a8_blocks
         k8, rot = blocks * F.ACT_BLOCK, F.act_rotation_matrix(opts.act_rotation)
         w = fmpq.weight_basis(w, perm, k8, rot)
         act_sq = ref.w4ax_act_input(st.sample.double(), perm, k8, None, rot).pow(2).mean(0)
@@ -295,6 +324,11 @@ def quantize_layer(layer, i: int, hidden: torch.Tensor, kwargs: dict, config, op
         info["alpha"] = smooth_layer(layer, stats, config, opts)
     prefix = f"model.layers.{i}."
     out: dict[str, torch.Tensor] = {}
+    blocks = {}
+    if opts.weight_scheme == "w4ax":
+        blocks = {n: b for g, b in a8_blocks_per_group(layer, stats, opts).items()
+                  for n in C.LINEAR_GROUPS[g]["linears"]}
+        info["a8_blocks"] = {g: blocks[d["linears"][0]] for g, d in C.LINEAR_GROUPS.items()}
     for name in C.LINEAR_NAMES:
         lin = layer.get_submodule(name)
         bias = None if lin.bias is None else lin.bias.detach()
@@ -303,7 +337,7 @@ def quantize_layer(layer, i: int, hidden: torch.Tensor, kwargs: dict, config, op
         if opts.weight_scheme == "none":
             out[prefix + name + ".weight"] = lin.weight.detach().to(torch.bfloat16)
             continue
-        t = quantize_linear(lin.weight.detach(), stats[name], opts)
+        t = quantize_linear(lin.weight.detach(), stats[name], opts, blocks.get(name))
         out.update({prefix + name + "." + k: v for k, v in t.items()})
         if opts.weight_scheme == "gptq-w4a16":
             new = dense_linear(gptq.dequantize_gptq(t), bias)
