@@ -194,12 +194,14 @@ def test_builder_and_impl_over_steps(carrier, dtype, res, bias, exact, monkeypat
     impl = MixPrecAttentionImpl(hkv * g, d, d ** -0.5, hkv, None, None, carrier)
     impl.vllm_config = cfg
     layer = SimpleNamespace(layer_name="l0", k_rope_bias=kb)
-    blocks = {0: [7, 2, 9], 1: [4, 11, 0]}
-    hist = {0: ([], []), 1: ([], [])}
-    done = {0: 0, 1: 0}
-    # (request, query length) rows per step; request 1 decodes before request 0 finishes.
-    steps = [[(0, 20), (1, 5)], [(1, 1), (0, 13)], [(0, 1), (1, 1)], [(1, 1), (0, 1)],
-             [(0, 1), (1, 1)]]
+    blocks = {0: [7, 2, 9], 1: [4, 11, 0], 2: [3, 5, 8]}
+    hist = {r: ([], []) for r in blocks}
+    done = dict.fromkeys(blocks, 0)
+    # (request, query length) rows per step; request 1 decodes before request 0 finishes, and
+    # request 2 arrives as a fresh prefill behind two decodes (vLLM's order; session 21's
+    # real-Qwen KV4 NaN came with such batches)
+    steps = [[(0, 20), (1, 5)], [(1, 1), (0, 13)], [(0, 1), (1, 1), (2, 7)], [(1, 1), (0, 1), (2, 1)],
+             [(0, 1), (1, 1), (2, 1)]]
     for rows in steps:
         qlens = [q for _, q in rows]
         seq = [done[r] + q for r, q in rows]
