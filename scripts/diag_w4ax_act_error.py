@@ -9,6 +9,15 @@ against W4Ax with 25% of the 128-channel blocks at 8 bits, and variants of the 4
   clip      4-bit scale alpha * max|block|, alpha searched on the calibration half
   g32       4-bit scales per 32 channels instead of 128 (a format change)
   all       sens + clip + rot
+  budget    (--ppl only) +rot, but the 8-bit blocks spread unevenly over a decoder layer's 4
+            input groups (qkv, o, gate_up, down) within the 8-bit MACs of 25% each (a block
+            costs its group's N): greedy on gain per MAC of each group's next block,
+            fmpq.block_gains on the calibration tokens (W: the group's linears stacked along N);
+            what `quantize --a8-allocation layer` does
+  budget-global  (--ppl only) the same with one MAC budget for the whole model
+Session 21, with the budget in blocks instead of MACs: budget +9.65 %, budget-global +9.06 %
+(+rot +10.02 %, A8 +8.42 %), but both moved gate_up (N 17920) to nearly all 8-bit, 2-3x the
+8-bit MACs of uniform 25 %: hence the MAC budget.
 
 Weights stay in float64, so the numbers isolate the activation quantization. Calibration (the
 permutation, alpha) on the first half of the tokens, error on the second:
@@ -27,6 +36,7 @@ the whole formats, without smoothing or GPTQ.
 from __future__ import annotations
 
 import argparse
+import re
 
 import torch
 
@@ -34,13 +44,16 @@ from vllm_mixprec import formats as F
 from vllm_mixprec import reference as ref
 from vllm_mixprec.eval.perplexity import load_model_cpu
 from vllm_mixprec.quantize import models as M
+from vllm_mixprec.quantize.calibration import LINEAR_GROUPS
+from vllm_mixprec.quantize import fmpq
 from vllm_mixprec.quantize.fmpq import num_a8_blocks, outlier_permutation
 
 DEFAULT = ("model.layers.3.self_attn.q_proj", "model.layers.3.mlp.down_proj",
            "model.layers.14.mlp.gate_proj", "model.layers.14.self_attn.o_proj",
            "model.layers.25.mlp.down_proj")
 ALPHAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
-PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "all")
+BUDGET_VARIANTS = ("budget", "budget-global")
+PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "all") + BUDGET_VARIANTS
 
 
 def fake_sym(blocks: torch.Tensor, qmax: int, alpha: float = 1.0) -> torch.Tensor:
@@ -96,25 +109,43 @@ def sensitive_permutation(amax: torch.Tensor, w: torch.Tensor, nb8: int) -> torc
 class ActQuant:
     """One decoder linear's activation variants, calibrated on that linear's own input."""
 
-    def __init__(self, x: torch.Tensor, w: torch.Tensor, with_alpha: bool = True):
-        self.w = w  # as the model holds it: --weights puts it back after each variant
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, with_alpha: bool = True,
+                 with_gains: bool = False):
+        # as the model holds it (--weights puts it back after each variant); in bf16 when that
+        # is exact (bf16 checkpoints), so that swapping in the RTN weights does not hold two
+        # float32 copies of every linear (24 GB machines run out of memory)
+        wb = w.to(torch.bfloat16)
+        self._w, self._dtype = (wb if torch.equal(wb.to(w.dtype), w) else w), w.dtype
         x, wd = x.double(), w.double()
         amax = x.abs().amax(0)
         self.nb8 = num_a8_blocks(x.shape[1], 0.25)
+        self.nb8_of = {}  # budget variants: set by ppl_main once every linear is calibrated
         self.perm = outlier_permutation(amax).long()
         self.sens = sensitive_permutation(amax, wd, self.nb8)
         self.rot = F.hadamard().double()
         self.alpha = 1.0
+        if with_gains:  # un-normalised, so that a group's linears add up (set_budget_blocks)
+            self.y2 = float((x @ wd.T).pow(2).sum())
+            self.gain = fmpq.block_gains(x, wd, self.perm, self.rot) * self.y2
+            self.n_out = w.shape[0]
         if not with_alpha:
             return
         y = x @ wd.T
         err = lambda xq: float((xq @ wd.T - y).norm() / y.norm())  # noqa: E731
         self.alpha = min(ALPHAS, key=lambda al: err(w4ax_fake(x, self.sens, self.nb8, self.rot, al)))
 
+    @property
+    def w(self) -> torch.Tensor:
+        return self._w.to(self._dtype)
+
     def basis(self, variant: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(channel permutation, rotation of the 4-bit blocks) of a W4Ax variant."""
         return {"W4Ax25": (self.perm, None), "g32": (self.perm, None), "+rot": (self.perm, self.rot),
-                "all": (self.sens, self.rot)}[variant]
+                "all": (self.sens, self.rot), "budget": (self.perm, self.rot),
+                "budget-global": (self.perm, self.rot)}[variant]
+
+    def blocks(self, variant: str) -> int:
+        return self.nb8_of.get(variant, self.nb8)
 
     def __call__(self, variant: str, x: torch.Tensor) -> torch.Tensor:
         xd = x.reshape(-1, x.shape[-1]).double()
@@ -122,7 +153,7 @@ class ActQuant:
             q = fake_sym(xd, F.A8_MAX)
         else:
             perm, rot = self.basis(variant)
-            q = w4ax_fake(xd, perm, self.nb8, rot, self.alpha if variant == "all" else 1.0,
+            q = w4ax_fake(xd, perm, self.blocks(variant), rot, self.alpha if variant == "all" else 1.0,
                           32 if variant == "g32" else F.ACT_BLOCK)
         return q.to(x.dtype).reshape(x.shape)
 
@@ -131,11 +162,47 @@ class ActQuant:
         if variant == "A8":
             return rtn_weight(self.w)
         perm, rot = self.basis(variant)
-        return rtn_weight(self.w, perm, self.nb8, rot)
+        return rtn_weight(self.w, perm, self.blocks(variant), rot)
 
 
 def decoder_linears(model) -> dict[str, torch.nn.Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+
+
+def set_budget_blocks(quant: dict[str, ActQuant], variants: list[str]) -> None:
+    """The budget variants' nb8 per input group (the linears of a group share their input, so
+    one nb8), from the gains every linear measured on the calibration tokens; printed."""
+    groups = {}  # (layer index, group) -> its linears' ActQuant
+    for name, q in quant.items():
+        layer, lin = re.fullmatch(r".*\.layers\.(\d+)\.(.*)", name).groups()
+        g = next(g for g, d in LINEAR_GROUPS.items() if lin in d["linears"])
+        groups.setdefault((int(layer), g), []).append(q)
+    gains = {k: sum(q.gain for q in qs) / sum(q.y2 for q in qs) for k, qs in groups.items()}
+    cost = {k: float(sum(q.n_out for q in qs)) for k, qs in groups.items()}  # a block's MACs / 128
+    uniform = {k: qs[0].nb8 for k, qs in groups.items()}
+    layers = sorted({k[0] for k in groups})
+    macs = lambda nb8: sum(nb8[k] * cost[k] for k in groups)  # noqa: E731
+    for v in (v for v in BUDGET_VARIANTS if v in variants):
+        if v == "budget":
+            nb8 = {}
+            for i in layers:
+                ks = [k for k in groups if k[0] == i]
+                nb8.update(fmpq.allocate_a8_blocks({k: gains[k] for k in ks}, cost,
+                                                   sum(uniform[k] * cost[k] for k in ks)))
+        else:
+            nb8 = fmpq.allocate_a8_blocks(gains, cost, macs(uniform))
+        for k, qs in groups.items():
+            for q in qs:
+                q.nb8_of[v] = nb8[k]
+        print(f"{v}: 8-bit blocks per input group (uniform: "
+              + ", ".join(f"{g} {uniform[(layers[0], g)]}" for g in LINEAR_GROUPS)
+              + f"); 8-bit MACs {macs(nb8) / macs(uniform):.3f}x uniform's, 8-bit blocks "
+              f"{sum(nb8.values()) / sum(uniform.values()):.3f}x")
+        print(f"  {'layer':8}" + "".join(f"{i:>3}" for i in layers))
+        for g in LINEAR_GROUPS:
+            print(f"  {g:8}" + "".join(f"{nb8[(i, g)]:>3}" for i in layers))
+        print(f"  {'total':8}" + "".join(f"{sum(nb8[(i, g)] for g in LINEAR_GROUPS):>3}" for i in layers),
+              flush=True)
 
 
 def ppl_main(a, model, folder: str, cal_ids: torch.Tensor) -> None:
@@ -149,7 +216,8 @@ def ppl_main(a, model, folder: str, cal_ids: torch.Tensor) -> None:
     bar = tqdm(total=len(lins), desc="calibrating linears")
 
     def calibrate(m, inp, name):
-        quant[name] = ActQuant(inp[0].reshape(-1, inp[0].shape[-1]), m.weight.detach(), "all" in variants)
+        quant[name] = ActQuant(inp[0].reshape(-1, inp[0].shape[-1]), m.weight.detach(), "all" in variants,
+                               any(v in BUDGET_VARIANTS for v in variants))
         bar.update()
 
     hooks = [m.register_forward_pre_hook(lambda m, i, n=n: calibrate(m, i, n)) for n, m in lins.items()]
@@ -158,6 +226,8 @@ def ppl_main(a, model, folder: str, cal_ids: torch.Tensor) -> None:
     for h in hooks:
         h.remove()
     bar.close()
+    if any(v in BUDGET_VARIANTS for v in variants):
+        set_budget_blocks(quant, variants)
     ev = tokenize(AutoTokenizer.from_pretrained(folder), M.load_text("lcet10"))
     print(f"eval: lcet10, {a.eval_tokens} tokens in {len(windows(ev, a.eval_tokens, 1024))} windows of 1024; "
           f"calibration: alice29, {cal_ids.shape[1]} tokens; weights "
