@@ -54,9 +54,13 @@ MODELS = tuple(f"{m}-{k}" for m in ("llama", "qwen2", "real") for k in ("none", 
 def export_real(src: str, work: str, kvs: list[str]) -> dict[str, str]:
     """The real bf16 folder's RTN W4A8 export, once, and a folder per KV scheme that differs
     only in config.json (the weights linked)."""
+    from pathlib import Path
+
     import torch
     from e2e_serve import export_mixprec
     from transformers import AutoModelForCausalLM
+
+    from vllm_mixprec.eval.realcheck import kv_scheme_copy
 
     base = os.path.join(work, "real-w4a8-none")
     if not os.path.exists(os.path.join(base, "config.json")):
@@ -64,19 +68,8 @@ def export_real(src: str, work: str, kvs: list[str]) -> dict[str, str]:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
         export_mixprec(model, src, base, "none")
         print(f"exported {src} -> {base} in {time.monotonic() - t0:.0f} s", flush=True)
-    out = {}
-    for kv in kvs:
-        dst = os.path.join(work, f"real-w4a8-{kv}")
-        if kv != "none":
-            os.makedirs(dst, exist_ok=True)
-            for f in os.listdir(base):
-                if f != "config.json" and not os.path.exists(os.path.join(dst, f)):
-                    os.symlink(os.path.join(base, f), os.path.join(dst, f))
-            cfg = json.load(open(os.path.join(base, "config.json")))
-            cfg["quantization_config"]["kv_scheme"] = kv
-            json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=1)
-        out[f"real-{kv}"] = dst
-    return out
+    return {f"real-{kv}": base if kv == "none" else
+            str(kv_scheme_copy(Path(base), Path(work) / f"real-w4a8-{kv}", kv)) for kv in kvs}
 
 
 def build(work: str, names: list[str], real: str | None = None) -> dict[str, str]:

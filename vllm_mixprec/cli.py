@@ -170,6 +170,9 @@ def cmd_ab(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .eval.perplexity import KV_DTYPES
+    from .quantize.fmpq import A8_ALLOCATIONS
+
     p = argparse.ArgumentParser(prog="vllm-mixprec", description=__doc__.split("\n\n")[0])
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("--threads", type=int, default=None,
@@ -194,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--gptq", action="store_true", help="GPTQ on the W4A8 grid")
     q.add_argument("--clip", action="store_true", help="per-channel clipping search")
     q.add_argument("--a8-fraction", type=float, default=0.25, help="W4Ax: share of 8-bit K blocks")
-    q.add_argument("--a8-allocation", default="uniform", choices=["uniform", "layer"],
+    q.add_argument("--a8-allocation", default="uniform", choices=list(A8_ALLOCATIONS),
                    help="W4Ax: uniform = that share in every linear; layer = each decoder layer's total of "
                         "them spread over its input groups by the error a block saves on calibration data")
     q.add_argument("--act-rotation", choices=list(F.ACT_ROTATIONS),
@@ -229,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu: each window is a prompt prefilled in C-token chunks with exact "
                         "prefill (the backend's default): a position reads its own chunk's keys "
                         "in 16 bits, older ones quantized; 0 = off")
-    e.add_argument("--kv-dtype", default="served", choices=["served", "float32"],
+    e.add_argument("--kv-dtype", default="served", choices=list(KV_DTYPES),
                    help="cpu: K/V are rounded to the dtype vLLM serves the model in (bf16/fp16) before "
                         "the KV scheme quantizes them, as the cache receives them (served); float32: "
                         "the float32 model's K/V as they are (before session 21)")

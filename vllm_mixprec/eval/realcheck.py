@@ -309,18 +309,23 @@ def compare_ppl(got: dict[str, dict], ref: dict[str, dict], rtol: float = PPL_RT
 
 # --- one arm --------------------------------------------------------------------------------------
 
-def kv_none_copy(folder: Path, dst: Path) -> Path:
-    """A folder with the same files (links) whose config says kv_scheme none (a 16-bit KV cache)."""
+def kv_scheme_copy(folder: Path, dst: Path, kv_scheme: str) -> Path:
+    """A folder with the same files (links) whose config says kv_scheme `kv_scheme`."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in folder.iterdir():
         target = dst / f.name
         if f.name == "config.json":
             cfg = json.loads(f.read_text())
-            cfg["quantization_config"]["kv_scheme"] = "none"
+            cfg["quantization_config"]["kv_scheme"] = kv_scheme
             target.write_text(json.dumps(cfg, indent=1) + "\n")
         elif not target.exists():
             target.symlink_to(f.resolve())
     return dst
+
+
+def kv_none_copy(folder: Path, dst: Path) -> Path:
+    """kv_scheme_copy with kv_scheme none (a 16-bit KV cache)."""
+    return kv_scheme_copy(folder, dst, "none")
 
 
 def run_arm(arm: Arm, folder: Path, out: Path, windows: dict[str, list[list[int]]], deadline: float,

@@ -326,9 +326,8 @@ def quantize_layer(layer, i: int, hidden: torch.Tensor, kwargs: dict, config, op
     out: dict[str, torch.Tensor] = {}
     blocks = {}
     if opts.weight_scheme == "w4ax":
-        blocks = {n: b for g, b in a8_blocks_per_group(layer, stats, opts).items()
-                  for n in C.LINEAR_GROUPS[g]["linears"]}
-        info["a8_blocks"] = {g: blocks[d["linears"][0]] for g, d in C.LINEAR_GROUPS.items()}
+        info["a8_blocks"] = a8_blocks_per_group(layer, stats, opts)
+        blocks = {n: b for g, b in info["a8_blocks"].items() for n in C.LINEAR_GROUPS[g]["linears"]}
     for name in C.LINEAR_NAMES:
         lin = layer.get_submodule(name)
         bias = None if lin.bias is None else lin.bias.detach()
