@@ -144,6 +144,21 @@ def _fake_vllm_config(cache, num_q_heads, block_size, max_num_seqs=4, k_rope_bia
         quant_config=None)
 
 
+def _finite_kv(fn):
+    """fn (a FlashAttention entry point) that first checks that every row of its key and
+    value is finite: FlashAttention loads whole K/V tiles past a sequence's end and masks
+    their scores, so a NaN row anywhere in the tensors it is given (vLLM's padding rows,
+    session 22) turns the masked 0 * NaN into NaN outputs."""
+    def checked(q, key, value, *args, **kwargs):
+        assert torch.isfinite(key).all() and torch.isfinite(value).all(), \
+            "a non-finite K/V row (padding?) reached FlashAttention"
+        return fn(q, key, value, *args, **kwargs)
+    return checked
+
+
+PAD = 3  # rows past num_actual_tokens, as vLLM pads a batch to a CUDA-graph size: NaN here
+
+
 @pytest.mark.parametrize("carrier,dtype,res,bias,exact", [
     ("int4_per_token_head", torch.float16, 16, False, "1"),
     ("int8_per_token_head", torch.bfloat16, 16, False, "0"),
@@ -166,7 +181,8 @@ def _fake_vllm_config(cache, num_q_heads, block_size, max_num_seqs=4, k_rope_bia
 def test_builder_and_impl_over_steps(carrier, dtype, res, bias, exact, monkeypatch):
     """Chunked prefill then decodes of two requests (rows not ordered decode-first):
     the output equals attention over the pages, with the newest R tokens in 16 bits and,
-    with exact prefill, a prefill row's own new tokens too. With a k bias, the builder gives
+    with exact prefill, a prefill row's own new tokens too, and NaN in the rows vLLM pads a
+    batch with reaches neither the output nor FlashAttention. With a k bias, the builder gives
     the writer each token's cache position, the pages hold K - RoPE_p(b), and the output is
     attention over those plus RoPE_p(b)."""
     import vllm_mixprec.attention_backend.impl as impl_mod
@@ -182,6 +198,8 @@ def test_builder_and_impl_over_steps(carrier, dtype, res, bias, exact, monkeypat
     real_gather = impl_mod.gather_context_kv
     monkeypatch.setattr(impl_mod, "gather_context_kv",
                         lambda *a, **k: gathered.append(a[5].tolist()) or real_gather(*a, **k))
+    for name in ("chunk_attention", "context_attention"):
+        monkeypatch.setattr(impl_mod, name, _finite_kv(getattr(impl_mod, name)))
     hkv, g, d, b, nb = 2, 4, 64, 16, 12
     layout = F.KVPageLayout(F.KV_SCHEME_OF_CARRIER[carrier], d, b)
     cache = torch.zeros(Backend.get_kv_cache_shape(nb, b, hkv, d, carrier),
@@ -231,10 +249,15 @@ def test_builder_and_impl_over_steps(carrier, dtype, res, bias, exact, monkeypat
         k = k.to(dtype)
         v = torch.randn(t, hkv, d).to(dtype)
         impl._metadata_of = lambda _layer, md=md: md
-        impl.do_kv_cache_update(layer, k.to(DEVICE), v.to(DEVICE), cache, sm.to(DEVICE))
-        out = torch.full_like(q, float("nan")).to(DEVICE)
-        impl.forward(layer, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cache, md, out)
-        out, cache_cpu = out.cpu(), cache.cpu()
+
+        def padded(x):  # PAD rows of NaN after the step's tokens, on the device
+            return torch.cat([x, torch.full((PAD, *x.shape[1:]), float("nan"), dtype=x.dtype)]
+                             ).to(DEVICE)
+        sm_pad = torch.cat([sm, torch.full((PAD,), -1, dtype=sm.dtype)]).to(DEVICE)
+        impl.do_kv_cache_update(layer, padded(k), padded(v), cache, sm_pad)
+        out = padded(torch.full_like(q, float("nan")))
+        impl.forward(layer, padded(q), padded(k), padded(v), cache, md, out)
+        out, cache_cpu = out[:t].cpu(), cache.cpu()
         for i, (r, qn) in enumerate(rows):
             s, e = int(qsl[i]), int(qsl[i + 1])
             hist[r][0].append(k[s:e])

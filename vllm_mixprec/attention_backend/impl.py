@@ -331,20 +331,25 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
         q, out = query, output
         if chunk is not None and self._chunk(query) == "flash":
             # Before decode: FlashAttention writes every row, decode then overwrites its own.
+            # Only the step's real tokens: vLLM pads a batch to a CUDA-graph size, and the
+            # padded rows hold whatever the graph left there, NaN included. FlashAttention
+            # loads whole K/V tiles past a sequence's end and masks their scores, and 0 * NaN
+            # is NaN: a NaN row anywhere in its K/V poisons every sequence whose tile reaches
+            # it (session 22: every prompt of a compiled Qwen2.5 KV4 batch). Our kernels mask
+            # their loads instead.
             n = md.num_actual_tokens
-            q, out = query[:n], output[:n]
+            q, out, chunk = query[:n], output[:n], (key[:n], value[:n])
             ws = self._workspace(md, key.dtype, key.device) if md.prefill_has_context else None
             qsl = md.query_start_loc[:md.num_reqs + 1]
             if ws is not None:
                 gather_context_kv(kv_cache, layout, md.block_table, md.seq_lens, qsl,
-                                  md.context_cu_k, key, value, ws[0], ws[1], md.num_reqs,
+                                  md.context_cu_k, *chunk, ws[0], ws[1], md.num_reqs,
                                   md.context_max_k, residual, k_smooth, k_bias)
                 context_attention(q, ws[0], ws[1], qsl, md.context_cu_k, md.max_query_len,
                                   md.context_max_k, self.scale, out)
                 prefill_done = True
             else:
-                chunk_lse = chunk_attention(q, key, value, qsl, md.max_query_len, self.scale,
-                                            out)
+                chunk_lse = chunk_attention(q, *chunk, qsl, md.max_query_len, self.scale, out)
             chunk = None
         if md.num_decodes:
             if self._precompile_rows:
