@@ -8,7 +8,9 @@ of tp_check.py (biases ~N(0, 0.5)) never does. This serves tp_check's random Qwe
 with its small biases and with large ones (N(0, BIG_BIAS) on k_proj, on every layer or on some)
 under several settings, one vLLM per variant, and prints which prompts carry NaN. Session 21
 (H100): big, small, big-noaware, big-noexact and big-nores, all eager, gave no NaN; mixed and
-the compiled variants did not run (the device budget ran out):
+the compiled variants did not run (the device budget ran out). Session 22 (real-* below): the
+real model gave NaN compiled only, from vLLM's padding rows in FlashAttention, fixed in
+attention_backend/impl.py (docs/RELIABILITY.md):
 
   python3 scripts/diag_kv_nan.py --out $OUT [--variants big,small,big-noaware,...] [--budget S]
 

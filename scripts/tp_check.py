@@ -15,7 +15,8 @@ scripts/gpu_models.sh), `real-none`, `real-kv4` and `real-bf16` are the same thr
 its RTN W4A8 g64 export (made here, in the same way) and the bf16 folder itself. On a real model
 W4A8's greedy tokens part from TP=1 at bf16 ties (session 21: 1 of 8 identical), so
 --ppl-text FILE also scores the perplexity of FILE at both TPs and judges by that (TP_PPL_RTOL)
-and by finite logprobs, reporting greedy agreement.
+and by finite logprobs, reporting greedy agreement. A child that wrote its results and then died
+(exit status != 0) still has them compared, but fails the model (judge).
 Random weights give flat logits, where a different all-reduce order may flip a near-tie: the
 unquantized Qwen2 shape itself gave 4 of 8 identical completions at TP=2 (H100, 2026-11-25). And
 W4A8 at TP=2 quantizes each rank's half of a row-parallel layer's input with its own per-token
@@ -187,6 +188,33 @@ def compare(a: list[dict], b: list[dict]) -> dict:
             "per_prompt": rows}
 
 
+def _load_json(path: str):
+    """The JSON at path, or None if the child did not write it (whole)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def judge(runs: dict, ppls: dict | None) -> dict:
+    """One model's entry from its two children: runs {tp: {"rc", "wall_s"[, "result"]}} and, with
+    --ppl-text, ppls {tp: ppl dict or None}. Results a child wrote before dying are still compared
+    and reported, but the model fails (exit_ok): session 22's TP=1 child aborted in its teardown
+    ("terminate called without an active exception") after writing them."""
+    entry = {f"tp{tp}": {k: v for k, v in r.items() if k != "result"} for tp, r in runs.items()}
+    if not all("result" in r for r in runs.values()) or (ppls is not None and None in ppls.values()):
+        entry["pass"] = False
+        return entry
+    entry.update(compare(runs[1]["result"], runs[2]["result"]))
+    if ppls is not None:
+        pv = ppl_verdict(ppls[1], ppls[2])
+        entry.update(pv, greedy_pass=entry["pass"], **{"pass": pv["ppl_pass"] and entry["nonfinite_prompts"] == 0})
+    entry["exit_ok"] = all(r["rc"] == 0 for r in runs.values())
+    entry["pass"] = entry["pass"] and entry["exit_ok"]
+    return entry
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out")
@@ -218,9 +246,12 @@ def main() -> int:
     env = {**os.environ, **NO_MULTICAST}
     summary, ok = {}, True
     for name, ckpt in ckpts.items():
-        runs = {}
+        runs, ppls = {}, ({} if args.ppl_text else None)
         for tp in (1, 2):
             res = os.path.join(args.work, f"{name}-tp{tp}.json")
+            for stale in (res, res + ".ppl.json"):  # only this run's files may be judged
+                if os.path.exists(stale):
+                    os.remove(stale)
             log = os.path.join(args.out, f"tp-{name}-tp{tp}.log")
             t0 = time.monotonic()
             with open(log, "w") as f:
@@ -228,19 +259,13 @@ def main() -> int:
                                      *([args.ppl_text] if args.ppl_text else [])],
                                     env=env, stdout=f, stderr=subprocess.STDOUT, timeout=420).returncode
             runs[tp] = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1)}
-            if rc == 0:
-                runs[tp]["result"] = json.load(open(res))
-        entry = {f"tp{tp}": {k: v for k, v in r.items() if k != "result"} for tp, r in runs.items()}
-        if all(r["rc"] == 0 for r in runs.values()):
-            entry.update(compare(runs[1]["result"], runs[2]["result"]))
-            if args.ppl_text:
-                pv = ppl_verdict(*(json.load(open(os.path.join(args.work, f"{name}-tp{tp}.json.ppl.json")))
-                                   for tp in (1, 2)))
-                entry.update(pv, greedy_pass=entry["pass"],
-                             **{"pass": pv["ppl_pass"] and entry["nonfinite_prompts"] == 0})
-            ok &= entry["pass"] or name.endswith("-bf16")  # the control is reported, not judged
-        else:
-            ok = False
+            result = _load_json(res)
+            if result is not None:
+                runs[tp]["result"] = result
+            if ppls is not None:
+                ppls[tp] = _load_json(res + ".ppl.json")
+        entry = judge(runs, ppls)
+        ok &= entry["pass"] or name.endswith("-bf16")  # the control is reported, not judged
         summary[name] = entry
         print(name, json.dumps({k: v for k, v in entry.items() if k != "per_prompt"}), flush=True)
     with open(os.path.join(args.out, f"tp-{'_'.join(names)}.json"), "w") as f:

@@ -112,3 +112,30 @@ def test_ppl_text_must_be_a_file(tp, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         tp.main()
     assert e.value.code == 2 and "is not a file" in capsys.readouterr().err
+
+
+def test_judge_fails_a_child_that_died_after_writing(tp):
+    """A child's results are compared even when it then died (session 22: TP=1 aborted in vLLM's
+    teardown), but the model fails on its exit status; a missing result or ppl fails it too."""
+    a = [_run([5, 6], [{5: -0.1}, {6: -0.2}])]
+    ok = {1: {"rc": 0, "wall_s": 1.0, "result": a}, 2: {"rc": 0, "wall_s": 1.0, "result": a}}
+    got = tp.judge(ok, None)
+    assert got["pass"] and got["exit_ok"] and got["identical"] == 1 and "result" not in got["tp1"]
+    died = {**ok, 1: {**ok[1], "rc": -6}}
+    got = tp.judge(died, None)
+    assert not got["pass"] and not got["exit_ok"] and got["identical"] == 1 and got["tp1"]["rc"] == -6
+    ppl = {"ppl": 20.0}
+    assert tp.judge(ok, {1: ppl, 2: {"ppl": 20.05}})["pass"]
+    assert not tp.judge(died, {1: ppl, 2: ppl})["pass"]
+    assert not tp.judge(ok, {1: ppl, 2: None})["pass"]
+    missing = {1: ok[1], 2: {"rc": 1, "wall_s": 1.0}}
+    got = tp.judge(missing, None)
+    assert not got["pass"] and "identical" not in got
+
+
+def test_load_json_reads_only_whole_files(tp, tmp_path):
+    (tmp_path / "whole.json").write_text('{"ppl": 3.0}')
+    (tmp_path / "cut.json").write_text('{"ppl": 3.')
+    assert tp._load_json(str(tmp_path / "whole.json")) == {"ppl": 3.0}
+    assert tp._load_json(str(tmp_path / "cut.json")) is None
+    assert tp._load_json(str(tmp_path / "absent.json")) is None
