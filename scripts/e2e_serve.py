@@ -16,9 +16,9 @@ import sys
 
 import torch
 
-from vllm_mixprec import reference as ref
 from vllm_mixprec.eval.serve import serve_and_ask
-from vllm_mixprec.eval.synthetic import LINEARS, LlamaShape, llama_config, train_tokenizer
+from vllm_mixprec.eval.synthetic import LlamaShape, llama_config, train_tokenizer
+from vllm_mixprec.quantize.rtn import rtn_w4a8_tensors
 from vllm_mixprec.quant_methods.config import MixPrecScheme
 
 E2E_SHAPE = LlamaShape(hidden=1024, layers=4, heads=16, kv_heads=4, inter=2816, vocab=8192, max_pos=4096,
@@ -39,15 +39,7 @@ def export_mixprec(model, src: str, dst: str, kv_scheme: str, group_size: int = 
     """Round-to-nearest LiquidQuant export of every decoder linear (the quantizer does better)."""
     from safetensors.torch import save_file
 
-    state = {}
-    for name, t in model.state_dict().items():
-        mod = name.rsplit(".", 2)
-        if len(mod) == 3 and mod[1] in LINEARS and mod[2] == "weight":
-            prefix = name[: -len(".weight")]
-            for k, v in ref.quantize_weight_lqq(t.float(), group_size).items():
-                state[f"{prefix}.{k}"] = v.contiguous()
-        else:
-            state[name] = t.contiguous()
+    state = rtn_w4a8_tensors(model.state_dict(), group_size)
     os.makedirs(dst, exist_ok=True)
     save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     cfg = json.load(open(os.path.join(src, "config.json")))

@@ -393,6 +393,7 @@ def _reference(ppl: dict[str, float]) -> dict:
     kv = lambda name: RC.PPL_RUNS[name].kv if name in RC.PPL_RUNS else "none"  # noqa: E731
     return {"models": {}, "command": "test", "runs": {
         name: {"kv": kv(name), "kv_dtype": None if kv(name) == "none" else "served",
+               "kv_bias_aware": name in RC.PPL_RUNS and RC.PPL_RUNS[name].bias_aware,
                "texts": {t: {"nll": 100 * math.log(p), "tokens": 100, "ppl": p, "ids_sha256": "h"} for t in RC.TEXTS}}
         for name, p in ppl.items()}}
 
@@ -441,14 +442,14 @@ def host(tmp_path, monkeypatch):
         (models / "text" / f"{t}.txt").write_text("x")
     ref = tmp_path / "ref.json"
     ref.write_text(json.dumps(_reference({"bf16": 30.0, "w4a8-kv8": 45.0, "w4a8": 44.0, "qwen-bf16": 15.0,
-                                          "qwen-kv8": 15.3})))
+                                          "qwen-kv8": 15.3, "qwen-w4a8-kv4": 17.0})))
     monkeypatch.setattr(RC, "token_windows", lambda folder, text: [[1, 2]])
     monkeypatch.setattr(RC, "ids_sha256", lambda ws: "h")
     canned = {"bf16": _arm_result("bf16", list(range(64)), 30.0), "bf16-kv8": _arm_result("bf16-kv8", list(range(64))),
               "bf16-kv4": _arm_result("bf16-kv4", list(range(64))), "w4a8-kv8": _arm_result("w4a8-kv8", ppl=45.2),
               "bf16-triton": _arm_result("bf16-triton", list(range(64))),
               "qwen-bf16": _arm_result("qwen-bf16", list(range(64)), 15.0), "qwen-kv8": _arm_result("qwen-kv8", ppl=15.2),
-              "w4a8": _arm_result("w4a8", ppl=44.1)}
+              "qwen-w4a8-kv4": _arm_result("qwen-w4a8-kv4", ppl=17.1), "w4a8": _arm_result("w4a8", ppl=44.1)}
     started = []
 
     def fake_run_arm(arm, folder, out, windows, deadline, log=print):
@@ -467,7 +468,7 @@ def test_main_split_over_calls(host):
     assert RC.main([*base, "--out", str(tmp / "o1"), "--arms", "bf16,bf16-triton,bf16-kv8,bf16-kv4"]) == 0
     s = json.loads((tmp / "o1" / "real_model_check.json").read_text())
     assert s["status"] == "PASS" and s["all_arms_on_this_host"]["missing"] == ["w4a8-kv8", "w4a8", "qwen-bf16",
-                                                                               "qwen-kv8"]
+                                                                               "qwen-kv8", "qwen-w4a8-kv4"]
     assert RC.main([*base, "--out", str(tmp / "o2"), "--arms", "rest"]) == 0
     assert started == list(RC.ARMS)
     s = json.loads((tmp / "o2" / "real_model_check.json").read_text())
@@ -521,17 +522,68 @@ def test_main_refuses_a_kv_reference_computed_from_float32_kv(host):
     assert RC.main([*base, "--arms", "qwen-bf16"]) == 0  # a 16-bit KV run does not care
 
 
+def test_main_refuses_a_kv4_reference_without_bias_aware_k(host):
+    """The backend serves the real Qwen's KV4 bias-aware (its k biases reach 354): a CPU reference
+    that quantized K as it is would not be the served model's, and is refused by name."""
+    models, ref, canned, started, tmp = host
+    r = json.loads(ref.read_text())
+    assert RC.PPL_RUNS["qwen-w4a8-kv4"].bias_aware and r["runs"]["qwen-w4a8-kv4"]["kv_bias_aware"]
+    r["runs"]["qwen-w4a8-kv4"]["kv_bias_aware"] = False
+    ref.write_text(json.dumps(r))
+    base = ["--models-dir", str(models), "--reference", str(ref), "--fresh", "--out", str(tmp / "o")]
+    assert RC.main([*base, "--arms", "qwen-bf16,qwen-w4a8-kv4"]) == 1
+    assert "the CPU reference of qwen-w4a8-kv4 has kv_bias_aware=False" in \
+        (tmp / "o" / "real_model_check.log").read_text()
+    assert started == []
+
+
+def test_qwen_w4a8_kv4_arm_is_compiled_and_reads_every_key_from_the_cache():
+    """The product on the real Qwen, compiled with CUDA graphs (the path of session 22's
+    padding-row NaN), every key through the KV4 pages as its CPU reference quantizes them."""
+    from vllm_mixprec.attention_backend import residual as R
+    from vllm_mixprec.attention_backend.impl import ENV_PREFILL_EXACT
+
+    arm = RC.ARMS["qwen-w4a8-kv4"]
+    assert RC.PPL_RUNS[arm.ppl].kv == "kv4" and "--enforce-eager" not in arm.cmd_flags()
+    assert arm.flags[:2] == ("--quantization", "mixprec") and "int4_per_token_head" in arm.flags
+    assert dict(arm.env) == {R.ENV_TOKENS: "0", ENV_PREFILL_EXACT: "0"}
+    assert RC.DERIVED[arm.model] == ("qwen2.5-coder-1.5b", "kv4")
+
+
+def test_derived_model_is_built_from_its_source_once(tmp_path, monkeypatch):
+    """The RTN export is made where the check needs it, only when its source is there, once."""
+    from vllm_mixprec.quantize import rtn
+
+    calls = []
+
+    def fake_export(src, dst, kv):
+        calls.append((src, dst, kv))
+        dst.mkdir(parents=True)
+        (dst / "config.json").write_text("{}")
+    monkeypatch.setattr(rtn, "export_rtn_folder", fake_export)
+    RC.ensure_derived(tmp_path, RC.QWEN_RTN, log=lambda m: None)
+    assert calls == []  # no source folder: nothing to build from
+    src = tmp_path / RC.MODELS["qwen2.5-coder-1.5b"]
+    src.mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    RC.ensure_derived(tmp_path, RC.QWEN_RTN, log=lambda m: None)
+    RC.ensure_derived(tmp_path, RC.QWEN_RTN, log=lambda m: None)
+    assert calls == [(src, tmp_path / RC.MODELS[RC.QWEN_RTN], "kv4")]
+    RC.ensure_derived(tmp_path, "smollm2-135m")  # not derived: untouched
+
+
 def test_rest_runs_only_the_models_on_this_host(host):
     """Qwen's parts are optional: without its folder, `rest` leaves its arms out and says so."""
     models, ref, canned, started, tmp = host
     shutil.rmtree(models / RC.MODELS["qwen2.5-coder-1.5b"])
+    shutil.rmtree(models / RC.MODELS[RC.QWEN_RTN])  # made from the bf16 folder: not without it
     base = ["--models-dir", str(models), "--reference", str(ref), "--fresh", "--out", str(tmp / "o")]
     assert RC.main([*base, "--arms", "rest"]) == 0
     assert started == [n for n in RC.ARMS if not n.startswith("qwen")]
     log = (tmp / "o" / "real_model_check.log").read_text()
     assert "(no qwen2.5-coder-1.5b here)" in log
     s = json.loads((tmp / "o" / "real_model_check.json").read_text())
-    assert s["status"] == "PASS" and s["all_arms_on_this_host"]["missing"] == ["qwen-bf16", "qwen-kv8"]
+    assert s["status"] == "PASS" and s["all_arms_on_this_host"]["missing"] == ["qwen-bf16", "qwen-kv8", "qwen-w4a8-kv4"]
     assert RC.main([*base, "--arms", "qwen-kv8"]) == 1  # asked for by name: refused, naming the folder
     assert "qwen2.5-coder-1.5b is not a model folder" in (tmp / "o" / "real_model_check.log").read_text()
 
@@ -550,7 +602,8 @@ def test_cpu_reference_adds_runs_to_an_existing_file(tmp_path, monkeypatch):
     old = {"n_tokens": RC.N_TOKENS, "window": RC.WINDOW, "texts": texts,
            "models": {"smollm2-135m": {"config.json": "a"}}, "runs": {"bf16": {"model": "smollm2-135m"}}}
     out.write_text(json.dumps(old))
-    monkeypatch.setattr(perplexity, "evaluate", lambda folder, texts, n, w, kv_scheme, kv_dtype="served": {
+    monkeypatch.setattr(perplexity, "evaluate", lambda folder, texts, n, w, kv_scheme, kv_dtype="served",
+                        kv_bias_aware=False: {
         t: {"ppl": 15.0, "nll": 1.0, "tokens": 1} for t in texts})
     monkeypatch.setattr(RC, "model_files", lambda d, m: {"config.json": m})
     monkeypatch.setattr(RC, "token_windows", lambda folder, text: [[1, 2]])
@@ -583,6 +636,7 @@ def test_committed_reference_matches_the_check():
     for name, run in ref["runs"].items():
         assert run["kv"] == RC.PPL_RUNS[name].kv and set(run["texts"]) == set(RC.TEXTS)
         assert run.get("kv_dtype") == (None if run["kv"] == "none" else "served"), name
+        assert bool(run.get("kv_bias_aware")) == RC.PPL_RUNS[name].bias_aware, name
         for t in run["texts"].values():
             assert t["tokens"] == RC.N_TOKENS - RC.N_TOKENS // RC.WINDOW
             assert t["ppl"] == pytest.approx(math.exp(t["nll"] / t["tokens"]))

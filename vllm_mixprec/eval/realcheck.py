@@ -26,6 +26,10 @@ text/*.txt). Servers ("arms"), each one `vllm serve` on 127.0.0.1, one after the
   qwen-kv8  the same with KV8 as `w4a8-kv8` serves it (eager, every key quantized): perplexity
             `qwen-kv8`. Qwen's k_proj biases (up to 354) are the hard case for the KV cache
             (docs/BENCHMARKS.md); without `--quantization mixprec` there is no bias-aware K
+  qwen-w4a8-kv4  the product on the real Qwen: its RTN W4A8 export (DERIVED: made on the host
+            from the bf16 folder, ~20 s, the same bytes as here) with KV4, bias-aware K (the
+            served default for its biases), compiled with CUDA graphs, every key quantized:
+            perplexity `qwen-w4a8-kv4`
 
 A greedy arm is compared with the reference arm of its own model. `rest` runs the arms not yet
 run on this host whose model folder is there (the Qwen parts are optional: docs/GPU_HOST.md).
@@ -66,8 +70,12 @@ from ..quantize.models import sha256_file
 TEXTS = ("lcet10", "botchan")
 N_TOKENS = 4096
 WINDOW = 1024
+QWEN_RTN = "qwen2.5-coder-1.5b-w4a8-rtn-kv4"
 MODELS = {"smollm2-135m": "models/smollm2-135m", "demo-smollm2-w4a8-kv8": "demo-smollm2-w4a8-kv8",
-          "qwen2.5-coder-1.5b": "models/qwen2.5-coder-1.5b"}
+          "qwen2.5-coder-1.5b": "models/qwen2.5-coder-1.5b", QWEN_RTN: f"derived/{QWEN_RTN}"}
+# Made where they are needed from another MODELS entry (name -> (source, kv scheme)), by the
+# deterministic RTN W4A8 export (quantize/rtn.py): the Qwen parts carry the bf16 folder only.
+DERIVED = {QWEN_RTN: ("qwen2.5-coder-1.5b", "kv4")}
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "import numpy as np\n\n", "Water boils at",
            "The best way to learn a new language is", "In 1969, Neil Armstrong")
@@ -91,13 +99,17 @@ class PplRun:
     name: str
     model: str  # key of MODELS
     kv: str  # the KV scheme the CPU path fake-quantizes
+    # K quantized around RoPE_p(k_proj.bias) as the backend serves a model with large k biases
+    # (quant_methods/k_bias.py; the CPU path: perplexity.evaluate(kv_bias_aware=True))
+    bias_aware: bool = False
 
 
 PPL_RUNS = {r.name: r for r in (PplRun("bf16", "smollm2-135m", "none"),
                                   PplRun("w4a8-kv8", "demo-smollm2-w4a8-kv8", "kv8"),
                                   PplRun("w4a8", "demo-smollm2-w4a8-kv8", "none"),
                                   PplRun("qwen-bf16", "qwen2.5-coder-1.5b", "none"),
-                                  PplRun("qwen-kv8", "qwen2.5-coder-1.5b", "kv8"))}
+                                  PplRun("qwen-kv8", "qwen2.5-coder-1.5b", "kv8"),
+                                  PplRun("qwen-w4a8-kv4", QWEN_RTN, "kv4", bias_aware=True))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +140,9 @@ ARMS = {a.name: a for a in (
     Arm("qwen-bf16", "qwen2.5-coder-1.5b", greedy="reference", ppl="qwen-bf16", est_s=240.0),
     Arm("qwen-kv8", "qwen2.5-coder-1.5b", KV8, eager=True, env=ALL_KEYS_QUANTIZED, ppl="qwen-kv8",
         est_s=150.0),
+    # compiled with CUDA graphs: the path of session 22's padding-row NaN (docs/RELIABILITY.md)
+    Arm("qwen-w4a8-kv4", QWEN_RTN, ("--quantization", "mixprec", *KV4), env=ALL_KEYS_QUANTIZED,
+        ppl="qwen-w4a8-kv4", est_s=240.0),
 )}
 
 
@@ -153,6 +168,20 @@ def token_windows(model_dir: str | Path, text: str, n_tokens: int = N_TOKENS, wi
 
 # --- the CPU reference (run here, committed) ------------------------------------------------------
 
+def ensure_derived(models_dir: Path, model: str, log=print) -> None:
+    """Build a DERIVED model from its source folder unless it is there (or its source is not)."""
+    if model not in DERIVED or (models_dir / MODELS[model] / "config.json").is_file():
+        return
+    src, kv = DERIVED[model]
+    if not (models_dir / MODELS[src] / "config.json").is_file():
+        return
+    from ..quantize.rtn import export_rtn_folder
+
+    t0 = time.time()
+    export_rtn_folder(models_dir / MODELS[src], models_dir / MODELS[model], kv)
+    log(f"{model}: RTN W4A8 export of {src} (kv_scheme {kv}) in {time.time() - t0:.0f} s")
+
+
 def model_files(models_dir: Path, model: str) -> dict[str, str]:
     folder = models_dir / MODELS[model]
     return {f: sha256_file(folder / f) for f in ("config.json", "model.safetensors", "tokenizer.json")}
@@ -165,6 +194,8 @@ def cpu_reference(models_dir: Path, out: Path, runs: list[str], command: str) ->
     from ..quantize.models import TEXTS as KNOWN_TEXTS
     from .perplexity import evaluate
 
+    for m in {PPL_RUNS[r].model for r in runs}:
+        ensure_derived(models_dir, m)
     ref = {"about": "CPU reference perplexity (vllm_mixprec.eval.perplexity.evaluate, the code of "
                     "`vllm-mixprec eval`) for scripts/real_model_check.py",
            "command": command, "date": datetime.date.today().isoformat(),
@@ -182,9 +213,11 @@ def cpu_reference(models_dir: Path, out: Path, runs: list[str], command: str) ->
         run = PPL_RUNS[name]
         folder = models_dir / MODELS[run.model]
         t0 = time.time()
-        res = evaluate(folder, list(TEXTS), N_TOKENS, WINDOW, kv_scheme=run.kv)
+        res = evaluate(folder, list(TEXTS), N_TOKENS, WINDOW, kv_scheme=run.kv,
+                       kv_bias_aware=run.bias_aware)
         ref["runs"][name] = {
             "model": run.model, "kv": run.kv, "kv_dtype": "served" if run.kv != "none" else None,
+            "kv_bias_aware": run.bias_aware,
             "seconds": round(time.time() - t0, 1), "date": ref["date"],
             "command": command, "torch": ref["torch"], "transformers": ref["transformers"],
             "texts": {t: {**res[t], "ids_sha256": ids_sha256(token_windows(folder, t))} for t in TEXTS}}
@@ -459,6 +492,11 @@ def check_inputs(models_dir: Path, reference: dict, names: list[str]) -> list[st
         if run.get("kv", "none") != "none" and run.get("kv_dtype") != "served":
             problems.append(f"the CPU reference of {ARMS[n].ppl} quantized float32 K/V (recompute it: "
                             f"--cpu-reference ... --runs {ARMS[n].ppl})")
+        if ARMS[n].ppl and run and bool(run.get("kv_bias_aware")) != PPL_RUNS[ARMS[n].ppl].bias_aware:
+            problems.append(f"the CPU reference of {ARMS[n].ppl} has kv_bias_aware="
+                            f"{run.get('kv_bias_aware')}, the arm serves "
+                            f"{PPL_RUNS[ARMS[n].ppl].bias_aware} (recompute it: --cpu-reference ... "
+                            f"--runs {ARMS[n].ppl})")
     if any(ARMS[n].ppl for n in names):
         problems += [f"{models_dir / 'text' / t}.txt is missing" for t in TEXTS
                      if not (models_dir / "text" / f"{t}.txt").is_file()]
@@ -542,6 +580,9 @@ def _run(args, argv: list[str] | None, models_dir: Path) -> int:
     reference = json.loads(args.reference.read_text())
     store = models_dir / ".results" / "real_model_check.json"
     merged = {} if args.fresh or not store.is_file() else json.loads(store.read_text()).get("arms", {})
+    for m in sorted({ARMS[n].model for n in ARMS} if args.arm_list == ["rest"]
+                    else {ARMS[n].model for n in args.arm_list}):
+        ensure_derived(models_dir, m, log)
     if args.arm_list == ["rest"]:
         here = {m for m, rel in MODELS.items() if (models_dir / rel / "config.json").is_file()}
         args.arm_list = [n for n in ARMS if n not in merged and ARMS[n].model in here]

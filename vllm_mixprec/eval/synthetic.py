@@ -37,7 +37,6 @@ import torch
 
 from .. import formats as F
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WEIGHT_STD = 0.02  # HF's initializer_range for Llama
 SHARD_BYTES = 4 * 1024**3
 GPTQ_GROUP = 128
