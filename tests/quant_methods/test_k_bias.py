@@ -64,6 +64,7 @@ def _qwen2_block(monkeypatch, gen, cache_dtype="int4_per_token_head", quant=KV4,
     cfg = VllmConfig(device_config=DeviceConfig(device="cpu"), cache_config=cc)
     cfg.model_config = _ModelConfig(hf_config=hf, hf_text_config=hf, dtype=torch.float16,
                                     architectures=hf.architectures)
+    cfg.quant_config = MixPrecConfig.from_config(quant)  # as `--quantization mixprec` sets it
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float16)
     try:
@@ -269,3 +270,42 @@ def test_head_count_mismatch_is_named(monkeypatch):
                            attn_backend=SimpleNamespace(get_name=lambda: "CUSTOM"))
     with pytest.raises(ValueError, match=r"k bias has shape \(2, 64\).*\(1, 64\)"):
         KB.attach(attn, "model.layers.9.self_attn.attn", None)
+
+
+# --- KV4 without --quantization mixprec: nothing hands the k bias over ---------------------------
+
+def _vllm_config(hf, quant=None):
+    return SimpleNamespace(model_config=SimpleNamespace(hf_text_config=hf, hf_config=hf), quant_config=quant)
+
+
+def test_plain_kv4_of_a_k_bias_model_is_refused(monkeypatch):
+    """A bf16 Qwen2 with --kv-cache-dtype int4_per_token_head (vLLM's own linears) would quantize
+    K with biases in the hundreds: refused at start-up, naming the flag and the ways out."""
+    monkeypatch.delenv(KB.ENV_PLAIN_KV4, raising=False)
+    cfg = _vllm_config(_hf())
+    with pytest.raises(ValueError, match="--kv-cache-dtype int4_per_token_head without --quantization mixprec "
+                                         "on a qwen2 model") as e:
+        KB.check_plain_kv4(cfg, "int4_per_token_head")
+    assert KB.ENV_PLAIN_KV4 in str(e.value) and "int8_per_token_head" in str(e.value)
+    from vllm_mixprec.attention_backend.impl import MixPrecAttentionImpl
+    monkeypatch.setattr("vllm_mixprec.attention_backend.impl.get_current_vllm_config_or_none", lambda: cfg)
+    with pytest.raises(ValueError, match="without --quantization mixprec"):
+        MixPrecAttentionImpl(HEADS, HEAD, HEAD ** -0.5, KV_HEADS, None, None, "int4_per_token_head")
+
+
+def test_plain_kv4_refusal_spares_what_is_served_well(monkeypatch):
+    monkeypatch.delenv(KB.ENV_PLAIN_KV4, raising=False)
+    qwen = _hf()
+    mixprec = MixPrecConfig.from_config(KV4)
+    KB.check_plain_kv4(_vllm_config(qwen, mixprec), "int4_per_token_head")  # bias-aware K applies
+    KB.check_plain_kv4(_vllm_config(qwen), "int8_per_token_head")  # KV8: +2 % without it
+    KB.check_plain_kv4(None, "int4_per_token_head")  # no config (unit tests of the backend)
+    from transformers import LlamaConfig
+    KB.check_plain_kv4(_vllm_config(LlamaConfig()), "int4_per_token_head")  # no k bias
+    with pytest.raises(ValueError, match="qwen2|llama"):
+        KB.check_plain_kv4(_vllm_config(LlamaConfig(attention_bias=True)), "int4_per_token_head")
+    monkeypatch.setenv(KB.ENV_PLAIN_KV4, "1")
+    KB.check_plain_kv4(_vllm_config(qwen), "int4_per_token_head")  # the user's call
+    monkeypatch.setenv(KB.ENV_PLAIN_KV4, "yes")
+    with pytest.raises(ValueError, match="MIXPREC_KV4_PLAIN_K_BIAS='yes': expected 0"):
+        KB.check_plain_kv4(_vllm_config(qwen), "int4_per_token_head")

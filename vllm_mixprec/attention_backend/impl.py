@@ -46,6 +46,7 @@ from ..kernels.triton.context import gather_context_kv
 from ..kernels.triton import precompile
 from ..kernels.triton.attention import decode_attention, precompile_decode, prefill_attention
 from ..kernels.triton.kv_cache import KVResidual, quantize_and_store
+from ..quant_methods import k_bias
 from . import residual as R
 from .backend import page_layout
 from .metadata import MixPrecAttentionMetadata
@@ -134,6 +135,7 @@ class MixPrecAttentionImpl(AttentionImpl[MixPrecAttentionMetadata]):
             raise ValueError(f"num_heads={num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
         self.vllm_config = get_current_vllm_config_or_none()
+        k_bias.check_plain_kv4(self.vllm_config, kv_cache_dtype)
         block = self.vllm_config.cache_config.block_size if self.vllm_config else 16
         res = R.residual_tokens(self.vllm_config, block)
         if res and kv_sharing_target_layer_name is not None:

@@ -17,6 +17,10 @@ How b reaches the Attention layer (vLLM 0.26, --quantization mixprec):
     checks the model's RoPE (hf_config) and sets `layer.k_rope_bias` (a formats.KRopeBias)
     when KV is quantized; the backend reads it like `layer.k_smooth`.
 
+Without --quantization mixprec nothing hands the bias over, and KV4 of such a model is refused
+at start-up (check_plain_kv4; MIXPREC_KV4_PLAIN_K_BIAS=1 serves it anyway). KV8 is served: it
+costs Qwen2.5-Coder-1.5B +2 % perplexity without bias-aware K.
+
 Knobs (environment):
   MIXPREC_KV_BIAS_AWARE  unset/"auto": on for the layers whose k bias has a rotary pair of
                          norm >= MIXPREC_KV_BIAS_MIN, for known neox-RoPE architectures;
@@ -41,6 +45,9 @@ logger = logging.getLogger("vllm.mixprec")
 ENV = "MIXPREC_KV_BIAS_AWARE"
 ENV_MIN = "MIXPREC_KV_BIAS_MIN"
 ENV_PAIRS = "MIXPREC_KV_BIAS_PAIRS"
+ENV_PLAIN_KV4 = "MIXPREC_KV4_PLAIN_K_BIAS"  # 1: KV4 with the k bias quantized in (check_plain_kv4)
+# model types whose k projection always has a bias (others say so in attention_bias / qkv_bias)
+K_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe"})
 DEFAULT_MIN_NORM = 16.0
 DEFAULT_PAIRS = 16
 # vLLM models known to build full-head neox-style (rotate-half) RoPE with get_rope's defaults.
@@ -120,6 +127,43 @@ def num_pairs(head_dim: int, environ=os.environ) -> int | None:
         raise ValueError(f"{ENV_PAIRS}={v!r}: expected a power of two >= {F.MIN_BIAS_PAIRS} "
                          f"or 'all' (default {DEFAULT_PAIRS})")
     return n
+
+
+def model_has_k_bias(hf_config) -> bool:
+    """Whether the model's k projection has a bias, from its config alone (Qwen2 always has one;
+    Llama-style configs say attention_bias, some others qkv_bias)."""
+    return (getattr(hf_config, "model_type", None) in K_BIAS_MODEL_TYPES
+            or bool(getattr(hf_config, "attention_bias", False))
+            or bool(getattr(hf_config, "qkv_bias", False)))
+
+
+def check_plain_kv4(vllm_config, kv_cache_dtype: str, environ=os.environ) -> None:
+    """Refuse KV4 pages for a model whose k projection has a bias when bias-aware K cannot apply:
+    it needs the bias, which only the mixprec linear methods hand over (attach), so without
+    --quantization mixprec K would be quantized to 4 bits with the bias in it. ENV_PLAIN_KV4=1
+    serves it anyway."""
+    if vllm_config is None or F.KV_SCHEME_OF_CARRIER.get(kv_cache_dtype) != "kv4":
+        return
+    quant = getattr(vllm_config, "quant_config", None)
+    if quant is not None and quant.get_name() == "mixprec":
+        return
+    mc = getattr(vllm_config, "model_config", None)
+    hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    if hf is None or not model_has_k_bias(hf):
+        return
+    v = environ.get(ENV_PLAIN_KV4, "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{ENV_PLAIN_KV4}={v!r}: expected 0 (the default: refuse) or 1")
+    if v == "1":
+        return
+    raise ValueError(
+        f"--kv-cache-dtype {kv_cache_dtype} without --quantization mixprec on a "
+        f"{getattr(hf, 'model_type', '?')} model, whose k projection has a bias: K would be "
+        "quantized to 4 bits with the bias in it, which wrecks such models (Qwen2.5-Coder-1.5B: "
+        "perplexity 256587 with every key from KV4 pages, 19.9 in 16 bits; docs/BENCHMARKS.md). "
+        "Bias-aware K needs a mixprec checkpoint (vllm-mixprec quantize MODEL OUT --kv kv4); or "
+        f"use --kv-cache-dtype {F.KV_CARRIER_DTYPE['kv8']}; or set {ENV_PLAIN_KV4}=1 to serve it "
+        "anyway")
 
 
 def largest_pair_norm(k_bias: torch.Tensor) -> float:
