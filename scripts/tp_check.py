@@ -57,17 +57,13 @@ def export_real(src: str, work: str, kvs: list[str]) -> dict[str, str]:
     only in config.json (the weights linked)."""
     from pathlib import Path
 
-    import torch
-    from e2e_serve import export_mixprec
-    from transformers import AutoModelForCausalLM
-
     from vllm_mixprec.eval.realcheck import kv_scheme_copy
+    from vllm_mixprec.quantize.rtn import export_rtn_folder
 
     base = os.path.join(work, "real-w4a8-none")
     if not os.path.exists(os.path.join(base, "config.json")):
         t0 = time.monotonic()
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-        export_mixprec(model, src, base, "none")
+        export_rtn_folder(src, base, "none")
         print(f"exported {src} -> {base} in {time.monotonic() - t0:.0f} s", flush=True)
     return {f"real-{kv}": base if kv == "none" else
             str(kv_scheme_copy(Path(base), Path(work) / f"real-w4a8-{kv}", kv)) for kv in kvs}

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from .. import reference as ref
+from .calibration import LINEAR_NAMES
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = tuple(n.rsplit(".", 1)[1] for n in LINEAR_NAMES)  # q_proj ... down_proj
 
 
 def rtn_w4a8_tensors(state: dict[str, torch.Tensor], group_size: int = 64) -> dict[str, torch.Tensor]:
