@@ -33,6 +33,7 @@ def lqq(n, k, g, gen):
 
 
 USE_GRAPHS = True
+DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # --splits-sweep, decode kernels 0 and 1
 
 
 def bench(fn):
@@ -65,7 +66,7 @@ def main():
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256, 1024, 4096])
     ap.add_argument("--no-graph", action="store_true", help="time with do_bench instead of CUDA graphs")
     ap.add_argument("--splits-sweep", action="store_true",
-                    help="also time the decode kernels (0, 1) at M <= 16 with 1..8 K splits, and the "
+                    help="also time the decode kernels (0, 1) at M <= 32 with 1..16 K splits, and the "
                          "wgmma kernels 4, 5, 6 at M >= 64 with 1, 2, 4 splits (the wgmma tile/split heuristic)")
     ap.add_argument("--shapes", nargs="+", metavar="KxN",
                     help="K x N shapes to time instead of the default/--full set, e.g. 4096x6144")
@@ -116,10 +117,11 @@ def main():
 
             for kernel in variants:
                 row[f"gemm_k{kernel}_us"] = bench(lambda: gemm(kernel))
-            if args.splits_sweep and m <= 16:
+            if args.splits_sweep and m <= 32:  # the decode kernels' range
                 for kernel in (0, 1):
-                    for splits in (1, 2, 3, 4, 8):
-                        row[f"gemm_k{kernel}_s{splits}_us"] = bench(lambda: gemm(kernel, splits))
+                    for splits in DECODE_SPLITS:
+                        if splits <= k // 64:  # the op clamps to the chunk count
+                            row[f"gemm_k{kernel}_s{splits}_us"] = bench(lambda: gemm(kernel, splits))
             if args.splits_sweep and m >= 64 and cuda.has_wgmma():  # every wgmma tile x split count
                 for kernel in (4, 5, 6):
                     for splits in (1, 2, 4):

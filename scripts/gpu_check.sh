@@ -6,6 +6,7 @@
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
 # finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench w4ax startup
+# decode_sweep decode_plan
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -317,6 +318,24 @@ stage_bench_cuda() { run_bench bench_w4a8_cuda 400 python3 scripts/bench_w4a8_cu
 stage_sweep_splits() {
   run_bench bench_w4a8_cuda_splits 400 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
     14336x4096 8192x10240 --ms 64 256 1024 2048 --splits-sweep --no-marlin --out "$OUT/splits_sweep.json"
+}
+# The decode kernels (M <= 32) x K splits on every Llama layer shape, Marlin beside them: the
+# data of the decode plan (csrc/gemm/NOTES.md, "Decode plan")
+stage_decode_sweep() {
+  run_bench bench_w4a8_cuda_decode 560 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
+    4096x28672 14336x4096 8192x10240 8192x57344 28672x8192 8192x28672 --ms 1 16 32 --splits-sweep \
+    --out "$OUT/decode_sweep.json"
+}
+# The decode plan after that sweep: the csrc GEMM tests, the auto pick against every forced
+# kernel on the shapes whose plan changed (Marlin beside it, same run), then bench_gemm's
+# L2-flushed table at M = 1 and 16 (ours, Marlin, Machete)
+stage_decode_plan() {
+  local rc=0
+  run_bench bench_w4a8_cuda_auto 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
+    14336x4096 8192x10240 28672x8192 --ms 1 16 --out "$OUT/decode_auto.json" || rc=1
+  run_bench bench_gemm_decode 280 python3 benchmarks/bench_gemm.py --ms 1,16 \
+    --methods ours_cuda,ours_cuda_gemm,marlin_w4a16,machete_w4a16 --out "$OUT/bench_gemm_decode" || rc=1
+  return $rc
 }
 stage_bench_attn() { run_bench bench_attention 420 python3 benchmarks/bench_attention.py --out "$OUT"; }
 stage_bench() { stage_bench_gemm; stage_bench_attn; }

@@ -2,7 +2,9 @@
 and splits=0) on the CPU: it is host code, so these tests run wherever the extension is built.
 
 The wgmma tile x split choice is checked against measured times: the 144-point sweep of
-2026-11-23 on the H100 (`bash scripts/gpu_check.sh sweep_splits`), kept in benchmarks/results.
+2026-11-23 on the H100 (`bash scripts/gpu_check.sh sweep_splits`), kept in benchmarks/results;
+the decode (mma.sync, M <= 32) choice against the decode sweep of 2026-11-27
+(`bash scripts/gpu_check.sh decode_sweep`).
 """
 import json
 import math
@@ -15,6 +17,10 @@ from vllm_mixprec.kernels import cuda
 
 SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "2026-11-23-h100",
                      "session4", "splits_sweep.json")
+S23 = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "2026-11-27-s23")
+DECODE_SWEEP = os.path.join(S23, "decode-sweep", "decode_sweep.json")
+# The run after it (kernels 0 and 1 forced, one split each, on 5 shapes incl. 28672 x 8192)
+DECODE_AUTO = os.path.join(S23, "decode-plan", "decode_auto.json")
 H100_SMS = 132
 
 
@@ -94,6 +100,53 @@ def test_explicit_kernel_and_splits_are_kept():
     assert plan(256, 4096, 4096, kernel=4, splits=3) == (4, 3)
     assert plan(64, 4096, 512, kernel=5, splits=64) == (5, 4), "clamped to the 4 K stages there are"
     assert plan(1024, 4096, 1536, kernel=5, splits=5) == (5, 4), "no empty split: 12 stages in 4 x 3"
+
+
+def _decode_times(row):
+    """(kernel, splits) -> us of one decode-sweep row (kernels 0 and 1, forced splits)."""
+    out = {}
+    for key, us in row.items():
+        if key.startswith("gemm_k") and "_s" in key:
+            kern, splits = key[len("gemm_k"):-len("_us")].split("_s")
+            out[(int(kern), int(splits))] = us
+    return out
+
+
+def _decode_rows():
+    """(row, {(kernel, splits): us}) of both H100 decode runs of 2026-11-27."""
+    with open(DECODE_SWEEP) as f:
+        sweep = json.load(f)
+    with open(DECODE_AUTO) as f:
+        auto = json.load(f)
+    assert len(sweep) >= 14 and len(auto) == 10
+    out = [(row, _decode_times(row)) for row in sweep]
+    assert all(len(times) >= 14 for _, times in out)
+    # forced kernels 0 and 1 with splits left to the planner, which gave one on every row there
+    out += [(row, {(0, 1): row["gemm_k0_us"], (1, 1): row["gemm_k1_us"]}) for row in auto]
+    return out
+
+
+def test_decode_choice_is_near_the_measured_best():
+    """Every measured decode row (6 Llama shapes x M = 1, 16, 32 on the H100): the pick is
+    never split, within 5% of the best measured (kernel, splits), and all picks together within
+    2%. The old rule (32 channels from 2 CTAs per SM, splits to fill 2 CTAs per SM) picked
+    4096x4096 at M = 1 with 2 splits: 8.1 us against 5.3; and 16 channels at 28672 x 8192,
+    M = 1: 47.5 us against 41.5."""
+    picked = best = 0.0
+    for row, times in _decode_rows():
+        pick = plan(row["M"], row["N"], row["K"], wgmma=False)
+        assert pick[1] == 1, (row["K"], row["N"], row["M"], pick)
+        fastest = min(times.values())
+        assert times[pick] <= 1.05 * fastest, (row["K"], row["N"], row["M"], pick, times[pick], fastest)
+        picked += times[pick]
+        best += fastest
+    assert picked <= 1.02 * best, (picked, best)
+
+
+@pytest.mark.parametrize("n,sms,splits", [(4096, 132, 1), (512, 132, 3), (1024, 132, 2), (4096, 108, 1)])
+def test_decode_splits_only_to_reach_half_the_sms(n, sms, splits):
+    """16-channel decode CTAs = N / 16; K is split only while they cover under half the SMs."""
+    assert plan(1, n, 8192, sms=sms, wgmma=False) == (0, splits)
 
 
 def test_mma_planner_still_answers():

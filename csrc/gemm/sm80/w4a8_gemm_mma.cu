@@ -542,19 +542,24 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
   const int chunks = K / kChunkK;
   W4A8Kernel k = static_cast<W4A8Kernel>(kernel);
   if (k == W4A8Kernel::kAuto) {
-    if (M <= kDecodeMaxM)
-      // Two row tiles per CTA share the activation loads; only when that still leaves
-      // at least two CTAs per SM.
-      k = ceil_div(row_tiles, 2) >= 2 * num_sms ? W4A8Kernel::kDecodeRows32 : W4A8Kernel::kDecodeRows16;
-    else
+    if (M <= kDecodeMaxM) {
+      // Fewest waves of resident CTAs (registers: 3 CTAs per SM for 16 channels and one token
+      // tile, else 2), 16 channels on a tie (decode sweep, csrc/gemm/NOTES.md "Decode plan").
+      const int per_sm16 = M <= 8 ? 3 : 2;
+      const int waves16 = ceil_div(row_tiles, per_sm16 * num_sms);
+      const int waves32 = ceil_div(row_tiles, 2 * 2 * num_sms);
+      k = waves32 < waves16 ? W4A8Kernel::kDecodeRows32 : W4A8Kernel::kDecodeRows16;
+    } else {
       k = M <= 64 ? W4A8Kernel::kTiledTok64 : W4A8Kernel::kTiledTok128;
+    }
   }
   if (is_decode(k) && M > kDecodeMaxM) return "w4a8_gemm: the decode kernels (0, 1) need M <= 32";
   const int ctas = ctas_per_split(k, M, N);
   if (splits <= 0) {
-    // Fill the GPU: decode wants >= 2 CTAs per SM with >= 2 chunks per warp, tiled >= 1
-    // CTA per SM with >= 8 chunks per CTA.
-    const int want = is_decode(k) ? ceil_div(2 * num_sms, ctas) : ceil_div(num_sms, ctas);
+    // Decode splits K only when its CTAs would leave over half the SMs idle: each split
+    // cost 1.5-10 us on the H100 in every measured shape (decode sweep, NOTES.md). Tiled
+    // fills >= 1 CTA per SM with >= 8 chunks per CTA.
+    const int want = is_decode(k) ? ceil_div(num_sms, 2 * ctas) : ceil_div(num_sms, ctas);
     const int most = is_decode(k) ? chunks / (kDecodeWarps * 2) : chunks / 8;
     splits = want < most ? want : most;
     if (splits > 16) splits = 16;
