@@ -331,9 +331,11 @@ stage_decode_sweep() {
 # L2-flushed table at M = 1 and 16 (ours, Marlin, Machete)
 stage_decode_plan() {
   local rc=0
-  run_bench bench_w4a8_cuda_auto 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
-    14336x4096 8192x10240 28672x8192 --ms 1 16 --out "$OUT/decode_auto.json" || rc=1
-  run_bench bench_gemm_decode 280 python3 benchmarks/bench_gemm.py --ms 1,16 \
+  pytest_gpu pytest-gpu-csrc-decode 120 tests/kernels/test_cuda_gemm.py || rc=1
+  run_bench bench_w4a8_cuda_auto 200 python3 scripts/bench_w4a8_cuda.py --shapes 4096x4096 14336x4096 \
+    4096x6144 8192x10240 28672x8192 --ms 1 16 --out "$OUT/decode_auto.json" || rc=1
+  run_bench bench_gemm_decode 200 python3 benchmarks/bench_gemm.py --ms 1,16 \
+    --shapes 4096x4096,14336x4096,4096x6144,4096x28672,8192x10240,28672x8192,8192x28672 \
     --methods ours_cuda,ours_cuda_gemm,marlin_w4a16,machete_w4a16 --out "$OUT/bench_gemm_decode" || rc=1
   return $rc
 }
