@@ -2,9 +2,10 @@
 """Compile the Triton attention kernels for a GPU architecture without a GPU, and read their
 register use from ptxas (both ship with Triton). Used by tests/attention_backend/
 test_attn_compile.py; run alone it prints the KV4 decode kernel's registers per launch config
-(docs/ATTENTION.md, "Decode registers per config"):
+(docs/ATTENTION.md, "Decode registers per config"), or with --loop the SASS opcode counts of
+one config's page loop (docs/ATTENTION.md, "the decode loop is instruction-bound"):
 
-  python scripts/triton_aot.py [--arch 90]
+  python scripts/triton_aot.py [--arch 90] [--loop 128,2,2]
 
 TRITON_INTERPRET must be unset (the interpreter does not compile).
 """
@@ -71,16 +72,61 @@ def ptxas_usage(kernel, arch: int) -> tuple[int, int]:
     return int(regs.group(1)), int(spill.group(1)) if spill else 0
 
 
+def sass_loop_profile(kernel) -> dict:
+    """Opcode counts of the kernel's longest loop (the SASS between a backward branch and its
+    target), from Triton's own cuobjdump: the instructions one warp issues per iteration.
+    Returns {"instructions": n, "opcodes": {opcode: count}} (opcode without modifiers)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+    line = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+    ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in line.finditer(sass)]
+    loops = []  # (length, target, branch) of every backward branch
+    for addr, op, args in ins:
+        target = re.match(r"\s*0x([0-9a-f]+)", args)
+        if op.startswith("BRA") and target and int(target.group(1), 16) < addr:
+            loops.append((addr - int(target.group(1), 16), int(target.group(1), 16), addr))
+    if not loops:
+        return {"instructions": 0, "opcodes": {}}
+    _, lo, hi = max(loops)
+    body = [op.split(".")[0] for a, op, _ in ins if lo <= a <= hi]
+    counts = {}
+    for op in body:
+        counts[op] = counts.get(op, 0) + 1
+    return {"instructions": len(body), "opcodes": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
+
+
+def decode_common(A, **over) -> dict:
+    """Constexprs of the KV4 decode page kernel as the backend launches it at D = 128, G = 4."""
+    return dict(dict(B=16, D=128, G=4, G_PAD=16, BLOCK_R=16, NUM_SPLITS=2, KV4=True,
+                     HAS_SMOOTH=False, HAS_KB=False, NP=16, KB_V=64, HAS_RES=True, DT=tl.bfloat16,
+                     BLOCK_M=1, DECODE=True, FAST_UNPACK=True, CHUNK_MODE=A.CHUNK_CACHE.value,
+                     TAIL=A.TAIL_FINISH.value), **over)
+
+
 def main(argv=None) -> None:
     from vllm_mixprec.kernels.triton import attention as A
 
     p = argparse.ArgumentParser(description="KV4 decode kernel registers per launch config")
     p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--loop", metavar="BLOCK_N,WARPS,STAGES", default=None,
+                   help="print the SASS opcode counts of one config's page loop instead")
     args = p.parse_args(argv)
-    common = dict(B=16, D=128, G=4, G_PAD=16, BLOCK_R=16, NUM_SPLITS=2, KV4=True,
-                  HAS_SMOOTH=False, HAS_KB=False, NP=16, KB_V=64, HAS_RES=True, DT=tl.bfloat16,
-                  BLOCK_M=1, DECODE=True, FAST_UNPACK=True, CHUNK_MODE=A.CHUNK_CACHE.value,
-                  TAIL=A.TAIL_FINISH.value)
+    common = decode_common(A)
+    if args.loop:
+        bn, warps, stages = (int(v) for v in args.loop.split(","))
+        k = compile_kernel(A._paged_attn_kernel, attn_ptrs(True, "bf16"), dict(common, BLOCK_N=bn),
+                           args.arch, ("qk_scale",), num_warps=warps, num_stages=stages)
+        prof = sass_loop_profile(k)
+        print(f"({bn}, {warps}, {stages}): {prof['instructions']} instructions per warp per "
+              f"{bn}-token tile; registers {ptxas_usage(k, args.arch)[0]}")
+        print("  " + ", ".join(f"{op} {n}" for op, n in prof["opcodes"].items()))
+        return
     print("BLOCK_N warps stages cap  registers spill_B warps/SM")
     for bn in (32, 64, 128):
         for warps in (2, 4, 8):
