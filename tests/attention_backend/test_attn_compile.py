@@ -60,6 +60,12 @@ SCRIPT = textwrap.dedent(r'''
                      dict(common, BLOCK_M=1, BLOCK_N=128, DECODE=True, FAST_UNPACK=True,
                           CHUNK_MODE=A.CHUNK_CACHE.value), arch, ("qk_scale",), num_warps=2, num_stages=2)
     assert ptxas_usage(tuned, arch)[1] == 0, ptxas_usage(tuned, arch)
+    # the page loop's SASS as docs/ATTENTION.md counts it (scripts/triton_aot.py --loop)
+    from triton_aot import sass_loop_profile
+    loop = sass_loop_profile(tuned)
+    hmma = loop["opcodes"].get("HMMA", 0)
+    assert hmma > 0 and (arch != 90 or hmma == 128), loop["opcodes"]
+    assert 1000 < loop["instructions"] < 4000, loop["instructions"]
     def decode_pair(consts, kv4, finish_g_pad):
         """The decode page kernel (64-token tiles) and the finish kernel that follows it."""
         page = compile_(A._paged_attn_kernel, attn_ptrs(kv4, "bf16"),
