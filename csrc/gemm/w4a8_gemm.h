@@ -39,6 +39,42 @@ struct W4A8GemmArgs {
   int M, N, K, group_size;
 };
 
+// What every W4A8 kernel reads: W4A8GemmArgs in device form (the kernels take it by value).
+struct W4A8KernelParams {
+  const int8_t* __restrict__ xq;
+  const float* __restrict__ x_scale;
+  const uint8_t* __restrict__ qweight;
+  const uint32_t* __restrict__ gparams;
+  const float* __restrict__ channel_scale;
+  const void* __restrict__ bias;
+  void* __restrict__ out;
+  int32_t* __restrict__ workspace;
+  int32_t* __restrict__ counters;
+  int bias_kind;
+  int M, N, K;
+  int group_shift;  // log2(group_size / 64): 64-k chunk c uses group c >> group_shift
+};
+
+inline W4A8KernelParams w4a8_kernel_params(const W4A8GemmArgs& a) {
+  W4A8KernelParams p;
+  p.xq = a.xq;
+  p.x_scale = a.x_scale;
+  p.qweight = a.qweight;
+  p.gparams = a.gparams;
+  p.channel_scale = a.channel_scale;
+  p.bias = a.bias;
+  p.out = a.out;
+  p.workspace = a.workspace;
+  p.counters = a.counters;
+  p.bias_kind = static_cast<int>(a.bias_kind);
+  p.M = a.M;
+  p.N = a.N;
+  p.K = a.K;
+  p.group_shift = 0;
+  while ((64 << p.group_shift) < a.group_size) ++p.group_shift;
+  return p;
+}
+
 struct W4A8Plan {
   W4A8Kernel kernel;
   int splits;          // K split across CTAs (1: no workspace)

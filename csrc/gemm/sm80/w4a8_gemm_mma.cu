@@ -34,20 +34,7 @@ constexpr int kChunkBytes = 512;   // one 16-channel x 64-k chunk = 32 lanes x 1
 constexpr int kDecodeWarps = 8;    // intra-CTA split-K for the decode kernels
 constexpr int kDecodeThreads = kDecodeWarps * 32;
 
-struct Params {
-  const int8_t* __restrict__ xq;
-  const float* __restrict__ x_scale;
-  const uint8_t* __restrict__ qweight;
-  const uint32_t* __restrict__ gparams;
-  const float* __restrict__ channel_scale;
-  const void* __restrict__ bias;
-  void* __restrict__ out;
-  int32_t* __restrict__ workspace;
-  int32_t* __restrict__ counters;
-  int bias_kind;
-  int M, N, K;
-  int group_shift;  // log2(group_size / 64): chunk c uses group c >> group_shift
-};
+using Params = W4A8KernelParams;
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
@@ -575,23 +562,7 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
 }
 
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaStream_t stream) {
-  Params p;
-  p.xq = a.xq;
-  p.x_scale = a.x_scale;
-  p.qweight = a.qweight;
-  p.gparams = a.gparams;
-  p.channel_scale = a.channel_scale;
-  p.bias = a.bias;
-  p.out = a.out;
-  p.workspace = a.workspace;
-  p.counters = a.counters;
-  p.bias_kind = static_cast<int>(a.bias_kind);
-  p.M = a.M;
-  p.N = a.N;
-  p.K = a.K;
-  int shift = 0;
-  while ((kChunkK << shift) < a.group_size) ++shift;
-  p.group_shift = shift;
+  const Params p = w4a8_kernel_params(a);
   switch (a.out_kind) {
     case OutKind::kHalf: return launch_typed<__half>(p, plan, stream);
     case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, stream);

@@ -47,19 +47,7 @@ constexpr int kChunkBytes = 512;    // 16 channels x 64 k, lane-ordered
 constexpr int kStageK = 128;        // k per pipeline stage = one 128-byte swizzle row of x
 constexpr int kThreads = 384;       // producer warpgroup + 2 consumer warpgroups
 
-struct WParams {
-  const int8_t* __restrict__ xq;
-  const float* __restrict__ x_scale;
-  const uint8_t* __restrict__ qweight;
-  const uint32_t* __restrict__ gparams;
-  const float* __restrict__ channel_scale;
-  const void* __restrict__ bias;
-  void* __restrict__ out;
-  int32_t* __restrict__ workspace;
-  int32_t* __restrict__ counters;
-  int bias_kind;
-  int M, N, K;
-  int group_shift;  // chunk c uses group c >> group_shift
+struct WParams : W4A8KernelParams {
   int tok_tiles, ch_tiles;
 };
 
@@ -782,22 +770,7 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
 
 cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaStream_t stream) {
   WParams p;
-  p.xq = a.xq;
-  p.x_scale = a.x_scale;
-  p.qweight = a.qweight;
-  p.gparams = a.gparams;
-  p.channel_scale = a.channel_scale;
-  p.bias = a.bias;
-  p.out = a.out;
-  p.workspace = a.workspace;
-  p.counters = a.counters;
-  p.bias_kind = static_cast<int>(a.bias_kind);
-  p.M = a.M;
-  p.N = a.N;
-  p.K = a.K;
-  int shift = 0;
-  while ((kChunkK << shift) < a.group_size) ++shift;
-  p.group_shift = shift;
+  static_cast<W4A8KernelParams&>(p) = w4a8_kernel_params(a);
   const Cfg c = cfg_of(static_cast<int>(plan.kernel));
   p.tok_tiles = ceil_div(a.M, c.tok);
   p.ch_tiles = ceil_div(a.N / 16, 2 * c.blocks * 4);
