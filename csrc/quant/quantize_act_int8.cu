@@ -46,6 +46,23 @@ __device__ __forceinline__ float load1(const float* p) { return *p; }
 __device__ __forceinline__ float load1(const __half* p) { return __half2float(*p); }
 __device__ __forceinline__ float load1(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 
+// v = x / smooth (IEEE division, as the reference), 8 elements from i or one.
+template <typename T, typename S>
+__device__ __forceinline__ void load_input8(const T* xr, const S* smooth, int i, float (&v)[8]) {
+  load8(xr + i, v);
+  if (smooth != nullptr) {
+    float s[8];
+    load8(smooth + i, s);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = v[j] / s[j];
+  }
+}
+template <typename T, typename S>
+__device__ __forceinline__ float load_input1(const T* xr, const S* smooth, int i) {
+  const float v = load1(xr + i);
+  return smooth != nullptr ? v / load1(smooth + i) : v;
+}
+
 // |v|, with NaN mapped to +inf: fmaxf drops NaN, so a row holding one would otherwise get a
 // finite scale and finite garbage outputs. An infinite amax marks the row non-finite.
 __device__ __forceinline__ float abs_or_inf(float v) {
@@ -90,22 +107,12 @@ __global__ void quantize_act_int8_kernel(const T* __restrict__ x, int64_t x_row_
   if constexpr (kVec) {
     for (int i = threadIdx.x * 8; i < K; i += blockDim.x * 8) {
       float v[8];
-      load8(xr + i, v);
-      if (smooth != nullptr) {
-        float s[8];
-        load8(smooth + i, s);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = v[j] / s[j];
-      }
+      load_input8(xr, smooth, i, v);
 #pragma unroll
       for (int j = 0; j < 8; ++j) amax = fmaxf(amax, abs_or_inf(v[j]));
     }
   } else {
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-      float v = load1(xr + i);
-      if (smooth != nullptr) v = v / load1(smooth + i);
-      amax = fmaxf(amax, abs_or_inf(v));
-    }
+    for (int i = threadIdx.x; i < K; i += blockDim.x) amax = fmaxf(amax, abs_or_inf(load_input1(xr, smooth, i)));
   }
   amax = block_max(amax, s_red);
   const float sc = isinf(amax) ? __int_as_float(0x7fffffff) : fmaxf(amax, 1e-8f) / 127.0f;
@@ -114,13 +121,7 @@ __global__ void quantize_act_int8_kernel(const T* __restrict__ x, int64_t x_row_
   if constexpr (kVec) {
     for (int i = threadIdx.x * 8; i < K; i += blockDim.x * 8) {
       float v[8];
-      load8(xr + i, v);
-      if (smooth != nullptr) {
-        float s[8];
-        load8(smooth + i, s);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = v[j] / s[j];
-      }
+      load_input8(xr, smooth, i, v);
       uint32_t packed[2] = {0u, 0u};
 #pragma unroll
       for (int j = 0; j < 8; ++j)
@@ -128,11 +129,7 @@ __global__ void quantize_act_int8_kernel(const T* __restrict__ x, int64_t x_row_
       *reinterpret_cast<uint2*>(qr + i) = make_uint2(packed[0], packed[1]);
     }
   } else {
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-      float v = load1(xr + i);
-      if (smooth != nullptr) v = v / load1(smooth + i);
-      qr[i] = quantize_one(v, sc);
-    }
+    for (int i = threadIdx.x; i < K; i += blockDim.x) qr[i] = quantize_one(load_input1(xr, smooth, i), sc);
   }
 }
 
