@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 
 import triton
 import triton.language as tl
@@ -86,27 +87,24 @@ def sass_loop_profile(kernel) -> dict:
         os.unlink(f.name)
     line = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
     ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in line.finditer(sass)]
-    loops = []  # (length, target, branch) of every backward branch
+    loops = []  # (target, branch) of every backward branch
     for addr, op, args in ins:
         target = re.match(r"\s*0x([0-9a-f]+)", args)
         if op.startswith("BRA") and target and int(target.group(1), 16) < addr:
-            loops.append((addr - int(target.group(1), 16), int(target.group(1), 16), addr))
+            loops.append((int(target.group(1), 16), addr))
     if not loops:
         return {"instructions": 0, "opcodes": {}}
-    _, lo, hi = max(loops)
-    body = [op.split(".")[0] for a, op, _ in ins if lo <= a <= hi]
-    counts = {}
-    for op in body:
-        counts[op] = counts.get(op, 0) + 1
-    return {"instructions": len(body), "opcodes": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
+    lo, hi = max(loops, key=lambda loop: loop[1] - loop[0])
+    body = Counter(op.split(".")[0] for a, op, _ in ins if lo <= a <= hi)
+    return {"instructions": sum(body.values()), "opcodes": dict(body.most_common())}
 
 
-def decode_common(A, **over) -> dict:
+def decode_common(A) -> dict:
     """Constexprs of the KV4 decode page kernel as the backend launches it at D = 128, G = 4."""
-    return dict(dict(B=16, D=128, G=4, G_PAD=16, BLOCK_R=16, NUM_SPLITS=2, KV4=True,
-                     HAS_SMOOTH=False, HAS_KB=False, NP=16, KB_V=64, HAS_RES=True, DT=tl.bfloat16,
-                     BLOCK_M=1, DECODE=True, FAST_UNPACK=True, CHUNK_MODE=A.CHUNK_CACHE.value,
-                     TAIL=A.TAIL_FINISH.value), **over)
+    return dict(B=16, D=128, G=4, G_PAD=16, BLOCK_R=16, NUM_SPLITS=2, KV4=True,
+                HAS_SMOOTH=False, HAS_KB=False, NP=16, KB_V=64, HAS_RES=True, DT=tl.bfloat16,
+                BLOCK_M=1, DECODE=True, FAST_UNPACK=True, CHUNK_MODE=A.CHUNK_CACHE.value,
+                TAIL=A.TAIL_FINISH.value)
 
 
 def main(argv=None) -> None:
