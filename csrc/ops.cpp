@@ -59,6 +59,32 @@ int num_sms(int device) {
   return n;
 }
 
+// Launch options (set_launch_options; defaults chosen on the H100, csrc/gemm/NOTES.md "PDL").
+// Read at each launch, so a CUDA graph keeps the options it was captured with.
+struct LaunchOptions {
+  std::atomic<bool> gemm_pdl{true};  // decode GEMM as a programmatic dependent launch
+  std::atomic<bool> act_quant_one_pass{true};
+};
+LaunchOptions& launch_options() {
+  static LaunchOptions opts;
+  return opts;
+}
+
+// Programmatic dependent launches (griddepcontrol) need sm_90; the kernels' code for them is
+// compiled for sm_90 only.
+bool is_sm90(int device) {
+  static std::array<std::atomic<int>, 64> cache{};  // 0 unknown, 1 no, 2 yes
+  if (device < 0 || device >= static_cast<int>(cache.size())) return false;
+  int v = cache[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    v = major >= 9 ? 2 : 1;
+    cache[device].store(v, std::memory_order_relaxed);
+  }
+  return v == 2;
+}
+
 void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* name) {
   TORCH_CHECK(t.is_cuda(), "mixprec_C: ", name, " must be a CUDA tensor, got ", t.device());
   TORCH_CHECK(t.device() == like.device(), "mixprec_C: ", name, " is on ", t.device(), " but the inputs are on ",
@@ -138,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in, const st
   C10_CUDA_CHECK(quantize_act_int8_launch(x.data_ptr(), x_kind, x.stride(0),
                                           smooth.defined() ? smooth.data_ptr() : nullptr, smooth_kind,
                                           q.data_ptr<int8_t>(), scale.data_ptr<float>(), static_cast<int>(M),
-                                          static_cast<int>(K), stream));
+                                          static_cast<int>(K), launch_options().act_quant_one_pass.load(), stream));
   return {q, scale};
 }
 
@@ -248,6 +274,7 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   args.N = static_cast<int>(N);
   args.K = static_cast<int>(K);
   args.group_size = static_cast<int>(group_size);
+  args.pdl = !use_wgmma && launch_options().gemm_pdl.load() && is_sm90(xq.device().index());
   const cudaStream_t stream = cuda_stream.stream();
   C10_CUDA_CHECK(use_wgmma ? w4a8_wgmma_launch(args, plan, stream) : w4a8_gemm_launch(args, plan, stream));
   return out;
@@ -277,6 +304,18 @@ std::vector<int64_t> w4a8_plan(int64_t M, int64_t N, int64_t K, int64_t group_si
   return {static_cast<int64_t>(plan.kernel), plan.splits};
 }
 
+// Sets the launch options (a negative value keeps one) and returns them both:
+// [gemm_pdl, act_quant_one_pass]. For A/B timing and tests; the defaults are the measured best
+// (csrc/gemm/NOTES.md, "PDL").
+std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_pass) {
+  TORCH_CHECK(gemm_pdl <= 1 && act_quant_one_pass <= 1,
+              "mixprec_C::set_launch_options: gemm_pdl and act_quant_one_pass take 0, 1 or -1 (keep)");
+  LaunchOptions& o = launch_options();
+  if (gemm_pdl >= 0) o.gemm_pdl.store(gemm_pdl == 1);
+  if (act_quant_one_pass >= 0) o.act_quant_one_pass.store(act_quant_one_pass == 1);
+  return {o.gemm_pdl.load() ? 1 : 0, o.act_quant_one_pass.load() ? 1 : 0};
+}
+
 }  // namespace
 }  // namespace mixprec
 
@@ -290,6 +329,8 @@ TORCH_LIBRARY(mixprec_C, m) {
   m.def("w4a8_wgmma_available(int device) -> bool", &mixprec::w4a8_wgmma_available);
   m.def("w4a8_plan(int M, int N, int K, int group_size, int num_sms, int kernel_id, int splits, bool wgmma) -> int[]",
         &mixprec::w4a8_plan);
+  m.def("set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1) -> int[]",
+        &mixprec::set_launch_options);
 }
 
 TORCH_LIBRARY_IMPL(mixprec_C, CUDA, m) {

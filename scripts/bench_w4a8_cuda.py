@@ -34,6 +34,10 @@ def lqq(n, k, g, gen):
 
 USE_GRAPHS = True
 DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # --splits-sweep, decode kernels 0 and 1
+# --launch-sweep: (gemm_pdl, act_quant_one_pass) of the linear; (0, 0) is the launch before
+# session 24. (Session 24 also swept an L2 prefetch of the weights before the GEMM's wait and a
+# cluster of CTAs per quantizer row: both removed, csrc/gemm/NOTES.md "PDL".)
+LAUNCH_VARIANTS = ((0, 0), (1, 0), (0, 1), (1, 1))
 
 
 def bench(fn):
@@ -68,6 +72,9 @@ def main():
     ap.add_argument("--splits-sweep", action="store_true",
                     help="also time the decode kernels (0, 1) at M <= 32 with 1..16 K splits, and the "
                          "wgmma kernels 4, 5, 6 at M >= 64 with 1, 2, 4 splits (the wgmma tile/split heuristic)")
+    ap.add_argument("--launch-sweep", action="store_true",
+                    help="at M <= 32 also time quantize_act and the linear (quantize_act + auto GEMM) "
+                         "under each of LAUNCH_VARIANTS (cuda.set_launch_options), all in this run")
     ap.add_argument("--shapes", nargs="+", metavar="KxN",
                     help="K x N shapes to time instead of the default/--full set, e.g. 4096x6144")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "bench_w4a8_cuda.json"))
@@ -106,7 +113,7 @@ def main():
         for m in ms:
             x = torch.randn(m, k, device=DEV, dtype=torch.float16)
             xq, xs = cuda.quantize_act(x)
-            variants = [-1] + ([0, 1] if m <= 32 else []) + [2, 3]
+            variants = [-1] + ([0, 1] if m <= 32 else []) + ([] if args.launch_sweep and m <= 32 else [2, 3])
             row = {"K": k, "N": n, "M": m, "G": g, "device": torch.cuda.get_device_name()}
             it = {"i": 0}
 
@@ -135,6 +142,18 @@ def main():
                 return torch.ops.mixprec_C.w4a8_gemm(xq2, xs2, pq, gp, cs, None, torch.float16, -1, 0)
 
             row["linear_auto_us"] = bench(linear)
+            if args.launch_sweep and m <= 32:
+                defaults = cuda.set_launch_options()
+                for one_pass in (0, 1):
+                    cuda.set_launch_options(act_quant_one_pass=one_pass)
+                    row[f"quantize_act_op{one_pass}_us"] = bench(lambda: cuda.quantize_act(x))
+                for pdl, one_pass in LAUNCH_VARIANTS:
+                    cuda.set_launch_options(gemm_pdl=pdl, act_quant_one_pass=one_pass)
+                    row[f"linear_pdl{pdl}_op{one_pass}_us"] = bench(linear)
+                for pdl in (0, 1):  # back-to-back GEMMs: PDL with no early trigger
+                    cuda.set_launch_options(gemm_pdl=pdl)
+                    row[f"gemm_pdl{pdl}_us"] = bench(lambda: gemm(-1))
+                cuda.set_launch_options(**defaults)
             best = min(row[f"gemm_k{v}_us"] for v in variants)
             row["best_gemm_us"] = best
             row["weight_GBps_auto"] = weight_bytes / (row["gemm_k-1_us"] * 1e-6) / 1e9

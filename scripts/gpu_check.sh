@@ -6,7 +6,7 @@
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
 # finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench w4ax startup
-# decode_sweep decode_plan
+# decode_sweep decode_plan gemm_launch gemm_flush
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -337,6 +337,26 @@ stage_decode_plan() {
   run_bench bench_gemm_decode 200 python3 benchmarks/bench_gemm.py --ms 1,16 \
     --shapes 4096x4096,14336x4096,4096x6144,4096x28672,8192x10240,28672x8192,8192x28672 \
     --methods ours_cuda,ours_cuda_gemm,marlin_w4a16,machete_w4a16 --out "$OUT/bench_gemm_decode" || rc=1
+  return $rc
+}
+# Session 24: quantize_act in one pass, and the decode GEMM as a programmatic dependent launch
+# with an L2 prefetch of its weights (csrc/gemm/NOTES.md, "PDL"): the csrc tests, then every
+# launch variant against the launch before (same run, Marlin beside it)
+stage_gemm_launch() {
+  local rc=0
+  pytest_gpu pytest-gpu-csrc-launch 200 tests/kernels/test_cuda_gemm.py || rc=1
+  run_bench bench_w4a8_cuda_launch 330 python3 scripts/bench_w4a8_cuda.py --shapes 4096x4096 14336x4096 \
+    4096x6144 8192x28672 28672x8192 --ms 1 16 --launch-sweep --out "$OUT/launch_sweep.json" || rc=1
+  return $rc
+}
+# bench_gemm's decode table with each L2 flush (ours with the launch defaults, Marlin, Machete)
+stage_gemm_flush() {
+  local rc=0 f
+  for f in write read; do
+    run_bench "bench_gemm_flush_$f" 200 python3 benchmarks/bench_gemm.py --ms 1,16 --flush $f \
+      --shapes 4096x4096,14336x4096,4096x6144,4096x28672,8192x10240,28672x8192,8192x28672 \
+      --methods ours_cuda,ours_cuda_gemm,marlin_w4a16,machete_w4a16 --out "$OUT/bench_gemm_flush_$f" || rc=1
+  done
   return $rc
 }
 stage_bench_attn() { run_bench bench_attention 420 python3 benchmarks/bench_attention.py --out "$OUT"; }

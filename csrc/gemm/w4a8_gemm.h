@@ -37,6 +37,9 @@ struct W4A8GemmArgs {
   int32_t* workspace;           // [splits, M, N] int32 when splits > 1
   int32_t* counters;            // plan.num_counters ints, zero at launch; the kernel leaves them zero
   int M, N, K, group_size;
+  // Decode kernels only (kernels 0, 1), on sm_90: launched as a programmatic dependent of the
+  // previous kernel on the stream, so their launch and set-up overlap its tail.
+  bool pdl = false;
 };
 
 // What every W4A8 kernel reads: W4A8GemmArgs in device form (the kernels take it by value).
@@ -90,8 +93,10 @@ cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cud
 
 // Per-token symmetric int8 quantisation (csrc/quant/quantize_act_int8.cu).
 // x [M, K] (row stride x_row_stride elements) of x_kind; smooth [K] of smooth_kind or nullptr.
+// one_pass: rows of up to 32768 elements are read once, into registers (false: the two-pass
+// loop, for A/B timing).
 cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_row_stride,
                                      const void* smooth, OutKind smooth_kind, int8_t* q,
-                                     float* scale, int M, int K, cudaStream_t stream);
+                                     float* scale, int M, int K, bool one_pass, cudaStream_t stream);
 
 }  // namespace mixprec

@@ -2,60 +2,97 @@
 //   v = x / smooth (float32, IEEE division), scale = max(amax|v|, 1e-8) / 127,
 //   q = clamp(rint_half_even(v / scale), -127, 127).
 //   A row holding NaN or +-Inf gets scale NaN and zero codes (reference._poison_nonfinite).
-// One CTA per token row; 16-byte loads; the second pass re-reads the row from L1/L2.
+// One CTA per token row, 16-byte loads. Rows of up to 32768 elements are read once into
+// registers (one memory latency, then the reduction, then the stores): at M = 1 the kernel is
+// latency-bound, and the two-pass loop it replaced took 2.1 / 4.2 / 6.5 us at K = 4096 / 14336 /
+// 28672 on an H100. Longer rows and unaligned ones take the two-pass loops (the second pass
+// re-reads the row from L1/L2).
+// On sm_90 the kernels let the next grid launch at once (griddepcontrol.launch_dependents):
+// the decode GEMM, launched as a programmatic dependent, sets up meanwhile and waits for this
+// grid before it reads the codes. (Splitting a row over a cluster of CTAs was measured too:
+// csrc/gemm/NOTES.md, "PDL".)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "gemm/w4a8_gemm.h"
 
 namespace mixprec {
 namespace {
 
-__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
-  const float4 a = *reinterpret_cast<const float4*>(p);
-  const float4 b = *reinterpret_cast<const float4*>(p + 4);
-  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-  v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// 8 input elements as loaded (16 bytes of half/bf16, 32 of float).
+template <typename T>
+struct Raw8 {
+  uint4 u[sizeof(T) / 2];
+};
+__device__ __forceinline__ void to_float8(const Raw8<float>& r, float (&v)[8]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    v[4 * i] = __uint_as_float(r.u[i].x);
+    v[4 * i + 1] = __uint_as_float(r.u[i].y);
+    v[4 * i + 2] = __uint_as_float(r.u[i].z);
+    v[4 * i + 3] = __uint_as_float(r.u[i].w);
+  }
 }
-__device__ __forceinline__ void load8(const __half* p, float (&v)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const __half2* h = reinterpret_cast<const __half2*>(&u);
+__device__ __forceinline__ void to_float8(const Raw8<__half>& r, float (&v)[8]) {
+  const uint32_t w[4] = {r.u[0].x, r.u[0].y, r.u[0].z, r.u[0].w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(h[i]);
+    __half2 h;
+    memcpy(&h, &w[i], 4);
+    const float2 f = __half22float2(h);
     v[2 * i] = f.x;
     v[2 * i + 1] = f.y;
   }
 }
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+__device__ __forceinline__ void to_float8(const Raw8<__nv_bfloat16>& r, float (&v)[8]) {
+  const uint32_t w[4] = {r.u[0].x, r.u[0].y, r.u[0].z, r.u[0].w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
+    __nv_bfloat162 h;
+    memcpy(&h, &w[i], 4);
+    const float2 f = __bfloat1622float2(h);
     v[2 * i] = f.x;
     v[2 * i + 1] = f.y;
   }
+}
+template <typename T>
+__device__ __forceinline__ Raw8<T> load_raw8(const T* p) {
+  Raw8<T> r;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(T)) / 2; ++i) r.u[i] = reinterpret_cast<const uint4*>(p)[i];
+  return r;
+}
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
+  to_float8(load_raw8(p), v);
 }
 
 __device__ __forceinline__ float load1(const float* p) { return *p; }
 __device__ __forceinline__ float load1(const __half* p) { return __half2float(*p); }
 __device__ __forceinline__ float load1(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 
-// v = x / smooth (IEEE division, as the reference), 8 elements from i or one.
+// v = x / smooth (IEEE division, as the reference): 8 elements at i (as loaded, or from
+// memory) or one.
 template <typename T, typename S>
-__device__ __forceinline__ void load_input8(const T* xr, const S* smooth, int i, float (&v)[8]) {
-  load8(xr + i, v);
+__device__ __forceinline__ void unpack_input8(const Raw8<T>& r, const S* smooth, int i, float (&v)[8]) {
+  to_float8(r, v);
   if (smooth != nullptr) {
     float s[8];
     load8(smooth + i, s);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = v[j] / s[j];
   }
+}
+template <typename T, typename S>
+__device__ __forceinline__ void load_input8(const T* xr, const S* smooth, int i, float (&v)[8]) {
+  unpack_input8(load_raw8(xr + i), smooth, i, v);
 }
 template <typename T, typename S>
 __device__ __forceinline__ float load_input1(const T* xr, const S* smooth, int i) {
@@ -77,6 +114,14 @@ __device__ __forceinline__ int8_t quantize_one(float v, float scale) {
   return static_cast<int8_t>(q);
 }
 
+__device__ __forceinline__ uint2 pack_codes8(const float (&v)[8], float sc) {
+  uint32_t packed[2] = {0u, 0u};
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    packed[j >> 2] |= static_cast<uint32_t>(static_cast<uint8_t>(quantize_one(v[j], sc))) << (8 * (j & 3));
+  return make_uint2(packed[0], packed[1]);
+}
+
 __device__ __forceinline__ float block_max(float v, float* s_red) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -93,15 +138,50 @@ __device__ __forceinline__ float block_max(float v, float* s_red) {
   return s_red[0];
 }
 
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The one-pass kernel: up to 1024 threads x 4 vectors of 8 elements (K <= 32768). At 8 vectors
+// ptxas spills under the 64-register cap of 1024-thread CTAs (it keeps the converted floats
+// live between the two uses).
+// What a CTA works on: its row of x, of the codes and of the scales. Every quantizer kernel
+// first lets the dependent GEMM launch (see the top of this file).
+template <typename T>
+struct QuantRow {
+  int64_t row;
+  const T* x;
+  int8_t* q;
+};
+template <typename T>
+__device__ __forceinline__ QuantRow<T> begin_row(const T* x, int64_t x_row_stride, int8_t* q, int K) {
+  allow_dependent_launch();
+  const int64_t row = blockIdx.x;
+  return {row, x + row * x_row_stride, q + row * K};
+}
+
+// The row's scale from each thread's partial amax; thread 0 stores it. NaN marks a non-finite row.
+__device__ __forceinline__ float row_scale(float amax, float* s_red, float* scale, int64_t row) {
+  amax = block_max(amax, s_red);
+  const float sc = isinf(amax) ? __int_as_float(0x7fffffff) : fmaxf(amax, 1e-8f) / 127.0f;
+  if (threadIdx.x == 0) scale[row] = sc;
+  return sc;
+}
+
+constexpr int kRegsThreads = 1024;
+constexpr int kRegsMaxVecs = 4;
+
 // kVec: K % 8 == 0 and 16-byte aligned rows (8 elements per access); otherwise scalar.
 template <typename T, typename S, bool kVec>
 __global__ void quantize_act_int8_kernel(const T* __restrict__ x, int64_t x_row_stride,
                                          const S* __restrict__ smooth, int8_t* __restrict__ q,
                                          float* __restrict__ scale, int K) {
   __shared__ float s_red[32];
-  const int64_t row = blockIdx.x;
-  const T* xr = x + row * x_row_stride;
-  int8_t* qr = q + row * K;
+  const QuantRow<T> r = begin_row(x, x_row_stride, q, K);
+  const T* xr = r.x;
+  int8_t* qr = r.q;
 
   float amax = 0.f;
   if constexpr (kVec) {
@@ -114,28 +194,73 @@ __global__ void quantize_act_int8_kernel(const T* __restrict__ x, int64_t x_row_
   } else {
     for (int i = threadIdx.x; i < K; i += blockDim.x) amax = fmaxf(amax, abs_or_inf(load_input1(xr, smooth, i)));
   }
-  amax = block_max(amax, s_red);
-  const float sc = isinf(amax) ? __int_as_float(0x7fffffff) : fmaxf(amax, 1e-8f) / 127.0f;
-  if (threadIdx.x == 0) scale[row] = sc;
+  const float sc = row_scale(amax, s_red, scale, r.row);
 
   if constexpr (kVec) {
     for (int i = threadIdx.x * 8; i < K; i += blockDim.x * 8) {
       float v[8];
       load_input8(xr, smooth, i, v);
-      uint32_t packed[2] = {0u, 0u};
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        packed[j >> 2] |= static_cast<uint32_t>(static_cast<uint8_t>(quantize_one(v[j], sc))) << (8 * (j & 3));
-      *reinterpret_cast<uint2*>(qr + i) = make_uint2(packed[0], packed[1]);
+      *reinterpret_cast<uint2*>(qr + i) = pack_codes8(v, sc);
     }
   } else {
     for (int i = threadIdx.x; i < K; i += blockDim.x) qr[i] = quantize_one(load_input1(xr, smooth, i), sc);
   }
 }
 
+// One pass: thread t holds vectors t, t + blockDim.x, ... of its row (coalesced).
+template <typename T, typename S, int kVecs>
+__global__ void __launch_bounds__(kRegsThreads) quantize_act_int8_regs_kernel(
+    const T* __restrict__ x, int64_t x_row_stride, const S* __restrict__ smooth, int8_t* __restrict__ q,
+    float* __restrict__ scale, int K) {
+  __shared__ float s_red[32];
+  const QuantRow<T> r = begin_row(x, x_row_stride, q, K);
+  const T* xr = r.x;
+  int8_t* qr = r.q;
+  const int vecs = K / 8;
+
+  Raw8<T> raw[kVecs];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int vi = threadIdx.x + j * blockDim.x;
+    if (vi < vecs) raw[j] = load_raw8(xr + vi * 8);
+  }
+  // f(vector index, its 8 inputs) over this thread's vectors, converted again for each use
+  auto each_vec = [&](auto&& f) {
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int vi = threadIdx.x + j * blockDim.x;
+      if (vi < vecs) {
+        float v[8];
+        unpack_input8(raw[j], smooth, vi * 8, v);
+        f(vi, v);
+      }
+    }
+  };
+  float amax = 0.f;
+  each_vec([&](int, const float (&v)[8]) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, abs_or_inf(v[e]));
+  });
+  const float sc = row_scale(amax, s_red, scale, r.row);
+  each_vec([&](int vi, const float (&v)[8]) { *reinterpret_cast<uint2*>(qr + vi * 8) = pack_codes8(v, sc); });
+}
+
 template <typename T, typename S>
-void launch_row_kernel(const T* x, int64_t stride, const S* smooth, int8_t* q, float* scale, int M, int K,
-                       bool vec, cudaStream_t stream) {
+cudaError_t launch_row_kernel(const T* x, int64_t stride, const S* smooth, int8_t* q, float* scale, int M, int K,
+                              bool vec, bool one_pass, cudaStream_t stream) {
+  const int vecs = K / 8;
+  if (one_pass && vec && vecs <= kRegsThreads * kRegsMaxVecs) {
+    int per_thread = 1;
+    while (per_thread * kRegsThreads < vecs) per_thread *= 2;
+    const int threads = ((ceil_div(vecs, per_thread) + 31) / 32) * 32;
+    switch (per_thread) {
+      case 1: quantize_act_int8_regs_kernel<T, S, 1><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K); break;
+      case 2: quantize_act_int8_regs_kernel<T, S, 2><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K); break;
+      default:
+        quantize_act_int8_regs_kernel<T, S, kRegsMaxVecs><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K);
+    }
+    return cudaGetLastError();
+  }
   const int work = vec ? (K + 7) / 8 : K;
   int threads = ((work + 31) / 32) * 32;
   threads = threads < 32 ? 32 : (threads > 512 ? 512 : threads);
@@ -143,39 +268,39 @@ void launch_row_kernel(const T* x, int64_t stride, const S* smooth, int8_t* q, f
     quantize_act_int8_kernel<T, S, true><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K);
   else
     quantize_act_int8_kernel<T, S, false><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K);
+  return cudaGetLastError();
 }
 
 template <typename T>
-void launch_for_x(const void* x, int64_t stride, const void* smooth, OutKind smooth_kind, int8_t* q,
-                  float* scale, int M, int K, bool vec, cudaStream_t stream) {
+cudaError_t launch_for_x(const void* x, int64_t stride, const void* smooth, OutKind smooth_kind, int8_t* q,
+                         float* scale, int M, int K, bool vec, bool one_pass, cudaStream_t stream) {
   const T* xt = static_cast<const T*>(x);
   if (smooth == nullptr || smooth_kind == OutKind::kFloat)
-    launch_row_kernel<T, float>(xt, stride, static_cast<const float*>(smooth), q, scale, M, K, vec, stream);
-  else if (smooth_kind == OutKind::kHalf)
-    launch_row_kernel<T, __half>(xt, stride, static_cast<const __half*>(smooth), q, scale, M, K, vec, stream);
-  else
-    launch_row_kernel<T, __nv_bfloat16>(xt, stride, static_cast<const __nv_bfloat16*>(smooth), q, scale, M,
-                                        K, vec, stream);
+    return launch_row_kernel<T, float>(xt, stride, static_cast<const float*>(smooth), q, scale, M, K, vec, one_pass,
+                                       stream);
+  if (smooth_kind == OutKind::kHalf)
+    return launch_row_kernel<T, __half>(xt, stride, static_cast<const __half*>(smooth), q, scale, M, K, vec, one_pass,
+                                        stream);
+  return launch_row_kernel<T, __nv_bfloat16>(xt, stride, static_cast<const __nv_bfloat16*>(smooth), q, scale, M, K,
+                                             vec, one_pass, stream);
 }
 
 }  // namespace
 
 cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_row_stride, const void* smooth,
                                      OutKind smooth_kind, int8_t* q, float* scale, int M, int K,
-                                     cudaStream_t stream) {
+                                     bool one_pass, cudaStream_t stream) {
   if (M == 0) return cudaSuccess;
   // 8 elements per access: rows must start on 16-byte boundaries (x) and 8-byte ones (q).
   const bool vec = K % 8 == 0 && (x_row_stride % 8) == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    (smooth == nullptr || reinterpret_cast<uintptr_t>(smooth) % 16 == 0) &&
                    reinterpret_cast<uintptr_t>(q) % 8 == 0;
   switch (x_kind) {
-    case OutKind::kHalf: launch_for_x<__half>(x, x_row_stride, smooth, smooth_kind, q, scale, M, K, vec, stream); break;
+    case OutKind::kHalf: return launch_for_x<__half>(x, x_row_stride, smooth, smooth_kind, q, scale, M, K, vec, one_pass, stream);
     case OutKind::kBFloat16:
-      launch_for_x<__nv_bfloat16>(x, x_row_stride, smooth, smooth_kind, q, scale, M, K, vec, stream);
-      break;
-    default: launch_for_x<float>(x, x_row_stride, smooth, smooth_kind, q, scale, M, K, vec, stream); break;
+      return launch_for_x<__nv_bfloat16>(x, x_row_stride, smooth, smooth_kind, q, scale, M, K, vec, one_pass, stream);
+    default: return launch_for_x<float>(x, x_row_stride, smooth, smooth_kind, q, scale, M, K, vec, one_pass, stream);
   }
-  return cudaGetLastError();
 }
 
 }  // namespace mixprec

@@ -130,6 +130,66 @@ def test_quantize_act_matches_reference(dtype, m, k, smooth_dtype):
     assert int(diff.max()) <= 1 and int((diff != 0).sum()) <= max(1, q.numel() // 10000)
 
 
+@pytest.fixture
+def launch_options():
+    """Restores the csrc launch options a test changes."""
+    saved = cuda.set_launch_options()
+    yield cuda.set_launch_options
+    cuda.set_launch_options(**saved)
+
+
+# K per path: one-pass with 1, 2 and 4 vectors per thread (4096, 14336, 28672, 32768 = the
+# largest), the two-pass loop above that (32776), and the scalar loop (K % 8 != 0).
+@pytest.mark.parametrize("k", [64, 4096, 14336, 28672, 32768, 32776, 1001])
+@pytest.mark.parametrize("dtype,smooth_dtype", [(torch.bfloat16, None), (torch.float16, torch.float32),
+                                                (torch.float32, "same")])
+def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, launch_options):
+    """The register-resident kernel computes what the two-pass loop does, bit for bit, with a
+    non-finite row (NaN scale, zero codes) among finite ones."""
+    gen = _gen(k)
+    m = 3
+    x = (torch.randn(m, k, generator=gen, device=DEV) * 10).to(dtype)
+    x[1, k // 3] = float("nan")
+    smooth = None
+    if smooth_dtype is not None:
+        smooth = (torch.rand(k, generator=gen, device=DEV) + 0.25).to(dtype if smooth_dtype == "same" else smooth_dtype)
+    got = {}
+    for one_pass in (0, 1):
+        launch_options(act_quant_one_pass=one_pass)
+        poison(m * k, torch.int8)
+        got[one_pass] = cuda.quantize_act(x, smooth)
+    torch.cuda.synchronize()
+    q0, s0 = got[0]
+    for mode, (q, s) in got.items():
+        assert torch.equal(q, q0), mode
+        assert torch.equal(s[[0, 2]], s0[[0, 2]]) and bool(torch.isnan(s[1])), mode
+        assert int(q[1].abs().sum()) == 0, mode
+    q_ref, s_ref = ref.quantize_act(x, smooth)
+    assert float(((s0[[0, 2]] - s_ref[[0, 2]]).abs() / s_ref[[0, 2]]).max()) <= 1e-6
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (5, 1024, 14336), (16, 2048, 8192), (32, 512, 1024),
+                                   (2, 64, 4096)])
+def test_decode_gemm_launch_options_bit_identical(m, n, k, launch_options):
+    """The decode kernels as programmatic dependent launches (sm_90) after either quantizer
+    give the plain launch's bits; (2, 64, 4096) splits K. The linear op runs
+    quantize_act first, so the dependent really overlaps a producer of its input."""
+    gen = _gen(m + n + k)
+    layer, _ = _prepared_layer(n, k, 64, gen)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    outs = []
+    for pdl, one_pass in ((0, 0), (1, 0), (1, 1), (0, 1)):
+        launch_options(gemm_pdl=pdl, act_quant_one_pass=one_pass)
+        for _ in range(3):  # back to back, so a dependent can start before its producer ends
+            poison(m * n, torch.bfloat16)
+            y = torch.ops.mixprec.w4a8_linear(x, layer.qweight, layer.group_scale, layer.group_offset,
+                                              layer.channel_scale, None, None, "cuda")
+            outs.append(((pdl, one_pass), y))
+    torch.cuda.synchronize()
+    for opts, y in outs[1:]:
+        assert torch.equal(y, outs[0][1]), opts
+
+
 def test_quantize_act_strided_and_zero_rows():
     x = torch.randn(6, 512, device=DEV, dtype=torch.float16)
     x[2] = 0  # scale clamps at 1e-8 / 127, codes are 0

@@ -164,3 +164,18 @@ def test_mma_planner_still_answers():
 def test_bad_problems_raise(args, match):
     with pytest.raises(RuntimeError, match=match):
         plan(**args)
+
+
+def test_launch_options_round_trip_and_errors():
+    """set_launch_options (host state, no GPU needed): -1 keeps a value; a bad value names the fields."""
+    saved = cuda.set_launch_options()
+    try:
+        assert set(saved) == {"gemm_pdl", "act_quant_one_pass"}
+        assert cuda.set_launch_options(gemm_pdl=0) == {"gemm_pdl": 0, "act_quant_one_pass": saved["act_quant_one_pass"]}
+        assert cuda.set_launch_options(act_quant_one_pass=0) == {"gemm_pdl": 0, "act_quant_one_pass": 0}
+        assert cuda.set_launch_options(gemm_pdl=1) == {"gemm_pdl": 1, "act_quant_one_pass": 0}
+        with pytest.raises(RuntimeError, match="gemm_pdl and act_quant_one_pass take 0, 1 or -1"):
+            cuda.set_launch_options(gemm_pdl=2)
+    finally:
+        cuda.set_launch_options(**saved)
+    assert cuda.set_launch_options() == saved == {"gemm_pdl": 1, "act_quant_one_pass": 1}

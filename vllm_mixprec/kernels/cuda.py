@@ -70,6 +70,21 @@ def _load() -> None:
         return
     _register_fakes()
     _state["path"] = libs[0]
+    if "MIXPREC_GEMM_PDL" in os.environ:
+        v = os.environ["MIXPREC_GEMM_PDL"].strip()
+        if v not in ("0", "1"):
+            raise ValueError(f"MIXPREC_GEMM_PDL={v!r}: expected 0 or 1")
+        set_launch_options(gemm_pdl=int(v))
+
+
+def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1) -> dict[str, int]:
+    """Set the csrc launch options (-1 keeps one) and return both. gemm_pdl: on sm_90 the
+    decode GEMM (M <= 32) is a programmatic dependent launch, which quantize_act lets start at
+    once. act_quant_one_pass: quantize_act reads rows of up to 32K elements once, into
+    registers. Both on by default (measured: csrc/gemm/NOTES.md, "PDL"); MIXPREC_GEMM_PDL=0
+    turns PDL off at load. A CUDA graph keeps the options it was captured with."""
+    got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass)
+    return dict(zip(("gemm_pdl", "act_quant_one_pass"), got))
 
 
 def available() -> bool:

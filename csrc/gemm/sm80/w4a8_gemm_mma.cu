@@ -60,6 +60,13 @@ __device__ __forceinline__ void cp_async16(void* smem_ptr, const void* gmem_ptr,
                "r"(ok ? 16 : 0)
                : "memory");
 }
+// Programmatic dependent launch (sm_90; a no-op below): wait for the grids this one depends on.
+__device__ __forceinline__ void wait_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
@@ -248,6 +255,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_kernel(const Pa
     wptr[r] = p.qweight + (rt * chunks + c_lo) * kChunkBytes + lane * 16;
     pptr[r] = p.gparams + rt * groups * 8 + g;
   }
+  // As a programmatic dependent (sm_90), the CTA got here while the previous grid
+  // (quantize_act) may still run; nothing it writes is read or written before this wait.
+  // (An L2 prefetch of the weight range before it cost 1-8 us: session 24, NOTES.md "PDL".)
+  wait_prior_grids();
+
   const int8_t* xptr[kTokTiles];
 #pragma unroll
   for (int tt = 0; tt < kTokTiles; ++tt) {
@@ -479,27 +491,36 @@ int ctas_per_split(W4A8Kernel k, int M, int N) {
   }
 }
 
+// A decode kernel, as a programmatic dependent launch when pdl (sm_90 only: the caller checks).
+template <int kTokTiles, int kRowTiles, int kUnroll, typename OutT>
+cudaError_t launch_decode(const Params& p, dim3 grid, bool pdl, cudaStream_t stream) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kDecodeThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, OutT>, p);
+}
+
 template <typename OutT>
-cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, cudaStream_t stream) {
+cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, cudaStream_t stream) {
   const int row_tiles = p.N / 16;
   switch (plan.kernel) {
     case W4A8Kernel::kDecodeRows16:
     case W4A8Kernel::kDecodeRows32: {
       const bool two = plan.kernel == W4A8Kernel::kDecodeRows32;
       const dim3 grid(ceil_div(row_tiles, two ? 2 : 1), plan.splits);
-      const dim3 block(kDecodeThreads);
       // Loads in flight per lane: unroll x (row tiles + token tiles); unroll shrinks as x grows.
-      if (p.M <= 8) {
-        if (two) w4a8_decode_kernel<1, 2, 4, OutT><<<grid, block, 0, stream>>>(p);
-        else     w4a8_decode_kernel<1, 1, 4, OutT><<<grid, block, 0, stream>>>(p);
-      } else if (p.M <= 16) {
-        if (two) w4a8_decode_kernel<2, 2, 4, OutT><<<grid, block, 0, stream>>>(p);
-        else     w4a8_decode_kernel<2, 1, 4, OutT><<<grid, block, 0, stream>>>(p);
-      } else {
-        if (two) w4a8_decode_kernel<4, 2, 2, OutT><<<grid, block, 0, stream>>>(p);
-        else     w4a8_decode_kernel<4, 1, 2, OutT><<<grid, block, 0, stream>>>(p);
-      }
-      break;
+      if (p.M <= 8)
+        return two ? launch_decode<1, 2, 4, OutT>(p, grid, pdl, stream) : launch_decode<1, 1, 4, OutT>(p, grid, pdl, stream);
+      if (p.M <= 16)
+        return two ? launch_decode<2, 2, 4, OutT>(p, grid, pdl, stream) : launch_decode<2, 1, 4, OutT>(p, grid, pdl, stream);
+      return two ? launch_decode<4, 2, 2, OutT>(p, grid, pdl, stream) : launch_decode<4, 1, 2, OutT>(p, grid, pdl, stream);
     }
     case W4A8Kernel::kTiledTok64: {
       const dim3 grid(ceil_div(p.M, Tiled64::kCtaToks), ceil_div(row_tiles, Tiled64::kCtaRowTiles), plan.splits);
@@ -564,9 +585,9 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaStream_t stream) {
   const Params p = w4a8_kernel_params(a);
   switch (a.out_kind) {
-    case OutKind::kHalf: return launch_typed<__half>(p, plan, stream);
-    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, stream);
-    default: return launch_typed<float>(p, plan, stream);
+    case OutKind::kHalf: return launch_typed<__half>(p, plan, a.pdl, stream);
+    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, a.pdl, stream);
+    default: return launch_typed<float>(p, plan, a.pdl, stream);
   }
 }
 
