@@ -22,7 +22,8 @@ Measured in the same run, on the same random data sizes:
                      activation quant (scaled_fp8_quant) + CUTLASS cutlass_scaled_mm, bf16 out
 
 Every callable is captured in a CUDA graph and its replays are timed with
-triton.testing.do_bench(return_mode="median") (which also flushes L2 before each replay).
+triton.testing.do_bench(return_mode="median") (which also flushes L2 before each replay by
+writing 256 MB; `--flush read` reads 256 MB instead, leaving the L2 clean).
 When a method's weights fit in L2 (50 MB) the graph cycles through several copies of the
 weights and inputs, so that no call finds its weights in cache; the time is per call.
 

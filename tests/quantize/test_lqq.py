@@ -68,3 +68,18 @@ def test_searched_export_and_gptq_with_search_are_valid():
     base = ref.quantize_weight_lqq(w, 64)
     e = lambda tt: float((((lqq.dequantize(tt) - w) ** 2) * act_sq).sum())  # noqa: E731
     assert e(lqq.quantize_lqq_searched(w, 64, act_sq)) <= e(base) + 1e-12
+
+
+def test_fake_weight_is_the_dequantized_export_bit_for_bit():
+    """The alpha searches' unpacked shortcut equals quantize -> pack -> unpack -> dequantize,
+    on weights with outlier rows, constant groups (range 0) and ranges on step boundaries."""
+    gen = torch.Generator().manual_seed(3)
+    for n, k, g in ((48, 256, 64), (33, 512, 128), (128, 1536, 64)):
+        w = torch.randn(n, k, generator=gen) * torch.logspace(-3, 2, n)[:, None]
+        w[1, :g] = 0.25                    # a constant group
+        w[2] = torch.arange(k) % 16 - 7.5  # integer-spaced ranges
+        w[3, 5] = 1e3                      # an outlier that squeezes its row
+        want = ref.dequantize_weight(**ref.quantize_weight_lqq(w, g))
+        got = lqq.fake_weight_lqq(w, g)
+        assert got.dtype == torch.float32 and torch.equal(got, want), (n, k, g)
+        assert torch.equal(lqq.fake_weight_lqq(w.double(), g), want)

@@ -17,6 +17,7 @@ import torch
 
 from .. import formats as F
 from .. import reference as ref
+from . import lqq
 
 
 def num_a8_blocks(in_features: int, a8_fraction: float) -> int:
@@ -104,6 +105,5 @@ def hessian_basis(h: torch.Tensor, perm: torch.Tensor, k8: int, rotation: torch.
 def fake_w4ax(x: torch.Tensor, w: torch.Tensor, group_size: int, perm: torch.Tensor, k8: int,
               rotation: torch.Tensor | None = None) -> torch.Tensor:
     """Float simulation of a W4Ax layer (RTN LQQ weights on permuted, rotated K)."""
-    t = ref.quantize_weight_lqq(weight_basis(w, perm, k8, rotation), group_size)
-    wq = ref.dequantize_weight(t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"])
+    wq = lqq.fake_weight_lqq(weight_basis(w, perm, k8, rotation), group_size)
     return ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, perm, k8, rotation=rotation)) @ wq.T

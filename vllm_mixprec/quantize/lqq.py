@@ -104,8 +104,24 @@ def quantize_lqq_searched(w: torch.Tensor, group_size: int, act_sq: torch.Tensor
             "channel_scale": channel_scale}
 
 
+def fake_weight_lqq(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RTN LiquidQuant of W [N, K], dequantized to float32 without packing the codes: equal bit
+    for bit to ref.dequantize_weight(**ref.quantize_weight_lqq(w, group_size)) (tested), which the
+    smoothing searches called once per candidate. (q * step + offset) ^ 0x80 read as int8 is
+    q * step + min; float32 holds those integers and the product with the float32 channel scale
+    rounds once, as dequantize_weight's does."""
+    w8, channel_scale = ref.quantize_w8_per_channel(w)
+    step, offset = ref.lqq_group_params(w8, group_size)
+    n, k = w8.shape
+    g = w8.view(n, k // group_size, group_size).to(torch.float32)
+    mn = offset.to(torch.float32)[..., None] - 128
+    st = step.to(torch.float32)[..., None]
+    q = torch.round((g - mn) / st).clamp_(0, F.W4_MAX)  # ref.lqq_encode
+    return (q * st + mn).view(n, k) * channel_scale[:, None]
+
+
 def fake_w4a8(x: torch.Tensor, w: torch.Tensor, group_size: int) -> torch.Tensor:
     """Float simulation of a W4A8 layer (RTN LQQ weights, per-token int8 activations)."""
-    wq = dequantize(ref.quantize_weight_lqq(w, group_size)).float()
+    wq = fake_weight_lqq(w, group_size)
     xq, xs = ref.quantize_act(x)
     return (xq.float() * xs[:, None]) @ wq.T
