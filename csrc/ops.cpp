@@ -48,16 +48,23 @@ OutKind kind_of(at::ScalarType t, const char* what) {
   return OutKind::kFloat;
 }
 
-int num_sms(int device) {
-  static std::array<std::atomic<int>, 64> cache{};
-  if (device < 0 || device >= static_cast<int>(cache.size())) device = 0;
+constexpr int kMaxDevices = 64;
+
+// A device attribute, queried once per device (0 = not queried yet; devices past kMaxDevices
+// read device 0's).
+template <cudaDeviceAttr kAttr>
+int device_attribute(int device) {
+  static std::array<std::atomic<int>, kMaxDevices> cache{};
+  if (device < 0 || device >= kMaxDevices) device = 0;
   int n = cache[device].load(std::memory_order_relaxed);
   if (n == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, kAttr, device));
     cache[device].store(n, std::memory_order_relaxed);
   }
   return n;
 }
+
+int num_sms(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device); }
 
 // Launch options (set_launch_options; defaults chosen on the H100, csrc/gemm/NOTES.md "PDL").
 // Read at each launch, so a CUDA graph keeps the options it was captured with.
@@ -73,16 +80,7 @@ LaunchOptions& launch_options() {
 // Programmatic dependent launches (griddepcontrol) need sm_90; the kernels' code for them is
 // compiled for sm_90 only.
 bool is_sm90(int device) {
-  static std::array<std::atomic<int>, 64> cache{};  // 0 unknown, 1 no, 2 yes
-  if (device < 0 || device >= static_cast<int>(cache.size())) return false;
-  int v = cache[device].load(std::memory_order_relaxed);
-  if (v == 0) {
-    int major = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    v = major >= 9 ? 2 : 1;
-    cache[device].store(v, std::memory_order_relaxed);
-  }
-  return v == 2;
+  return device >= 0 && device < kMaxDevices && device_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 9;
 }
 
 void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* name) {

@@ -340,8 +340,8 @@ stage_decode_plan() {
   return $rc
 }
 # Session 24: quantize_act in one pass, and the decode GEMM as a programmatic dependent launch
-# with an L2 prefetch of its weights (csrc/gemm/NOTES.md, "PDL"): the csrc tests, then every
-# launch variant against the launch before (same run, Marlin beside it)
+# (csrc/gemm/NOTES.md, "PDL"): the csrc tests, then every launch variant against the launch
+# before (same run, Marlin beside it)
 stage_gemm_launch() {
   local rc=0
   pytest_gpu pytest-gpu-csrc-launch 200 tests/kernels/test_cuda_gemm.py || rc=1

@@ -144,9 +144,6 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-// The one-pass kernel: up to 1024 threads x 4 vectors of 8 elements (K <= 32768). At 8 vectors
-// ptxas spills under the 64-register cap of 1024-thread CTAs (it keeps the converted floats
-// live between the two uses).
 // What a CTA works on: its row of x, of the codes and of the scales. Every quantizer kernel
 // first lets the dependent GEMM launch (see the top of this file).
 template <typename T>
@@ -170,6 +167,9 @@ __device__ __forceinline__ float row_scale(float amax, float* s_red, float* scal
   return sc;
 }
 
+// The one-pass kernel: up to 1024 threads x 4 vectors of 8 elements (K <= 32768). At 8 vectors
+// ptxas spills under the 64-register cap of 1024-thread CTAs (it keeps the converted floats
+// live between the two uses).
 constexpr int kRegsThreads = 1024;
 constexpr int kRegsMaxVecs = 4;
 

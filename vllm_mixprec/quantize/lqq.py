@@ -113,11 +113,9 @@ def fake_weight_lqq(w: torch.Tensor, group_size: int) -> torch.Tensor:
     w8, channel_scale = ref.quantize_w8_per_channel(w)
     step, offset = ref.lqq_group_params(w8, group_size)
     n, k = w8.shape
-    g = w8.view(n, k // group_size, group_size).to(torch.float32)
-    mn = offset.to(torch.float32)[..., None] - 128
-    st = step.to(torch.float32)[..., None]
-    q = torch.round((g - mn) / st).clamp_(0, F.W4_MAX)  # ref.lqq_encode
-    return (q * st + mn).view(n, k) * channel_scale[:, None]
+    q = ref.lqq_encode(w8, step, offset, group_size).view(n, k // group_size, group_size).to(torch.float32)
+    w8_hat = q * step.to(torch.float32)[..., None] + (offset.to(torch.float32)[..., None] - 128)
+    return w8_hat.view(n, k) * channel_scale[:, None]
 
 
 def fake_w4a8(x: torch.Tensor, w: torch.Tensor, group_size: int) -> torch.Tensor:
