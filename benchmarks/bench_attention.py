@@ -10,6 +10,8 @@ block table per sequence), written by its own writer:
                 (which dispatches int4 to unified_attention_int4) reads it;
   mixprec-kv4/8 vllm_mixprec.kernels.triton.attention.decode_attention (+ split merge);
   mixprec-kv4-r16  the same with the 16-token bf16 residual window (the backend default).
+  ...-cuda / ...-triton  a mixprec method with its page kernel forced (decode_impl): the CUDA
+                kernel of csrc/attention/ or the Triton one (e.g. mixprec-kv4-r16-cuda).
 Each call is captured in a CUDA graph and timed with triton.testing.do_bench (median,
 L2 flushed between replays). Outputs are checked against FA3 (relative L2 error).
 
@@ -37,6 +39,15 @@ HQ, HKV, D, B = 32, 8, 128, 16
 BYTES_PER_TOKEN_HEAD = {"fa3-bf16": 4 * D, "triton-int4": D + 8, "triton-int8": 2 * D + 8,
                         "mixprec-kv4": D + 8, "mixprec-kv8": 2 * D + 8, "mixprec-kv4-r16": D + 8}
 ALL_METHODS = tuple(BYTES_PER_TOKEN_HEAD)
+IMPL_SUFFIXES = ("-cuda", "-triton")  # MIXPREC_ATTN_DECODE_IMPL for a mixprec method
+
+
+def split_impl(method: str) -> tuple[str, str | None]:
+    """"mixprec-kv4-r16-cuda" -> ("mixprec-kv4-r16", "cuda"); no suffix -> (method, None)."""
+    for suffix in IMPL_SUFFIXES:
+        if method.startswith("mixprec-") and method.endswith(suffix):
+            return method[:-len(suffix)], suffix[1:]
+    return method, None
 # (batch, ctx, chunk): `chunk` new tokens per sequence after ctx - chunk cached ones
 PREFILL_GRID = ((1, 8192, 8192), (8, 2048, 2048), (4, 8192, 1024), (16, 4096, 512),
                 (2, 8192, 128))
@@ -54,7 +65,9 @@ def parse_args(argv=None):
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--ctx", type=int, nargs="+", default=[1024, 8192, 32768])
-    p.add_argument("--methods", nargs="+", choices=sorted(set(ALL_METHODS + PREFILL_METHODS)),
+    p.add_argument("--methods", nargs="+", choices=sorted(set(
+        ALL_METHODS + PREFILL_METHODS + tuple(m + x for m in ALL_METHODS if m.startswith("mixprec-")
+                                              for x in IMPL_SUFFIXES))),
                    help="default: every decode method, or with --prefill every prefill one")
     p.add_argument("--quick", action="store_true", help="batch {1,64} x ctx {1K,8K}, short reps")
     p.add_argument("--tune", action="store_true", help="sweep the mixprec decode configs")
@@ -187,7 +200,7 @@ def setup_triton(shape: Shape, carrier: str):
 
 
 def setup_mixprec(shape: Shape, scheme: str, residual_tokens: int = 0, splits: int | None = None,
-                  chunk: str | None = None):
+                  chunk: str | None = None, impl: str | None = None):
     import torch
     from vllm_mixprec import formats as F
     from vllm_mixprec.attention_backend import residual as R
@@ -247,9 +260,18 @@ def setup_mixprec(shape: Shape, scheme: str, residual_tokens: int = 0, splits: i
                               chunk_kv=(shape.new_k, shape.new_v) if chunk == "triton" else None,
                               chunk_lse=lse)
         else:
-            decode_attention(shape.q, cache, layout, shape.block_table, shape.seq_lens,
-                             shape.qsl, out, shape.scale, shape.batch, run.splits, part_o,
-                             part_lse, res, merge_counters=counters)
+            saved = os.environ.get("MIXPREC_ATTN_DECODE_IMPL")
+            if impl:  # read at launch, i.e. when the graph is captured
+                os.environ["MIXPREC_ATTN_DECODE_IMPL"] = impl
+            try:
+                decode_attention(shape.q, cache, layout, shape.block_table, shape.seq_lens,
+                                 shape.qsl, out, shape.scale, shape.batch, run.splits, part_o,
+                                 part_lse, res, merge_counters=counters)
+            finally:
+                if impl:
+                    os.environ.pop("MIXPREC_ATTN_DECODE_IMPL")
+                    if saved is not None:
+                        os.environ["MIXPREC_ATTN_DECODE_IMPL"] = saved
     run.splits = splits or decode_num_splits(shape.batch, HKV)  # --tune changes it
     run.directory = directory
     return [write], run, out
@@ -261,6 +283,9 @@ def setup(method: str, shape: Shape, **kw):
     if method.startswith("triton-"):
         return setup_triton(shape, {"triton-int4": "int4_per_token_head",
                                     "triton-int8": "int8_per_token_head"}[method])
+    method, impl = split_impl(method)
+    if impl:
+        kw["impl"] = impl
     scheme = "kv4" if "kv4" in method else "kv8"
     chunk = {"exact": "triton", "flash": "flash", "gather": "gather"}.get(
         method.rsplit("-", 1)[-1])
@@ -304,7 +329,8 @@ def run_shape(shape: Shape, methods, rep_ms: int) -> list[dict]:
         ms = time_graph(run, rep_ms)
         row = dict(batch=shape.batch, ctx=shape.ctx, q_len=shape.q_len, method=m, ms=ms)
         if shape.q_len == 1:
-            row["gb_per_s"] = shape.batch * shape.ctx * HKV * BYTES_PER_TOKEN_HEAD[m] / ms / 1e6
+            row["gb_per_s"] = (shape.batch * shape.ctx * HKV * BYTES_PER_TOKEN_HEAD[split_impl(m)[0]]
+                               / ms / 1e6)
         else:
             row["tflop_per_s"] = shape.attention_flops() / ms / 1e9
         rows.append(row)

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <array>
 #include <atomic>
 #include <map>
@@ -19,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention/decode_kv4.h"
 #include "gemm/w4a8_gemm.h"
 
 namespace mixprec {
@@ -302,6 +304,108 @@ std::vector<int64_t> w4a8_plan(int64_t M, int64_t N, int64_t K, int64_t group_si
   return {static_cast<int64_t>(plan.kernel), plan.splits};
 }
 
+// The page part of KV4 decode attention (csrc/attention/sm80/decode_kv4_mma.cu): the rows of
+// query length 1 attend their pages [0, seq_len - res_tokens), split num_splits ways as
+// vllm_mixprec/kernels/triton/attention.py's _decode_tiles splits them. With part_o/part_lse
+// each split writes its normalised output and base-2 LSE at row (row * slots + split) (the
+// Triton finish kernel merges them and attends the residual tail); without them (one split, no
+// residual) the row's output goes straight to `out`.
+void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
+                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::Tensor& out,
+                      const std::optional<at::Tensor>& part_o, const std::optional<at::Tensor>& part_lse,
+                      const std::optional<at::Tensor>& k_smooth, double qk_scale, int64_t num_rows,
+                      int64_t num_splits, int64_t slots, int64_t res_tokens, int64_t tile_tokens,
+                      int64_t min_tiles, int64_t prefetch_pages) {
+  const char* op = "mixprec_C::decode_kv4_pages: ";
+  const c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(q.is_cuda() && q.dim() == 3 && q.size(2) == kDecodeKV4HeadDim && q.stride(2) == 1, op,
+              "q must be a CUDA [T, Hq, ", kDecodeKV4HeadDim, "] tensor with unit stride on D, got ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, op,
+              "q must be float16 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes() && out.stride(2) == 1, op,
+              "out must match q's shape and dtype with unit stride on D");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0, op,
+              "q rows must be 16-byte aligned (strides multiples of 8 elements)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 8 == 0 && out.stride(0) % 4 == 0 && out.stride(1) % 4 == 0,
+              op, "out rows must be 8-byte aligned (strides multiples of 4 elements)");
+  const int64_t row_bytes = 2 * (kDecodeKV4HeadDim / 2) + 8;
+  TORCH_CHECK(cache.dim() == 4 && cache.size(2) == kDecodeKV4BlockSize && cache.size(3) == row_bytes &&
+                  cache.element_size() == 1 && cache.stride(3) == 1 && cache.stride(2) == row_bytes &&
+                  cache.stride(1) == kDecodeKV4BlockSize * row_bytes && cache.stride(0) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0 && cache.device() == q.device(),
+              op, "cache must be a 16-byte aligned (blocks, Hkv, ", kDecodeKV4BlockSize, ", ", row_bytes,
+              ") byte tensor with contiguous (block, head) slabs on q's device, got ", cache.sizes(), " strides ",
+              cache.strides());
+  const int64_t hq = q.size(1), hkv = cache.size(1);
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0 && hq / hkv <= kDecodeKV4MaxGroup, op, "query heads (", hq,
+              ") must be a multiple of kv heads (", hkv, ") by at most ", kDecodeKV4MaxGroup);
+  for (const auto* t : {&block_table, &seq_lens, &query_start_loc}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->device() == q.device() && t->stride(-1) == 1, op,
+                "block_table, seq_lens and query_start_loc must be int32 on q's device with unit last stride");
+  }
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) >= num_rows && seq_lens.numel() >= num_rows &&
+                  query_start_loc.numel() > num_rows,
+              op, "block_table/seq_lens/query_start_loc hold fewer than num_rows = ", num_rows, " rows");
+  TORCH_CHECK(num_splits >= 1 && num_splits <= 65535 && slots >= num_splits && tile_tokens > 0 &&
+                  tile_tokens % kDecodeKV4BlockSize == 0 && min_tiles >= 1 && res_tokens >= 0,
+              op, "bad partition: num_splits ", num_splits, ", slots ", slots, ", tile_tokens ", tile_tokens,
+              ", min_tiles ", min_tiles, ", res_tokens ", res_tokens);
+  TORCH_CHECK(prefetch_pages >= 0 && prefetch_pages < 32, op, "prefetch_pages must be in [0, 32), got ",
+              prefetch_pages);
+  TORCH_CHECK(part_o.has_value() == part_lse.has_value(), op, "give both part_o and part_lse or neither");
+  if (part_o) {
+    TORCH_CHECK(part_o->scalar_type() == at::kFloat && part_o->is_contiguous() && part_o->dim() == 3 &&
+                    part_o->size(0) >= num_rows * slots && part_o->size(1) == hq &&
+                    part_o->size(2) == kDecodeKV4HeadDim && part_o->device() == q.device(),
+                op, "part_o must be contiguous float32 [>= num_rows * slots = ", num_rows * slots, ", ", hq, ", ",
+                kDecodeKV4HeadDim, "], got ", part_o->sizes());
+    TORCH_CHECK(part_lse->scalar_type() == at::kFloat && part_lse->is_contiguous() && part_lse->dim() == 2 &&
+                    part_lse->size(0) >= num_rows * slots && part_lse->size(1) == hq &&
+                    part_lse->device() == q.device(),
+                op, "part_lse must be contiguous float32 [>= num_rows * slots, ", hq, "], got ", part_lse->sizes());
+  } else {
+    TORCH_CHECK(num_splits == 1 && res_tokens == 0, op,
+                "several splits or a residual tail need part_o/part_lse (the finish kernel merges them)");
+  }
+  if (k_smooth) {
+    TORCH_CHECK(k_smooth->scalar_type() == at::kFloat && k_smooth->is_contiguous() &&
+                    k_smooth->numel() == hkv * kDecodeKV4HeadDim && k_smooth->device() == q.device(),
+                op, "k_smooth must be contiguous float32 [", hkv, ", ", kDecodeKV4HeadDim, "]");
+  }
+  if (num_rows == 0) return;
+  TORCH_CHECK(num_rows <= INT32_MAX && hkv <= 65535, op, "too many rows or kv heads for the grid");
+  DecodeKV4Args a{};
+  a.q = q.data_ptr();
+  a.q_stride_t = q.stride(0);
+  a.q_stride_h = q.stride(1);
+  a.out = out.data_ptr();
+  a.out_stride_t = out.stride(0);
+  a.out_stride_h = out.stride(1);
+  a.part_o = part_o ? part_o->data_ptr<float>() : nullptr;
+  a.part_lse = part_lse ? part_lse->data_ptr<float>() : nullptr;
+  a.cache = static_cast<const uint8_t*>(cache.data_ptr());
+  a.stride_block = cache.stride(0);
+  a.stride_head = cache.stride(1);
+  a.block_table = block_table.data_ptr<int32_t>();
+  a.block_table_stride = block_table.stride(0);
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  a.k_smooth = k_smooth ? k_smooth->data_ptr<float>() : nullptr;
+  a.qk_scale = static_cast<float>(qk_scale);
+  a.num_rows = static_cast<int>(num_rows);
+  a.num_q_heads = static_cast<int>(hq);
+  a.num_kv_heads = static_cast<int>(hkv);
+  a.num_splits = static_cast<int>(num_splits);
+  a.slots = static_cast<int>(slots);
+  a.res_tokens = static_cast<int>(res_tokens);
+  a.tile_tokens = static_cast<int>(tile_tokens);
+  a.min_tiles = static_cast<int>(min_tiles);
+  a.prefetch_pages = static_cast<int>(prefetch_pages);
+  a.bf16 = q.scalar_type() == at::kBFloat16;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  C10_CUDA_CHECK(decode_kv4_pages_launch(a, stream));
+}
+
 // Sets the launch options (a negative value keeps one) and returns them both:
 // [gemm_pdl, act_quant_one_pass]. For A/B timing and tests; the defaults are the measured best
 // (csrc/gemm/NOTES.md, "PDL").
@@ -327,6 +431,10 @@ TORCH_LIBRARY(mixprec_C, m) {
   m.def("w4a8_wgmma_available(int device) -> bool", &mixprec::w4a8_wgmma_available);
   m.def("w4a8_plan(int M, int N, int K, int group_size, int num_sms, int kernel_id, int splits, bool wgmma) -> int[]",
         &mixprec::w4a8_plan);
+  m.def(
+      "decode_kv4_pages(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
+      "Tensor(a!) out, Tensor(b!)? part_o, Tensor(c!)? part_lse, Tensor? k_smooth, float qk_scale, int num_rows, "
+      "int num_splits, int slots, int res_tokens, int tile_tokens, int min_tiles, int prefetch_pages=0) -> ()");
   m.def("set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1) -> int[]",
         &mixprec::set_launch_options);
 }
@@ -334,4 +442,5 @@ TORCH_LIBRARY(mixprec_C, m) {
 TORCH_LIBRARY_IMPL(mixprec_C, CUDA, m) {
   m.impl("quantize_act", &mixprec::quantize_act);
   m.impl("w4a8_gemm", &mixprec::w4a8_gemm);
+  m.impl("decode_kv4_pages", &mixprec::decode_kv4_pages);
 }

@@ -6,7 +6,7 @@
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
 # finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench w4ax startup
-# decode_sweep decode_plan gemm_launch gemm_flush
+# decode_sweep decode_plan gemm_launch gemm_flush cuda_decode cuda_decode_tune
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -357,6 +357,52 @@ stage_gemm_flush() {
       --shapes 4096x4096,14336x4096,4096x6144,4096x28672,8192x10240,28672x8192,8192x28672 \
       --methods ours_cuda,ours_cuda_gemm,marlin_w4a16,machete_w4a16 --out "$OUT/bench_gemm_flush_$f" || rc=1
   done
+  return $rc
+}
+# The CUDA KV4 decode page kernel (csrc/attention/): its GPU tests, then the decode grid with
+# the page kernel forced each way (bench_attention.py's -cuda / -triton methods), same run.
+# CUDA_DECODE_BENCH_ARGS narrows the grid (default: batch 1 8 64 x ctx 1K 8K 32K).
+stage_cuda_decode() {
+  local rc=0
+  # the prefetch distance that cuda_decode_tune found best on this host, unless one is set
+  if [ -z "${MIXPREC_ATTN_CUDA_PREFETCH:-}" ] && [ -f /tmp/mixprec-cuda-prefetch ]; then
+    export MIXPREC_ATTN_CUDA_PREFETCH=$(cat /tmp/mixprec-cuda-prefetch)
+  fi
+  log "MIXPREC_ATTN_CUDA_PREFETCH=${MIXPREC_ATTN_CUDA_PREFETCH:-default}"
+  pytest_logged pytest-gpu-cuda-decode 240 tests/attention_backend/test_attn_cuda_decode.py || rc=1
+  # shellcheck disable=SC2086
+  run_bench bench_attention_cuda_decode 420 python3 benchmarks/bench_attention.py --rep-ms 100 \
+    ${CUDA_DECODE_BENCH_ARGS:---batch 1 2 4 8 64 --ctx 1024 8192 32768} \
+    --methods fa3-bf16 mixprec-kv4-triton mixprec-kv4-cuda mixprec-kv4-r16-triton mixprec-kv4-r16-cuda \
+    --out "$OUT/cuda-decode" || rc=1
+  return $rc
+}
+# The CUDA page kernel's knobs, each in its own run beside FA3: L2 prefetch distance
+# (MIXPREC_ATTN_CUDA_PREFETCH) and the one-wave split cap (MIXPREC_ATTN_CUDA_WAVE=0 turns it off)
+stage_cuda_decode_tune() {
+  local rc=0 p
+  for p in 0 4 8; do
+    MIXPREC_ATTN_CUDA_PREFETCH=$p run_bench "bench_cuda_decode_prefetch$p" 150 python3 benchmarks/bench_attention.py \
+      --rep-ms 100 --batch 8 64 --ctx 8192 32768 --methods fa3-bf16 mixprec-kv4-cuda \
+      --out "$OUT/cuda-decode-prefetch$p" || rc=1
+  done
+  MIXPREC_ATTN_CUDA_WAVE=0 run_bench bench_cuda_decode_nowave 150 python3 benchmarks/bench_attention.py \
+    --rep-ms 100 --batch 8 64 --ctx 8192 32768 --methods fa3-bf16 mixprec-kv4-cuda \
+    --out "$OUT/cuda-decode-nowave" || rc=1
+  # the fastest distance (sum of the kernel's times over the four shapes) for stage cuda_decode
+  python3 - "$OUT" <<'PY' | tee "$OUT/cuda-decode-prefetch-best.txt"
+import glob, json, sys
+tot = {}
+for f in glob.glob(f"{sys.argv[1]}/cuda-decode-prefetch*/attention-*.json"):
+    p = int(f.split("cuda-decode-prefetch")[1].split("/")[0])
+    rows = [r for r in json.load(open(f))["results"] if r["method"] == "mixprec-kv4-cuda"]
+    if len(rows) == 4:
+        tot[p] = sum(r["ms"] for r in rows)
+print({p: round(t, 4) for p, t in sorted(tot.items())})
+best = min(tot, key=tot.get) if tot else 0
+open("/tmp/mixprec-cuda-prefetch", "w").write(str(best))
+print("best prefetch", best)
+PY
   return $rc
 }
 stage_bench_attn() { run_bench bench_attention 420 python3 benchmarks/bench_attention.py --out "$OUT"; }

@@ -137,6 +137,13 @@ def test_ops_registered_with_meta_shapes():
     assert y.shape == (3, 32) and y.dtype == torch.bfloat16
     q, s = torch.ops.mixprec_C.quantize_act(meta(5, 64, dtype=torch.float16), None)
     assert q.shape == (5, 64) and q.dtype == torch.int8 and s.shape == (5,) and s.dtype == torch.float32
+    # the KV4 decode page kernel mutates out / part_o / part_lse and returns nothing
+    i32 = dict(dtype=torch.int32)
+    res = torch.ops.mixprec_C.decode_kv4_pages(
+        meta(2, 8, 128, dtype=torch.bfloat16), meta(9, 2, 16, 136, dtype=torch.uint8), meta(2, 4, **i32),
+        meta(2, **i32), meta(3, **i32), meta(2, 8, 128, dtype=torch.bfloat16), meta(8, 8, 128), meta(8, 8),
+        None, 0.1, 2, 4, 4, 16, 128, 1, 4)
+    assert res is None
 
 
 def _u32(t):

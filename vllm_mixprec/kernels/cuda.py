@@ -51,6 +51,13 @@ def _register_fakes() -> None:
     def _quantize_act_fake(x, smooth):
         return (x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32))
 
+    if hasattr(torch.ops.mixprec_C, "decode_kv4_pages"):  # (a build older than the op lacks it)
+        @torch.library.register_fake("mixprec_C::decode_kv4_pages")
+        def _decode_kv4_pages_fake(q, cache, block_table, seq_lens, query_start_loc, out, part_o,
+                                   part_lse, k_smooth, qk_scale, num_rows, num_splits, slots,
+                                   res_tokens, tile_tokens, min_tiles, prefetch_pages=0):
+            return None
+
     @torch.library.register_fake("mixprec_C::w4a8_gemm")
     def _w4a8_gemm_fake(xq, x_scale, qweight, gparams, channel_scale, bias, out_dtype, kernel_id=-1, splits=0):
         return xq.new_empty((xq.shape[0], channel_scale.shape[0]), dtype=out_dtype)
@@ -278,6 +285,29 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric int8: x [M, K] -> (int8 [M, K], float32 scale [M])."""
     return torch.ops.mixprec_C.quantize_act(x, smooth)
+
+
+def has_decode_kv4() -> bool:
+    """Whether the build holds the CUDA KV4 decode page kernel (csrc/attention/)."""
+    return available() and hasattr(torch.ops.mixprec_C, "decode_kv4_pages")
+
+
+def decode_kv4_pages(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
+                     part_o: torch.Tensor | None, part_lse: torch.Tensor | None,
+                     k_smooth: torch.Tensor | None, qk_scale: float, num_rows: int,
+                     num_splits: int, slots: int, res_tokens: int, tile_tokens: int,
+                     min_tiles: int, prefetch_pages: int = 0) -> None:
+    """The page part of KV4 decode attention (csrc/attention/sm80/decode_kv4_mma.cu; head_dim
+    128, 16-token pages, <= 8 query heads per kv head). qk_scale = softmax scale * log2(e).
+    Split partials go to part_o/part_lse (row * slots + split), for the Triton finish kernel
+    to merge; without them (one split, no residual) the rows' outputs go to `out`.
+    prefetch_pages: each warp asks its page i + prefetch_pages into L2 at page i (0: off).
+    kernels/triton/attention.py's decode_attention picks it (decode_impl)."""
+    torch.ops.mixprec_C.decode_kv4_pages(q, cache, block_table, seq_lens, query_start_loc, out,
+                                         part_o, part_lse, k_smooth, qk_scale, num_rows,
+                                         num_splits, slots, res_tokens, tile_tokens, min_tiles,
+                                         prefetch_pages)
 
 
 def w4a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,

@@ -1014,6 +1014,114 @@ def decode_min_tiles() -> int:
     return int(v)
 
 
+CUDA_TILE_TOKENS = 128  # the CUDA page kernel's split granularity (the finish kernel's BLOCK_N)
+CUDA_MIN_PAIRS = 32  # (row, kv head) pairs from which decode_impl picks the CUDA page kernel
+CUDA_PREFETCH_PAGES = 4  # cuda_decode_prefetch's default
+
+
+def cuda_decode_unsupported(layout: F.KVPageLayout, group: int, device: torch.device,
+                            has_k_bias: bool, index_dtype: torch.dtype = torch.int32) -> str:
+    """Why the CUDA KV4 page kernel (kernels.cuda.decode_kv4_pages) cannot run this decode, or
+    "" when it can: KV4, head_dim 128, 16-token pages, <= 8 query heads per kv head, no
+    bias-aware K, int32 block tables, an sm_80+ GPU, and a build that holds the kernel."""
+    from .. import cuda as C
+    if layout.scheme != "kv4" or layout.head_dim != 128 or layout.block_size != 16:
+        return (f"it handles kv4 with head_dim 128 and 16-token pages, not {layout.scheme} "
+                f"with head_dim {layout.head_dim} and {layout.block_size}-token pages")
+    if group > 8:
+        return f"it handles at most 8 query heads per kv head, not {group}"
+    if has_k_bias:
+        return "it does not add the bias-aware K term (formats.KRopeBias)"
+    if index_dtype != torch.int32:
+        return f"it reads int32 block tables and lengths, not {index_dtype}"
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return "it needs a CUDA device (not the Triton interpreter)"
+    if not C.has_decode_kv4():
+        return f"the csrc/ build lacks it ({C.load_error() or 'built before the kernel'})"
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return "it needs sm_80 or newer (mma.sync m16n8k16, movmatrix)"
+    return ""
+
+
+def decode_impl(num_rows: int, layout: F.KVPageLayout, group: int, device: torch.device,
+                has_k_bias: bool = False, num_kv_heads: int = 1, num_sms: int = 132,
+                index_dtype: torch.dtype = torch.int32) -> str:
+    """Which page kernel a decode batch runs: "cuda" (csrc/attention/sm80/decode_kv4_mma.cu,
+    its residual tail and split merge in the Triton finish kernel) or "triton" (this file).
+    Default: "cuda" where it runs (cuda_decode_unsupported) for batches of at least
+    CUDA_MIN_PAIRS (row, kv head) pairs; smaller ones keep the Triton kernel, whose fused merge
+    and tail program need no finish kernel. H100, GQA 32/8, D 128, µs a layer, Triton / CUDA
+    (2026-11-27, docs/BENCHMARKS.md "Session 25"), kv4 + 16-token residual: batch 1 15.7 / 24.4
+    (1K), 23.4 / 28.7 (8K), 55.1 / 42.0 (32K); batch 2 17.5 / 25.3, 38.2 / 32.6, 100.6 / 57.9;
+    batch 4 24.4 / 26.0, 57.6 / 41.0, 158.6 / 87.7; batch 8 30.8 / 28.3, 89.4 / 56.1,
+    288.8 / 142.0; batch 64 78.5 / 60.8, 385.8 / 246.0, 1434.9 / 829.8.
+    MIXPREC_ATTN_DECODE_IMPL=cuda|triton forces one ("cuda" where it cannot run is an
+    error, as is "cuda" with a forced fused merge or a tail outside the finish kernel). A
+    function of the batch and the environment only, so captured CUDA graphs stay valid."""
+    v = os.environ.get("MIXPREC_ATTN_DECODE_IMPL", "").strip()
+    if v not in ("", "cuda", "triton"):
+        raise ValueError(f"MIXPREC_ATTN_DECODE_IMPL={v!r}: expected 'cuda' or 'triton'")
+    if v == "triton":
+        return v
+    why = cuda_decode_unsupported(layout, group, device, has_k_bias, index_dtype)
+    forced = [f"{k}={os.environ[k]}" for k, ok in (("MIXPREC_ATTN_MERGE", ("kernel",)),
+                                                   ("MIXPREC_ATTN_TAIL", ("finish",)),
+                                                   ("MIXPREC_ATTN_TAIL_IN_SPLIT", ("0",)))
+              if os.environ.get(k, "").strip() not in ("", *ok)]
+    if v == "cuda":
+        if why:
+            raise ValueError(f"MIXPREC_ATTN_DECODE_IMPL=cuda, but the CUDA decode kernel cannot "
+                             f"run here: {why}")
+        if forced:
+            raise ValueError(f"MIXPREC_ATTN_DECODE_IMPL=cuda merges in the finish kernel and "
+                             f"attends the residual tail there; unset {', '.join(forced)}")
+        return v
+    if why or forced or num_rows * num_kv_heads < CUDA_MIN_PAIRS:
+        return "triton"
+    return "cuda"
+
+
+CUDA_CTAS_PER_SM = 4  # the CUDA page kernel's residency (128 threads, 128 registers)
+
+
+def cuda_decode_splits(num_rows: int, num_kv_heads: int, num_sms: int, num_splits: int) -> int:
+    """The CUDA page kernel's split count: num_splits (decode_num_splits: ~4 programs an SM),
+    cut so that the grid fits one wave of CUDA_CTAS_PER_SM CTAs an SM. Its CTAs are long-lived
+    and even (4 warps walk a split's pages side by side), so a second, partial wave is pure
+    tail. MIXPREC_ATTN_CUDA_WAVE=0 keeps num_splits. H100, kv4, batch 8 / 64 x 8K, 8 / 64 x
+    32K, µs (2026-11-27, no prefetch): 46.1 / 235.0 / 130.9 / 836.8 capped, 55.9 / 246.9 /
+    140.4 / 849.5 with num_splits. A function of the batch only."""
+    v = os.environ.get("MIXPREC_ATTN_CUDA_WAVE", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"MIXPREC_ATTN_CUDA_WAVE={v!r}: expected 0 or 1")
+    if v == "0":
+        return num_splits
+    return max(1, min(num_splits, CUDA_CTAS_PER_SM * num_sms // max(1, num_rows * num_kv_heads)))
+
+
+def cuda_decode_prefetch() -> int:
+    """Pages ahead that each warp of the CUDA page kernel asks into L2
+    (MIXPREC_ATTN_CUDA_PREFETCH, 0: none). H100, kv4, µs at batch 8 / 64 x 8K and 8 / 64 x 32K
+    (2026-11-27, benchmarks/results/2026-11-27-s25/h100-tune): 0 pages 46.1 / 235.0 / 130.9 /
+    836.8, 4 pages 50.4 / 230.4 / 135.2 / 816.9, 8 pages 55.4 / 263.3 / 150.7 / 951.5."""
+    v = os.environ.get("MIXPREC_ATTN_CUDA_PREFETCH", str(CUDA_PREFETCH_PAGES)).strip()
+    if not v.isdigit() or int(v) > 31:
+        raise ValueError(f"MIXPREC_ATTN_CUDA_PREFETCH={v!r}: expected a page count in [0, 31]")
+    return int(v)
+
+
+class _CudaPageLaunch:
+    """The CUDA page kernel as an entry of _decode_launches' list: kernel[grid](*args, **kw)
+    runs it (the Triton arguments are ignored); nothing to precompile."""
+
+    def __init__(self, **op_args):
+        self.op_args = op_args
+
+    def __getitem__(self, grid):
+        from .. import cuda as C
+        return lambda *args, **kwargs: C.decode_kv4_pages(**self.op_args)
+
+
 FUSED_ROWS_MAXNREG = 168  # the page kernel's cap with the fused merge of a multi-row batch
 
 
@@ -1200,13 +1308,18 @@ def precompile_decode(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayo
     for n in range(1, max_rows + 1):
         splits = decode_splits(n, num_kv_heads, sms, cap)
         # building a batch's launches costs ~100x its selection; every layer runs this loop
-        sel = _decode_selection(n, splits, layout, num_kv_heads, sms, has_res)
+        sel = _decode_selection(n, splits, layout, num_kv_heads, sms, has_res,
+                                decode_impl(n, layout, q.shape[1] // num_kv_heads, q.device,
+                                            k_bias is not None, num_kv_heads, sms,
+                                            block_table.dtype))
         if sel in selections:
             continue
         selections.add(sel)
         for kernel, grid, args, kwargs in _decode_launches(
                 q, cache, layout, block_table, seq_lens, query_start_loc, out, sm_scale, n,
                 splits, part_o, part_lse, residual, k_smooth, k_bias, merge_counters, sms):
+            if not hasattr(kernel, "warmup"):  # the CUDA page kernel: compiled already
+                continue
             key = (kernel, tuple(sorted(kwargs.items())))  # the grid is not compiled in
             if key not in seen:
                 seen.add(key)
@@ -1216,11 +1329,13 @@ def precompile_decode(q: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayo
 
 
 def _decode_selection(num_rows: int, num_splits: int, layout: F.KVPageLayout, num_kv_heads: int,
-                      sms: int, has_res: bool) -> tuple:
+                      sms: int, has_res: bool, impl: str = "triton") -> tuple:
     """Every choice _decode_launches makes from the row count: batches with equal selections
     launch the same variants (test_attn_precompile checks it over 1..1024 rows)."""
     shape = dict(scheme=layout.scheme, head_dim=layout.head_dim, num_kv_heads=num_kv_heads,
                  num_sms=sms)
+    if impl == "cuda":  # (_decode_launches: the finish kernel's tile, merge and tail)
+        return (cuda_decode_splits(num_rows, num_kv_heads, sms, num_splits), impl, has_res)
     merge = decode_merge_mode(num_rows, **shape)
     return (num_splits, decode_config(layout.head_dim, layout.scheme, num_rows, num_kv_heads, sms),
             merge, decode_tail_mode(num_rows, merge) if has_res else None,
@@ -1255,8 +1370,14 @@ def _decode_launches(q, cache, layout, block_table, seq_lens, query_start_loc, o
     block_n, warps, stages = decode_config(layout.head_dim, layout.scheme, num_rows, num_kv_heads, sms)
     shape = dict(scheme=layout.scheme, head_dim=layout.head_dim, num_kv_heads=num_kv_heads,
                  num_sms=sms)
-    merge = decode_merge_mode(num_rows, **shape)
-    tail = TAIL_MODES[decode_tail_mode(num_rows, merge)] if has_res else TAIL_FINISH.value
+    impl = decode_impl(num_rows, layout, group, q.device, k_bias is not None, num_kv_heads, sms,
+                       block_table.dtype)
+    if impl == "cuda":  # its partials are merged, and its tail attended, by the finish kernel
+        block_n, merge, tail = CUDA_TILE_TOKENS, "kernel", TAIL_FINISH.value
+        num_splits = cuda_decode_splits(num_rows, num_kv_heads, sms, num_splits)
+    else:
+        merge = decode_merge_mode(num_rows, **shape)
+        tail = TAIL_MODES[decode_tail_mode(num_rows, merge)] if has_res else TAIL_FINISH.value
     slots = num_splits + (tail == TAIL_PROGRAM.value)  # the tail program writes one more partial
     partials = num_splits > 1 or (has_res and tail != TAIL_LAST_SPLIT.value)
     fused = partials and merge == "fused"
@@ -1285,11 +1406,22 @@ def _decode_launches(q, cache, layout, block_table, seq_lens, query_start_loc, o
                   HAS_SMOOTH=k_smooth is not None, HAS_KB=k_bias is not None,
                   NP=_num_pairs(k_bias), KB_V=kbias_chunk(block_n), HAS_RES=has_res,
                   DT=_TL_DTYPE[q.dtype], TAIL=tail, MIN_TILES=decode_min_tiles())
-    launches = [(_paged_attn_kernel, (num_rows, num_kv_heads, slots), args, dict(
-        BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
-        CHUNK_MODE=CHUNK_CACHE.value, PDL=pdl, MERGE_FUSED=fused, G_ROWS=g_rows,
-        num_warps=warps, num_stages=stages, **decode_maxnreg(num_rows, merge, **shape),
-        **common))]
+    if impl == "cuda":
+        page_launch = _CudaPageLaunch(
+            q=q, cache=cache, block_table=block_table, seq_lens=seq_lens,
+            query_start_loc=query_start_loc, out=out, part_o=part_o if partials else None,
+            part_lse=part_lse if partials else None,
+            k_smooth=None if k_smooth is None else opt[0], qk_scale=sm_scale * LOG2E,
+            num_rows=num_rows, num_splits=num_splits, slots=slots,
+            res_tokens=res[-1] if has_res else 0, tile_tokens=block_n,
+            min_tiles=decode_min_tiles(), prefetch_pages=cuda_decode_prefetch())
+        launches = [(page_launch, (num_rows, num_kv_heads, slots), args, {})]
+    else:
+        launches = [(_paged_attn_kernel, (num_rows, num_kv_heads, slots), args, dict(
+            BLOCK_M=1, BLOCK_N=block_n, DECODE=True, FAST_UNPACK=fast_unpack(q.device),
+            CHUNK_MODE=CHUNK_CACHE.value, PDL=pdl, MERGE_FUSED=fused, G_ROWS=g_rows,
+            num_warps=warps, num_stages=stages, **decode_maxnreg(num_rows, merge, **shape),
+            **common))]
     if finish:
         pdl_launch = {"launch_pdl": True} if pdl else {}
         launches.append((_decode_finish_kernel, (num_rows, num_kv_heads), args, dict(
