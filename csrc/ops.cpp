@@ -322,8 +322,11 @@ void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Te
               "q must be a CUDA [T, Hq, ", kDecodeKV4HeadDim, "] tensor with unit stride on D, got ", q.sizes());
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, op,
               "q must be float16 or bfloat16, got ", q.scalar_type());
-  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes() && out.stride(2) == 1, op,
-              "out must match q's shape and dtype with unit stride on D");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.dim() == 3 && out.size(0) >= q.size(0) &&
+                  out.size(1) == q.size(1) && out.size(2) == q.size(2) && out.stride(2) == 1 &&
+                  out.device() == q.device(),
+              op, "out must be [>= T, Hq, D] in q's dtype on q's device with unit stride on D, got ", out.sizes(),
+              " ", out.scalar_type(), " for q ", q.sizes(), " ", q.scalar_type());
   TORCH_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0, op,
               "q rows must be 16-byte aligned (strides multiples of 8 elements)");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 8 == 0 && out.stride(0) % 4 == 0 && out.stride(1) % 4 == 0,

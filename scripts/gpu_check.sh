@@ -6,7 +6,7 @@
 # test_csrc bench_gemm bench_cuda bench_attn bench (= bench_gemm + bench_attn) bench_prefill tune_attn tune_prefill sanitize
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
 # finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench w4ax startup
-# decode_sweep decode_plan gemm_launch gemm_flush cuda_decode cuda_decode_tune
+# decode_sweep decode_plan gemm_launch gemm_flush cuda_decode cuda_decode_tune decode_impl_ab
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -404,6 +404,15 @@ open("/tmp/mixprec-cuda-prefetch", "w").write(str(best))
 print("best prefetch", best)
 PY
   return $rc
+}
+# Served: greedy generation through vLLM with the Triton and the CUDA KV4 decode page kernel
+# (scripts/decode_impl_ab.py) on the A/B harness's 8-layer Llama-3-8B-shape W4A8 + KV4 checkpoint
+stage_decode_impl_ab() {
+  local ckpt=/tmp/mixprec-ab/llama3-8b-L8/mixprec-w4a8kv4-g64
+  [ -d "$ckpt" ] || AB_LAYERS=8 AB_CKPTS=mixprec,mixprec-kv4 AB_BUDGET=200 bash scripts/gpu_ab.sh ckpt > "$OUT/ab-ckpt.log" 2>&1 \
+    || { log "checkpoint build FAILED"; tail -20 "$OUT/ab-ckpt.log"; return 1; }
+  timeout 400 python3 scripts/decode_impl_ab.py --model "$ckpt" --out "$OUT/decode-impl-ab" ${DECODE_AB_ARGS:-} 2>&1 | tail -40
+  return "${PIPESTATUS[0]}"
 }
 stage_bench_attn() { run_bench bench_attention 420 python3 benchmarks/bench_attention.py --out "$OUT"; }
 stage_bench() { stage_bench_gemm; stage_bench_attn; }

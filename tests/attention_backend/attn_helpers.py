@@ -145,6 +145,28 @@ def make_batch(scheme: str, dtype: torch.dtype, head_dim: int, num_kv_heads: int
     return Batch(layout, cache, bt, seq_lens, qsl, q, ks, vs, residual, k_smooth, k_bias)
 
 
+def refill_decode_batch(trial: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        qsl: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
+                        directory, residual: KVResidual) -> None:
+    """New lengths (row 0 near the table's end), a new random block table and freshly written
+    pages and residual window, in place: what a captured decode graph replays over."""
+    from vllm_mixprec.kernels.triton.kv_cache import quantize_and_store
+    n, max_blocks = block_table.shape
+    b, nb = layout.block_size, cache.shape[0]
+    hkv, d = cache.shape[1], layout.head_dim
+    lens = torch.randint(1, max_blocks * b, (n,), dtype=torch.int32)
+    lens[0] = max_blocks * b - trial
+    seq_lens.copy_(lens)
+    block_table.copy_(torch.randperm(nb)[: n * max_blocks].view(n, max_blocks).int())
+    cache.view(torch.uint8).fill_(0)
+    slots = [slots_of(block_table[i], torch.arange(int(lens[i]), device=cache.device), b)
+             for i in range(n)]
+    directory.assign(block_table, seq_lens, qsl, torch.cat(slots), n)
+    for i in range(n):
+        k = torch.randn(int(lens[i]), hkv, d, dtype=residual.k.dtype, device=cache.device)
+        quantize_and_store(k, torch.randn_like(k), cache, slots[i], layout, None, residual)
+
+
 def use_tail(monkeypatch, mode: str) -> None:
     """Force the decode tail placement (attention.decode_tail_mode; "" = the default)."""
     monkeypatch.delenv("MIXPREC_ATTN_TAIL_IN_SPLIT", raising=False)

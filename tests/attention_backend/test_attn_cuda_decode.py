@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_helpers import make_batch, slots_of, tolerance
+from attn_helpers import make_batch, refill_decode_batch, tolerance
 from vllm_mixprec import formats as F
 from vllm_mixprec.attention_backend import residual as R
 from vllm_mixprec.kernels.triton import attention as A
@@ -114,19 +114,7 @@ def test_cuda_decode_cuda_graph_replay(monkeypatch):
     with torch.cuda.graph(graph):
         launch()
     for trial in range(3):
-        lens = torch.randint(1, max_blocks * b, (n,), dtype=torch.int32)
-        lens[0] = max_blocks * b - trial
-        seq_lens.copy_(lens)
-        bt.copy_(torch.randperm(nb)[: n * max_blocks].view(n, max_blocks).int())
-        cache.view(torch.uint8).fill_(0)
-        all_sm = torch.cat([slots_of(bt[i], torch.arange(int(lens[i]), device="cuda"), b)
-                            for i in range(n)])
-        directory.assign(bt, seq_lens, qsl, all_sm, n)
-        for i in range(n):
-            k = torch.randn(int(lens[i]), hkv, d, dtype=dtype, device="cuda")
-            v = torch.randn_like(k)
-            quantize_and_store(k, v, cache, slots_of(bt[i], torch.arange(int(lens[i]),
-                               device="cuda"), b), layout, None, res)
+        refill_decode_batch(trial, bt, seq_lens, qsl, cache, layout, directory, res)
         q.copy_(torch.randn_like(q))
         out.fill_(float("nan"))
         graph.replay()
@@ -150,6 +138,7 @@ def test_cuda_decode_op_rejects_bad_arguments():
                 part_lse=None, k_smooth=None, qk_scale=0.1, num_rows=1, num_splits=1, slots=1,
                 res_tokens=0, tile_tokens=128, min_tiles=1)
     op(**args)  # the good call runs
+    op(**{**args, "out": torch.empty(5, *out.shape[1:], dtype=out.dtype, device=out.device)})  # more rows
     bad = [
         (dict(num_splits=2, slots=2), "part_o/part_lse"),
         (dict(tile_tokens=100), "bad partition"),
@@ -157,7 +146,8 @@ def test_cuda_decode_op_rejects_bad_arguments():
         (dict(q=batch.q[:, :3], out=out[:, :3]), "multiple of kv heads"),
         (dict(prefetch_pages=32), "prefetch_pages"),
         (dict(cache=batch.cache[..., :72]), "cache must be"),
-        (dict(out=out.float()), "out must match"),
+        (dict(out=out.float()), "out must be"),
+        (dict(out=out[:, :4]), "out must be"),
         (dict(num_rows=5), "fewer than num_rows"),
     ]
     for change, match in bad:

@@ -15,7 +15,7 @@ from vllm_mixprec.kernels.triton.attention import (decode_attention, decode_conf
                                                    paged_attention, prefill_attention)
 from vllm_mixprec.kernels.triton.kv_cache import KVResidual, quantize_and_store
 
-from attn_helpers import DEVICE, cpu_k_bias, make_batch, slots_of, tolerance, use_tail
+from attn_helpers import DEVICE, cpu_k_bias, make_batch, refill_decode_batch, tolerance, use_tail
 
 SCHEMES = ("kv4", "kv8")
 DTYPES = (torch.float16, torch.bfloat16)
@@ -667,21 +667,8 @@ def test_decode_cuda_graph_replay(scheme, pdl, tail, merge, monkeypatch):
     with torch.cuda.graph(graph):
         launch()
     for trial in range(3):
-        lens = torch.randint(1, max_blocks * b, (n,), dtype=torch.int32)
-        lens[0] = max_blocks * b - trial
-        seq_lens.copy_(lens)
-        bt.copy_(torch.randperm(nb)[: n * max_blocks].view(n, max_blocks).int())
+        refill_decode_batch(trial, bt, seq_lens, qsl, cache, layout, directory, res)
         q.copy_(torch.randn_like(q))
-        cache.view(torch.uint8).fill_(0)
-        all_sm = torch.cat([slots_of(bt[i], torch.arange(int(lens[i]), device="cuda"), b)
-                            for i in range(n)])
-        directory.assign(bt, seq_lens, torch.arange(n + 1, device="cuda", dtype=torch.int32),
-                         all_sm, n)
-        for i in range(n):
-            k = torch.randn(int(lens[i]), hkv, d, dtype=dtype, device="cuda")
-            v = torch.randn_like(k)
-            quantize_and_store(k, v, cache, slots_of(bt[i], torch.arange(int(lens[i]),
-                               device="cuda"), b), layout, None, res)
         graph.replay()
         assert counters.eq(0).all()
         want = ref.paged_attention_residual(

@@ -30,6 +30,7 @@
 #include <cstdint>
 
 #include "attention/decode_kv4.h"
+#include "common/ptx.h"
 
 namespace mixprec {
 namespace {
@@ -43,23 +44,7 @@ constexpr int kSlabBytes = kMetaPlane + 4 * 2 * kB;  // 2176: one (block, kv hea
 constexpr int kWarps = 4;
 constexpr float kNegInf = -__builtin_huge_valf();
 
-__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
 // --- loads -----------------------------------------------------------------------------------
-
-__device__ __forceinline__ uint4 ld_stream_128(const uint8_t* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ uint2 ld_stream_64(const uint8_t* p) {
-  uint2 r;
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
-  return r;
-}
 
 __device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) {
   uint32_t r;
@@ -83,13 +68,13 @@ struct PageRegs {
 };
 
 __device__ __forceinline__ void load_page(PageRegs& r, const uint8_t* slab, int g, int tig) {
-  r.k[0] = ld_stream_128(slab + (2 * g) * kCodeBytes + 16 * tig);
-  r.k[1] = ld_stream_128(slab + (2 * g + 1) * kCodeBytes + 16 * tig);
+  r.k[0] = ldg_stream_v4(slab + (2 * g) * kCodeBytes + 16 * tig);
+  r.k[1] = ldg_stream_v4(slab + (2 * g + 1) * kCodeBytes + 16 * tig);
   const uint8_t* v = slab + kVPlane + 8 * g + (4 * tig) * kCodeBytes;
-  r.v[0] = ld_stream_64(v);
-  r.v[1] = ld_stream_64(v + 2 * kCodeBytes);
-  r.v[2] = ld_stream_64(v + kCodeBytes);
-  r.v[3] = ld_stream_64(v + 3 * kCodeBytes);
+  r.v[0] = ldg_stream_v2(v);
+  r.v[1] = ldg_stream_v2(v + 2 * kCodeBytes);
+  r.v[2] = ldg_stream_v2(v + kCodeBytes);
+  r.v[3] = ldg_stream_v2(v + 3 * kCodeBytes);
   const uint8_t* m = slab + kMetaPlane + 4 * g;
 #pragma unroll
   for (int plane = 0; plane < 4; ++plane) r.meta[plane] = ld_u32(m + 2 * kB * plane);
@@ -158,16 +143,18 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = 0
   return r;
 }
 
-__device__ __forceinline__ float warp_max_over_groups(float v) {  // over lanes of equal tig
-  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
-  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
-  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
+// Reduces over the 8 lanes of equal tig (the score tile's 8 row groups): lane bits 2..4.
+template <typename Op>
+__device__ __forceinline__ float reduce_over_groups(float v, Op op) {
+#pragma unroll
+  for (int mask = 4; mask <= 16; mask <<= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, mask));
+  return v;
 }
-
+__device__ __forceinline__ float warp_max_over_groups(float v) {
+  return reduce_over_groups(v, [](float a, float b) { return fmaxf(a, b); });
+}
 __device__ __forceinline__ float warp_sum_over_groups(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 4);
-  v += __shfl_xor_sync(0xffffffffu, v, 8);
-  return v + __shfl_xor_sync(0xffffffffu, v, 16);
+  return reduce_over_groups(v, [](float a, float b) { return a + b; });
 }
 
 template <typename T>

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 
+#include "common/ptx.h"
 #include "gemm/w4a8_gemm.h"
 
 namespace mixprec {
@@ -36,19 +37,9 @@ constexpr int kDecodeThreads = kDecodeWarps * 32;
 
 using Params = W4A8KernelParams;
 
-__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
 // ---- memory ------------------------------------------------------------------------------
 
-// Weights are read once: skip L1 so the activations stay there.
-__device__ __forceinline__ uint4 ldg_stream_v4(const void* ptr) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(ptr));
-  return v;
-}
-
+// (ldg_stream_v4, common/ptx.h: weights are read once, so they skip L1 and the activations stay there.)
 __device__ __forceinline__ uint4 ldg_v4(const void* ptr) {
   return __ldg(reinterpret_cast<const uint4*>(ptr));
 }
