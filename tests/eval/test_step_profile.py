@@ -124,7 +124,7 @@ def test_every_plugin_kernel_has_a_class():
         set(names), names
     expect = {"gemm": "linear", "w4a8": "linear", "quant_act": "act_quant", "quantize_act": "act_quant",
               "attn": "attention", "decode_finish": "attention", "quantize_store": "attention",
-              "gather_context": "attention", "residual_assign": "attention"}
+              "gather_context": "attention", "residual_assign": "attention", "decode_kv4": "attention"}
     for n in names:
         want = next((c for k, c in expect.items() if k in n), None)
         got = sp.classify(n)

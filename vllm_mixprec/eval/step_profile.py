@@ -79,7 +79,7 @@ CLASS_RULES: tuple[tuple[str, str], ...] = (
     (r"nccl|all_?reduce|all_?gather|reduce_?scatter|cross_device", "comm"),
     # before the GEMM rules: FlashAttention-3's kernels are cutlass::device_kernel<flash::...>
     (r"flash|fmha|attn|attention|_decode_finish_kernel|reshape_and_cache|concat_and_cache|"
-     r"_quantize_store_kernel|_gather_context_kernel|_residual_assign_kernel", "attention"),
+     r"_quantize_store_kernel|_gather_context_kernel|_residual_assign_kernel|decode_kv4_pages", "attention"),
     # mixprec GEMMs: csrc w4a8_{decode,tiled,wgmma}_kernel, Triton _lqq_gemm_kernel
     (r"w4a8|w4ax|wgmma|_lqq_gemm", "linear"),
     # mixprec activation quantization: csrc quantize_act_int8_kernel, Triton _quant_act_kernel

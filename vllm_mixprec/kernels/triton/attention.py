@@ -1038,9 +1038,15 @@ def cuda_decode_unsupported(layout: F.KVPageLayout, group: int, device: torch.de
         return "it needs a CUDA device (not the Triton interpreter)"
     if not C.has_decode_kv4():
         return f"the csrc/ build lacks it ({C.load_error() or 'built before the kernel'})"
-    if torch.cuda.get_device_capability(device)[0] < 8:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _capability_major(index) < 8:
         return "it needs sm_80 or newer (mma.sync m16n8k16, movmatrix)"
     return ""
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(device_index: int) -> int:  # (decode_impl runs per layer and step)
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def decode_impl(num_rows: int, layout: F.KVPageLayout, group: int, device: torch.device,
