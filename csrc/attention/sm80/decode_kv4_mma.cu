@@ -3,7 +3,7 @@
 // (vllm_mixprec/kernels/triton/attention.py, its reference and fallback).
 //
 // Why a CUDA kernel: the Triton loop spends 42 instructions per token and kv head (SASS,
-// docs/ATTENTION.md) and reaches half of HBM bandwidth at batch 64. This one spends ~15:
+// docs/ATTENTION.md) and reaches half of HBM bandwidth at batch 64. This one spends at most 25:
 //  * Transposed tiles (BitDecoding's idea of putting the tokens on the wide side): scores are
 //    S^T = K Q^T with 16 page tokens as the m16 side and the G <= 8 query heads as n8, so a
 //    page is 8 mma for the scores and 8 for P V (O^T = V^T P^T), not 16 + 16 with G padded to 16.
