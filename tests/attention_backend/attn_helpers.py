@@ -145,6 +145,54 @@ def make_batch(scheme: str, dtype: torch.dtype, head_dim: int, num_kv_heads: int
     return Batch(layout, cache, bt, seq_lens, qsl, q, ks, vs, residual, k_smooth, k_bias)
 
 
+@dataclasses.dataclass
+class DecodeGraphBuffers:
+    """Fixed tensors of a decode step captured once in a CUDA graph (refill_decode_batch
+    rewrites their contents between replays)."""
+    cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    qsl: torch.Tensor
+    q: torch.Tensor
+    out: torch.Tensor
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    directory: object            # residual.ResidualDirectory
+    residual: KVResidual
+
+
+def decode_graph_buffers(layout: F.KVPageLayout, rows: int, num_kv_heads: int, group: int,
+                         max_blocks: int, splits: int, dtype: torch.dtype,
+                         spare_blocks: int = 4, device: str = "cuda") -> DecodeGraphBuffers:
+    """One decode row per batch row, a 16-token residual window, partials for `splits`."""
+    d, b = layout.head_dim, layout.block_size
+    nb = rows * max_blocks + spare_blocks
+    hq = num_kv_heads * group
+    dev = torch.device(device)
+    slots = rows * R.window_blocks(16, b) + 4
+    directory = R.ResidualDirectory(nb, slots, b, 16, dev)
+    res = KVResidual(*R.allocate_pool(slots * b, num_kv_heads, d, dtype, dev),
+                     directory.slot_of_block, directory.tags, 16)
+    q = torch.zeros(rows, hq, d, dtype=dtype, device=device)
+    return DecodeGraphBuffers(
+        torch.zeros(layout.cache_shape(nb, num_kv_heads), dtype=layout.storage_dtype(), device=device),
+        torch.zeros(rows, max_blocks, dtype=torch.int32, device=device),
+        torch.ones(rows, dtype=torch.int32, device=device),
+        torch.arange(rows + 1, dtype=torch.int32, device=device), q, torch.zeros_like(q),
+        torch.empty(rows * (splits + 1), hq, d, dtype=torch.float32, device=device),
+        torch.empty(rows * (splits + 1), hq, dtype=torch.float32, device=device), directory, res)
+
+
+def capture_graph(fn) -> "torch.cuda.CUDAGraph":
+    """fn run once eagerly (compiles outside the capture), then captured in a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def refill_decode_batch(trial: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         qsl: torch.Tensor, cache: torch.Tensor, layout: F.KVPageLayout,
                         directory, residual: KVResidual) -> None:

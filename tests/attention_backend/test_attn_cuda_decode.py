@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_helpers import make_batch, refill_decode_batch, tolerance
+from attn_helpers import (capture_graph, decode_graph_buffers, make_batch, refill_decode_batch,
+                          tolerance)
 from vllm_mixprec import formats as F
-from vllm_mixprec.attention_backend import residual as R
 from vllm_mixprec.kernels.triton import attention as A
-from vllm_mixprec.kernels.triton.kv_cache import KVResidual, quantize_and_store
+from vllm_mixprec.kernels.triton.kv_cache import quantize_and_store
 
 gpu = pytest.mark.gpu
 SCALE = 128 ** -0.5
@@ -88,31 +88,17 @@ def test_cuda_decode_cuda_graph_replay(monkeypatch):
     _need_cuda_kernel()
     monkeypatch.setenv("MIXPREC_ATTN_DECODE_IMPL", "cuda")
     torch.manual_seed(3)
-    dtype, d, hkv, g, n, b, splits = torch.bfloat16, 128, 4, 4, 6, 16, 4
-    layout = F.KVPageLayout("kv4", d, b)
-    max_blocks, nb = 40, 6 * 40 + 4
-    cache = torch.zeros(layout.cache_shape(nb, hkv), dtype=layout.storage_dtype(), device="cuda")
-    bt = torch.zeros(n, max_blocks, dtype=torch.int32, device="cuda")
-    seq_lens = torch.ones(n, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(n + 1, dtype=torch.int32, device="cuda")
-    q = torch.zeros(n, hkv * g, d, dtype=dtype, device="cuda")
-    out = torch.zeros_like(q)
-    part_o = torch.empty(n * (splits + 1), hkv * g, d, dtype=torch.float32, device="cuda")
-    part_lse = torch.empty(n * (splits + 1), hkv * g, dtype=torch.float32, device="cuda")
-    slots = n * R.window_blocks(16, b) + 4
-    directory = R.ResidualDirectory(nb, slots, b, 16, torch.device("cuda"))
-    res = KVResidual(*R.allocate_pool(slots * b, hkv, d, dtype, torch.device("cuda")),
-                     directory.slot_of_block, directory.tags, 16)
+    n, splits = 6, 4
+    layout = F.KVPageLayout("kv4", 128, 16)
+    buf = decode_graph_buffers(layout, n, 4, 4, 40, splits, torch.bfloat16)
+    q, cache, bt, seq_lens, qsl, out = buf.q, buf.cache, buf.block_table, buf.seq_lens, buf.qsl, buf.out
+    part_o, part_lse, directory, res = buf.part_o, buf.part_lse, buf.directory, buf.residual
 
     def launch():
         A.decode_attention(q, cache, layout, bt, seq_lens, qsl, out, SCALE, n, splits, part_o,
                            part_lse, res)
 
-    launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
+    graph = capture_graph(launch)
     for trial in range(3):
         refill_decode_batch(trial, bt, seq_lens, qsl, cache, layout, directory, res)
         q.copy_(torch.randn_like(q))

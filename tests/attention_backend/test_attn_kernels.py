@@ -10,12 +10,12 @@ import torch
 
 from vllm_mixprec import formats as F
 from vllm_mixprec import reference as ref
-from vllm_mixprec.attention_backend import residual as R
 from vllm_mixprec.kernels.triton.attention import (decode_attention, decode_config,
                                                    paged_attention, prefill_attention)
 from vllm_mixprec.kernels.triton.kv_cache import KVResidual, quantize_and_store
 
-from attn_helpers import DEVICE, cpu_k_bias, make_batch, refill_decode_batch, tolerance, use_tail
+from attn_helpers import (DEVICE, capture_graph, cpu_k_bias, decode_graph_buffers, make_batch,
+                          refill_decode_batch, tolerance, use_tail)
 
 SCHEMES = ("kv4", "kv8")
 DTYPES = (torch.float16, torch.bfloat16)
@@ -636,24 +636,16 @@ def test_decode_cuda_graph_replay(scheme, pdl, tail, merge, monkeypatch):
     _need_pdl(pdl)
     monkeypatch.setenv("MIXPREC_ATTN_PDL", pdl)
     monkeypatch.setenv("MIXPREC_ATTN_MERGE", merge)
+    # the Triton page kernel's modes (8 rows x 8 kv heads would pick the CUDA one:
+    # test_attn_cuda_decode.py replays that)
+    monkeypatch.setenv("MIXPREC_ATTN_DECODE_IMPL", "triton")
     use_tail(monkeypatch, tail)
     torch.manual_seed(2)
-    dtype, d, hkv, g, n, b = torch.bfloat16, 128, 8, 4, 8, 16
-    layout = F.KVPageLayout(scheme, d, b)
-    max_blocks, nb = 64, 8 * 64 + 4
-    cache = torch.zeros(layout.cache_shape(nb, hkv), dtype=layout.storage_dtype(), device="cuda")
-    bt = torch.zeros(n, max_blocks, dtype=torch.int32, device="cuda")
-    seq_lens = torch.ones(n, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(n + 1, dtype=torch.int32, device="cuda")
-    q = torch.zeros(n, hkv * g, d, dtype=dtype, device="cuda")
-    out = torch.zeros_like(q)
-    splits = 4
-    part_o = torch.empty(n * (splits + 1), hkv * g, d, dtype=torch.float32, device="cuda")
-    part_lse = torch.empty(n * (splits + 1), hkv * g, dtype=torch.float32, device="cuda")
-    slots = n * R.window_blocks(16, b) + 4
-    directory = R.ResidualDirectory(nb, slots, b, 16, torch.device("cuda"))
-    pool = R.allocate_pool(slots * b, hkv, d, dtype, torch.device("cuda"))
-    res = KVResidual(*pool, directory.slot_of_block, directory.tags, 16)
+    dtype, d, hkv, n, splits = torch.bfloat16, 128, 8, 8, 4
+    layout = F.KVPageLayout(scheme, d, 16)
+    buf = decode_graph_buffers(layout, n, hkv, 4, 64, splits, dtype)
+    q, cache, bt, seq_lens, qsl, out = buf.q, buf.cache, buf.block_table, buf.seq_lens, buf.qsl, buf.out
+    part_o, part_lse, directory, res = buf.part_o, buf.part_lse, buf.directory, buf.residual
 
     counters = decode_merge_counters(n, hkv, torch.device("cuda"))
 
@@ -661,11 +653,7 @@ def test_decode_cuda_graph_replay(scheme, pdl, tail, merge, monkeypatch):
         decode_attention(q, cache, layout, bt, seq_lens, qsl, out, d ** -0.5, n, splits,
                          part_o, part_lse, res, merge_counters=counters)
 
-    launch()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
+    graph = capture_graph(launch)
     for trial in range(3):
         refill_decode_batch(trial, bt, seq_lens, qsl, cache, layout, directory, res)
         q.copy_(torch.randn_like(q))
