@@ -10,9 +10,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <array>
 #include <atomic>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -318,14 +318,22 @@ void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Te
                       int64_t min_tiles, int64_t prefetch_pages) {
   const char* op = "mixprec_C::decode_kv4_pages: ";
   const c10::cuda::CUDAGuard guard(q.device());
-  TORCH_CHECK(q.is_cuda() && q.dim() == 3 && q.size(2) == kDecodeKV4HeadDim && q.stride(2) == 1, op,
-              "q must be a CUDA [T, Hq, ", kDecodeKV4HeadDim, "] tensor with unit stride on D, got ", q.sizes());
+  check_cuda(q, q, "q");
+  check_cuda(cache, q, "cache");
+  check_cuda(out, q, "out");
+  check_cuda(block_table, q, "block_table");
+  check_cuda(seq_lens, q, "seq_lens");
+  check_cuda(query_start_loc, q, "query_start_loc");
+  if (part_o) check_cuda(*part_o, q, "part_o");
+  if (part_lse) check_cuda(*part_lse, q, "part_lse");
+  if (k_smooth) check_cuda(*k_smooth, q, "k_smooth");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kDecodeKV4HeadDim && q.stride(2) == 1, op,
+              "q must be [T, Hq, ", kDecodeKV4HeadDim, "] tensor with unit stride on D, got ", q.sizes());
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, op,
               "q must be float16 or bfloat16, got ", q.scalar_type());
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.dim() == 3 && out.size(0) >= q.size(0) &&
-                  out.size(1) == q.size(1) && out.size(2) == q.size(2) && out.stride(2) == 1 &&
-                  out.device() == q.device(),
-              op, "out must be [>= T, Hq, D] in q's dtype on q's device with unit stride on D, got ", out.sizes(),
+                  out.size(1) == q.size(1) && out.size(2) == q.size(2) && out.stride(2) == 1,
+              op, "out must be [>= T, Hq, D] in q's dtype with unit stride on D, got ", out.sizes(),
               " ", out.scalar_type(), " for q ", q.sizes(), " ", q.scalar_type());
   TORCH_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0, op,
               "q rows must be 16-byte aligned (strides multiples of 8 elements)");
@@ -335,16 +343,16 @@ void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Te
   TORCH_CHECK(cache.dim() == 4 && cache.size(2) == kDecodeKV4BlockSize && cache.size(3) == row_bytes &&
                   cache.element_size() == 1 && cache.stride(3) == 1 && cache.stride(2) == row_bytes &&
                   cache.stride(1) == kDecodeKV4BlockSize * row_bytes && cache.stride(0) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0 && cache.device() == q.device(),
+                  reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0,
               op, "cache must be a 16-byte aligned (blocks, Hkv, ", kDecodeKV4BlockSize, ", ", row_bytes,
-              ") byte tensor with contiguous (block, head) slabs on q's device, got ", cache.sizes(), " strides ",
+              ") byte tensor with contiguous (block, head) slabs, got ", cache.sizes(), " strides ",
               cache.strides());
   const int64_t hq = q.size(1), hkv = cache.size(1);
   TORCH_CHECK(hkv > 0 && hq % hkv == 0 && hq / hkv <= kDecodeKV4MaxGroup, op, "query heads (", hq,
               ") must be a multiple of kv heads (", hkv, ") by at most ", kDecodeKV4MaxGroup);
   for (const auto* t : {&block_table, &seq_lens, &query_start_loc}) {
-    TORCH_CHECK(t->scalar_type() == at::kInt && t->device() == q.device() && t->stride(-1) == 1, op,
-                "block_table, seq_lens and query_start_loc must be int32 on q's device with unit last stride");
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->stride(-1) == 1, op,
+                "block_table, seq_lens and query_start_loc must be int32 with unit last stride");
   }
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) >= num_rows && seq_lens.numel() >= num_rows &&
                   query_start_loc.numel() > num_rows,
@@ -359,12 +367,11 @@ void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Te
   if (part_o) {
     TORCH_CHECK(part_o->scalar_type() == at::kFloat && part_o->is_contiguous() && part_o->dim() == 3 &&
                     part_o->size(0) >= num_rows * slots && part_o->size(1) == hq &&
-                    part_o->size(2) == kDecodeKV4HeadDim && part_o->device() == q.device(),
+                    part_o->size(2) == kDecodeKV4HeadDim,
                 op, "part_o must be contiguous float32 [>= num_rows * slots = ", num_rows * slots, ", ", hq, ", ",
                 kDecodeKV4HeadDim, "], got ", part_o->sizes());
     TORCH_CHECK(part_lse->scalar_type() == at::kFloat && part_lse->is_contiguous() && part_lse->dim() == 2 &&
-                    part_lse->size(0) >= num_rows * slots && part_lse->size(1) == hq &&
-                    part_lse->device() == q.device(),
+                    part_lse->size(0) >= num_rows * slots && part_lse->size(1) == hq,
                 op, "part_lse must be contiguous float32 [>= num_rows * slots, ", hq, "], got ", part_lse->sizes());
   } else {
     TORCH_CHECK(num_splits == 1 && res_tokens == 0, op,
@@ -372,7 +379,7 @@ void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Te
   }
   if (k_smooth) {
     TORCH_CHECK(k_smooth->scalar_type() == at::kFloat && k_smooth->is_contiguous() &&
-                    k_smooth->numel() == hkv * kDecodeKV4HeadDim && k_smooth->device() == q.device(),
+                    k_smooth->numel() == hkv * kDecodeKV4HeadDim,
                 op, "k_smooth must be contiguous float32 [", hkv, ", ", kDecodeKV4HeadDim, "]");
   }
   if (num_rows == 0) return;

@@ -19,12 +19,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/device.h"
 #include "gemm/w4a8_gemm.h"
 
 namespace mixprec {
 namespace {
-
-__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // 8 input elements as loaded (16 bytes of half/bf16, 32 of float).
 template <typename T>

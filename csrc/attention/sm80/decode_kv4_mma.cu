@@ -8,7 +8,7 @@
 //    S^T = K Q^T with 16 page tokens as the m16 side and the G <= 8 query heads as n8, so a
 //    page is 8 mma for the scores and 8 for P V (O^T = V^T P^T), not 16 + 16 with G padded to 16.
 //  * The nibbles go from registers straight into mma operands. Any consistent order of the
-//    k index works, so each thread's 16 K bytes (token g, dims 32*tig..+31) become its A
+//    k index works, so each thread's 16 bytes of a K row (dims 32*tig..+31) become its A
 //    fragments with a fixed permutation of the dims that the query fragments share; the V
 //    operand pairs two tokens per register, which one byte permute (prmt) of two rows gives.
 //    Codes become fp16 by OR-ing them into 1024.0's mantissa (lop3) and one packed subtract.
@@ -30,7 +30,7 @@
 #include <cstdint>
 
 #include "attention/decode_kv4.h"
-#include "common/ptx.h"
+#include "common/device.h"
 
 namespace mixprec {
 namespace {
@@ -156,20 +156,6 @@ __device__ __forceinline__ float warp_max_over_groups(float v) {
 __device__ __forceinline__ float warp_sum_over_groups(float v) {
   return reduce_over_groups(v, [](float a, float b) { return a + b; });
 }
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
 
 // --- the kernel ---------------------------------------------------------------------------------
 

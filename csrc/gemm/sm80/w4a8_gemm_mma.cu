@@ -24,7 +24,7 @@
 
 #include <cstdint>
 
-#include "common/ptx.h"
+#include "common/device.h"
 #include "gemm/w4a8_gemm.h"
 
 namespace mixprec {
@@ -39,7 +39,7 @@ using Params = W4A8KernelParams;
 
 // ---- memory ------------------------------------------------------------------------------
 
-// (ldg_stream_v4, common/ptx.h: weights are read once, so they skip L1 and the activations stay there.)
+// (ldg_stream_v4, common/device.h: weights are read once, so they skip L1 and the activations stay there.)
 __device__ __forceinline__ uint4 ldg_v4(const void* ptr) {
   return __ldg(reinterpret_cast<const uint4*>(ptr));
 }
@@ -104,10 +104,6 @@ __device__ __forceinline__ void mma_chunk(int32_t (&c)[4], const uint32_t (&a)[2
 }
 
 // ---- epilogue ------------------------------------------------------------------------------
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 __device__ __forceinline__ void store2(float* p, float y0, float y1) {
   *reinterpret_cast<float2*>(p) = make_float2(y0, y1);

@@ -31,6 +31,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "common/device.h"
 #include "gemm/w4a8_gemm.h"
 
 // The kernel bodies exist only in the sm_90a pass; every other pass (sm_80, plain sm_90)
@@ -50,8 +51,6 @@ constexpr int kThreads = 384;       // producer warpgroup + 2 consumer warpgroup
 struct WParams : W4A8KernelParams {
   int tok_tiles, ch_tiles;
 };
-
-__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // kBlocks m64 blocks per consumer warpgroup, kTok tokens (= wgmma N), kStages ring slots.
 template <int kBlocks, int kTok, int kStages>
@@ -257,10 +256,6 @@ __device__ __forceinline__ void dequant_chunk(const uint4 w, const uint32_t para
 }
 
 // ---- epilogue --------------------------------------------------------------------------------
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 __device__ __forceinline__ void store2(float* p, float y0, float y1) {
   *reinterpret_cast<float2*>(p) = make_float2(y0, y1);

@@ -52,6 +52,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ... import formats as F
+from .. import cuda as cuda_ops
 from .kv_cache import KVResidual, cache_views, kbias_args, meta_index, rope_angle, slab_offset
 
 LOG2E = 1.4426950408889634
@@ -1024,7 +1025,6 @@ def cuda_decode_unsupported(layout: F.KVPageLayout, group: int, device: torch.de
     """Why the CUDA KV4 page kernel (kernels.cuda.decode_kv4_pages) cannot run this decode, or
     "" when it can: KV4, head_dim 128, 16-token pages, <= 8 query heads per kv head, no
     bias-aware K, int32 block tables, an sm_80+ GPU, and a build that holds the kernel."""
-    from .. import cuda as C
     if layout.scheme != "kv4" or layout.head_dim != 128 or layout.block_size != 16:
         return (f"it handles kv4 with head_dim 128 and 16-token pages, not {layout.scheme} "
                 f"with head_dim {layout.head_dim} and {layout.block_size}-token pages")
@@ -1036,8 +1036,8 @@ def cuda_decode_unsupported(layout: F.KVPageLayout, group: int, device: torch.de
         return f"it reads int32 block tables and lengths, not {index_dtype}"
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return "it needs a CUDA device (not the Triton interpreter)"
-    if not C.has_decode_kv4():
-        return f"the csrc/ build lacks it ({C.load_error() or 'built before the kernel'})"
+    if not cuda_ops.has_decode_kv4():
+        return f"the csrc/ build lacks it ({cuda_ops.load_error() or 'built before the kernel'})"
     index = device.index if device.index is not None else torch.cuda.current_device()
     if _capability_major(index) < 8:
         return "it needs sm_80 or newer (mma.sync m16n8k16, movmatrix)"
@@ -1124,8 +1124,7 @@ class _CudaPageLaunch:
         self.op_args = op_args
 
     def __getitem__(self, grid):
-        from .. import cuda as C
-        return lambda *args, **kwargs: C.decode_kv4_pages(**self.op_args)
+        return lambda *args, **kwargs: cuda_ops.decode_kv4_pages(**self.op_args)
 
 
 FUSED_ROWS_MAXNREG = 168  # the page kernel's cap with the fused merge of a multi-row batch
