@@ -7,6 +7,7 @@
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
 # finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench w4ax startup
 # decode_sweep decode_plan gemm_launch gemm_flush cuda_decode cuda_decode_tune decode_impl_ab
+# rerun_refactors vllm_int_attn merge_rows_rest tp_global
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -254,6 +255,15 @@ stage_merge_rows() {
   pytest_logged pytest-gpu-merge-rows 540 tests/attention_backend/test_attn_kernels.py \
     -k "fused or merges_many_splits or decode_cuda_graph_replay or paged_attention_gpu"
 }
+# merge_rows less the 55 tests that passed in session 24 before its time ran out (their ids are
+# in that run's log)
+stage_merge_rows_rest() {
+  local done_log=benchmarks/results/2026-11-27-s24/merge-rows/pytest-gpu-merge-rows.log args=()
+  mapfile -t args < <(grep -oE '^tests/[^ ]+ PASSED' "$done_log" | sed -e 's/ PASSED$//' -e 's/^/--deselect=/')
+  log "merge_rows_rest: ${#args[@]} tests deselected (passed in session 24)"
+  pytest_logged pytest-gpu-merge-rows-rest 540 tests/attention_backend/test_attn_kernels.py \
+    -k "fused or merges_many_splits or decode_cuda_graph_replay or paged_attention_gpu" "${args[@]}"
+}
 stage_merge_rows_bench() {
   local rc=0
   run_bench bench_attention_default 180 python3 benchmarks/bench_attention.py --rep-ms 100 \
@@ -414,6 +424,22 @@ stage_decode_impl_ab() {
   timeout 400 python3 scripts/decode_impl_ab.py --model "$ckpt" --out "$OUT/decode-impl-ab" ${DECODE_AB_ARGS:-} 2>&1 | tail -40
   return "${PIPESTATUS[0]}"
 }
+# What changed since its last GPU run: ops.cpp's device checks (check_cuda; every csrc op's error
+# paths are in test_cuda_gemm) and the CUDA-graph test helpers of attn_helpers
+stage_rerun_refactors() {
+  local rc=0
+  pytest_logged pytest-gpu-cuda-decode 240 tests/attention_backend/test_attn_cuda_decode.py || rc=1
+  pytest_gpu pytest-gpu-attn-graph 120 tests/attention_backend/test_attn_kernels.py -k graph || rc=1
+  stage_test_csrc || rc=1
+  return $rc
+}
+# vLLM's TRITON_ATTN with int4/int8_per_token_head over the issue's whole decode grid, beside FA3
+# and ours (KV4 with the default page-kernel choice, KV8), in one run
+stage_vllm_int_attn() {
+  run_bench bench_attention_vllm_int 560 python3 benchmarks/bench_attention.py --rep-ms 100 \
+    --batch 1 8 64 --ctx 1024 8192 32768 \
+    --methods fa3-bf16 triton-int4 triton-int8 mixprec-kv4 mixprec-kv8 --out "$OUT/vllm-int"
+}
 stage_bench_attn() { run_bench bench_attention 420 python3 benchmarks/bench_attention.py --out "$OUT"; }
 stage_bench() { stage_bench_gemm; stage_bench_attn; }
 # BENCH_PREFILL_METHODS: the methods (default: FA3 and the two FlashAttention-based exact paths)
@@ -449,9 +475,15 @@ stage_load() {
 stage_tp() { run_tp llama-none,qwen2-none; }
 stage_tp_kv4() { run_tp llama-kv4,qwen2-kv4; }
 stage_tp_control() { run_tp llama-bf16,qwen2-bf16; }  # vLLM's own TP on the unquantized models
+# TP=2 with the row maxima all-gathered (MIXPREC_TP_ACT_SCALE=global: TP=1's activation codes) on
+# the Qwen2 shape, which rank scales left 0 of 8 identical (session 13; the bf16 control 4 of 8)
+stage_tp_global() {
+  mkdir -p "$OUT/tp-global"
+  OUT=$OUT/tp-global MIXPREC_TP_ACT_SCALE=global run_tp "${TP_GLOBAL_MODELS:-qwen2-none}"
+}
 run_tp() {
   log "TP=2 vs TP=1 on $1 ($(python3 -c 'import torch; print(torch.cuda.device_count())') GPUs)"
-  timeout 580 python3 scripts/tp_check.py --out "$OUT" --models "$1" 2>&1 | grep -v -E '^(INFO|WARNING)' \
+  timeout "${TP_TIMEOUT:-580}" python3 scripts/tp_check.py --out "$OUT" --models "$1" 2>&1 | grep -v -E '^(INFO|WARNING)' \
     | tee "$OUT/tp-$1.log" | tail -20
   return "${PIPESTATUS[0]}"
 }

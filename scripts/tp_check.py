@@ -20,7 +20,7 @@ and by finite logprobs, reporting greedy agreement. A child that wrote its resul
 Random weights give flat logits, where a different all-reduce order may flip a near-tie: the
 unquantized Qwen2 shape itself gave 4 of 8 identical completions at TP=2 (H100, 2026-11-25). And
 W4A8 at TP=2 quantizes each rank's half of a row-parallel layer's input with its own per-token
-scale, which TP=1 does not. So a model passes when every prompt is identical, or diverges only
+scale, which TP=1 does not (unless MIXPREC_TP_ACT_SCALE=global, which the children inherit). So a model passes when every prompt is identical, or diverges only
 at a near-tie (TP=1's logprob gap between the two picks <= NEAR_TIE) with the logprobs of the
 shared prefix within MAX_DLOGPROB of each other; a sharding bug puts the two runs' logprobs far
 apart from step 0. The real models cannot reach the host (64 MiB per call) and SmolLM2's 9 heads
@@ -261,6 +261,7 @@ def main() -> int:
             if ppls is not None:
                 ppls[tp] = _load_json(res + ".ppl.json")
         entry = judge(runs, ppls)
+        entry["tp_act_scale"] = env.get("MIXPREC_TP_ACT_SCALE", "rank")  # kernels.tp_act_scale
         ok &= entry["pass"] or name.endswith("-bf16")  # the control is reported, not judged
         summary[name] = entry
         print(name, json.dumps({k: v for k, v in entry.items() if k != "per_prompt"}), flush=True)

@@ -49,6 +49,7 @@ def run_rank(rank: int, world: int, init_file: str, out_file: str) -> None:
     from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                                    RowParallelLinear)
 
+    from vllm_mixprec import kernels
     from vllm_mixprec.quant_methods import k_bias
     from vllm_mixprec.quant_methods.config import MixPrecConfig
 
@@ -87,6 +88,18 @@ def run_rank(rank: int, world: int, init_file: str, out_file: str) -> None:
             # the rank's partial sum; vLLM's all-reduce adds them (the test adds them here)
             out[f"down_kv{kv_heads}"] = down.quant_method.apply(down, case["x_down"][:, rank * part:(rank + 1) * part])
             out[f"shapes_kv{kv_heads}"] = {n: tuple(getattr(qkv, n).shape) for n in qkv.mixprec_params}
+            if kv_heads == 2:  # MIXPREC_TP_ACT_SCALE=global: the row maxima all-gathered first
+                os.environ["MIXPREC_TP_ACT_SCALE"] = "global"
+                down_g = RowParallelLinear(INTER, HIDDEN, bias=False, quant_config=cfg,
+                                           params_dtype=torch.float16, prefix="model.layers.0.mlp.down_proj")
+                load_tensors(down_g, case["down"], None)
+                down_g.quant_method.process_weights_after_loading(down_g)
+                del os.environ["MIXPREC_TP_ACT_SCALE"]
+                x_r = case["x_down"][:, rank * part:(rank + 1) * part].clone()
+                out["down_global"] = down_g.quant_method.apply(down_g, x_r)
+                out["act_global"] = kernels.quantize_act_tp(x_r, None)
+                x_r[1, 0] = float("nan")  # a NaN on rank 0's slice: the whole row NaN, on every rank
+                out["act_global_nan"] = kernels.quantize_act_tp(x_r if rank == 0 else x_r.nan_to_num(), None)
 
         for what, kwargs in (("w4ax_row", dict(weight_scheme="w4ax", act_bits="4/8", a8_fraction=0.25)),
                              ("g128_row", dict(group_size=128))):

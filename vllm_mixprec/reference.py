@@ -119,10 +119,11 @@ def dequantize_weight(qweight, group_scale, group_offset, channel_scale,
 
 # --- activations ------------------------------------------------------------------------
 
-def _quantize_sym(xb: torch.Tensor, qmax: int, row_ok: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_sym(xb: torch.Tensor, qmax: int, row_ok: torch.Tensor | None = None,
+                  amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric codes of xb [M, B, L], one scale per (token, block): (float codes [M, B, L]
-    in [-qmax, qmax], float32 scale [M, B] = max|block| / qmax).
+    in [-qmax, qmax], float32 scale [M, B] = max|block| / qmax). `amax` [M, B], when given,
+    stands for max|block| (a block of which xb holds only a slice).
 
     A row holding a NaN or an Inf gets NaN in all of its scales and zero codes, so everything
     computed from it is NaN. amax propagates both (NaN stays NaN, |Inf| is Inf), so with one
@@ -130,7 +131,7 @@ def _quantize_sym(xb: torch.Tensor, qmax: int, row_ok: torch.Tensor | None = Non
     all(isfinite) pass made torch.compile's fused RMSNorm/SiLU kernel carry three. With several
     blocks, row_ok [M] (whole row finite) comes from the caller.
     """
-    amax = xb.abs().amax(dim=-1)
+    amax = xb.abs().amax(dim=-1) if amax is None else amax
     ok = torch.isfinite(amax) if row_ok is None else row_ok[:, None]
     scale = torch.where(ok, _div(amax.clamp_min(_EPS), qmax), torch.full_like(amax, _NAN))
     q = torch.round(xb / scale[..., None]).clamp(-qmax, qmax)  # not clamp_: compile_passes traces it
@@ -150,8 +151,22 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
     `smooth` [K], when given, divides x first (SmoothQuant scale not folded offline).
     A row holding a NaN or an Inf gets a NaN scale and zero codes: its GEMM output row is NaN.
     """
+    return quantize_act_slice(x, smooth, None)
+
+
+def act_row_amax(x: torch.Tensor, smooth: torch.Tensor | None = None) -> torch.Tensor:
+    """max |x / smooth| of each row of x [M, K]: float32 [M], NaN or Inf where the row has one."""
+    return _act_input(x, smooth).abs().amax(dim=-1)
+
+
+def quantize_act_slice(x: torch.Tensor, smooth: torch.Tensor | None,
+                       row_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_act of x [M, K], a slice of longer rows whose max |x / smooth| is row_amax [M]
+    (None: x is the whole row). A row-parallel layer at TP > 1 gets its rows' maxima from every
+    rank (kernels.quantize_act_tp), so that its codes and scales are TP=1's."""
     xf = _act_input(x, smooth)
-    q, scale = _quantize_sym(xf[:, None, :], F.A8_MAX)
+    q, scale = _quantize_sym(xf[:, None, :], F.A8_MAX,
+                             amax=None if row_amax is None else row_amax[:, None])
     return q[:, 0].to(torch.int8), scale[:, 0]
 
 

@@ -116,6 +116,38 @@ def test_down_shards_and_their_sum(ranks, kv_heads):
     _close(total, _ref(case["x_down"], case["down"]), tol=2e-2)
 
 
+def test_global_act_scale_gives_tp1_codes(ranks):
+    """MIXPREC_TP_ACT_SCALE=global: each rank's codes and scales are exactly TP=1's on its slice,
+    so the all-reduced output is TP=1's up to the 16-bit rounding of the two partial sums."""
+    case = W.make_case(2)
+    per = W.INTER // WORLD
+    xq, xs = ref.quantize_act(case["x_down"])
+    total = 0
+    for r, out in enumerate(ranks):
+        q_r, s_r = out["act_global"]
+        assert torch.equal(q_r, xq[:, r * per:(r + 1) * per]), r
+        assert torch.equal(s_r, xs), r
+        total = total + out["down_global"].double()
+    _close(total, _ref(case["x_down"], case["down"]), tol=1e-3)
+    # a NaN on rank 0's slice of row 1 makes row 1 NaN on both ranks; the other rows are untouched
+    for r, out in enumerate(ranks):
+        q_r, s_r = out["act_global_nan"]
+        assert torch.isnan(s_r[1]) and not bool(q_r[1].any()), r
+        assert torch.equal(s_r[[0, 2]], xs[[0, 2]]), r
+
+
+@pytest.mark.parametrize("value,ok", [(None, "rank"), ("", "rank"), ("rank", "rank"),
+                                      ("global", "global"), ("all", None), ("GLOBAL", None)])
+def test_tp_act_scale_env(value, ok):
+    from vllm_mixprec import kernels
+    env = {} if value is None else {"MIXPREC_TP_ACT_SCALE": value}
+    if ok is None:
+        with pytest.raises(ValueError, match="MIXPREC_TP_ACT_SCALE=.*expected rank"):
+            kernels.tp_act_scale(env)
+    else:
+        assert kernels.tp_act_scale(env) == ok
+
+
 def test_unshardable_configs_are_refused(ranks):
     for out in ranks:
         assert "does not support row-parallel sharding" in out["w4ax_row"], out["w4ax_row"]

@@ -58,6 +58,30 @@ def fuse_act_quant(environ=os.environ) -> bool:
 _FUSE_ACT_QUANT = fuse_act_quant()
 
 
+def tp_act_scale(environ=os.environ) -> str:
+    """MIXPREC_TP_ACT_SCALE: the per-token activation scale of a row-parallel layer (o_proj,
+    down_proj) at TP > 1, where each rank holds a slice of every token's channels.
+    "rank" (default): each rank scales its slice by the slice's own max; no communication, but
+    the codes differ from TP=1's. "global": the ranks all-gather their row maxima first (one
+    [M, TP] float32 all-gather per layer), so codes and scales are TP=1's bit for bit and the
+    TP=2 output differs from TP=1's only by the 16-bit rounding of the partial sums."""
+    v = environ.get("MIXPREC_TP_ACT_SCALE", "rank").strip() or "rank"
+    if v not in ("rank", "global"):
+        raise ValueError(f"MIXPREC_TP_ACT_SCALE={v!r}: expected rank (each rank's own per-token "
+                         "max; the default) or global (the max over all ranks: TP=1's codes, one "
+                         "all-gather per row-parallel layer)")
+    return v
+
+
+def quantize_act_tp(x: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.quantize_act of the whole rows that x [M, K/TP] is this rank's slice of: the
+    maxima of every rank's slice are all-gathered (vLLM's all_gather op, which torch.compile and
+    CUDA graphs trace) and their max scales the codes. Torch ops: Inductor fuses them."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+    amax = tensor_model_parallel_all_gather(ref.act_row_amax(x, smooth)[:, None], dim=-1)
+    return ref.quantize_act_slice(x, smooth, amax.amax(dim=-1))  # amax keeps a NaN: the row is NaN
+
+
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -234,6 +258,10 @@ def prepare_linear(layer: torch.nn.Module, weight_scheme: str, prefix: str,
         layer.register_buffer("act_rotation", rot, persistent=False)
     if impl == "cuda":
         _cuda.prepare_weights(layer)
+    # read per layer (validated at any TP); create_weights refuses W4Ax on a row-parallel
+    # shard, so this is W4A8 only
+    global_scale = tp_act_scale() == "global"
+    layer.mixprec_act_scale_tp = global_scale and getattr(layer, "mixprec_row_parallel", False)
     layer.mixprec_impl = impl
     layer.mixprec_scheme = weight_scheme
     logger.debug("vllm_mixprec: %s -> %s %s kernel (N=%d, K=%d)", prefix, impl, weight_scheme,
@@ -246,7 +274,10 @@ def apply_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
     smooth = getattr(layer, "input_smooth", None)
     weights = (layer.qweight, layer.group_scale, layer.group_offset, layer.channel_scale)
     fused = _FUSE_ACT_QUANT and torch.compiler.is_compiling()  # torch ops Inductor can fuse
-    if layer.mixprec_scheme == "w4a8" and fused:
+    if getattr(layer, "mixprec_act_scale_tp", False):  # MIXPREC_TP_ACT_SCALE=global, row-parallel
+        y = torch.ops.mixprec.w4a8_gemm(*quantize_act_tp(x2, smooth), *weights, bias, x2.dtype,
+                                        layer.mixprec_impl)
+    elif layer.mixprec_scheme == "w4a8" and fused:
         y = torch.ops.mixprec.w4a8_gemm(*ref.quantize_act(x2, smooth), *weights, bias, x2.dtype,
                                         layer.mixprec_impl)
     elif layer.mixprec_scheme == "w4a8":

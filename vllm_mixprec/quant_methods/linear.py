@@ -102,6 +102,7 @@ class MixPrecLinearMethod(LinearMethodBase):
             reg("act_perm", BasevLLMParameter(data=torch.empty(k, dtype=torch.int32), weight_loader=wl))
             reg("a8_blocks", BasevLLMParameter(data=torch.empty(1, dtype=torch.int32), weight_loader=wl))
         layer.mixprec_in_features = k
+        layer.mixprec_row_parallel = is_row_parallel  # a K slice: kernels.tp_act_scale applies
         layer.mixprec_out_features = n
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
