@@ -7,7 +7,7 @@
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
 # finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench w4ax startup
 # decode_sweep decode_plan gemm_launch gemm_flush cuda_decode cuda_decode_tune decode_impl_ab
-# rerun_refactors vllm_int_attn merge_rows_rest tp_global
+# rerun_refactors vllm_int_attn merge_rows_rest tp_global tp_nan_probe
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -480,6 +480,15 @@ stage_tp_control() { run_tp llama-bf16,qwen2-bf16; }  # vLLM's own TP on the unq
 stage_tp_global() {
   mkdir -p "$OUT/tp-global"
   OUT=$OUT/tp-global MIXPREC_TP_ACT_SCALE=global run_tp "${TP_GLOBAL_MODELS:-qwen2-none}"
+}
+# Session 26's NaN at TP=2 on qwen2-none (docs/RELIABILITY.md): vLLM's own TP on the same bf16
+# model, then ours eager (no torch.compile, no CUDA graphs)
+stage_tp_nan_probe() {
+  local rc=0
+  mkdir -p "$OUT/tp-nan-control" "$OUT/tp-nan-eager"
+  OUT=$OUT/tp-nan-control run_tp qwen2-bf16 || rc=1
+  OUT=$OUT/tp-nan-eager TP_CHECK_EAGER=1 run_tp qwen2-none || rc=1
+  return $rc
 }
 run_tp() {
   log "TP=2 vs TP=1 on $1 ($(python3 -c 'import torch; print(torch.cuda.device_count())') GPUs)"

@@ -121,6 +121,8 @@ def child(ckpt: str, tp: int, kv: str, out_file: str, ppl_text: str | None = Non
 
     kwargs = dict(model=ckpt, tensor_parallel_size=tp, max_model_len=1024 + 16,  # a ppl window + 1 token
                   gpu_memory_utilization=0.5, disable_custom_all_reduce=True, seed=0)
+    if os.environ.get("TP_CHECK_EAGER") == "1":  # split torch.compile / CUDA graphs from the kernels
+        kwargs["enforce_eager"] = True
     if kv != "bf16":
         kwargs["quantization"] = "mixprec"
     if kv == "kv4":
@@ -262,6 +264,7 @@ def main() -> int:
                 ppls[tp] = _load_json(res + ".ppl.json")
         entry = judge(runs, ppls)
         entry["tp_act_scale"] = env.get("MIXPREC_TP_ACT_SCALE", "rank")  # kernels.tp_act_scale
+        entry["eager"] = env.get("TP_CHECK_EAGER") == "1"
         ok &= entry["pass"] or name.endswith("-bf16")  # the control is reported, not judged
         summary[name] = entry
         print(name, json.dumps({k: v for k, v in entry.items() if k != "per_prompt"}), flush=True)
