@@ -478,19 +478,18 @@ stage_tp_control() { run_tp llama-bf16,qwen2-bf16; }  # vLLM's own TP on the unq
 # TP=2 with the row maxima all-gathered (MIXPREC_TP_ACT_SCALE=global: TP=1's activation codes) on
 # the Qwen2 shape, which rank scales left 0 of 8 identical (session 13; the bf16 control 4 of 8)
 stage_tp_global() {
-  mkdir -p "$OUT/tp-global"
   OUT=$OUT/tp-global MIXPREC_TP_ACT_SCALE=global run_tp "${TP_GLOBAL_MODELS:-qwen2-none}"
 }
 # Session 26's NaN at TP=2 on qwen2-none (docs/RELIABILITY.md): vLLM's own TP on the same bf16
 # model, then ours eager (no torch.compile, no CUDA graphs)
 stage_tp_nan_probe() {
   local rc=0
-  mkdir -p "$OUT/tp-nan-control" "$OUT/tp-nan-eager"
   OUT=$OUT/tp-nan-control run_tp qwen2-bf16 || rc=1
   OUT=$OUT/tp-nan-eager TP_CHECK_EAGER=1 run_tp qwen2-none || rc=1
   return $rc
 }
-run_tp() {
+run_tp() {  # MODELS; $OUT may be a stage's own subfolder
+  mkdir -p "$OUT"
   log "TP=2 vs TP=1 on $1 ($(python3 -c 'import torch; print(torch.cuda.device_count())') GPUs)"
   timeout "${TP_TIMEOUT:-580}" python3 scripts/tp_check.py --out "$OUT" --models "$1" 2>&1 | grep -v -E '^(INFO|WARNING)' \
     | tee "$OUT/tp-$1.log" | tail -20

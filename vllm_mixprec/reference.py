@@ -7,6 +7,7 @@ mantissa, so the float64 matmul below is an exact int32 GEMM.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -154,19 +155,16 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
     return quantize_act_slice(x, smooth, None)
 
 
-def act_row_amax(x: torch.Tensor, smooth: torch.Tensor | None = None) -> torch.Tensor:
-    """max |x / smooth| of each row of x [M, K]: float32 [M], NaN or Inf where the row has one."""
-    return _act_input(x, smooth).abs().amax(dim=-1)
-
-
 def quantize_act_slice(x: torch.Tensor, smooth: torch.Tensor | None,
-                       row_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_act of x [M, K], a slice of longer rows whose max |x / smooth| is row_amax [M]
-    (None: x is the whole row). A row-parallel layer at TP > 1 gets its rows' maxima from every
-    rank (kernels.quantize_act_tp), so that its codes and scales are TP=1's."""
+                       whole_row_amax: Callable[[torch.Tensor], torch.Tensor] | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_act of x [M, K], a slice of longer rows: whole_row_amax maps the slice's row
+    maxima max |x / smooth| [M] to the whole rows' (None: x is the whole row). A row-parallel
+    layer at TP > 1 gathers them from every rank (kernels.quantize_act_tp), so that its codes and
+    scales are TP=1's."""
     xf = _act_input(x, smooth)
-    q, scale = _quantize_sym(xf[:, None, :], F.A8_MAX,
-                             amax=None if row_amax is None else row_amax[:, None])
+    amax = None if whole_row_amax is None else whole_row_amax(xf.abs().amax(dim=-1))[:, None]
+    q, scale = _quantize_sym(xf[:, None, :], F.A8_MAX, amax=amax)
     return q[:, 0].to(torch.int8), scale[:, 0]
 
 

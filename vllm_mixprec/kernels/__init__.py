@@ -79,8 +79,11 @@ def quantize_act_tp(x: torch.Tensor, smooth: torch.Tensor | None
     maxima of every rank's slice are all-gathered (vLLM's all_gather op, which torch.compile and
     CUDA graphs trace) and their max scales the codes. Torch ops: Inductor fuses them."""
     from vllm.distributed import tensor_model_parallel_all_gather
-    amax = tensor_model_parallel_all_gather(ref.act_row_amax(x, smooth)[:, None], dim=-1)
-    return ref.quantize_act_slice(x, smooth, amax.amax(dim=-1))  # amax keeps a NaN: the row is NaN
+
+    def whole_row_amax(amax: torch.Tensor) -> torch.Tensor:  # amax keeps a NaN: the row is NaN
+        return tensor_model_parallel_all_gather(amax[:, None], dim=-1).amax(dim=-1)
+
+    return ref.quantize_act_slice(x, smooth, whole_row_amax)
 
 
 def _triton_available() -> bool:
