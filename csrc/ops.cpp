@@ -25,7 +25,7 @@
 
 namespace mixprec {
 
-// sm_90a wgmma kernels (csrc/gemm/sm90/w4a8_gemm_wgmma.cu): kernel ids 4..6 of the w4a8_gemm op;
+// sm_90a wgmma kernels (csrc/gemm/sm90/w4a8_gemm_wgmma.cu): kernel ids 4..8 of the w4a8_gemm op;
 // same arguments and plan struct as the mma.sync kernels. Supported iff the current device is
 // sm_90 and the build holds the sm_90a image.
 bool w4a8_wgmma_supported();
@@ -233,8 +233,8 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   const at::Tensor channel_scale = aligned_contiguous(channel_scale_in);
 
   // kernel: -2 auto over the mma.sync kernels; -1 auto (wgmma from kWgmmaMinM tokens on sm90);
-  // 0..3 mma.sync kernels; 4..6 wgmma kernels (sm_90a build on an sm_90 GPU only).
-  TORCH_CHECK(kernel >= -2 && kernel <= 6, op, "kernel must be -2, -1 (auto) or 0..6, got ", kernel);
+  // 0..3 mma.sync kernels; 4..8 wgmma kernels (sm_90a build on an sm_90 GPU only).
+  TORCH_CHECK(kernel >= -2 && kernel <= 8, op, "kernel must be -2, -1 (auto) or 0..8, got ", kernel);
   const bool wants_wgmma = kernel >= 4 || (kernel == -1 && M >= kWgmmaMinM);
   const bool use_wgmma = wants_wgmma && w4a8_wgmma_supported();
   TORCH_CHECK(use_wgmma || kernel < 4, op, "kernel ", kernel,
@@ -280,7 +280,7 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   return out;
 }
 
-// Whether kernels 4..6 (and the auto choice of them) run on this device.
+// Whether kernels 4..8 (and the auto choice of them) run on this device.
 bool w4a8_wgmma_available(int64_t device) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
@@ -293,7 +293,7 @@ bool w4a8_wgmma_available(int64_t device) {
 }
 
 // The (kernel, splits) that w4a8_gemm would launch for a problem, without a GPU: tests check the
-// planner on the CPU and benchmarks record it. wgmma picks between the wgmma kernels (ids 4..6),
+// planner on the CPU and benchmarks record it. wgmma picks between the wgmma kernels (ids 4..8),
 // otherwise the mma.sync ones (0..3); kernel/splits as in w4a8_gemm (-1 and 0 choose).
 std::vector<int64_t> w4a8_plan(int64_t M, int64_t N, int64_t K, int64_t group_size, int64_t num_sms,
                                int64_t kernel, int64_t splits, bool wgmma) {

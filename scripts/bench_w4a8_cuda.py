@@ -130,7 +130,7 @@ def main():
                         if splits <= k // 64:  # the op clamps to the chunk count
                             row[f"gemm_k{kernel}_s{splits}_us"] = bench(lambda: gemm(kernel, splits))
             if args.splits_sweep and m >= 64 and cuda.has_wgmma():  # every wgmma tile x split count
-                for kernel in (4, 5, 6):
+                for kernel in cuda.WGMMA_KERNELS:
                     for splits in (1, 2, 4):
                         row[f"gemm_k{kernel}_s{splits}_us"] = bench(lambda: gemm(kernel, splits))
             row["quantize_act_us"] = bench(lambda: cuda.quantize_act(x))

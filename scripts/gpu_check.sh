@@ -7,7 +7,7 @@
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
 # finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench w4ax startup
 # decode_sweep decode_plan gemm_launch gemm_flush cuda_decode cuda_decode_tune decode_impl_ab
-# rerun_refactors vllm_int_attn merge_rows_rest tp_global tp_nan_probe
+# rerun_refactors vllm_int_attn merge_rows_rest tp_global tp_nan_locate small_tiles tp_split
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -329,6 +329,23 @@ stage_sweep_splits() {
   run_bench bench_w4a8_cuda_splits 400 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
     14336x4096 8192x10240 --ms 64 256 1024 2048 --splits-sweep --no-marlin --out "$OUT/splits_sweep.json"
 }
+# The 128-channel wgmma tiles (kernels 7, 8) beside 4 and 5: their GPU tests, the tile x split
+# sweep on the layers that leave SMs idle at M = 64-1024 (the planner's data), and bench_gemm's
+# linear at M = 256 (issue #4's method) with each forced, against auto and Marlin
+stage_small_tiles() {
+  local rc=0
+  pytest_gpu pytest-gpu-wgmma 240 tests/kernels/test_cuda_gemm_wgmma.py || rc=1
+  run_bench bench_w4a8_cuda_tiles 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
+    14336x4096 8192x10240 --ms 64 128 256 512 1024 --splits-sweep --group 128 --out "$OUT/tiles_sweep.json" || rc=1
+  local shapes=4096x6144,4096x4096,14336x4096 methods=ours_cuda,ours_cuda_gemm,marlin_w4a16
+  run_bench bench_gemm_auto 120 python3 benchmarks/bench_gemm.py --ms 256 --shapes $shapes --methods $methods \
+    --out "$OUT/gemm-auto" || rc=1
+  for ks in 7:1 8:1 7:2; do
+    MIXPREC_W4A8_KERNEL=${ks%:*} MIXPREC_W4A8_SPLITS=${ks#*:} run_bench "bench_gemm_k${ks/:/s}" 120 \
+      python3 benchmarks/bench_gemm.py --ms 256 --shapes $shapes --methods $methods --out "$OUT/gemm-k${ks/:/s}" || rc=1
+  done
+  return $rc
+}
 # The decode kernels (M <= 32) x K splits on every Llama layer shape, Marlin beside them: the
 # data of the decode plan (csrc/gemm/NOTES.md, "Decode plan")
 stage_decode_sweep() {
@@ -480,12 +497,28 @@ stage_tp_control() { run_tp llama-bf16,qwen2-bf16; }  # vLLM's own TP on the unq
 stage_tp_global() {
   OUT=$OUT/tp-global MIXPREC_TP_ACT_SCALE=global run_tp "${TP_GLOBAL_MODELS:-qwen2-none}"
 }
-# Session 26's NaN at TP=2 on qwen2-none (docs/RELIABILITY.md): vLLM's own TP on the same bf16
-# model, then ours eager (no torch.compile, no CUDA graphs)
-stage_tp_nan_probe() {
+# Session 26's NaN at TP=2 on qwen2-none (docs/RELIABILITY.md): which variant has it (vLLM's own
+# TP on the bf16 model, ours eager / compiled without graphs), with every rank's modules hooked
+# in the eager ones (scripts/diag_tp_nan.py)
+stage_tp_nan_locate() {
+  mkdir -p "$OUT/tp-nan"
+  log "diag_tp_nan ($(python3 -c 'import torch; print(torch.cuda.device_count())') GPUs)"
+  timeout "${TP_TIMEOUT:-580}" python3 scripts/diag_tp_nan.py --out "$OUT/tp-nan" \
+    ${DIAG_VARIANTS:+--variants "$DIAG_VARIANTS"} 2>&1 | grep -v -E '^(INFO|WARNING)' | tail -20
+  return "${PIPESTATUS[0]}"
+}
+# Session 27: TP=2 with the default per-rank scale through tp_check (a fresh compile cache),
+# then MIXPREC_TP_ACT_SCALE=global's TP=2 child eager, its NaN count printed
+stage_tp_split() {
   local rc=0
-  OUT=$OUT/tp-nan-control run_tp qwen2-bf16 || rc=1
-  OUT=$OUT/tp-nan-eager TP_CHECK_EAGER=1 run_tp qwen2-none || rc=1
+  rm -rf /root/.cache/vllm/torch_compile_cache
+  OUT=$OUT/tp-rank run_tp qwen2-none || rc=1
+  mkdir -p "$OUT/tp-global-eager"
+  log "MIXPREC_TP_ACT_SCALE=global, TP=2, eager"
+  TP_CHECK_EAGER=1 MIXPREC_TP_ACT_SCALE=global NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+    NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0 timeout 200 python3 scripts/tp_check.py \
+    --child /tmp/mixprec-tp/qwen2-w4a8-none 2 none "$OUT/tp-global-eager/tp2.json" > "$OUT/tp-global-eager/child.log" 2>&1 || rc=1
+  python3 -c "import json,math,sys; r=json.load(open(sys.argv[1])); print('global eager TP=2 nonfinite prompts:', sum(any(not math.isfinite(v) for t in p['top'] for v in t.values()) for p in r), 'of', len(r))" "$OUT/tp-global-eager/tp2.json" || rc=1
   return $rc
 }
 run_tp() {  # MODELS; $OUT may be a stage's own subfolder

@@ -23,6 +23,31 @@ def test_register_twice_and_registries():
     assert AttentionBackendEnum.CUSTOM.get_path() == vllm_mixprec.BACKEND_CLASS_PATH
 
 
+def test_mixprec_env_is_in_the_compile_cache_key(monkeypatch):
+    """A MIXPREC_* variable that changes the traced graph must change vLLM's compile-cache key
+    (session 26: reruns with another MIXPREC_TP_ACT_SCALE loaded the first run's graph)."""
+    import vllm.envs as envs
+    from vllm.config.utils import hash_factors
+
+    import vllm_mixprec
+    from vllm_mixprec import compile_cache
+
+    vllm_mixprec.register()
+    for k in [k for k in __import__("os").environ if k.startswith("MIXPREC_")]:
+        monkeypatch.delenv(k)
+    keys = {}
+    for value in (None, "rank", "global"):
+        if value is None:
+            monkeypatch.delenv("MIXPREC_TP_ACT_SCALE", raising=False)
+        else:
+            monkeypatch.setenv("MIXPREC_TP_ACT_SCALE", value)
+        keys[value] = hash_factors(envs.compile_factors())  # the env part of both cache keys
+        assert envs.compile_factors()[compile_cache.FACTOR] == compile_cache.mixprec_env()
+    assert len(set(keys.values())) == 3, "each setting needs its own compiled graph"
+    assert compile_cache.mixprec_env({"MIXPREC_B": "2", "MIXPREC_A": "1", "OTHER": "x"}) == \
+        "MIXPREC_A=1;MIXPREC_B=2"
+
+
 def test_register_does_not_touch_cuda():
     import subprocess
     import sys

@@ -26,6 +26,9 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS_PATH)
+    from . import compile_cache
+
+    compile_cache.install()  # MIXPREC_* settings in the torch.compile cache keys
     _registered = True
     logger.info("vllm_mixprec %s registered: --quantization mixprec, --attention-backend CUSTOM",
                 __version__)

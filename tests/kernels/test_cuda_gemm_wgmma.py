@@ -1,4 +1,4 @@
-"""The sm_90a wgmma W4A8 kernels (csrc/gemm/sm90/w4a8_gemm_wgmma.cu, op kernel ids 4..6).
+"""The sm_90a wgmma W4A8 kernels (csrc/gemm/sm90/w4a8_gemm_wgmma.cu, op kernel ids 4..8).
 
 CPU: `emulate_wgmma_cta` replays one CTA of the kernel byte by byte (the producer's 4-byte
 cp.async transpose into the 128-byte-swizzled B tile, the descriptor addressing of each k32
@@ -18,8 +18,8 @@ from vllm_mixprec.kernels import cuda
 from cuda_gemm_helpers import (DEV, _gen, check_close, poison, random_act, random_lqq,
                                skip_without_csrc_ops)
 
-# kernel id -> (m64 blocks per consumer warpgroup, tokens per CTA); mirrors Wg4/Wg5/Wg6.
-CONFIGS = {4: (2, 128), 5: (2, 64), 6: (1, 256)}
+# kernel id -> (m64 blocks per consumer warpgroup, tokens per CTA); mirrors Wg4..Wg8.
+CONFIGS = {4: (2, 128), 5: (2, 64), 6: (1, 256), 7: (1, 64), 8: (1, 128)}
 RASTER_GROUP = 8
 
 
@@ -158,6 +158,8 @@ def _random_lqq_cpu(n, k, g, gen):
     (4, 70, 272, 320, 64),    # partial token tile, second channel tile has 1 of 16 row tiles, odd chunks
     (5, 64, 256, 256, 128),   # full tiles, G = 128
     (6, 9, 208, 192, 64),     # 256-token tile with 9 rows, partial channel tile (5 of 8), odd chunks
+    (7, 100, 208, 320, 64),   # two 64-token tiles (36 rows in the second), 13 row tiles over 8-tile CTAs
+    (8, 130, 144, 256, 128),  # 128-token tiles with 2 rows in the second, 9 row tiles, G = 128
 ])
 def test_emulated_cta_matches_integer_gemm(kernel, m, n, k, g):
     gen = torch.Generator().manual_seed(kernel * 1000 + m)
@@ -220,7 +222,7 @@ def _exact(m, n, k, g, kernel, splits, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [4, 5, 6])
+@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8])
 @pytest.mark.parametrize("m", [1, 8, 63, 64, 65, 127, 128, 129, 200, 257, 640])
 def test_integer_exact_tiles_and_tails(need_wgmma, kernel, m):
     """N = 208 (13 row tiles: every CTA overhangs N), K = 576 (9 chunks: half a last stage)."""
@@ -229,7 +231,7 @@ def test_integer_exact_tiles_and_tails(need_wgmma, kernel, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [4, 5, 6])
+@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8])
 @pytest.mark.parametrize("n,k,g", [(256, 128, 64), (512, 1024, 128), (4096, 2048, 64), (272, 8192, 128)])
 @pytest.mark.parametrize("splits", [1, 2, 3, 0])
 def test_integer_exact_shapes_and_splits(need_wgmma, kernel, n, k, g, splits):
@@ -238,7 +240,7 @@ def test_integer_exact_shapes_and_splits(need_wgmma, kernel, n, k, g, splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [4, 5, 6])
+@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8])
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bias_dtype", [None, "same", torch.float32])
 @pytest.mark.parametrize("m", [64, 300])
@@ -259,7 +261,7 @@ def test_float_outputs_match_reference(need_wgmma, kernel, out_dtype, bias_dtype
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [4, 5, 6])
+@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8])
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_bit_identical_to_mma_sync_kernel(need_wgmma, kernel, out_dtype):
     """Same int32 sums and the same epilogue float ops: identical outputs to tiled kernel 3."""

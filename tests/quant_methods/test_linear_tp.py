@@ -136,6 +136,38 @@ def test_global_act_scale_gives_tp1_codes(ranks):
         assert torch.equal(s_r[[0, 2]], xs[[0, 2]]), r
 
 
+def test_global_act_scale_survives_compiled_strides(monkeypatch):
+    """Compiled code reads a custom op's output by its fake's strides (contiguous). vLLM's
+    all_gather builds its output with reshape/movedim, a strided view for any dim but 0, so the
+    gather must be one whose real layout is contiguous too: here the gather is vLLM's layout
+    logic (DeviceCommunicatorBase.all_gather) over two ranks' inputs, read back contiguously as
+    Inductor would. Along dim -1 (session 26's code) rows took other rows' maxima: the TP=2 NaN
+    of the compiled Qwen2 shape."""
+    import vllm.distributed as dist
+
+    from vllm_mixprec import kernels
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 64, generator=gen) * torch.rand(7, 1, generator=gen) * 10  # rows of other ranges
+    x0, x1 = x[:, :32], x[:, 32:]
+    peer = {}
+
+    def gather_as_compiled(inp, dim=-1):
+        other = peer["amax"].reshape(inp.shape)
+        d = dim + inp.dim() if dim < 0 else dim
+        buf = torch.cat([inp.reshape(-1), other.reshape(-1)])  # all_gather_into_tensor: rank-major
+        real = buf.reshape((2,) + tuple(inp.shape)).movedim(0, d).reshape(
+            tuple(inp.shape[:d]) + (2 * inp.shape[d],) + tuple(inp.shape[d + 1:]))
+        return torch.as_strided(buf, real.shape, torch.empty(real.shape).stride())  # the fake's strides
+
+    monkeypatch.setattr(dist, "tensor_model_parallel_all_gather", gather_as_compiled)
+    monkeypatch.setattr(dist, "get_tensor_model_parallel_world_size", lambda: 2)
+    peer["amax"] = x1.abs().amax(dim=-1)
+    q, s = kernels.quantize_act_tp(x0, None)
+    xq, xs = ref.quantize_act(x)
+    assert torch.equal(s, xs) and torch.equal(q, xq[:, :32])
+
+
 @pytest.mark.parametrize("value,ok", [(None, "rank"), ("", "rank"), ("rank", "rank"),
                                       ("global", "global"), ("all", None), ("GLOBAL", None)])
 def test_tp_act_scale_env(value, ok):

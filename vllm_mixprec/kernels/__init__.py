@@ -78,10 +78,15 @@ def quantize_act_tp(x: torch.Tensor, smooth: torch.Tensor | None
     """reference.quantize_act of the whole rows that x [M, K/TP] is this rank's slice of: the
     maxima of every rank's slice are all-gathered (vLLM's all_gather op, which torch.compile and
     CUDA graphs trace) and their max scales the codes. Torch ops: Inductor fuses them."""
-    from vllm.distributed import tensor_model_parallel_all_gather
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 
     def whole_row_amax(amax: torch.Tensor) -> torch.Tensor:  # amax keeps a NaN: the row is NaN
-        return tensor_model_parallel_all_gather(amax[:, None], dim=-1).amax(dim=-1)
+        # Along dim 0 only: vLLM's gather along the last dim returns a strided view of its buffer
+        # ([M, TP] with strides (1, M)) while the op's fake output is contiguous, and compiled
+        # code reads it by the fake's strides: other rows' and padding rows' maxima, NaN at TP=2
+        # (session 26-27). Rank-major [TP * M] is contiguous in both.
+        tp = get_tensor_model_parallel_world_size()
+        return tensor_model_parallel_all_gather(amax.contiguous(), dim=0).view(tp, -1).amax(dim=0)
 
     return ref.quantize_act_slice(x, smooth, whole_row_amax)
 

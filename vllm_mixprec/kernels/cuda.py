@@ -31,13 +31,14 @@ _state: dict = {}
 #      dynamic M never branches in traced Python);
 #   -2 auto over the mma.sync kernels only (MIXPREC_W4A8_WGMMA=0 selects it);
 #   0/1 decode with 16/32 channels per CTA (M <= 32); 2/3 tiled with 64/128 tokens per CTA;
-#   4/5/6 wgmma with 256 ch x 128 tok / 256 ch x 64 tok / 128 ch x 256 tok per CTA (sm_90a).
+#   4/5/6/7/8 wgmma with 256 ch x 128 tok / 256 x 64 / 128 x 256 / 128 x 64 / 128 x 128 per CTA
+#   (sm_90a).
 _GEMM_KERNEL = int(os.environ.get("MIXPREC_W4A8_KERNEL", "-1"))
 if _GEMM_KERNEL == -1 and os.environ.get("MIXPREC_W4A8_WGMMA", "1") == "0":
     _GEMM_KERNEL = -2
 _GEMM_SPLITS = int(os.environ.get("MIXPREC_W4A8_SPLITS", "0"))
 
-WGMMA_KERNELS = (4, 5, 6)
+WGMMA_KERNELS = (4, 5, 6, 7, 8)
 WGMMA_MIN_M = 64  # mirrors kWgmmaMinM in csrc/ops.cpp (documentation and tests only)
 
 CHUNK_K = 64  # k per packed chunk (two m16n8k32 steps)
@@ -110,7 +111,7 @@ def supports_device(device: torch.device) -> bool:
 
 
 def has_wgmma(device: torch.device | int | None = None) -> bool:
-    """Whether the sm_90a wgmma W4A8 kernels (ids 4..6) run on `device` (default: current).
+    """Whether the sm_90a wgmma W4A8 kernels (ids 4..8) run on `device` (default: current).
 
     True only for an sm_90 GPU with a build that includes sm_90a; cached per device.
     """

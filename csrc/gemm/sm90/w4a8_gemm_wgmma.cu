@@ -615,15 +615,22 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
 
 // ---- host side -------------------------------------------------------------------------------
 
-// Kernel ids of the w4a8_gemm op (4..6) -> <kBlocks, kTok, kStages>.
+// Kernel ids of the w4a8_gemm op (4..8) -> <kBlocks, kTok, kStages>.
 //   4: 256 channels x 128 tokens, 5 stages (165 KB): large M
 //   5: 256 channels x  64 tokens, 6 stages (150 KB): M <= 64 and the tail of larger M
 //   6: 128 channels x 256 tokens, 5 stages (203 KB): A/B alternative for large M
+//   7: 128 channels x  64 tokens, 8 stages (133 KB): twice kernel 5's CTAs, for layers whose
+//      N / 256 x M / 64 leaves most SMs idle (4096 x 4096 at M = 256: 64 CTAs on 132 SMs;
+//      M = 64: 21.6 -> 14.2 us, H100, 2026-11-28)
+//   8: 128 channels x 128 tokens, 8 stages (197 KB): the same for kernel 4
 using Wg4 = WgShape<2, 128, 5>;
 using Wg5 = WgShape<2, 64, 6>;
 using Wg6 = WgShape<1, 256, 5>;
+using Wg7 = WgShape<1, 64, 8>;
+using Wg8 = WgShape<1, 128, 8>;
 constexpr int kMaxSmem = 227 * 1024;
-static_assert(Wg4::kSmemBytes <= kMaxSmem && Wg5::kSmemBytes <= kMaxSmem && Wg6::kSmemBytes <= kMaxSmem,
+static_assert(Wg4::kSmemBytes <= kMaxSmem && Wg5::kSmemBytes <= kMaxSmem && Wg6::kSmemBytes <= kMaxSmem &&
+                  Wg7::kSmemBytes <= kMaxSmem && Wg8::kSmemBytes <= kMaxSmem,
               "shared memory per CTA");
 
 struct Cfg {
@@ -633,6 +640,8 @@ Cfg cfg_of(int kernel) {
   switch (kernel) {
     case 4: return {2, 128};
     case 5: return {2, 64};
+    case 7: return {1, 64};
+    case 8: return {1, 128};
     default: return {1, 256};
   }
 }
@@ -663,6 +672,8 @@ cudaError_t launch_typed(const WParams& p, const W4A8Plan& plan, cudaStream_t st
   switch (static_cast<int>(plan.kernel)) {
     case 4: return launch_one<2, 128, 5, OutT>(p, plan.splits, stream);
     case 5: return launch_one<2, 64, 6, OutT>(p, plan.splits, stream);
+    case 7: return launch_one<1, 64, 8, OutT>(p, plan.splits, stream);
+    case 8: return launch_one<1, 128, 8, OutT>(p, plan.splits, stream);
     default: return launch_one<1, 256, 5, OutT>(p, plan.splits, stream);
   }
 }
@@ -676,19 +687,27 @@ long long ctas_of(int kernel, int M, int N) {
 
 // Estimated microseconds of one wgmma launch on an H100 SXM. Filling the SMs (the old rule) is
 // not enough: a partial last wave costs a whole wave, and every split writes and reads back an
-// int32 M x N partial sum, which at M >= 256 costs more than the wave it saves. Fitted to the
-// 144-point kernel x split sweep of 2026-11-23 (csrc/gemm/NOTES.md, "Choosing the tile and the
-// split"): rms error 8%; fitted without any one of its four shapes, it still picks within 2% of
-// the best measured choice on that shape.
+// int32 M x N partial sum, which at M >= 256 costs more than the wave it saves; the tile's last
+// CTA then sums splits x its tile from L2 alone. Stage times of kernels 4-6 were fitted to the
+// 144-point kernel x split sweep of 2026-11-23, those of 7 and 8 and the split cost to the
+// 105-point sweep of 2026-11-28 with the 2023 one (csrc/gemm/NOTES.md, "Choosing the tile and
+// the split"): on both, every pick they timed is within 1.3% of the best measured.
 double wgmma_estimate_us(int kernel, int splits, long long ctas, int n_stages, int M, int N, int num_sms) {
-  const double stage_us = kernel == 4 ? 0.912 : kernel == 5 ? 0.615 : 1.025;  // one 128-deep K stage
+  // one 128-deep K stage
+  const double stage_us = kernel == 4 ? 0.912 : kernel == 5 ? 0.615 : kernel == 7 ? 0.48 : kernel == 8 ? 0.65 : 1.025;
   constexpr double kWaveUs = 2.89;                 // prologue and epilogue, per wave
-  constexpr double kSplitUs = 10.0;                // the split-K reduction's fixed cost
+  constexpr double kSplitUs = 1.0;                 // the split-K reduction's fixed cost
+  constexpr double kSumUsPerKElem = 0.1;           // the last CTA's sum, per split and 1024 tile elements
   constexpr double kPartialBytesPerUs = 2.56e6;    // int32 partials written, then read back
   const long long sms = num_sms > 0 ? num_sms : 1;
   const long long waves = (ctas * splits + sms - 1) / sms;
   double us = static_cast<double>(waves) * (ceil_div(n_stages, splits) * stage_us + kWaveUs);
-  if (splits > 1) us += kSplitUs + 2.0 * splits * static_cast<double>(M) * N * 4 / kPartialBytesPerUs;
+  if (splits > 1) {
+    const Cfg c = cfg_of(kernel);
+    const double tile_kelems = 2.0 * c.blocks * 64 * c.tok / 1024;
+    us += kSplitUs + kSumUsPerKElem * splits * tile_kelems +
+          2.0 * splits * static_cast<double>(M) * N * 4 / kPartialBytesPerUs;
+  }
   return us;
 }
 
@@ -730,21 +749,24 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
   if (group_size < kChunkK || group_size % kChunkK || ((group_size / kChunkK) & (group_size / kChunkK - 1)))
     return "w4a8_gemm: group size must be 64 times a power of two (64, 128, ...)";
   if (K % group_size) return "w4a8_gemm: K must be a multiple of the group size";
-  if (kernel != -1 && (kernel < 4 || kernel > 6)) return "w4a8_gemm: the wgmma kernels are 4, 5 and 6";
+  if (kernel != -1 && (kernel < 4 || kernel > 8)) return "w4a8_gemm: the wgmma kernels are 4 to 8";
   const int n_stages = ceil_div(K / kChunkK, 2);
   int most = n_stages / kStagesMinPerSplit;  // splits to try when choosing
   if (most > 16) most = 16;
   if (most < 1) most = 1;
-  // Candidates: the requested kernel, or 4 and 5 (6 never won the sweep); the requested split
-  // count, or 1..most. The least estimated time wins.
-  const int k_lo = kernel == -1 ? 4 : kernel, k_hi = kernel == -1 ? 5 : kernel;
+  // Candidates: the requested kernel, or kAutoKernels (6 never won a sweep); the requested
+  // split count, or 1..most. The least estimated time wins.
+  static constexpr int kAutoKernels[] = {4, 5, 7, 8};
+  const int* k_list = kernel == -1 ? kAutoKernels : &kernel;
+  const int k_count = kernel == -1 ? static_cast<int>(sizeof(kAutoKernels) / sizeof(int)) : 1;
   const int s_lo = splits > 0 ? splits : 1, s_hi = splits > 0 ? splits : most;
   double best_us = 0.0;
-  int best_kernel = k_lo, best_splits = s_lo;
-  for (int k = k_lo; k <= k_hi; ++k) {
+  int best_kernel = k_list[0], best_splits = s_lo;
+  for (int i = 0; i < k_count; ++i) {
+    const int k = k_list[i];
     for (int s = s_lo; s <= s_hi; ++s) {
       const double us = wgmma_estimate_us(k, s, ctas_of(k, M, N), n_stages, M, N, num_sms);
-      if ((k == k_lo && s == s_lo) || us < best_us) {
+      if ((i == 0 && s == s_lo) || us < best_us) {
         best_us = us;
         best_kernel = k;
         best_splits = s;
