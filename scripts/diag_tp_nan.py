@@ -56,7 +56,7 @@ def install_hooks(model):
 
     def describe(t):
         bad = ~torch.isfinite(t)
-        rows = bad.reshape(t.shape[0], -1).any(-1).nonzero().flatten() if t.dim() > 1 else bad.nonzero().flatten()
+        rows = (bad.reshape(t.shape[0], -1).any(-1) if t.dim() > 1 else bad).nonzero().flatten()
         return {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                 "nonfinite": int(bad.sum()), "bad_rows": rows[:8].tolist(), "n_bad_rows": int(rows.numel()),
                 "absmax": absmax(t)}
@@ -203,7 +203,8 @@ def main() -> int:
                                          for sc in res["param_scans"] for p in sc["params"] if p["nonfinite"]]
             for r in res.get("ranks", []):
                 first = r["bad"][0] if r["bad"] else None
-                entry[f"rank{r['rank']}_first_bad"] = first and {k: first[k] for k in ("step", "module", "type")}
+                keep = ("step", "module", "type")
+                entry[f"rank{r['rank']}_first_bad"] = first and {k: first[k] for k in keep}
         summary[name] = entry
         print(name, json.dumps(entry), flush=True)
     with open(os.path.join(args.out, "diag-tp-nan.json"), "w") as f:

@@ -7,7 +7,7 @@
 # profile e2e load property sweep_splits tp tp_kv4 recheck gather bench_fp8 decode pdl act_quant tp_control tail
 # finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench w4ax startup
 # decode_sweep decode_plan gemm_launch gemm_flush cuda_decode cuda_decode_tune decode_impl_ab
-# rerun_refactors vllm_int_attn merge_rows_rest tp_global tp_nan_locate small_tiles tp_split
+# rerun_refactors vllm_int_attn merge_rows_rest tp_global tp_nan_locate small_tiles small_tiles_sweep tp_split
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -329,22 +329,21 @@ stage_sweep_splits() {
   run_bench bench_w4a8_cuda_splits 400 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
     14336x4096 8192x10240 --ms 64 256 1024 2048 --splits-sweep --no-marlin --out "$OUT/splits_sweep.json"
 }
-# The 128-channel wgmma tiles (kernels 7, 8) beside 4 and 5: their GPU tests, the tile x split
-# sweep on the layers that leave SMs idle at M = 64-1024 (the planner's data), and bench_gemm's
-# linear at M = 256 (issue #4's method) with each forced, against auto and Marlin
+# The 128-channel wgmma tiles (kernels 7, 8) and the planner that picks them (session 27): their
+# GPU tests and bench_gemm's linear at M = 64-256 (issue #4's method) with the auto plan, on the
+# layers whose 256-channel tiles leave SMs idle. small_tiles_sweep: the tile x split sweep rows
+# session 27's 300 s run did not reach (kernels 4-8 x 1, 2, 4 splits; the planner's data)
 stage_small_tiles() {
   local rc=0
   pytest_gpu pytest-gpu-wgmma 240 tests/kernels/test_cuda_gemm_wgmma.py || rc=1
-  run_bench bench_w4a8_cuda_tiles 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
-    14336x4096 8192x10240 --ms 64 128 256 512 1024 --splits-sweep --group 128 --out "$OUT/tiles_sweep.json" || rc=1
-  local shapes=4096x6144,4096x4096,14336x4096 methods=ours_cuda,ours_cuda_gemm,marlin_w4a16
-  run_bench bench_gemm_auto 120 python3 benchmarks/bench_gemm.py --ms 256 --shapes $shapes --methods $methods \
-    --out "$OUT/gemm-auto" || rc=1
-  for ks in 7:1 8:1 7:2; do
-    MIXPREC_W4A8_KERNEL=${ks%:*} MIXPREC_W4A8_SPLITS=${ks#*:} run_bench "bench_gemm_k${ks/:/s}" 120 \
-      python3 benchmarks/bench_gemm.py --ms 256 --shapes $shapes --methods $methods --out "$OUT/gemm-k${ks/:/s}" || rc=1
-  done
+  run_bench bench_gemm_small_n 200 python3 benchmarks/bench_gemm.py --ms 64,128,256 \
+    --shapes 4096x6144,4096x4096,14336x4096,8192x10240 --methods ours_cuda,ours_cuda_gemm,marlin_w4a16 \
+    --out "$OUT/gemm-small-n" || rc=1
   return $rc
+}
+stage_small_tiles_sweep() {
+  run_bench bench_w4a8_cuda_tiles 560 python3 scripts/bench_w4a8_cuda.py --shapes 4096x4096 14336x4096 \
+    8192x10240 --ms 256 64 128 --splits-sweep --group 128 --out "$OUT/tiles_sweep.json"
 }
 # The decode kernels (M <= 32) x K splits on every Llama layer shape, Marlin beside them: the
 # data of the decode plan (csrc/gemm/NOTES.md, "Decode plan")
@@ -517,8 +516,14 @@ stage_tp_split() {
   log "MIXPREC_TP_ACT_SCALE=global, TP=2, eager"
   TP_CHECK_EAGER=1 MIXPREC_TP_ACT_SCALE=global NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
     NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0 timeout 200 python3 scripts/tp_check.py \
-    --child /tmp/mixprec-tp/qwen2-w4a8-none 2 none "$OUT/tp-global-eager/tp2.json" > "$OUT/tp-global-eager/child.log" 2>&1 || rc=1
-  python3 -c "import json,math,sys; r=json.load(open(sys.argv[1])); print('global eager TP=2 nonfinite prompts:', sum(any(not math.isfinite(v) for t in p['top'] for v in t.values()) for p in r), 'of', len(r))" "$OUT/tp-global-eager/tp2.json" || rc=1
+    --child /tmp/mixprec-tp/qwen2-w4a8-none 2 none "$OUT/tp-global-eager/tp2.json" \
+    > "$OUT/tp-global-eager/child.log" 2>&1 || rc=1
+  python3 - "$OUT/tp-global-eager/tp2.json" <<'PY' || rc=1
+import json, math, sys
+r = json.load(open(sys.argv[1]))
+bad = sum(any(not math.isfinite(v) for t in p["top"] for v in t.values()) for p in r)
+print("global eager TP=2 nonfinite prompts:", bad, "of", len(r))
+PY
   return $rc
 }
 run_tp() {  # MODELS; $OUT may be a stage's own subfolder

@@ -3,7 +3,7 @@ and splits=0) on the CPU: it is host code, so these tests run wherever the exten
 
 The wgmma tile x split choice is checked against measured times: the 144-point sweep of
 2026-11-23 on the H100 (`bash scripts/gpu_check.sh sweep_splits`, kernels 4-6) and the
-105-point one of 2026-11-28 (`bash scripts/gpu_check.sh small_tiles`, kernels 4-8), kept in
+105-point one of 2026-11-28 (`bash scripts/gpu_check.sh small_tiles_sweep`, kernels 4-8), kept in
 benchmarks/results;
 the decode (mma.sync, M <= 32) choice against the decode sweep of 2026-11-27
 (`bash scripts/gpu_check.sh decode_sweep`).

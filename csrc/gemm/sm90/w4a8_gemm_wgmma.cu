@@ -694,7 +694,11 @@ long long ctas_of(int kernel, int M, int N) {
 // the split"): on both, every pick they timed is within 1.3% of the best measured.
 double wgmma_estimate_us(int kernel, int splits, long long ctas, int n_stages, int M, int N, int num_sms) {
   // one 128-deep K stage
-  const double stage_us = kernel == 4 ? 0.912 : kernel == 5 ? 0.615 : kernel == 7 ? 0.48 : kernel == 8 ? 0.65 : 1.025;
+  const double stage_us = kernel == 4   ? 0.912
+                          : kernel == 5 ? 0.615
+                          : kernel == 7 ? 0.48
+                          : kernel == 8 ? 0.65
+                                        : 1.025;
   constexpr double kWaveUs = 2.89;                 // prologue and epilogue, per wave
   constexpr double kSplitUs = 1.0;                 // the split-K reduction's fixed cost
   constexpr double kSumUsPerKElem = 0.1;           // the last CTA's sum, per split and 1024 tile elements
