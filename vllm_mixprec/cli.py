@@ -109,7 +109,7 @@ def cmd_quantize(args) -> int:
         a8_allocation=args.a8_allocation,
         act_rotation=args.act_rotation or ("hadamard" if args.scheme == "w4ax" else "none"),
         calib_text=args.calib_text, calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen,
-        propagate=args.propagate, progress=not args.quiet)
+        propagate=args.propagate, percdamp=args.percdamp, progress=not args.quiet)
     try:
         opts.validate()
         config = pipeline.load_config(src)
@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--k-centering", action="store_true",
                    help="subtract K's mean from k_proj's bias where RoPE barely rotates (Qwen2 K outliers)")
     q.add_argument("--gptq", action="store_true", help="GPTQ on the W4A8 grid")
+    q.add_argument("--percdamp", type=float, default=0.01,
+                   help="GPTQ's dampening: this fraction of mean(diag H) is added to H's diagonal "
+                        "(larger: closer to round-to-nearest, less fitted to the calibration text)")
     q.add_argument("--clip", action="store_true", help="per-channel clipping search")
     q.add_argument("--a8-fraction", type=float, default=0.25, help="W4Ax: share of 8-bit K blocks")
     q.add_argument("--a8-allocation", default="uniform", choices=list(A8_ALLOCATIONS),

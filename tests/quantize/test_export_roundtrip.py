@@ -118,6 +118,30 @@ def test_summary_reports_time(exported):
     assert summary["seconds_quantize"] > 0 and len(summary["layers"]) == 2
 
 
+def test_summary_warns_when_gptq_calibration_is_short(exported):
+    """The tiny models get 4 x 64 calibration tokens: GPTQ's exports carry the warning, the
+    others none."""
+    _, _, summary, kw = exported
+    if kw.get("gptq"):
+        assert len(summary["warnings"]) == 1 and "--calib-samples" in summary["warnings"][0]
+    else:
+        assert summary["warnings"] == []
+
+
+@pytest.mark.parametrize("scheme,gptq_flag,tokens,warns", [
+    ("w4a8", True, 4096, True), ("w4a8", True, 8 * 8960, False), ("w4a8", False, 4096, False),
+    ("gptq-w4a16", False, 32768, True), ("w4ax", True, 100_000, False)])
+def test_gptq_calibration_warning(scheme, gptq_flag, tokens, warns):
+    from types import SimpleNamespace
+    qwen = SimpleNamespace(hidden_size=1536, intermediate_size=8960)
+    opts = QuantOptions(weight_scheme=scheme, gptq=gptq_flag, calib_seqlen=512)
+    msg = opts.gptq_calibration_warning(qwen, tokens)
+    assert (msg is not None) == warns
+    if warns:  # names the count, the widest input and the fix
+        assert f"{tokens} calibration tokens" in msg and "8960 input channels" in msg
+        assert "--calib-samples to at least 140" in msg
+
+
 def test_failure_mid_write_leaves_nothing(tmp_path, monkeypatch):
     calls = []
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -104,6 +105,12 @@ def check_finite(tensors, what: str, fix: str = "repair or re-download the sourc
                 f"weights: {fix}")
 
 
+# GPTQ calibration tokens per input channel below which quantize_model warns (see
+# QuantOptions.gptq_calibration_warning): 4,096 tokens overfit at K = 1,536 and 8,960 on Qwen,
+# 16,384 (10.7 per channel) did not at K = 1,536
+GPTQ_TOKENS_PER_INPUT = 8
+
+
 @dataclasses.dataclass
 class QuantOptions:
     weight_scheme: str = "w4a8"  # w4a8 | w4ax | gptq-w4a16 (standard GPTQ checkpoint) | none
@@ -132,6 +139,23 @@ class QuantOptions:
     batch_size: int = 4
     progress: bool = True
 
+    def gptq_calibration_warning(self, config, n_tokens: int) -> str | None:
+        """A warning when GPTQ gets fewer than GPTQ_TOKENS_PER_INPUT calibration tokens per input
+        channel of the widest linear: its Hessian X^T X is then nearly singular and GPTQ fits the
+        calibration text instead of the layer (session 27, scripts/diag_gptq_heldout.py)."""
+        if not self.needs_hessian():
+            return None
+        widest = max(int(getattr(config, "intermediate_size", 0) or 0), int(config.hidden_size))
+        need = GPTQ_TOKENS_PER_INPUT * widest
+        if n_tokens >= need:
+            return None
+        return (f"GPTQ with {n_tokens} calibration tokens for linears of up to {widest} input channels "
+                f"(fewer than {GPTQ_TOKENS_PER_INPUT} per channel): it overfits the calibration text. "
+                "On Qwen2.5-Coder-1.5B with 4,096 tokens, layer 3's down_proj error on held-out text "
+                "was 1.7x round-to-nearest's (docs/BENCHMARKS.md, session 27). Raise --calib-samples "
+                f"to at least {-(-need // self.calib_seqlen)} (x {self.calib_seqlen} tokens), or leave "
+                "GPTQ out")
+
     def needs_hessian(self) -> bool:
         return self.weight_scheme == "gptq-w4a16" or (self.gptq and self.weight_scheme in ("w4a8", "w4ax"))
 
@@ -158,6 +182,9 @@ class QuantOptions:
             raise ValueError(f"a8 allocation {self.a8_allocation!r} is not one of {fmpq.A8_ALLOCATIONS}")
         if self.act_rotation not in F.ACT_ROTATIONS:
             raise ValueError(f"act rotation {self.act_rotation!r} is not one of {F.ACT_ROTATIONS}")
+        if not (0 < self.percdamp < float("inf")):
+            raise ValueError(f"--percdamp {self.percdamp}: GPTQ's dampening must be a positive finite "
+                             "fraction of mean(diag H) (GPTQ's default: 0.01)")
         if self.act_rotation != "none" and self.weight_scheme != "w4ax":
             raise ValueError(f"--act-rotation {self.act_rotation} applies to the w4ax scheme only "
                              "(it rotates the 4-bit activation blocks)")
@@ -402,6 +429,9 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, opts: QuantOption
     check_finite(model.state_dict().items(), f"the source checkpoint {model_dir}")
     model.eval().requires_grad_(False)
     tokens = C.calibration_batches(tok, load_text(opts.calib_text), opts.calib_samples, opts.calib_seqlen)
+    warning = opts.gptq_calibration_warning(config, tokens.numel())
+    if warning:
+        print(f"vllm-mixprec quantize: warning: {warning}", file=sys.stderr, flush=True)
     kwargs = C.decoder_kwargs(model, tokens.shape[1])
     with torch.no_grad():
         hidden = model.model.embed_tokens(tokens).float()
@@ -432,5 +462,6 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, opts: QuantOption
     src_cfg = _read_json(model_dir / "config.json")
     path = write_checkpoint(out_dir, tensors, src_cfg, model_dir, quantization_config(opts), overwrite)
     return {"output": str(path), "layers": infos, "calibration_tokens": int(tokens.numel()),
+            "warnings": [warning] if warning else [],
             "seconds_load": t_load, "seconds_quantize": t_quant,
             "seconds_total": time.time() - t_start, "options": dataclasses.asdict(opts)}
