@@ -142,6 +142,12 @@ def test_gptq_calibration_warning(scheme, gptq_flag, tokens, warns):
         assert "--calib-samples to at least 140" in msg
 
 
+@pytest.mark.parametrize("percdamp", [0.0, -0.01, float("nan"), float("inf")])
+def test_bad_percdamp_is_refused(percdamp):
+    with pytest.raises(ValueError, match="--percdamp .*positive finite"):
+        QuantOptions(weight_scheme="w4a8", gptq=True, percdamp=percdamp).validate()
+
+
 def test_failure_mid_write_leaves_nothing(tmp_path, monkeypatch):
     calls = []
 
