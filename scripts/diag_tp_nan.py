@@ -36,30 +36,37 @@ MAX_BAD = 40  # non-finite module calls kept per rank
 GEN_TOKENS = 4
 
 
+def tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank()
+    except (ImportError, AssertionError):  # no TP group (a CPU try of the hooks)
+        return 0
+
+
+def finite_absmax(t) -> float:
+    """Largest |value| of t over its finite entries (0 when none is)."""
+    import torch
+
+    f = t.detach().float().abs()
+    return float(torch.where(torch.isfinite(f), f, torch.zeros_like(f)).max())
+
+
 def install_hooks(model):
     """Forward hooks on every module (runs in each worker)."""
     import torch
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
-        rank = get_tensor_model_parallel_rank()
-    except (ImportError, AssertionError):  # no TP group (a CPU try of the hooks)
-        rank = 0
-    state = {"rank": rank, "step": 0, "bad": [], "first_prefill": []}
+
+    state = {"rank": tp_rank(), "step": 0, "bad": [], "first_prefill": []}
 
     def floats(xs):
         return [x for x in xs if torch.is_tensor(x) and x.is_floating_point() and x.numel()]
-
-    def absmax(t):
-        f = t.float().abs()
-        f = torch.where(torch.isfinite(f), f, torch.zeros_like(f))
-        return float(f.max())
 
     def describe(t):
         bad = ~torch.isfinite(t)
         rows = (bad.reshape(t.shape[0], -1).any(-1) if t.dim() > 1 else bad).nonzero().flatten()
         return {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                 "nonfinite": int(bad.sum()), "bad_rows": rows[:8].tolist(), "n_bad_rows": int(rows.numel()),
-                "absmax": absmax(t)}
+                "absmax": finite_absmax(t)}
 
     def pre(mod, args, kwargs):
         state["step"] += 1
@@ -72,8 +79,9 @@ def install_hooks(model):
             ins = floats(list(args) + list(kwargs.values()))
             out_ok = all(bool(torch.isfinite(o).all()) for o in outs)
             if state["step"] == 1:
-                state["first_prefill"].append({"module": name, "out_absmax": max(absmax(o) for o in outs),
-                                               "in_absmax": max((absmax(i) for i in ins), default=None)})
+                state["first_prefill"].append({
+                    "module": name, "out_absmax": max(finite_absmax(o) for o in outs),
+                    "in_absmax": max((finite_absmax(i) for i in ins), default=None)})
             if not out_ok and len(state["bad"]) < MAX_BAD:
                 state["bad"].append({"step": state["step"], "module": name, "type": type(mod).__name__,
                                      "inputs": [describe(i) for i in ins[:3]],
@@ -92,19 +100,11 @@ def scan_params(model):
     of NaN/Inf (a shard left unloaded in torch.empty memory shows here)."""
     import torch
 
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
-        rank = get_tensor_model_parallel_rank()
-    except (ImportError, AssertionError):
-        rank = 0
-    rows = []
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_floating_point() and t.numel():
-            f = t.detach().float()
-            ok = torch.isfinite(f)
-            rows.append({"name": name, "shape": list(t.shape), "nonfinite": int((~ok).sum()),
-                         "absmax": float(torch.where(ok, f.abs(), torch.zeros_like(f)).max())})
-    return {"rank": rank, "params": rows}
+    rows = [{"name": name, "shape": list(t.shape), "nonfinite": int((~torch.isfinite(t)).sum()),
+             "absmax": finite_absmax(t)}
+            for name, t in list(model.named_parameters()) + list(model.named_buffers())
+            if t.is_floating_point() and t.numel()]
+    return {"rank": tp_rank(), "params": rows}
 
 
 def collect(model):

@@ -21,8 +21,9 @@ Random weights give flat logits, where a different all-reduce order may flip a n
 unquantized Qwen2 shape itself gave 4 of 8 identical completions at TP=2 (H100, 2026-11-25). And
 W4A8 at TP=2 quantizes each rank's half of a row-parallel layer's input with its own per-token
 scale, which TP=1 does not (unless MIXPREC_TP_ACT_SCALE=global, which the children inherit).
-So a model passes when every prompt is identical, or diverges only at a near-tie (TP=1's logprob gap between the two picks <= NEAR_TIE) with the logprobs of the
-shared prefix within MAX_DLOGPROB of each other; a sharding bug puts the two runs' logprobs far
+So a model passes when every prompt is identical, or diverges only at a near-tie (TP=1's logprob
+gap between the two picks <= NEAR_TIE) with the logprobs of the shared prefix within
+MAX_DLOGPROB of each other; a sharding bug puts the two runs' logprobs far
 apart from step 0. The real models cannot reach the host (64 MiB per call) and SmolLM2's 9 heads
 do not split in 2, so --real takes Qwen2.5-Coder-1.5B (12/2 heads), whose 22 parts travel
 one call each (docs/GPU_HOST.md); docs/RELIABILITY.md has the results.

@@ -133,7 +133,8 @@ def test_summary_warns_when_gptq_calibration_is_short(exported):
     ("gptq-w4a16", False, 32768, True), ("w4ax", True, 100_000, False)])
 def test_gptq_calibration_warning(scheme, gptq_flag, tokens, warns):
     from types import SimpleNamespace
-    qwen = SimpleNamespace(hidden_size=1536, intermediate_size=8960)
+    qwen = SimpleNamespace(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                           num_key_value_heads=2)
     opts = QuantOptions(weight_scheme=scheme, gptq=gptq_flag, calib_seqlen=512)
     msg = opts.gptq_calibration_warning(qwen, tokens)
     assert (msg is not None) == warns

@@ -145,7 +145,7 @@ class QuantOptions:
         calibration text instead of the layer (session 27, scripts/diag_gptq_heldout.py)."""
         if not self.needs_hessian():
             return None
-        widest = max(int(getattr(config, "intermediate_size", 0) or 0), int(config.hidden_size))
+        widest = max(k for _, k in linear_shapes(config).values())
         need = GPTQ_TOKENS_PER_INPUT * widest
         if n_tokens >= need:
             return None

@@ -633,16 +633,19 @@ static_assert(Wg4::kSmemBytes <= kMaxSmem && Wg5::kSmemBytes <= kMaxSmem && Wg6:
                   Wg7::kSmemBytes <= kMaxSmem && Wg8::kSmemBytes <= kMaxSmem,
               "shared memory per CTA");
 
+// m64 blocks per consumer warpgroup, tokens per CTA, and the measured microseconds of one
+// 128-deep K stage (wgmma_estimate_us)
 struct Cfg {
   int blocks, tok;
+  double stage_us;
 };
 Cfg cfg_of(int kernel) {
   switch (kernel) {
-    case 4: return {2, 128};
-    case 5: return {2, 64};
-    case 7: return {1, 64};
-    case 8: return {1, 128};
-    default: return {1, 256};
+    case 4: return {2, 128, 0.912};
+    case 5: return {2, 64, 0.615};
+    case 7: return {1, 64, 0.48};
+    case 8: return {1, 128, 0.65};
+    default: return {1, 256, 1.025};
   }
 }
 
@@ -693,21 +696,15 @@ long long ctas_of(int kernel, int M, int N) {
 // 105-point sweep of 2026-11-28 with the 2023 one (csrc/gemm/NOTES.md, "Choosing the tile and
 // the split"): on both, every pick they timed is within 1.3% of the best measured.
 double wgmma_estimate_us(int kernel, int splits, long long ctas, int n_stages, int M, int N, int num_sms) {
-  // one 128-deep K stage
-  const double stage_us = kernel == 4   ? 0.912
-                          : kernel == 5 ? 0.615
-                          : kernel == 7 ? 0.48
-                          : kernel == 8 ? 0.65
-                                        : 1.025;
+  const Cfg c = cfg_of(kernel);
   constexpr double kWaveUs = 2.89;                 // prologue and epilogue, per wave
   constexpr double kSplitUs = 1.0;                 // the split-K reduction's fixed cost
   constexpr double kSumUsPerKElem = 0.1;           // the last CTA's sum, per split and 1024 tile elements
   constexpr double kPartialBytesPerUs = 2.56e6;    // int32 partials written, then read back
   const long long sms = num_sms > 0 ? num_sms : 1;
   const long long waves = (ctas * splits + sms - 1) / sms;
-  double us = static_cast<double>(waves) * (ceil_div(n_stages, splits) * stage_us + kWaveUs);
+  double us = static_cast<double>(waves) * (ceil_div(n_stages, splits) * c.stage_us + kWaveUs);
   if (splits > 1) {
-    const Cfg c = cfg_of(kernel);
     const double tile_kelems = 2.0 * c.blocks * 64 * c.tok / 1024;
     us += kSplitUs + kSumUsPerKElem * splits * tile_kelems +
           2.0 * splits * static_cast<double>(M) * N * 4 / kPartialBytesPerUs;
