@@ -8,6 +8,7 @@
 # finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench w4ax startup
 # decode_sweep decode_plan gemm_launch gemm_flush cuda_decode cuda_decode_tune decode_impl_ab
 # rerun_refactors vllm_int_attn merge_rows_rest tp_global tp_nan_locate small_tiles small_tiles_sweep tp_split
+# tp_rest_a tp_rest_b tp_real_global
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -526,10 +527,27 @@ print("global eager TP=2 nonfinite prompts:", bad, "of", len(r))
 PY
   return $rc
 }
+# Session 28, what #7 still lacked. Host 1: the global scale compiled at TP=2 after session 27's
+# fix (an empty compile cache), then the default scale on llama-none; qwen2-kv4 in a call of its own
+stage_tp_rest_a() {
+  local rc=0
+  rm -rf /root/.cache/vllm/torch_compile_cache
+  OUT=$OUT/tp-global TP_TIMEOUT=290 MIXPREC_TP_ACT_SCALE=global run_tp qwen2-none || rc=1
+  OUT=$OUT/tp-rank TP_TIMEOUT=290 run_tp llama-none || rc=1
+  return $rc
+}
+stage_tp_rest_b() { OUT=$OUT/tp-rank TP_TIMEOUT=560 run_tp qwen2-kv4; }
+# Host 2, after the 22 Qwen part stashes and `gpu_models.sh assemble`: the real Qwen's RTN W4A8
+# export at TP=1 and TP=2 with the global scale, greedy tokens and lcet10's perplexity
+stage_tp_real_global() {
+  local m=${MIXPREC_MODELS:-/root/mixprec-models}
+  OUT=$OUT/tp-real-global MIXPREC_TP_ACT_SCALE=global TP_ARGS="--real $m/models/qwen2.5-coder-1.5b \
+    --ppl-text $m/text/lcet10.txt" run_tp "${TP_REAL_MODELS:-real-none}"
+}
 run_tp() {  # MODELS; $OUT may be a stage's own subfolder
   mkdir -p "$OUT"
   log "TP=2 vs TP=1 on $1 ($(python3 -c 'import torch; print(torch.cuda.device_count())') GPUs)"
-  timeout "${TP_TIMEOUT:-580}" python3 scripts/tp_check.py --out "$OUT" --models "$1" 2>&1 | grep -v -E '^(INFO|WARNING)' \
+  timeout "${TP_TIMEOUT:-580}" python3 scripts/tp_check.py --out "$OUT" --models "$1" ${TP_ARGS:-} 2>&1 | grep -v -E '^(INFO|WARNING)' \
     | tee "$OUT/tp-$1.log" | tail -20
   return "${PIPESTATUS[0]}"
 }

@@ -242,7 +242,8 @@ def main() -> int:
         ap.error(f"--ppl-text {args.ppl_text!r} is not a file")
     os.makedirs(args.work, exist_ok=True)
     ckpts = build(args.work, names, args.real)
-    env = {**os.environ, **NO_MULTICAST}
+    # faulthandler: a child that aborts (session 22's TP=1 teardown) dumps every thread's Python stack
+    env = {**os.environ, **NO_MULTICAST, "PYTHONFAULTHANDLER": "1"}
     summary, ok = {}, True
     for name, ckpt in ckpts.items():
         runs, ppls = {}, ({} if args.ppl_text else None)
