@@ -69,7 +69,7 @@ gpu-models: $(STAMP)
 	@test "$(QWEN)" = only || test -f $(CACHE)/demo-smollm2-w4a8-kv8/config.json || { echo "no demo checkpoint in $(CACHE): run make demo first"; exit 1; }
 	$(PY) -c "from vllm_mixprec.quantize import models as m; $(if $(filter only,$(QWEN)),,m.fetch_gguf('smollm2-135m');) [m.fetch_text(t) for t in m.EVAL_TEXTS]"
 	$(if $(filter 1 only,$(QWEN)),$(PY) -c "from vllm_mixprec.quantize import models as m; m.fetch_model('qwen2.5-coder-1.5b')")
-	$(PY) -m vllm_mixprec.eval.modelpack pack --out .gpu/models --part-mib $(if $(filter only,$(QWEN)),50,48) \
+	$(PY) -m vllm_mixprec.eval.modelpack pack --out .gpu/models --part-mib 44 \
 	  --item text/lcet10.txt=$(CACHE)/text/lcet10.txt --item text/botchan.txt=$(CACHE)/text/botchan.txt \
 	  $(SMOL_ITEMS) $(QWEN_ITEMS)
 
