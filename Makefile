@@ -58,8 +58,8 @@ gpu-bundle: $(STAMP)
 # parts of <= 48 MiB for the offline GPU host (a call carries the tree too, 8 MiB and growing, within
 # 64 MiB: 60 MiB parts stopped fitting in session 17): scripts/gpu_models.sh says how they travel there.
 CACHE ?= $(or $(VLLM_MIXPREC_CACHE),$(HOME)/.cache/vllm_mixprec)
-# QWEN=1 adds the real Qwen2.5-Coder-1.5B (its 1,060 MiB of GGUF blocks: ~23 more parts);
-# QWEN=only packs the texts and Qwen without SmolLM2 (the qwen-* arms; 22 parts of 50 MiB).
+# QWEN=1 adds the real Qwen2.5-Coder-1.5B (its 1,060 MiB of GGUF blocks: ~25 more parts);
+# QWEN=only packs the texts and Qwen without SmolLM2 (the qwen-* arms; ~25 parts of 44 MiB).
 QWEN ?= 0
 QWEN_ITEMS := $(if $(filter 1 only,$(QWEN)),--item models/qwen2.5-coder-1.5b=$(CACHE)/models/qwen2.5-coder-1.5b \
   --gguf models/qwen2.5-coder-1.5b=$(CACHE)/gguf/qwen2.5-coder-1.5b.gguf)

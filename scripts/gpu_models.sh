@@ -16,10 +16,10 @@
 #   6. no carry                      bash scripts/gpu_models.sh check rest
 #        every arm not yet done on this host (bf16-kv4; w4a8-kv8, w4a8: perplexity, eager); repeat it while
 #        real_model_check.json says arms are missing (exit status 3)
-# With `make gpu-models QWEN=1` the pack also holds the real Qwen2.5-Coder-1.5B (~18 more parts,
+# With `make gpu-models QWEN=1` the pack also holds the real Qwen2.5-Coder-1.5B (~25 more parts,
 # one stash call each, before call 5); its arms: `bash scripts/gpu_models.sh check qwen-bf16,qwen-kv8`
 # (`rest` includes them when the Qwen folder is there). `make gpu-models QWEN=only` packs the texts and Qwen alone
-# (22 parts): then only the qwen-* arms can run.
+# (~25 parts of 44 MiB): then only the qwen-* arms can run.
 # Each call with timeout_s 600. The verdict is $OUT/real_model_check.json (status of the call, and
 # all_arms_on_this_host for the whole check) and $OUT/real_model_check.log. A host lost between
 # calls shows as "parts [...] were not stashed" or "part 1 is missing": start again at call 1.
