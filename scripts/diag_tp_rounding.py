@@ -8,7 +8,10 @@ the next-token logprobs of a text, teacher-forced:
   tp1          every row-parallel output rounded to bf16 once (the reference);
   tp2          the two halves rounded to bf16, then their sum rounded (W4A8: the activation codes
                and scales of the whole row, MIXPREC_TP_ACT_SCALE=global);
-  tp2-rank     W4A8 only: each half quantized with its own per-token scale (the default `rank`).
+  tp2-rank     W4A8 only: each half quantized with its own per-token scale (the default `rank`);
+  tp2-bad-shard  W4A8 only, a control: as tp2, but rank 1 reads its weight codes with rank 0's
+               group scales and offsets (a wrong shard of the scales), to show what a sharding
+               bug does to the perplexity that tp_check judges real models by.
 Nothing else differs, so a W4A8 difference much larger than bf16's is dynamic activation
 quantization amplifying the all-reduce's rounding (an int8 code flips when its input moves by
 one bf16 step near a rounding boundary), not a sharding bug.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -43,9 +47,19 @@ def _halves(k: int) -> tuple[slice, slice]:
     return slice(0, k // 2), slice(k // 2, k)
 
 
-def w4a8_partials(mod: MixPrecLinear, x: torch.Tensor, per_rank_scale: bool) -> list[torch.Tensor]:
+def _bad_shard_scales(mod: MixPrecLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group scales and offsets with rank 1's half replaced by rank 0's."""
+    gs, go = mod.group_scale.clone(), mod.group_offset.clone()
+    h = gs.shape[1] // 2
+    gs[:, h:2 * h], go[:, h:2 * h] = gs[:, :h], go[:, :h]
+    return gs, go
+
+
+def w4a8_partials(mod: MixPrecLinear, x: torch.Tensor, per_rank_scale: bool,
+                  bad_shard: bool = False) -> list[torch.Tensor]:
     """Each rank's float64 partial output of a W4A8 row-parallel linear (bias on rank 0)."""
-    w8 = ref.dequantize_weight_w8(mod.qweight, mod.group_scale, mod.group_offset)
+    gs, go = _bad_shard_scales(mod) if bad_shard else (mod.group_scale, mod.group_offset)
+    w8 = ref.dequantize_weight_w8(mod.qweight, gs, go)
     smooth = getattr(mod, "input_smooth", None)
     cs = mod.channel_scale.to(torch.float64)[None, :]
     if not per_rank_scale:
@@ -88,7 +102,8 @@ class RowParallelEmulation(nn.Module):
             y = _bf16(self.inner(x2).float())
         else:
             if isinstance(self.inner, MixPrecLinear):
-                parts = w4a8_partials(self.inner, x2, per_rank_scale=self.mode == "tp2-rank")
+                parts = w4a8_partials(self.inner, x2, per_rank_scale=self.mode == "tp2-rank",
+                                      bad_shard=self.mode == "tp2-bad-shard")
             else:
                 parts = dense_partials(self.inner, x2)
             y = _bf16(sum(_bf16(p.float()) for p in parts))
@@ -118,7 +133,8 @@ def compare(ref_lp: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor) -> dict:
     d_top5 = (lp[:-1].gather(1, top5) - ref_lp[:-1].gather(1, top5)).abs().amax(1)
     a, b = ref_lp[:-1].argmax(-1), lp[:-1].argmax(-1)
     gap = (ref_lp[:-1].topk(2, -1).values[:, 0] - ref_lp[:-1].topk(2, -1).values[:, 1])
-    return {"positions": int(tgt.numel()),
+    nll = lambda t: float(-t[:-1].gather(1, tgt[:, None]).mean())  # noqa: E731
+    return {"positions": int(tgt.numel()), "ppl_ratio": math.exp(nll(lp) - nll(ref_lp)),
             "target_dlogprob_mean": float(d_tgt.mean()), "target_dlogprob_p99": float(d_tgt.quantile(0.99)),
             "target_dlogprob_max": float(d_tgt.max()), "top5_dlogprob_max": float(d_top5.max()),
             "argmax_flips": int((a != b).sum()),
@@ -150,7 +166,7 @@ def main() -> int:
     ids = tokenize(AutoTokenizer.from_pretrained(src), M.fetch_text(args.text).read_text())[: args.tokens]
     os.makedirs(args.out, exist_ok=True)
     result = {"model": str(src), "text": args.text, "tokens": int(ids.numel()), "runs": {}}
-    for kind, folder, modes in (("bf16", src, ("tp2",)), ("w4a8", args.w4a8, ("tp2", "tp2-rank"))):
+    for kind, folder, modes in (("bf16", src, ("tp2",)), ("w4a8", args.w4a8, ("tp2", "tp2-rank", "tp2-bad-shard"))):
         t0 = time.monotonic()
         model, _ = load_model_cpu(folder)
         emus = wrap(model)

@@ -61,3 +61,22 @@ def test_dense_partials_and_the_emulated_rounding(diag):
     bound = 2.0 ** -8 * ((parts[0].abs() + parts[1].abs()) + y1.double().abs() + y2.double().abs())
     assert ((y2 - y1).double().abs() <= bound).all()
     assert (y1 == y2).float().mean() > 0.3
+
+
+def test_bad_shard_control_changes_only_rank_1(diag):
+    mod = _w4a8(bias=False, seed=3)
+    x = torch.randn(4, 256)
+    good = diag.w4a8_partials(mod, x, per_rank_scale=False)
+    bad = diag.w4a8_partials(mod, x, per_rank_scale=False, bad_shard=True)
+    torch.testing.assert_close(bad[0], good[0])
+    assert (bad[1] - good[1]).abs().max() > 0.1 * good[1].abs().max()
+
+
+def test_compare_reports_the_perplexity_ratio(diag):
+    ids = torch.tensor([1, 2, 3, 0])
+    base = torch.log_softmax(torch.randn(4, 5, dtype=torch.float64), -1)
+    same = diag.compare(base, base.clone(), ids)
+    assert same["ppl_ratio"] == pytest.approx(1.0) and same["argmax_flips"] == 0
+    worse = base.clone()
+    worse[torch.arange(3), ids[1:]] -= 0.5  # every target 0.5 nats less likely
+    assert diag.compare(base, worse, ids)["ppl_ratio"] == pytest.approx(torch.e ** 0.5)
