@@ -9,6 +9,10 @@ the next-token logprobs of a text, teacher-forced:
   tp2          the two halves rounded to bf16, then their sum rounded (W4A8: the activation codes
                and scales of the whole row, MIXPREC_TP_ACT_SCALE=global);
   tp2-rank     W4A8 only: each half quantized with its own per-token scale (the default `rank`);
+  tp2-fp32     W4A8 only: as tp2, but the halves stay float32 and their sum is rounded once:
+               a float32 all-reduce. It moves the logprobs almost as much as tp2 (session 29):
+               any rounding difference is amplified, which is why MIXPREC_TP_REDUCE=exact
+               all-reduces the integer dot products instead;
   tp2-bad-shard  W4A8 only, a control: as tp2, but rank 1 reads its weight codes with rank 0's
                group scales and offsets (a wrong shard of the scales), to show what a sharding
                bug does to the perplexity that tp_check judges real models by.
@@ -83,7 +87,7 @@ def dense_partials(mod: nn.Linear, x: torch.Tensor) -> list[torch.Tensor]:
 
 class RowParallelEmulation(nn.Module):
     """A row-parallel linear whose output is rounded as TP=1 (`tp1`) or TP=2 (`tp2`,
-    `tp2-rank`) would round it; the mode is set on the instance between forwards."""
+    `tp2-rank`, `tp2-fp32`, `tp2-bad-shard`) would round it; the mode is set on the instance between forwards."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
@@ -100,7 +104,10 @@ class RowParallelEmulation(nn.Module):
                                       bad_shard=self.mode == "tp2-bad-shard")
             else:
                 parts = dense_partials(self.inner, x2)
-            y = _bf16(sum(_bf16(p.float()) for p in parts))
+            if self.mode == "tp2-fp32":
+                y = _bf16(sum(p.float() for p in parts))
+            else:
+                y = _bf16(sum(_bf16(p.float()) for p in parts))
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
@@ -147,6 +154,8 @@ def main() -> int:
     ap.add_argument("--text", default="lcet10")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--runs", default="all",
+                    help="comma-separated 'kind mode' names to run (e.g. 'w4a8 tp2-fp32'), or all")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.threads:
@@ -161,12 +170,15 @@ def main() -> int:
     ids = tokenize(AutoTokenizer.from_pretrained(src), M.fetch_text(args.text).read_text())[: args.tokens]
     os.makedirs(args.out, exist_ok=True)
     result = {"model": str(src), "text": args.text, "tokens": int(ids.numel()), "runs": {}}
-    for kind, folder, modes in (("bf16", src, ("tp2",)), ("w4a8", args.w4a8, ("tp2", "tp2-rank", "tp2-bad-shard"))):
+    for kind, folder, modes in (("bf16", src, ("tp2",)), ("w4a8", args.w4a8, ("tp2", "tp2-rank", "tp2-fp32", "tp2-bad-shard"))):
+        wanted = [m for m in modes if args.runs == "all" or f"{kind} {m}" in args.runs.split(",")]
+        if not wanted:
+            continue
         t0 = time.monotonic()
         model, _ = load_model_cpu(folder)
         emus = wrap(model)
         base = logprobs(model, ids)
-        for mode in modes:
+        for mode in wanted:
             for e in emus:
                 e.mode = mode
             result["runs"][f"{kind} {mode}"] = r = compare(base, logprobs(model, ids), ids)

@@ -8,7 +8,7 @@
 # finish_rows min_tiles pdl_rows merge_fused merge_fused_cap merge_rows merge_rows_bench w4ax startup
 # decode_sweep decode_plan gemm_launch gemm_flush cuda_decode cuda_decode_tune decode_impl_ab
 # rerun_refactors vllm_int_attn merge_rows_rest tp_global tp_nan_locate small_tiles small_tiles_sweep tp_split
-# tp_rest_a tp_rest_b tp_real_global
+# tp_rest_a tp_rest_b tp_real_global tp_real_exact tp_exact tp_real_control tp_epilogue_tests sanitize_cuda
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -544,6 +544,29 @@ stage_tp_real_global() {
   OUT=$OUT/tp-real-global MIXPREC_TP_ACT_SCALE=global TP_ARGS="--real $m/models/qwen2.5-coder-1.5b \
     --ppl-text $m/text/lcet10.txt" run_tp "${TP_REAL_MODELS:-real-none}"
 }
+# The same with MIXPREC_TP_REDUCE=exact (the integer dot products all-reduced: TP=1's output bit
+# for bit, kernels.tp_reduce); TP_REAL_MODELS=real-none,real-kv4 adds KV4
+stage_tp_real_exact() {
+  local m=${MIXPREC_MODELS:-/root/mixprec-models}
+  OUT=$OUT/tp-real-exact MIXPREC_TP_ACT_SCALE=global MIXPREC_TP_REDUCE=exact TP_ARGS="--real \
+    $m/models/qwen2.5-coder-1.5b --ppl-text $m/text/lcet10.txt" run_tp "${TP_REAL_MODELS:-real-none}"
+}
+# The run-to-run control: the real model at TP=1 twice, each compiled afresh (tp_check --second-tp 1)
+stage_tp_real_control() {
+  local m=${MIXPREC_MODELS:-/root/mixprec-models}
+  OUT=$OUT/tp-real-control TP_ARGS="--second-tp 1 --real $m/models/qwen2.5-coder-1.5b \
+    --ppl-text $m/text/lcet10.txt" run_tp "${TP_REAL_MODELS:-real-none}"
+}
+# The GPU tests of the epilogue MIXPREC_TP_REDUCE=exact runs after its all-reduce
+stage_tp_epilogue_tests() {
+  mkdir -p "$OUT/tp-epilogue"
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_cuda_gemm.py \
+    tests/kernels/test_triton_gemm.py -k epilogue 2>&1 | tee "$OUT/tp-epilogue/pytest.log" | tail -5
+  return "${PIPESTATUS[0]}"
+}
+stage_sanitize_cuda() { OUT=$OUT timeout 400 bash scripts/sanitize.sh cuda 2>&1 | tail -30; }
+# Random-weight models with it (their TP=1 top-2 gaps are <= 0.11: any rounding shows)
+stage_tp_exact() { OUT=$OUT/tp-exact MIXPREC_TP_ACT_SCALE=global MIXPREC_TP_REDUCE=exact run_tp "${TP_EXACT_MODELS:-qwen2-none}"; }
 run_tp() {  # MODELS; $OUT may be a stage's own subfolder
   mkdir -p "$OUT"
   log "TP=2 vs TP=1 on $1 ($(python3 -c 'import torch; print(torch.cuda.device_count())') GPUs)"

@@ -225,6 +225,10 @@ def main() -> int:
     ap.add_argument("--ppl-text", help="also the perplexity of this text file (4096 tokens, 1024-token "
                                        "windows) at TP=1 and TP=2; then a model passes by it (TP_PPL_RTOL) "
                                        "and by finite logprobs, and its greedy agreement is reported")
+    ap.add_argument("--second-tp", type=int, choices=(1, 2), default=2,
+                    help="the second run's TP size; 1 is the run-to-run control: TP=1 twice, each "
+                         "compiled afresh (VLLM_DISABLE_COMPILE_CACHE, its own Inductor cache), "
+                         "judged by the same rule")
     ap.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -247,26 +251,33 @@ def main() -> int:
     summary, ok = {}, True
     for name, ckpt in ckpts.items():
         runs, ppls = {}, ({} if args.ppl_text else None)
-        for tp in (1, 2):
-            res = os.path.join(args.work, f"{name}-tp{tp}.json")
+        for run, tp in ((1, 1), (2, args.second_tp)):  # runs are keyed 1 and 2 (judge)
+            child_env = env
+            if args.second_tp == 1:  # the control: each run compiles afresh, caches of its own
+                child_env = {**env, "VLLM_DISABLE_COMPILE_CACHE": "1",
+                             "TORCHINDUCTOR_CACHE_DIR": os.path.join(args.work, f"inductor-{name}-{run}")}
+                shutil.rmtree(child_env["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+            res = os.path.join(args.work, f"{name}-run{run}-tp{tp}.json")
             for stale in (res, res + ".ppl.json"):  # only this run's files may be judged
                 if os.path.exists(stale):
                     os.remove(stale)
-            log = os.path.join(args.out, f"tp-{name}-tp{tp}.log")
+            log = os.path.join(args.out, f"tp-{name}-run{run}-tp{tp}.log")
             t0 = time.monotonic()
             with open(log, "w") as f:
                 rc = subprocess.run([sys.executable, __file__, "--child", ckpt, str(tp), name.split("-")[1], res,
                                      *([args.ppl_text] if args.ppl_text else [])],
-                                    env=env, stdout=f, stderr=subprocess.STDOUT, timeout=420).returncode
-            runs[tp] = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1)}
+                                    env=child_env, stdout=f, stderr=subprocess.STDOUT, timeout=420).returncode
+            runs[run] = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1), "tp": tp}
             result = _load_json(res)
             if result is not None:
-                runs[tp]["result"] = result
+                runs[run]["result"] = result
             if ppls is not None:
-                ppls[tp] = _load_json(res + ".ppl.json")
+                ppls[run] = _load_json(res + ".ppl.json")
         entry = judge(runs, ppls)
         entry["tp_act_scale"] = env.get("MIXPREC_TP_ACT_SCALE", "rank")  # kernels.tp_act_scale
+        entry["tp_reduce"] = env.get("MIXPREC_TP_REDUCE", "model")  # kernels.tp_reduce
         entry["eager"] = env.get("TP_CHECK_EAGER") == "1"
+        entry["second_tp"] = args.second_tp
         ok &= entry["pass"] or name.endswith("-bf16")  # the control is reported, not judged
         summary[name] = entry
         print(name, json.dumps({k: v for k, v in entry.items() if k != "per_prompt"}), flush=True)

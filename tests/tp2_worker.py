@@ -38,6 +38,7 @@ def make_case(kv_heads: int) -> dict:
         "x": torch.randn(3, HIDDEN, generator=g).half(),
         "x_down": torch.randn(3, INTER, generator=g).half(),
     }
+    case["down_bias"] = torch.randn(HIDDEN, generator=g).half()
     case["qkv_bias"] = {sid: torch.randn(n * HEAD, generator=g).half()
                         for sid, n in (("q", HEADS), ("k", kv_heads), ("v", kv_heads))}
     return case
@@ -101,6 +102,21 @@ def run_rank(rank: int, world: int, init_file: str, out_file: str) -> None:
                 if rank == 0:  # a NaN on rank 0's slice: the whole row NaN, on every rank
                     x_r[1, 0] = float("nan")
                 out["act_global_nan"] = kernels.quantize_act_tp(x_r, None)
+                # vLLM's forward, all-reduce included: its own (16-bit partials), then ours
+                # (MIXPREC_TP_REDUCE=exact: integer dot products reduced inside apply), with a bias
+                x_r = case["x_down"][:, rank * part:(rank + 1) * part]
+                out["down_global_model"] = down_g(x_r)[0]
+                os.environ["MIXPREC_TP_REDUCE"] = "exact"
+                for bias in (False, True):
+                    down_e = RowParallelLinear(INTER, HIDDEN, bias=bias, quant_config=cfg,
+                                               params_dtype=torch.float16, prefix="model.layers.0.mlp.down_proj")
+                    load_tensors(down_e, case["down"], None)
+                    if bias:
+                        down_e.bias.weight_loader(down_e.bias, case["down_bias"])
+                    down_e.quant_method.process_weights_after_loading(down_e)
+                    out[f"down_exact_flags_{bias}"] = (down_e.reduce_results, down_e.mixprec_reduce_exact)
+                    out[f"down_exact_{bias}"] = down_e(x_r)[0]
+                del os.environ["MIXPREC_TP_REDUCE"]
 
         for what, kwargs in (("w4ax_row", dict(weight_scheme="w4ax", act_bits="4/8", a8_fraction=0.25)),
                              ("g128_row", dict(group_size=128))):

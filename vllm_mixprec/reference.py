@@ -268,6 +268,18 @@ def w4a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
     return y.to(out_dtype)
 
 
+def w4a8_epilogue(acc: torch.Tensor, x_scale: torch.Tensor, channel_scale: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The float32 epilogue of every w4a8_gemm kernel (csrc and Triton), in their order:
+    (float(acc[m, n]) * x_scale[m]) * channel_scale[n] (+ bias[n]), rounded once to out_dtype.
+    w4a8_gemm above computes the same in float64, so the two may differ by one rounding."""
+    y = acc.to(torch.float32) * x_scale.to(torch.float32)[:, None] * \
+        channel_scale.to(torch.float32)[None, :]
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(out_dtype)
+
+
 def _block_scaled_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
                        channel_scale: torch.Tensor, bias: torch.Tensor | None,
                        out_dtype: torch.dtype) -> torch.Tensor:

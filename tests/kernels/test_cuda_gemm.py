@@ -73,6 +73,26 @@ def test_gemm_integer_exact_every_kernel(m, kernel, splits):
     assert torch.equal(y.double(), acc)
 
 
+@pytest.mark.parametrize("kernel,splits,m", [(0, 1, 16), (1, 2, 16), (2, 1, 200), (3, 1, 200), (3, 3, 200)])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_epilogue_of_the_integer_sums_is_the_kernels(kernel, splits, m, out_dtype):
+    """MIXPREC_TP_REDUCE=exact runs the GEMM with unit scales (its integer sums, float32) and
+    reference.w4a8_epilogue after the all-reduce, eager and as Inductor compiles it: TP=1's output
+    bit for bit only if both round as every kernel's epilogue does (the wgmma kernels are
+    bit-identical to kernel 3: test_cuda_gemm_wgmma)."""
+    n, k, g = 208, 1024, 64
+    gen = _gen(77 + kernel + 13 * m)
+    qw, gs, go, cs = random_lqq(n, k, g, gen)
+    xq, xs = random_act(m, k, gen)
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    y = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, out_dtype, kernel, splits)
+    acc = torch.ops.mixprec_C.w4a8_gemm(xq, torch.ones_like(xs), pq, gp, torch.ones_like(cs), None,
+                                        torch.float32, kernel, splits)
+    assert torch.equal(ref.w4a8_epilogue(acc, xs, cs, None, out_dtype), y)
+    compiled = torch.compile(ref.w4a8_epilogue, dynamic=False)
+    assert torch.equal(compiled(acc, xs, cs, None, out_dtype), y)
+
+
 @pytest.mark.parametrize("m", [1, 16, 32])
 def test_gemm_llama70b_up_proj_shape(m):
     """K x N = 8192 x 28672 (the decode target), and a small-N shape that takes split-K."""

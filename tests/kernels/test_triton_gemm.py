@@ -259,6 +259,28 @@ def test_w4a8_gemm_bias_and_dtypes(out_dtype, bias_dtype, seeded):
         assert_close_to_f64(y, _ref_w4a8(xq, xs, t, bias), out_dtype)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cfg", [None, "swap_split3"])
+def test_w4a8_epilogue_is_the_kernels(out_dtype, cfg, seeded):
+    """MIXPREC_TP_REDUCE=exact runs the GEMM with unit scales (its integer sums, float32) and
+    reference.w4a8_epilogue after the all-reduce: TP=1's output bit for bit only if that
+    epilogue rounds as the kernel's own does."""
+    if out_dtype == torch.bfloat16 and not HAS_CUDA:
+        pytest.skip("the Triton interpreter truncates float32 -> bfloat16; the GPU rounds to "
+                    "nearest even, as torch does (float32 covers the epilogue's arithmetic here)")
+    m, n, k, g = 5, 72, 256, 64
+    t = _weights(n, k, g, seeded)
+    xq, xs = ref.quantize_act(_act(m, k, seeded).cpu())
+    xq, xs = xq.to(DEV), xs.to(DEV)
+    config = None if cfg is None else _CONFIGS[cfg]
+    y = _run_w4a8(t, xq, xs, None, out_dtype, config)
+    unit = dict(t, channel_scale=torch.ones_like(t["channel_scale"]))
+    acc = _run_w4a8(unit, xq, torch.ones_like(xs), None, torch.float32, config)
+    assert torch.equal(acc.double().cpu(), ref._int_gemm(xq.cpu(), ref.dequantize_weight_w8(
+        t["qweight"].cpu(), t["group_scale"].cpu(), t["group_offset"].cpu())))
+    assert torch.equal(ref.w4a8_epilogue(acc, xs, t["channel_scale"], None, out_dtype), y)
+
+
 def test_w4a8_gemm_extreme_lanes(seeded):
     """Byte lanes at their limits: (q*step + offset) up to 249 with step 16 and up to 255
     with offset 240; the int8 weights reach both -119 and 127."""

@@ -136,6 +136,27 @@ def test_global_act_scale_gives_tp1_codes(ranks):
         assert torch.equal(s_r[[0, 2]], xs[[0, 2]]), r
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_exact_reduce_is_tp1_bit_for_bit(ranks, bias):
+    """MIXPREC_TP_REDUCE=exact through vLLM's RowParallelLinear.forward, reduction included: the
+    output is what the kernels' epilogue makes of TP=1's whole-K accumulator, bit for bit, on
+    both ranks, with the bias added once (vLLM hands it to rank 0 only). vLLM's own reduction of
+    16-bit partials rounds many elements differently; reducing twice would double them."""
+    case = W.make_case(2)
+    d = case["down"]
+    xq, xs = ref.quantize_act(case["x_down"])
+    acc = ref._int_gemm(xq, ref.dequantize_weight_w8(d["qweight"], d["group_scale"], d["group_offset"]))
+    tp1 = ref.w4a8_epilogue(acc, xs, d["channel_scale"], case["down_bias"] if bias else None,
+                            torch.float16)
+    for out in ranks:
+        assert out[f"down_exact_flags_{bias}"] == (False, True)  # vLLM's reduction off, the layer's on
+        assert torch.equal(out[f"down_exact_{bias}"], tp1)
+    if not bias:
+        model = ranks[0]["down_global_model"]
+        assert int((model != tp1).sum()) > 0.05 * tp1.numel(), \
+            "vLLM's 16-bit reduction should round visibly differently; the comparison lost its power"
+
+
 def test_global_act_scale_survives_compiled_strides(monkeypatch):
     """Compiled code reads a custom op's output by its fake's strides (contiguous). vLLM's
     all_gather builds its output with reshape/movedim, a strided view for any dim but 0, so the
@@ -178,6 +199,21 @@ def test_tp_act_scale_env(value, ok):
             kernels.tp_act_scale(env)
     else:
         assert kernels.tp_act_scale(env) == ok
+
+
+@pytest.mark.parametrize("value,ok", [(None, "model"), ("", "model"), ("model", "model"),
+                                      ("exact", "exact"), ("fp32", None), ("EXACT", None)])
+def test_tp_reduce_env(value, ok):
+    from vllm_mixprec import kernels
+    env = {} if value is None else {"MIXPREC_TP_REDUCE": value}
+    if ok is None:
+        with pytest.raises(ValueError, match="MIXPREC_TP_REDUCE=.*expected model"):
+            kernels.tp_reduce(env)
+    else:
+        assert kernels.tp_reduce(env) == ok
+    assert kernels.tp_reduce({"MIXPREC_TP_REDUCE": "exact", "MIXPREC_TP_ACT_SCALE": "global"}) == "exact"
+    with pytest.raises(ValueError, match="cannot be combined with MIXPREC_TP_ACT_SCALE=rank"):
+        kernels.tp_reduce({"MIXPREC_TP_REDUCE": "exact", "MIXPREC_TP_ACT_SCALE": "rank"})
 
 
 def test_unshardable_configs_are_refused(ranks):

@@ -73,6 +73,27 @@ def tp_act_scale(environ=os.environ) -> str:
     return v
 
 
+def tp_reduce(environ=os.environ) -> str:
+    """MIXPREC_TP_REDUCE: how a row-parallel layer (o_proj, down_proj) sums its ranks' partial
+    outputs at TP > 1. "model" (default): vLLM's all-reduce of each rank's output, rounded to the
+    model dtype. "exact": TP=1's output bit for bit (no bias; with one, within a rounding):
+    the whole row's activation codes and scale (as MIXPREC_TP_ACT_SCALE=global), each rank's
+    integer dot products all-reduced as float32 (exact below 2^24), then the kernels' epilogue
+    once (reference.w4a8_epilogue); one [M, N] float32 all-reduce in place of a 16-bit one and an
+    [M, TP] all-gather. Any rounding difference, even float32's, is amplified by the next layers'
+    dynamic int8 codes into different greedy tokens (session 29, scripts/diag_tp_rounding.py)."""
+    v = environ.get("MIXPREC_TP_REDUCE", "model").strip() or "model"
+    if v not in ("model", "exact"):
+        raise ValueError(f"MIXPREC_TP_REDUCE={v!r}: expected model (vLLM's all-reduce of 16-bit "
+                         "partial outputs; the default) or exact (the integer dot products "
+                         "all-reduced: TP=1's output bit for bit)")
+    if v == "exact" and environ.get("MIXPREC_TP_ACT_SCALE", "").strip() == "rank":
+        raise ValueError("MIXPREC_TP_REDUCE=exact sums the ranks' integer dot products, which "
+                         "needs one activation scale per token across ranks; it cannot be "
+                         "combined with MIXPREC_TP_ACT_SCALE=rank (unset it, or set global)")
+    return v
+
+
 def quantize_act_tp(x: torch.Tensor, smooth: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.quantize_act of the whole rows that x [M, K/TP] is this rank's slice of: the
@@ -270,11 +291,38 @@ def prepare_linear(layer: torch.nn.Module, weight_scheme: str, prefix: str,
     # read per layer (validated at any TP); create_weights refuses W4Ax on a row-parallel
     # shard, so this is W4A8 only
     global_scale = tp_act_scale() == "global"
-    layer.mixprec_act_scale_tp = global_scale and getattr(layer, "mixprec_row_parallel", False)
+    row_parallel = getattr(layer, "mixprec_row_parallel", False)
+    layer.mixprec_act_scale_tp = global_scale and row_parallel
+    # RowParallelLinear.forward all-reduces apply()'s output only while reduce_results is set
+    # (its documented switch): with MIXPREC_TP_REDUCE=exact apply() does that reduction itself
+    layer.mixprec_reduce_exact = (row_parallel and tp_reduce() == "exact"
+                                  and getattr(layer, "reduce_results", False))
+    if layer.mixprec_reduce_exact:
+        layer.reduce_results = False
+        layer.mixprec_act_scale_tp = True
+        layer.register_buffer("mixprec_unit_scale", torch.ones_like(layer.channel_scale),
+                              persistent=False)
     layer.mixprec_impl = impl
     layer.mixprec_scheme = weight_scheme
     logger.debug("vllm_mixprec: %s -> %s %s kernel (N=%d, K=%d)", prefix, impl, weight_scheme,
                  layer.mixprec_out_features, layer.mixprec_in_features)
+
+
+def _row_parallel_exact(layer: torch.nn.Module, x2: torch.Tensor, smooth: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """MIXPREC_TP_REDUCE=exact (tp_reduce): the GEMM with unit scales writes this rank's integer
+    dot products as float32; their all-reduced sum is TP=1's accumulator, and the epilogue runs
+    on it once. The bias is the layer's own on every rank (vLLM hands it to rank 0 only, since
+    it adds it before its reduction)."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+    xq, xs = quantize_act_tp(x2, smooth)
+    unit = layer.mixprec_unit_scale
+    acc = torch.ops.mixprec.w4a8_gemm(xq, unit.new_ones(xs.shape), layer.qweight, layer.group_scale,
+                                      layer.group_offset, unit, None, torch.float32,
+                                      layer.mixprec_impl)
+    bias = None if layer.skip_bias_add else layer.bias
+    return ref.w4a8_epilogue(tensor_model_parallel_all_reduce(acc), xs, layer.channel_scale, bias,
+                             x2.dtype)
 
 
 def apply_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -283,7 +331,9 @@ def apply_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
     smooth = getattr(layer, "input_smooth", None)
     weights = (layer.qweight, layer.group_scale, layer.group_offset, layer.channel_scale)
     fused = _FUSE_ACT_QUANT and torch.compiler.is_compiling()  # torch ops Inductor can fuse
-    if getattr(layer, "mixprec_act_scale_tp", False):  # MIXPREC_TP_ACT_SCALE=global, row-parallel
+    if getattr(layer, "mixprec_reduce_exact", False):  # MIXPREC_TP_REDUCE=exact, row-parallel W4A8
+        y = _row_parallel_exact(layer, x2, smooth)
+    elif getattr(layer, "mixprec_act_scale_tp", False):  # MIXPREC_TP_ACT_SCALE=global, row-parallel
         y = torch.ops.mixprec.w4a8_gemm(*quantize_act_tp(x2, smooth), *weights, bias, x2.dtype,
                                         layer.mixprec_impl)
     elif layer.mixprec_scheme == "w4a8" and fused:
