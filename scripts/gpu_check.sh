@@ -9,6 +9,7 @@
 # decode_sweep decode_plan gemm_launch gemm_flush cuda_decode cuda_decode_tune decode_impl_ab
 # rerun_refactors vllm_int_attn merge_rows_rest tp_global tp_nan_locate small_tiles small_tiles_sweep tp_split
 # tp_rest_a tp_rest_b tp_real_global tp_real_exact tp_exact tp_real_control tp_epilogue_tests sanitize_cuda
+# tp_real_exact_verdict
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -550,6 +551,23 @@ stage_tp_real_exact() {
   local m=${MIXPREC_MODELS:-/root/mixprec-models}
   OUT=$OUT/tp-real-exact MIXPREC_TP_ACT_SCALE=global MIXPREC_TP_REDUCE=exact TP_ARGS="--real \
     $m/models/qwen2.5-coder-1.5b --ppl-text $m/text/lcet10.txt" run_tp "${TP_REAL_MODELS:-real-none}"
+}
+# The exact reduction's clean verdict, on one host: TP=1 vs TP=2 eager (no Inductor: every op
+# rounds as eager does), then compiled with TORCHINDUCTOR_DETERMINISTIC=1 (no timing-picked
+# reduction configs), then the compiled TP=1 control; ~4 + 5 + 4 min, so three calls of
+# TP_REAL_EXACT_PART=eager|det|control
+stage_tp_real_exact_verdict() {
+  local m=${MIXPREC_MODELS:-/root/mixprec-models} part=${TP_REAL_EXACT_PART:-eager}
+  local real="--real $m/models/qwen2.5-coder-1.5b --ppl-text $m/text/lcet10.txt"
+  case $part in
+    eager) OUT=$OUT/tp-real-exact-eager TP_CHECK_EAGER=1 MIXPREC_TP_ACT_SCALE=global \
+             MIXPREC_TP_REDUCE=exact TP_ARGS="$real" run_tp real-none ;;
+    det) OUT=$OUT/tp-real-exact-det TORCHINDUCTOR_DETERMINISTIC=1 MIXPREC_TP_ACT_SCALE=global \
+           MIXPREC_TP_REDUCE=exact TP_ARGS="$real" run_tp real-none ;;
+    control) OUT=$OUT/tp-real-control-det TORCHINDUCTOR_DETERMINISTIC=1 \
+               TP_ARGS="--second-tp 1 $real" run_tp real-none ;;
+    *) log "TP_REAL_EXACT_PART=$part: expected eager, det or control"; return 2 ;;
+  esac
 }
 # The run-to-run control: the real model at TP=1 twice, each compiled afresh (tp_check --second-tp 1)
 stage_tp_real_control() {

@@ -269,6 +269,9 @@ def main() -> int:
                                      *([args.ppl_text] if args.ppl_text else [])],
                                     env=child_env, stdout=f, stderr=subprocess.STDOUT, timeout=420).returncode
             runs[run] = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1), "tp": tp}
+            for kept in (res, res + ".ppl.json"):  # tokens and logprobs, for later comparisons
+                if os.path.exists(kept):
+                    shutil.copy(kept, os.path.join(args.out, os.path.basename(kept)))
             result = _load_json(res)
             if result is not None:
                 runs[run]["result"] = result
@@ -278,6 +281,7 @@ def main() -> int:
         entry["tp_act_scale"] = env.get("MIXPREC_TP_ACT_SCALE", "rank")  # kernels.tp_act_scale
         entry["tp_reduce"] = env.get("MIXPREC_TP_REDUCE", "model")  # kernels.tp_reduce
         entry["eager"] = env.get("TP_CHECK_EAGER") == "1"
+        entry["inductor_deterministic"] = env.get("TORCHINDUCTOR_DETERMINISTIC") == "1"
         entry["second_tp"] = args.second_tp
         ok &= entry["pass"] or name.endswith("-bf16")  # the control is reported, not judged
         summary[name] = entry
