@@ -10,6 +10,8 @@ against W4Ax with 25% of the 128-channel blocks at 8 bits, and variants of the 4
   g32       4-bit scales per 32 channels instead of 128 (a format change)
   +rot-g32, +rot-g64  (--ppl only) +rot with the 4-bit scales per 32 / 64 channels of the
             rotated block (a format change; session 29)
+  +rot-a90, +rot-a80  (--ppl only) +rot with the 4-bit scale at 0.9 / 0.8 of the block's max:
+            one fixed clip ratio for the near-Gaussian rotated blocks, not fitted per linear
   all       sens + clip + rot
   budget    (--ppl only) +rot, but the 8-bit blocks spread unevenly over a decoder layer's 4
             input groups (qkv, o, gate_up, down) within the 8-bit MACs of 25% each (a block
@@ -56,7 +58,9 @@ DEFAULT = ("model.layers.3.self_attn.q_proj", "model.layers.3.mlp.down_proj",
 ALPHAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 BUDGET_VARIANTS = ("budget", "budget-global")
 GROUP4 = {"g32": 32, "+rot-g32": 32, "+rot-g64": 64}  # the 4-bit scale group; else ACT_BLOCK
-PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "+rot-g32", "+rot-g64", "all") + BUDGET_VARIANTS
+FIXED_ALPHA = {"+rot-a90": 0.9, "+rot-a80": 0.8}  # a clip ratio for every linear
+PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "+rot-g32", "+rot-g64", "all") + \
+    tuple(FIXED_ALPHA) + BUDGET_VARIANTS
 
 
 def fake_sym(blocks: torch.Tensor, qmax: int, alpha: float = 1.0) -> torch.Tensor:
@@ -146,7 +150,8 @@ class ActQuant:
         return {"W4Ax25": (self.perm, None), "g32": (self.perm, None), "+rot": (self.perm, self.rot),
                 "all": (self.sens, self.rot), "budget": (self.perm, self.rot),
                 "budget-global": (self.perm, self.rot), "+rot-g32": (self.perm, self.rot),
-                "+rot-g64": (self.perm, self.rot)}[variant]
+                "+rot-g64": (self.perm, self.rot), "+rot-a90": (self.perm, self.rot),
+                "+rot-a80": (self.perm, self.rot)}[variant]
 
     def blocks(self, variant: str) -> int:
         return self.nb8_of.get(variant, self.nb8)
@@ -157,8 +162,8 @@ class ActQuant:
             q = fake_sym(xd, F.A8_MAX)
         else:
             perm, rot = self.basis(variant)
-            q = w4ax_fake(xd, perm, self.blocks(variant), rot, self.alpha if variant == "all" else 1.0,
-                          GROUP4.get(variant, F.ACT_BLOCK))
+            alpha = self.alpha if variant == "all" else FIXED_ALPHA.get(variant, 1.0)
+            q = w4ax_fake(xd, perm, self.blocks(variant), rot, alpha, GROUP4.get(variant, F.ACT_BLOCK))
         return q.to(x.dtype).reshape(x.shape)
 
     def weight(self, variant: str) -> torch.Tensor:
