@@ -149,6 +149,13 @@ def child(ckpt: str, tp: int, kv: str, out_file: str, ppl_text: str | None = Non
         count = sum(len(w) - 1 for w in ws)
         with open(out_file + ".ppl.json", "w") as f:
             json.dump({"nll": nll, "tokens": count, "ppl": math.exp(nll / count)}, f)
+    # A graceful engine shutdown (bounded) before interpreter exit, whose finalizer otherwise
+    # stops the engine in abort mode: sessions 22 and 29 saw one TP=1 child in several abort in
+    # that teardown ("terminate called without an active exception") after writing its results.
+    # Whether this avoids it is not yet known; an abort still fails the run (judge: exit_ok).
+    t0 = time.monotonic()
+    llm.llm_engine.engine_core.shutdown(timeout=60)
+    print(f"tp_check child: engine shut down in {time.monotonic() - t0:.1f} s", flush=True)
 
 
 def ppl_verdict(p1: dict, p2: dict) -> dict:
