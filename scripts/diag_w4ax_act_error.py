@@ -12,6 +12,9 @@ against W4Ax with 25% of the 128-channel blocks at 8 bits, and variants of the 4
             rotated block (a format change; session 29)
   +rot-a90, +rot-a80  (--ppl only) +rot with the 4-bit scale at 0.9 / 0.8 of the block's max:
             one fixed clip ratio for the near-Gaussian rotated blocks, not fitted per linear
+  +rrot     (--ppl only) +rot with random signs: D H, D a fixed random +-1 diagonal (seed
+            $DIAG_RROT_SEED, default 0),
+            QuaRot's randomized Hadamard; the weights are rounded in that basis too
   all       sens + clip + rot
   budget    (--ppl only) +rot, but the 8-bit blocks spread unevenly over a decoder layer's 4
             input groups (qkv, o, gate_up, down) within the 8-bit MACs of 25% each (a block
@@ -40,6 +43,7 @@ the whole formats, without smoothing or GPTQ.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 import torch
@@ -59,8 +63,10 @@ ALPHAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 BUDGET_VARIANTS = ("budget", "budget-global")
 GROUP4 = {"g32": 32, "+rot-g32": 32, "+rot-g64": 64}  # the 4-bit scale group; else ACT_BLOCK
 FIXED_ALPHA = {"+rot-a90": 0.9, "+rot-a80": 0.8}  # a clip ratio for every linear
-PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "+rot-g32", "+rot-g64", "all") + \
+PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "+rot-g32", "+rot-g64", "+rrot", "all") + \
     tuple(FIXED_ALPHA) + BUDGET_VARIANTS
+_SIGNS = 1 - 2 * torch.randint(0, 2, (F.ACT_BLOCK,), generator=torch.Generator().manual_seed(
+    int(os.environ.get("DIAG_RROT_SEED", "0"))))
 
 
 def fake_sym(blocks: torch.Tensor, qmax: int, alpha: float = 1.0) -> torch.Tensor:
@@ -130,6 +136,7 @@ class ActQuant:
         self.perm = outlier_permutation(amax).long()
         self.sens = sensitive_permutation(amax, wd, self.nb8)
         self.rot = F.hadamard().double()
+        self.rrot = _SIGNS.double()[:, None] * self.rot  # D H: orthogonal
         self.alpha = 1.0
         if with_gains:  # un-normalised, so that a group's linears add up (set_budget_blocks)
             self.y2 = float((x @ wd.T).pow(2).sum())
@@ -151,7 +158,7 @@ class ActQuant:
                 "all": (self.sens, self.rot), "budget": (self.perm, self.rot),
                 "budget-global": (self.perm, self.rot), "+rot-g32": (self.perm, self.rot),
                 "+rot-g64": (self.perm, self.rot), "+rot-a90": (self.perm, self.rot),
-                "+rot-a80": (self.perm, self.rot)}[variant]
+                "+rot-a80": (self.perm, self.rot), "+rrot": (self.perm, self.rrot)}[variant]
 
     def blocks(self, variant: str) -> int:
         return self.nb8_of.get(variant, self.nb8)
