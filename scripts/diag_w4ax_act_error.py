@@ -15,6 +15,9 @@ against W4Ax with 25% of the 128-channel blocks at 8 bits, and variants of the 4
   +rrot     (--ppl only) +rot with random signs: D H, D a fixed random +-1 diagonal (seed
             $DIAG_RROT_SEED, default 0),
             QuaRot's randomized Hadamard; the weights are rounded in that basis too
+  +rrot-cal (--ppl only) D H with D chosen per linear among SIGN_CANDIDATES seeds by the output
+            error on the calibration tokens (activations and RTN weights in that basis); each
+            linear chooses alone (a served merged qkv / gate_up would need one choice)
   all       sens + clip + rot
   budget    (--ppl only) +rot, but the 8-bit blocks spread unevenly over a decoder layer's 4
             input groups (qkv, o, gate_up, down) within the 8-bit MACs of 25% each (a block
@@ -63,10 +66,13 @@ ALPHAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 BUDGET_VARIANTS = ("budget", "budget-global")
 GROUP4 = {"g32": 32, "+rot-g32": 32, "+rot-g64": 64}  # the 4-bit scale group; else ACT_BLOCK
 FIXED_ALPHA = {"+rot-a90": 0.9, "+rot-a80": 0.8}  # a clip ratio for every linear
-PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "+rot-g32", "+rot-g64", "+rrot", "all") + \
+SIGN_CANDIDATES = 4
+PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "+rot-g32", "+rot-g64", "+rrot", "+rrot-cal", "all") + \
     tuple(FIXED_ALPHA) + BUDGET_VARIANTS
-_SIGNS = 1 - 2 * torch.randint(0, 2, (F.ACT_BLOCK,), generator=torch.Generator().manual_seed(
-    int(os.environ.get("DIAG_RROT_SEED", "0"))))
+def signed_hadamard(seed: int) -> torch.Tensor:
+    """D H (float64), D a random +-1 diagonal drawn with `seed`: orthogonal."""
+    d = 1 - 2 * torch.randint(0, 2, (F.ACT_BLOCK,), generator=torch.Generator().manual_seed(seed))
+    return d.double()[:, None] * F.hadamard().double()
 
 
 def fake_sym(blocks: torch.Tensor, qmax: int, alpha: float = 1.0) -> torch.Tensor:
@@ -123,7 +129,7 @@ class ActQuant:
     """One decoder linear's activation variants, calibrated on that linear's own input."""
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, with_alpha: bool = True,
-                 with_gains: bool = False):
+                 with_gains: bool = False, with_signs: bool = False):
         # as the model holds it (--weights puts it back after each variant); in bf16 when that
         # is exact (bf16 checkpoints), so that swapping in the RTN weights does not hold two
         # float32 copies of every linear (24 GB machines run out of memory)
@@ -136,8 +142,16 @@ class ActQuant:
         self.perm = outlier_permutation(amax).long()
         self.sens = sensitive_permutation(amax, wd, self.nb8)
         self.rot = F.hadamard().double()
-        self.rrot = _SIGNS.double()[:, None] * self.rot  # D H: orthogonal
+        self.rrot = signed_hadamard(int(os.environ.get("DIAG_RROT_SEED", "0")))
+        self.crot = self.rot
         self.alpha = 1.0
+        if with_signs:  # +rrot-cal
+            y = x @ wd.T
+
+            def err(rot):
+                xq = w4ax_fake(x, self.perm, self.nb8, rot)
+                return float((xq @ rtn_weight(wd, self.perm, self.nb8, rot).T - y).norm() / y.norm())
+            self.crot = min((signed_hadamard(s) for s in range(SIGN_CANDIDATES)), key=err)
         if with_gains:  # un-normalised, so that a group's linears add up (set_budget_blocks)
             self.y2 = float((x @ wd.T).pow(2).sum())
             self.gain = fmpq.block_gains(x, wd, self.perm, self.rot) * self.y2
@@ -158,7 +172,8 @@ class ActQuant:
                 "all": (self.sens, self.rot), "budget": (self.perm, self.rot),
                 "budget-global": (self.perm, self.rot), "+rot-g32": (self.perm, self.rot),
                 "+rot-g64": (self.perm, self.rot), "+rot-a90": (self.perm, self.rot),
-                "+rot-a80": (self.perm, self.rot), "+rrot": (self.perm, self.rrot)}[variant]
+                "+rot-a80": (self.perm, self.rot), "+rrot": (self.perm, self.rrot),
+                "+rrot-cal": (self.perm, self.crot)}[variant]
 
     def blocks(self, variant: str) -> int:
         return self.nb8_of.get(variant, self.nb8)
@@ -233,7 +248,7 @@ def ppl_main(a, model, folder: str, cal_ids: torch.Tensor) -> None:
 
     def calibrate(m, inp, name):
         quant[name] = ActQuant(inp[0].reshape(-1, inp[0].shape[-1]), m.weight.detach(), "all" in variants,
-                               any(v in BUDGET_VARIANTS for v in variants))
+                               any(v in BUDGET_VARIANTS for v in variants), "+rrot-cal" in variants)
         bar.update()
 
     hooks = [m.register_forward_pre_hook(lambda m, i, n=n: calibrate(m, i, n)) for n, m in lins.items()]
