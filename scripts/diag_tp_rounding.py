@@ -86,8 +86,8 @@ def dense_partials(mod: nn.Linear, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 class RowParallelEmulation(nn.Module):
-    """A row-parallel linear whose output is rounded as TP=1 (`tp1`) or TP=2 (`tp2`,
-    `tp2-rank`, `tp2-fp32`, `tp2-bad-shard`) would round it; the mode is set on the instance between forwards."""
+    """A row-parallel linear whose output is rounded as TP=1 (`tp1`) or TP=2 (`tp2`, `tp2-rank`,
+    `tp2-fp32`, `tp2-bad-shard`) would round it; the mode is set on the instance between forwards."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()

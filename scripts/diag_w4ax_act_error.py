@@ -46,6 +46,7 @@ the whole formats, without smoothing or GPTQ.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 
@@ -69,6 +70,9 @@ FIXED_ALPHA = {"+rot-a90": 0.9, "+rot-a80": 0.8}  # a clip ratio for every linea
 SIGN_CANDIDATES = 4
 PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "+rot-g32", "+rot-g64", "+rrot", "+rrot-cal", "all") + \
     tuple(FIXED_ALPHA) + BUDGET_VARIANTS
+
+
+@functools.lru_cache(maxsize=None)
 def signed_hadamard(seed: int) -> torch.Tensor:
     """D H (float64), D a random +-1 diagonal drawn with `seed`: orthogonal."""
     d = 1 - 2 * torch.randint(0, 2, (F.ACT_BLOCK,), generator=torch.Generator().manual_seed(seed))
@@ -170,10 +174,10 @@ class ActQuant:
         """(channel permutation, rotation of the 4-bit blocks) of a W4Ax variant."""
         return {"W4Ax25": (self.perm, None), "g32": (self.perm, None), "+rot": (self.perm, self.rot),
                 "all": (self.sens, self.rot), "budget": (self.perm, self.rot),
-                "budget-global": (self.perm, self.rot), "+rot-g32": (self.perm, self.rot),
-                "+rot-g64": (self.perm, self.rot), "+rot-a90": (self.perm, self.rot),
-                "+rot-a80": (self.perm, self.rot), "+rrot": (self.perm, self.rrot),
-                "+rrot-cal": (self.perm, self.crot)}[variant]
+                "budget-global": (self.perm, self.rot), "+rrot": (self.perm, self.rrot),
+                "+rrot-cal": (self.perm, self.crot),
+                **{v: (self.perm, self.rot) for v in (*GROUP4, *FIXED_ALPHA) if v.startswith("+rot")}
+                }[variant]
 
     def blocks(self, variant: str) -> int:
         return self.nb8_of.get(variant, self.nb8)

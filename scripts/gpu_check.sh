@@ -540,25 +540,27 @@ stage_tp_rest_a() {
 stage_tp_rest_b() { OUT=$OUT/tp-rank TP_TIMEOUT=560 run_tp qwen2-kv4; }
 # Host 2, after the 22 Qwen part stashes and `gpu_models.sh assemble`: the real Qwen's RTN W4A8
 # export at TP=1 and TP=2 with the global scale, greedy tokens and lcet10's perplexity
-stage_tp_real_global() {
+real_tp_args() {  # tp_check's arguments for the real Qwen and its lcet10 perplexity
   local m=${MIXPREC_MODELS:-/root/mixprec-models}
-  OUT=$OUT/tp-real-global MIXPREC_TP_ACT_SCALE=global TP_ARGS="--real $m/models/qwen2.5-coder-1.5b \
-    --ppl-text $m/text/lcet10.txt" run_tp "${TP_REAL_MODELS:-real-none}"
+  echo "--real $m/models/qwen2.5-coder-1.5b --ppl-text $m/text/lcet10.txt"
+}
+stage_tp_real_global() {
+  OUT=$OUT/tp-real-global MIXPREC_TP_ACT_SCALE=global TP_ARGS="$(real_tp_args)" \
+    run_tp "${TP_REAL_MODELS:-real-none}"
 }
 # The same with MIXPREC_TP_REDUCE=exact (the integer dot products all-reduced: TP=1's output bit
 # for bit, kernels.tp_reduce); TP_REAL_MODELS=real-none,real-kv4 adds KV4
 stage_tp_real_exact() {
-  local m=${MIXPREC_MODELS:-/root/mixprec-models}
-  OUT=$OUT/tp-real-exact MIXPREC_TP_ACT_SCALE=global MIXPREC_TP_REDUCE=exact TP_ARGS="--real \
-    $m/models/qwen2.5-coder-1.5b --ppl-text $m/text/lcet10.txt" run_tp "${TP_REAL_MODELS:-real-none}"
+  OUT=$OUT/tp-real-exact MIXPREC_TP_ACT_SCALE=global MIXPREC_TP_REDUCE=exact TP_ARGS="$(real_tp_args)" \
+    run_tp "${TP_REAL_MODELS:-real-none}"
 }
 # The exact reduction's clean verdict, on one host: TP=1 vs TP=2 eager (no Inductor: every op
 # rounds as eager does), then compiled with TORCHINDUCTOR_DETERMINISTIC=1 (no timing-picked
 # reduction configs), then the compiled TP=1 control; ~4 + 5 + 4 min, so three calls of
 # TP_REAL_EXACT_PART=eager|det|control
 stage_tp_real_exact_verdict() {
-  local m=${MIXPREC_MODELS:-/root/mixprec-models} part=${TP_REAL_EXACT_PART:-eager}
-  local real="--real $m/models/qwen2.5-coder-1.5b --ppl-text $m/text/lcet10.txt"
+  local part=${TP_REAL_EXACT_PART:-eager} real
+  real=$(real_tp_args)
   case $part in
     eager) OUT=$OUT/tp-real-exact-eager TP_CHECK_EAGER=1 MIXPREC_TP_ACT_SCALE=global \
              MIXPREC_TP_REDUCE=exact TP_ARGS="$real" run_tp real-none ;;
@@ -571,14 +573,12 @@ stage_tp_real_exact_verdict() {
 }
 # The run-to-run control: the real model at TP=1 twice, each compiled afresh (tp_check --second-tp 1)
 stage_tp_real_control() {
-  local m=${MIXPREC_MODELS:-/root/mixprec-models}
-  OUT=$OUT/tp-real-control TP_ARGS="--second-tp 1 --real $m/models/qwen2.5-coder-1.5b \
-    --ppl-text $m/text/lcet10.txt" run_tp "${TP_REAL_MODELS:-real-none}"
+  OUT=$OUT/tp-real-control TP_ARGS="--second-tp 1 $(real_tp_args)" run_tp "${TP_REAL_MODELS:-real-none}"
 }
 # The GPU tests of the epilogue MIXPREC_TP_REDUCE=exact runs after its all-reduce
 stage_tp_epilogue_tests() {
   mkdir -p "$OUT/tp-epilogue"
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_cuda_gemm.py \
+  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_cuda_gemm.py \
     tests/kernels/test_triton_gemm.py -k epilogue 2>&1 | tee "$OUT/tp-epilogue/pytest.log" | tail -5
   return "${PIPESTATUS[0]}"
 }

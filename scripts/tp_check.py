@@ -265,7 +265,7 @@ def main() -> int:
                 child_env = {**env, "VLLM_DISABLE_COMPILE_CACHE": "1",
                              "TORCHINDUCTOR_CACHE_DIR": os.path.join(args.work, f"inductor-{name}-{run}")}
                 shutil.rmtree(child_env["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
-            res = os.path.join(args.work, f"{name}-run{run}-tp{tp}.json")
+            res = os.path.join(args.out, f"{name}-run{run}-tp{tp}.json")  # kept for later comparisons
             for stale in (res, res + ".ppl.json"):  # only this run's files may be judged
                 if os.path.exists(stale):
                     os.remove(stale)
@@ -276,9 +276,6 @@ def main() -> int:
                                      *([args.ppl_text] if args.ppl_text else [])],
                                     env=child_env, stdout=f, stderr=subprocess.STDOUT, timeout=420).returncode
             runs[run] = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1), "tp": tp}
-            for kept in (res, res + ".ppl.json"):  # tokens and logprobs, for later comparisons
-                if os.path.exists(kept):
-                    shutil.copy(kept, os.path.join(args.out, os.path.basename(kept)))
             result = _load_json(res)
             if result is not None:
                 runs[run]["result"] = result

@@ -189,28 +189,30 @@ def test_global_act_scale_survives_compiled_strides(monkeypatch):
     assert torch.equal(s, xs) and torch.equal(q, xq[:, :32])
 
 
+def _check_env_choice(read, var, value, ok, refusal):
+    """read(env) with `var` unset (value None) or set: `ok`, or a ValueError matching `refusal`."""
+    env = {} if value is None else {var: value}
+    if ok is None:
+        with pytest.raises(ValueError, match=refusal):
+            read(env)
+    else:
+        assert read(env) == ok
+
+
 @pytest.mark.parametrize("value,ok", [(None, "rank"), ("", "rank"), ("rank", "rank"),
                                       ("global", "global"), ("all", None), ("GLOBAL", None)])
 def test_tp_act_scale_env(value, ok):
     from vllm_mixprec import kernels
-    env = {} if value is None else {"MIXPREC_TP_ACT_SCALE": value}
-    if ok is None:
-        with pytest.raises(ValueError, match="MIXPREC_TP_ACT_SCALE=.*expected rank"):
-            kernels.tp_act_scale(env)
-    else:
-        assert kernels.tp_act_scale(env) == ok
+    _check_env_choice(kernels.tp_act_scale, "MIXPREC_TP_ACT_SCALE", value, ok,
+                      "MIXPREC_TP_ACT_SCALE=.*expected rank")
 
 
 @pytest.mark.parametrize("value,ok", [(None, "model"), ("", "model"), ("model", "model"),
                                       ("exact", "exact"), ("fp32", None), ("EXACT", None)])
 def test_tp_reduce_env(value, ok):
     from vllm_mixprec import kernels
-    env = {} if value is None else {"MIXPREC_TP_REDUCE": value}
-    if ok is None:
-        with pytest.raises(ValueError, match="MIXPREC_TP_REDUCE=.*expected model"):
-            kernels.tp_reduce(env)
-    else:
-        assert kernels.tp_reduce(env) == ok
+    _check_env_choice(kernels.tp_reduce, "MIXPREC_TP_REDUCE", value, ok,
+                      "MIXPREC_TP_REDUCE=.*expected model")
     assert kernels.tp_reduce({"MIXPREC_TP_REDUCE": "exact", "MIXPREC_TP_ACT_SCALE": "global"}) == "exact"
     with pytest.raises(ValueError, match="cannot be combined with MIXPREC_TP_ACT_SCALE=rank"):
         kernels.tp_reduce({"MIXPREC_TP_REDUCE": "exact", "MIXPREC_TP_ACT_SCALE": "rank"})

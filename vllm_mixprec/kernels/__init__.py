@@ -299,7 +299,6 @@ def prepare_linear(layer: torch.nn.Module, weight_scheme: str, prefix: str,
                                   and getattr(layer, "reduce_results", False))
     if layer.mixprec_reduce_exact:
         layer.reduce_results = False
-        layer.mixprec_act_scale_tp = True
         layer.register_buffer("mixprec_unit_scale", torch.ones_like(layer.channel_scale),
                               persistent=False)
     layer.mixprec_impl = impl
