@@ -286,6 +286,7 @@ def main() -> int:
         entry["tp_reduce"] = env.get("MIXPREC_TP_REDUCE", "model")  # kernels.tp_reduce
         entry["eager"] = env.get("TP_CHECK_EAGER") == "1"
         entry["inductor_deterministic"] = env.get("TORCHINDUCTOR_DETERMINISTIC") == "1"
+        entry["emulate_precision_casts"] = env.get("TORCHINDUCTOR_EMULATE_PRECISION_CASTS") == "1"
         entry["second_tp"] = args.second_tp
         ok &= entry["pass"] or name.endswith("-bf16")  # the control is reported, not judged
         summary[name] = entry

@@ -153,3 +153,24 @@ def test_act_quant_benchmark_inductor_options(repo_module):
     assert bench.inductor_option("triton.multi_kernel=1") == ("triton.multi_kernel", 1)
     with pytest.raises(Exception, match="expected KEY=VALUE"):
         bench.inductor_option("no-equals-sign")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w4a8_epilogue_op_is_the_reference_and_opaque(seeded, out_dtype, with_bias):
+    """MIXPREC_TP_REDUCE=exact's epilogue op: reference.w4a8_epilogue bit for bit, a fake that
+    gives its shape and dtype, and one node in the traced graph (Inductor gets no float ops of
+    it to fuse into the residual add after it)."""
+    acc = torch.randint(-2**20, 2**20, (5, 24), generator=seeded).to(torch.float32)
+    xs = torch.rand(5, generator=seeded) * 1e-3 + 1e-5
+    cs = torch.rand(24, generator=seeded) * 1e-2 + 1e-4
+    bias = torch.randn(24, generator=seeded).to(out_dtype) if with_bias else None
+    torch.library.opcheck(torch.ops.mixprec.w4a8_epilogue.default, (acc, xs, cs, bias, out_dtype))
+
+    def residual_add(acc, residual):
+        return torch.ops.mixprec.w4a8_epilogue(acc, xs, cs, bias, out_dtype) + residual
+
+    residual = torch.randn(5, 24, generator=seeded).to(out_dtype)
+    out, ops = _graph_ops(residual_add, acc, residual)
+    assert torch.equal(out, ref.w4a8_epilogue(acc, xs, cs, bias, out_dtype) + residual)
+    assert ops == {"w4a8_epilogue", "add"}, ops  # traced as torch ops: {to, getitem, mul, add}

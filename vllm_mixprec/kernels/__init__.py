@@ -207,6 +207,23 @@ def _(xq, x_scale, qweight, group_scale, group_offset, channel_scale, bias, out_
     return xq.new_empty((xq.shape[0], channel_scale.shape[0]), dtype=out_dtype)
 
 
+@torch.library.custom_op("mixprec::w4a8_epilogue", mutates_args=())
+def w4a8_epilogue(acc: torch.Tensor, x_scale: torch.Tensor, channel_scale: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """reference.w4a8_epilogue as an op that Inductor cannot fuse: MIXPREC_TP_REDUCE=exact's
+    row-parallel output is then a tensor rounded to out_dtype, as TP=1's GEMM kernel writes it,
+    and the kernels after it see TP=1's graph. Traced as torch ops, Inductor may fuse it into
+    the residual add and RMSNorm after it and keep its value in float32. Session 30, real Qwen:
+    TP=2 kept 8 of 8 greedy outputs eager, 1 of 8 compiled, 7 of 8 compiled with Inductor
+    emulating eager's casts; the effect of this op on the GPU is not measured yet."""
+    return ref.w4a8_epilogue(acc, x_scale, channel_scale, bias, out_dtype)
+
+
+@w4a8_epilogue.register_fake
+def _(acc, x_scale, channel_scale, bias, out_dtype):
+    return acc.new_empty(acc.shape, dtype=out_dtype)
+
+
 @torch.library.custom_op("mixprec::w4ax_linear", mutates_args=())
 def w4ax_linear(x: torch.Tensor, qweight: torch.Tensor, group_scale: torch.Tensor,
                 group_offset: torch.Tensor, channel_scale: torch.Tensor, act_perm: torch.Tensor,
@@ -320,8 +337,8 @@ def _row_parallel_exact(layer: torch.nn.Module, x2: torch.Tensor, smooth: torch.
                                       layer.group_offset, unit, None, torch.float32,
                                       layer.mixprec_impl)
     bias = None if layer.skip_bias_add else layer.bias
-    return ref.w4a8_epilogue(tensor_model_parallel_all_reduce(acc), xs, layer.channel_scale, bias,
-                             x2.dtype)
+    return torch.ops.mixprec.w4a8_epilogue(tensor_model_parallel_all_reduce(acc), xs,
+                                           layer.channel_scale, bias, x2.dtype)
 
 
 def apply_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
