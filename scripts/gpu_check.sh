@@ -603,6 +603,9 @@ run_tp() {  # MODELS; $OUT may be a stage's own subfolder
   return "${PIPESTATUS[0]}"
 }
 
+# Any stage may start vLLM, which needs the plugin's dist-info (session 30 lost a call to a
+# stage run without env before it); writing it again is harmless.
+register_plugin
 for s in "${stages[@]}"; do
   "stage_$s" || { status=1; log "stage $s FAILED"; }
 done
