@@ -12,6 +12,9 @@ against W4Ax with 25% of the 128-channel blocks at 8 bits, and variants of the 4
             rotated block (a format change; session 29)
   +rot-a90, +rot-a80  (--ppl only) +rot with the 4-bit scale at 0.9 / 0.8 of the block's max:
             one fixed clip ratio for the near-Gaussian rotated blocks, not fitted per linear
+  +rot-h16  (--ppl only) +rot with the 4-bit codes on the 16 half-integers -7.5..7.5 (scale
+            max/7.5) instead of the 15 integers -7..7: every 4-bit pattern used, none on zero.
+            A format change (an int4 MMA would take 2q+1 as q plus a weight-sum term); session 30
   +rrot     (--ppl only) +rot with random signs: D H, D a fixed random +-1 diagonal (seed
             $DIAG_RROT_SEED, default 0),
             QuaRot's randomized Hadamard; the weights are rounded in that basis too
@@ -67,9 +70,10 @@ ALPHAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 BUDGET_VARIANTS = ("budget", "budget-global")
 GROUP4 = {"g32": 32, "+rot-g32": 32, "+rot-g64": 64}  # the 4-bit scale group; else ACT_BLOCK
 FIXED_ALPHA = {"+rot-a90": 0.9, "+rot-a80": 0.8}  # a clip ratio for every linear
+HALF_GRID = ("+rot-h16",)  # 4-bit codes on the half-integers
 SIGN_CANDIDATES = 4
 PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "+rot-g32", "+rot-g64", "+rrot", "+rrot-cal", "all") + \
-    tuple(FIXED_ALPHA) + BUDGET_VARIANTS
+    tuple(FIXED_ALPHA) + HALF_GRID + BUDGET_VARIANTS
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,21 +83,25 @@ def signed_hadamard(seed: int) -> torch.Tensor:
     return d.double()[:, None] * F.hadamard().double()
 
 
-def fake_sym(blocks: torch.Tensor, qmax: int, alpha: float = 1.0) -> torch.Tensor:
-    s = blocks.abs().amax(-1, keepdim=True) * alpha / qmax
+def fake_sym(blocks: torch.Tensor, qmax: int, alpha: float = 1.0, half: bool = False) -> torch.Tensor:
+    """Symmetric fake quantization per last-dim block: integers -qmax..qmax, or with `half` the
+    2 qmax + 2 half-integers -(qmax + .5)..qmax + .5 (the same bits, no code on zero)."""
+    top = qmax + 0.5 if half else qmax
+    s = blocks.abs().amax(-1, keepdim=True) * alpha / top
     s = torch.where(s == 0, torch.ones_like(s), s)
-    return (blocks / s).round().clamp(-qmax, qmax) * s
+    q = (blocks / s).floor() + 0.5 if half else (blocks / s).round()
+    return q.clamp(-top, top) * s
 
 
 def w4ax_fake(x: torch.Tensor, perm: torch.Tensor, nb8: int, rot: torch.Tensor | None = None,
-              alpha: float = 1.0, group4: int = F.ACT_BLOCK) -> torch.Tensor:
+              alpha: float = 1.0, group4: int = F.ACT_BLOCK, half: bool = False) -> torch.Tensor:
     m, k = x.shape
     k8 = nb8 * F.ACT_BLOCK
     xp = x[:, perm]
     hi = fake_sym(xp[:, :k8].reshape(m, -1, F.ACT_BLOCK), F.A8_MAX).reshape(m, k8)
     lo = xp[:, k8:].reshape(m, -1, F.ACT_BLOCK)
     lo = lo @ rot if rot is not None else lo
-    lo = fake_sym(lo.reshape(m, -1, group4), F.A4_MAX, alpha).reshape(m, -1, F.ACT_BLOCK)
+    lo = fake_sym(lo.reshape(m, -1, group4), F.A4_MAX, alpha, half).reshape(m, -1, F.ACT_BLOCK)
     lo = lo @ rot.T if rot is not None else lo
     out = torch.empty_like(x)
     out[:, perm] = torch.cat([hi, lo.reshape(m, k - k8)], 1)
@@ -176,7 +184,8 @@ class ActQuant:
                 "all": (self.sens, self.rot), "budget": (self.perm, self.rot),
                 "budget-global": (self.perm, self.rot), "+rrot": (self.perm, self.rrot),
                 "+rrot-cal": (self.perm, self.crot),
-                **{v: (self.perm, self.rot) for v in (*GROUP4, *FIXED_ALPHA) if v.startswith("+rot")}
+                **{v: (self.perm, self.rot) for v in (*GROUP4, *FIXED_ALPHA, *HALF_GRID)
+                   if v.startswith("+rot")}
                 }[variant]
 
     def blocks(self, variant: str) -> int:
@@ -189,7 +198,8 @@ class ActQuant:
         else:
             perm, rot = self.basis(variant)
             alpha = self.alpha if variant == "all" else FIXED_ALPHA.get(variant, 1.0)
-            q = w4ax_fake(xd, perm, self.blocks(variant), rot, alpha, GROUP4.get(variant, F.ACT_BLOCK))
+            q = w4ax_fake(xd, perm, self.blocks(variant), rot, alpha, GROUP4.get(variant, F.ACT_BLOCK),
+                          variant in HALF_GRID)
         return q.to(x.dtype).reshape(x.shape)
 
     def weight(self, variant: str) -> torch.Tensor:

@@ -145,10 +145,13 @@ def child(ckpt: str, tp: int, kv: str, out_file: str, ppl_text: str | None = Non
         ws = token_windows(ckpt, ppl_text)
         outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in ws],
                             SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))
-        nll = -sum(lp[t].logprob for w, o in zip(ws, outs) for t, lp in zip(w[1:], o.prompt_logprobs[1:]))
+        # each window's target-token logprobs, kept so that two runs can be compared position by
+        # position (session 30: eager TP=2 decoded TP=1's tokens bit for bit, yet its windows differed)
+        positions = [[lp[t].logprob for t, lp in zip(w[1:], o.prompt_logprobs[1:])] for w, o in zip(ws, outs)]
+        nll = -sum(sum(p) for p in positions)
         count = sum(len(w) - 1 for w in ws)
         with open(out_file + ".ppl.json", "w") as f:
-            json.dump({"nll": nll, "tokens": count, "ppl": math.exp(nll / count)}, f)
+            json.dump({"nll": nll, "tokens": count, "ppl": math.exp(nll / count), "positions": positions}, f)
     # A graceful engine shutdown (bounded) before interpreter exit, whose finalizer otherwise
     # stops the engine in abort mode: sessions 22 and 29 saw one TP=1 child in several abort in
     # that teardown ("terminate called without an active exception") after writing its results.
@@ -163,8 +166,14 @@ def ppl_verdict(p1: dict, p2: dict) -> dict:
     quantizes each rank's half of a row-parallel input with its own scale, so greedy tokens part
     at bf16 ties (session 21), while a wrong shard of codes, scales or biases wrecks the ppl."""
     rel = p2["ppl"] / p1["ppl"] - 1
-    return {"ppl_tp1": round(p1["ppl"], 4), "ppl_tp2": round(p2["ppl"], 4), "ppl_rel": round(rel, 5),
-            "ppl_pass": math.isfinite(rel) and abs(rel) <= TP_PPL_RTOL}
+    out = {"ppl_tp1": round(p1["ppl"], 4), "ppl_tp2": round(p2["ppl"], 4), "ppl_rel": round(rel, 5),
+           "ppl_pass": math.isfinite(rel) and abs(rel) <= TP_PPL_RTOL}
+    if "positions" in p1 and "positions" in p2:  # where the windows part (reported, not judged)
+        pairs = [list(zip(a, b)) for a, b in zip(p1["positions"], p2["positions"])]
+        out["ppl_positions_equal"] = sum(x == y for w in pairs for x, y in w)
+        out["ppl_positions"] = sum(len(w) for w in pairs)
+        out["ppl_first_unequal"] = [next((i for i, (x, y) in enumerate(w) if x != y), None) for w in pairs]
+    return out
 
 
 def compare(a: list[dict], b: list[dict]) -> dict:

@@ -105,6 +105,11 @@ def test_ppl_verdict(tp):
     got = tp.ppl_verdict(one, {"ppl": 20.5})
     assert not got["ppl_pass"] and got["ppl_rel"] == pytest.approx(0.025)
     assert not tp.ppl_verdict(one, {"ppl": math.nan})["ppl_pass"]
+    assert "ppl_positions" not in got  # older results carry no positions
+    a = {"ppl": 20.0, "positions": [[-1.0, -2.0, -3.0], [-0.5, -0.25]]}
+    b = {"ppl": 20.0, "positions": [[-1.0, -2.5, -3.0], [-0.5, -0.25]]}
+    got = tp.ppl_verdict(a, b)
+    assert (got["ppl_positions_equal"], got["ppl_positions"], got["ppl_first_unequal"]) == (4, 5, [1, None])
 
 
 def test_ppl_text_must_be_a_file(tp, monkeypatch, capsys):
