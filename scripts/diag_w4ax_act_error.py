@@ -2,7 +2,8 @@
 """Activation-only error of W4Ax on a real model's linears (CPU): per-token int8 (W4A8)
 against W4Ax with 25% of the 128-channel blocks at 8 bits, and variants of the 4-bit part:
 
-  W4Ax25    the format: outlier blocks by calibration max|x|, the rest sorted by it
+  W4Ax25    the format up to session 29: outlier blocks by calibration max|x|, the rest sorted
+            by it, 4-bit codes on the integers -7..7 (every variant below but *-h16 keeps them)
   +rot      a 128-point Hadamard rotation inside each 4-bit block (QuaRot-style; folded into
             the weight offline, applied to x online)
   sens      8-bit blocks chosen by max|x_c| * |W[:, c]| (the channel's weight on the output)
@@ -14,7 +15,9 @@ against W4Ax with 25% of the 128-channel blocks at 8 bits, and variants of the 4
             one fixed clip ratio for the near-Gaussian rotated blocks, not fitted per linear
   +rot-h16  (--ppl only) +rot with the 4-bit codes on the 16 half-integers -7.5..7.5 (scale
             max/7.5) instead of the 15 integers -7..7: every 4-bit pattern used, none on zero.
-            A format change (an int4 MMA would take 2q+1 as q plus a weight-sum term); session 30
+            The format since session 30 (formats.A4_TOP)
+  +rrot-h16 (--ppl only) the same after D H (+rrot's seed): the seeds' spread is larger than
+            the grid's effect could be, so the two grids are compared over seeds
   +rrot     (--ppl only) +rot with random signs: D H, D a fixed random +-1 diagonal (seed
             $DIAG_RROT_SEED, default 0),
             QuaRot's randomized Hadamard; the weights are rounded in that basis too
@@ -70,7 +73,7 @@ ALPHAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 BUDGET_VARIANTS = ("budget", "budget-global")
 GROUP4 = {"g32": 32, "+rot-g32": 32, "+rot-g64": 64}  # the 4-bit scale group; else ACT_BLOCK
 FIXED_ALPHA = {"+rot-a90": 0.9, "+rot-a80": 0.8}  # a clip ratio for every linear
-HALF_GRID = ("+rot-h16",)  # 4-bit codes on the half-integers
+HALF_GRID = ("+rot-h16", "+rrot-h16")  # 4-bit codes on the half-integers
 SIGN_CANDIDATES = 4
 PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "+rot-g32", "+rot-g64", "+rrot", "+rrot-cal", "all") + \
     tuple(FIXED_ALPHA) + HALF_GRID + BUDGET_VARIANTS
@@ -183,7 +186,7 @@ class ActQuant:
         return {"W4Ax25": (self.perm, None), "g32": (self.perm, None), "+rot": (self.perm, self.rot),
                 "all": (self.sens, self.rot), "budget": (self.perm, self.rot),
                 "budget-global": (self.perm, self.rot), "+rrot": (self.perm, self.rrot),
-                "+rrot-cal": (self.perm, self.crot),
+                "+rrot-cal": (self.perm, self.crot), "+rrot-h16": (self.perm, self.rrot),
                 **{v: (self.perm, self.rot) for v in (*GROUP4, *FIXED_ALPHA, *HALF_GRID)
                    if v.startswith("+rot")}
                 }[variant]

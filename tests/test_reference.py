@@ -72,15 +72,32 @@ def test_w4ax_scales_per_token_block(seeded):
     assert s4.shape == (m, 3) and s8.dtype == s4.dtype == torch.float32
     blocks = x[:, perm.long()].double().view(m, -1, F.ACT_BLOCK).abs().amax(-1)
     assert torch.equal(s8, (blocks[:, :2] / F.A8_MAX).float())
-    assert torch.equal(s4, (blocks[:, 2:] / F.A4_MAX).float())
-    # every block's largest value maps to the end of its grid, whatever its magnitude
+    assert torch.equal(s4, (blocks[:, 2:] / F.A4_TOP).float())
+    # every block's largest value maps to the end of its grid, whatever its magnitude: a nibble
+    # q stands for q + 1/2, so the ends are 7 (+7.5) and -8 (-7.5)
     q4 = F.unpack_int4(x4).view(m, 3, F.ACT_BLOCK)
-    assert q4.abs().amax(-1).eq(F.A4_MAX).all()
+    assert (q4.double() + 0.5).abs().amax(-1).eq(F.A4_TOP).all()
     assert x8.view(m, 2, F.ACT_BLOCK).abs().amax(-1).eq(F.A8_MAX).all()
     # and the dequantization is within half a step of each block's own scale
     xd = ref.dequantize_act_w4ax(x8, s8, x4, s4).double()
     step = torch.cat([s8, s4], 1).double().repeat_interleave(F.ACT_BLOCK, 1)
     assert ((xd - x[:, perm.long()].double()).abs() <= 0.5 * step * (1 + 1e-6)).all()
+
+
+def test_w4ax_4bit_grid_is_the_16_half_integers(seeded):
+    """formats.A4_TOP: a 4-bit block's values round to the nearest of (q + 1/2) * s, q in
+    [-8, 7], s = max|block| / 7.5; all 16 nibbles occur, zero is not a level, and the error is
+    at most s / 2 (the integer grid -7..7 with s = max / 7 wastes the nibble -8)."""
+    m, k = 64, 4 * F.ACT_BLOCK
+    x = torch.randn(m, k, generator=seeded, dtype=torch.float64)
+    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, torch.arange(k, dtype=torch.int32), 0)
+    q = F.unpack_int4(x4).double()
+    assert set(q.unique().tolist()) == set(range(-8, 8))
+    s = s4.double().repeat_interleave(F.ACT_BLOCK, 1)
+    assert torch.equal(q, torch.floor(x / s).clamp(-8, 7))  # the nearest half-integer
+    xd = ref.dequantize_act_w4ax(x8, s8, x4, s4).double()
+    assert torch.allclose(xd, (q + 0.5) * s, rtol=1e-6, atol=0) and not (xd == 0).any()
+    assert ((xd - x).abs() <= 0.5 * s * (1 + 1e-6)).all()
 
 
 def test_w4ax_small_4bit_block_keeps_its_resolution(seeded):
@@ -120,7 +137,7 @@ def test_w4ax_gemm_matches_float64(seeded):
     x8, s8, x4, s4 = ref.quantize_act_w4ax(x, torch.arange(k), k8)
     y = ref.w4ax_gemm(x8, s8, x4, s4, t["qweight"], t["group_scale"], t["group_offset"],
                       t["channel_scale"], bias, torch.float64)
-    xd = torch.cat([x8.double(), F.unpack_int4(x4).double()], 1) * torch.cat(
+    xd = torch.cat([x8.double(), F.unpack_int4(x4).double() + 0.5], 1) * torch.cat(
         [s8, s4], 1).double().repeat_interleave(F.ACT_BLOCK, 1)
     w_hat = ref.dequantize_weight(t["qweight"], t["group_scale"], t["group_offset"],
                                   t["channel_scale"], torch.float64)
@@ -168,8 +185,8 @@ def test_w4ax_rotation_quantizes_rotated_4bit_blocks(seeded, k8):
     x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, k8, rotation=h)
     assert torch.equal(x8, plain[0]) and torch.equal(s8, plain[1])
     blocks = x.double()[:, perm][:, k8:].reshape(m, -1, F.ACT_BLOCK) @ h.double()
-    assert torch.allclose(s4.double(), blocks.abs().amax(-1) / 7, rtol=1e-6)
-    err = F.unpack_int4(x4).double().view_as(blocks) * s4.double()[..., None] - blocks
+    assert torch.allclose(s4.double(), blocks.abs().amax(-1) / F.A4_TOP, rtol=1e-6)
+    err = (F.unpack_int4(x4).double().view_as(blocks) + 0.5) * s4.double()[..., None] - blocks
     assert bool((err.abs() <= s4.double()[..., None] * (0.5 + 1e-5)).all())
 
 

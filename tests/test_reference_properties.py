@@ -105,8 +105,8 @@ def test_quantize_act_properties(xb):
 @given(xb=activations((128, 256, 384)), seed=st.integers(0, 2**16))
 def test_quantize_act_w4ax_properties(xb, seed):
     """One symmetric scale per (token, 128-channel block): max|block| / 127 (8-bit part) or
-    / 7 (4-bit part), correctly rounded; a poisoned row has NaN in every scale of both parts
-    and zero codes."""
+    / 7.5 (4-bit part: nibble q stands for q + 1/2), correctly rounded; a poisoned row has NaN
+    in every scale of both parts and zero codes."""
     x, bad = xb
     m, k = x.shape
     g = torch.Generator().manual_seed(seed)
@@ -114,11 +114,12 @@ def test_quantize_act_w4ax_properties(xb, seed):
     b8 = int(torch.randint(0, k // F.ACT_BLOCK + 1, (1,), generator=g))  # 8-bit blocks
     x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, b8 * F.ACT_BLOCK)
     assert s8.shape == (m, b8) and s4.shape == (m, k // F.ACT_BLOCK - b8)
-    q = torch.cat([x8.double(), F.unpack_int4(x4).double()], 1)
+    nib = F.unpack_int4(x4).double()
+    q = torch.cat([x8.double(), nib + 0.5], 1)  # the levels, in units of each block's scale
     s = torch.cat([s8, s4], 1)
     nb = k // F.ACT_BLOCK
-    qmax = torch.tensor([F.A8_MAX] * b8 + [F.A4_MAX] * (nb - b8), dtype=torch.float64)
-    assert torch.isnan(s[bad]).all() and (q[bad] == 0).all()
+    qmax = torch.tensor([F.A8_MAX] * b8 + [F.A4_TOP] * (nb - b8), dtype=torch.float64)
+    assert torch.isnan(s[bad]).all() and (x8[bad] == 0).all() and (nib[bad] == 0).all()
     good = ~bad
     if good.any():
         xp = x.float()[good][:, perm.long()].double()

@@ -219,7 +219,8 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
                       smooth: torch.Tensor | None = None, rotation: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """W4Ax activations: permute channels, first k8 to int8, the rest (each block rotated by
-    `rotation` when given, formats.hadamard) to packed int4, with one symmetric scale per
+    `rotation` when given, formats.hadamard) to packed int4 on the half-integer grid
+    (formats.A4_TOP, _quantize_half), with one symmetric scale per
     (token, ACT_BLOCK-channel block) (COMET's FMPQ: an outlier-free 4-bit block keeps its own
     resolution instead of sharing the token's largest 4-bit value).
 
@@ -233,14 +234,27 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     blocks = xf.view(m, k // F.ACT_BLOCK, F.ACT_BLOCK)
     row_ok = torch.isfinite(xf.abs().amax(dim=-1))
     q8, s8 = _quantize_sym(blocks[:, :lay.num_a8_blocks], F.A8_MAX, row_ok)
-    q4, s4 = _quantize_sym(blocks[:, lay.num_a8_blocks:], F.A4_MAX, row_ok)
+    q4, s4 = _quantize_half(blocks[:, lay.num_a8_blocks:], row_ok)
     return q8.reshape(m, k8).to(torch.int8), s8, F.pack_int4(q4.reshape(m, lay.k4)), s4
+
+
+def _quantize_half(xb: torch.Tensor, row_ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-bit grid of formats.A4_TOP: (nibbles q [M, B, L] in [-8, 7], standing for
+    (q + 1/2) * scale, float32 scale [M, B] = max|block| / 7.5). floor picks the nearest
+    half-integer. Non-finite rows as in _quantize_sym: NaN scales, zero nibbles."""
+    amax = xb.abs().amax(dim=-1)
+    ok = row_ok[:, None]
+    scale = torch.where(ok, _div(amax.clamp_min(_EPS), F.A4_TOP), torch.full_like(amax, _NAN))
+    q = torch.floor(xb / scale[..., None]).clamp(-F.A4_MAX - 1, F.A4_MAX)
+    return torch.where(ok[..., None], q, 0), scale
 
 
 def _w4ax_codes_and_scales(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor,
                            s4: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both parts of a W4Ax activation as one: (int8 codes [M, K], scales [M, K/ACT_BLOCK])."""
-    return torch.cat([x8, F.unpack_int4(x4)], dim=1), torch.cat([s8, s4], dim=1)
+    """Both parts of a W4Ax activation as one: (int8 codes [M, K], scales [M, K/ACT_BLOCK]).
+    A nibble q stands for (q + 1/2) * s4: the code 2 q + 1 with the scale s4 / 2 (exact)."""
+    return (torch.cat([x8, 2 * F.unpack_int4(x4) + 1], dim=1),
+            torch.cat([s8, s4 / 2], dim=1))
 
 
 def dequantize_act_w4ax(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Tensor

@@ -46,9 +46,11 @@ def test_permuted_layer_is_the_same_gemm_and_matches_float64():
     # scale per (token, 128-channel block): the first block 8-bit, the other three 4-bit
     wq = lqq.dequantize(t)
     xb = x.double()[:, perm.long()].view(9, k // 128, 128)
-    qmax = torch.tensor([127.0, 7.0, 7.0, 7.0], dtype=torch.float64)[:, None]
-    s = (xb.abs().amax(-1, keepdim=True).float().double() / qmax).float().double()
-    want = (torch.round(xb / s).clamp(-qmax, qmax) * s).view(9, k) @ wq.T
+    top = torch.tensor([127.0, 7.5, 7.5, 7.5], dtype=torch.float64)[:, None]
+    s = (xb.abs().amax(-1, keepdim=True).float().double() / top).float().double()
+    q8 = torch.round(xb[:, :1] / s[:, :1]).clamp(-127, 127)
+    q4 = torch.floor(xb[:, 1:] / s[:, 1:]).clamp(-8, 7) + 0.5  # formats.A4_TOP's half-integers
+    want = (torch.cat([q8, q4], 1) * s).view(9, k) @ wq.T
     assert torch.allclose(y, want, rtol=1e-4, atol=1e-4)
     # the outliers in 8 bits beat all-4-bit activations by a wide margin
     all4 = MixPrecLinear({**t, "a8_blocks": torch.tensor([0], dtype=torch.int32)}, None, "w4ax")(x).double()
@@ -121,8 +123,8 @@ def test_block_gains_match_the_per_block_errors_written_out(rot):
         s8 = xb.abs().amax(1, keepdim=True).float().double() / 127
         d8 = torch.round(xb / s8).clamp(-127, 127) * s8 - xb
         xr = xb if r is None else xb @ r.double()
-        s4 = xr.abs().amax(1, keepdim=True).float().double() / 7
-        q4 = torch.round(xr / s4).clamp(-7, 7) * s4
+        s4 = xr.abs().amax(1, keepdim=True).float().double() / 7.5  # the half-integer grid
+        q4 = (torch.floor(xr / s4).clamp(-8, 7) + 0.5) * s4
         d4 = (q4 if r is None else q4 @ r.double().T) - xb
         want = ((d4 @ wp[:, cols].T).pow(2).sum() - (d8 @ wp[:, cols].T).pow(2).sum()) / y2
         assert float(got[b]) == pytest.approx(float(want), rel=2e-3, abs=1e-9), b

@@ -136,14 +136,16 @@ def _act_tile(x_ptr, stride_x, offs_m, m_mask, kx, BM: tl.constexpr, BK: tl.cons
               INT4: tl.constexpr, USE_ASM: tl.constexpr):
     """int8 activations [BM, BK] at column kx.
 
-    INT4: x_ptr holds int32 words of 8 two's complement nibbles (even k low). Each nibble is
-    moved to the high half of its byte lane, which makes the byte 16 * value (COMET's
-    zero-extension trick; 5 instructions per 8 values); the epilogue divides by 16."""
+    INT4: x_ptr holds int32 words of 8 two's complement nibbles q (even k low), each standing
+    for q + 1/2 (formats.A4_TOP). Each nibble is moved to the high half of its byte lane and
+    the low half set to 8, which makes the byte 16 q + 8 = 16 (q + 1/2) (COMET's zero-extension
+    trick plus one OR; 5 instructions per 8 values); the epilogue divides by 16."""
     rows = offs_m.to(tl.int64)[:, None] * stride_x
     if INT4:
         w = tl.load(x_ptr + rows + (kx // 8 + tl.arange(0, BK // 8))[None, :],
                     mask=m_mask[:, None], other=0).to(tl.uint32, bitcast=True)
-        x = _word_pair_bytes(*_interleave_lanes((w << 4) & 0xF0F0F0F0, w & 0xF0F0F0F0, USE_ASM))
+        x = _word_pair_bytes(*_interleave_lanes(((w << 4) & 0xF0F0F0F0) | 0x08080808,
+                                                (w & 0xF0F0F0F0) | 0x08080808, USE_ASM))
         x = tl.reshape(x, (BM, BK))
     else:
         x = tl.load(x_ptr + rows + (kx + tl.arange(0, BK))[None, :], mask=m_mask[:, None], other=0)
@@ -342,6 +344,15 @@ def _codes(v, scale, QMAX: tl.constexpr):
 
 
 @triton.jit
+def _half_codes(v, scale):
+    """floor(v / scale) in [-8, 7]: the nibble of the nearest half-integer (formats.A4_TOP),
+    bit-exact with reference._quantize_half. A NaN scale gives zero nibbles."""
+    q = tl.math.div_rn(v, scale)
+    q = tl.minimum(tl.maximum(tl.floor(q), -8.0), 7.0)
+    return tl.where(scale == scale, q, 0.0).to(tl.int8)
+
+
+@triton.jit
 def _num_nonfinite(v0, v1):
     """Count of NaN/Inf values in two tiles. GPU max reductions drop NaN (max.f32), so the
     amax alone cannot see it; an integer sum can."""
@@ -374,10 +385,11 @@ def _segment_values(xrow, perm_ptr, smooth_ptr, j0, bb, mask, up, PAIRS: tl.cons
 
 @triton.jit
 def _encode(v0, v1, scale, QMAX: tl.constexpr, PAIRS: tl.constexpr):
-    """Output bytes: int8 codes of v0, or int4 codes of (v0, v1) packed low/high."""
-    q = _codes(v0, scale, QMAX)
+    """Output bytes: int8 codes of v0, or the 4-bit nibbles of (v0, v1) packed low/high."""
     if PAIRS:
-        q = (q & 0xF) | (_codes(v1, scale, QMAX) << 4)
+        q = (_half_codes(v0, scale) & 0xF) | (_half_codes(v1, scale) << 4)
+    else:
+        q = _codes(v0, scale, QMAX)
     return q
 
 
@@ -488,7 +500,8 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
             _encode_chunk(a0, a1, ab, am, 0, K8, q8, sr8, amax8, bad, 127, False, PER_BLOCK,
                           R8, BB8)
         if HAS_A4:
-            _encode_chunk(b0, b1, bb, bm, 0, N4, q4, sr4, amax4, bad, 7, True, PER_BLOCK, R4, BB4)
+            _encode_chunk(b0, b1, bb, bm, 0, N4, q4, sr4, amax4, bad, 7.5, True, PER_BLOCK, R4,
+                          BB4)  # 7.5: formats.A4_TOP
     else:
         if HAS_A8:
             amax8, bad8 = _segment_stats(xrow, perm_ptr, smooth_ptr, 0, K8, K, R8, BB8, NCHUNK8,
@@ -502,7 +515,7 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
             _encode_segment(xrow, perm_ptr, smooth_ptr, 0, K8, q8, sr8, amax8, bad, K, 127,
                             False, PER_BLOCK, R8, BB8, NCHUNK8, HAS_PERM, HAS_SMOOTH, GATED)
         if HAS_A4:
-            _encode_segment(xrow, perm_ptr, smooth_ptr, K8, N4, q4, sr4, amax4, bad, K, 7, True,
+            _encode_segment(xrow, perm_ptr, smooth_ptr, K8, N4, q4, sr4, amax4, bad, K, 7.5, True,
                             PER_BLOCK, R4, BB4, NCHUNK4, HAS_PERM, HAS_SMOOTH, GATED)
 
 
