@@ -556,28 +556,27 @@ stage_tp_real_exact() {
 }
 # The exact reduction's clean verdict, on one host: TP=1 vs TP=2 eager (no Inductor: every op
 # rounds as eager does), then compiled with TORCHINDUCTOR_DETERMINISTIC=1 (no timing-picked
-# reduction configs), then the compiled TP=1 control; ~4 + 5 + 4 min, so three calls of
-# TP_REAL_EXACT_PART=eager|det|control|first|casts
+# reduction configs), then the compiled TP=1 control; ~4 + 5 + 4 min, one call each:
+# TP_REAL_EXACT_PART=eager|det|control (and session 30's first|casts)
 stage_tp_real_exact_verdict() {
   local part=${TP_REAL_EXACT_PART:-eager} real
   real=$(real_tp_args)
+  run_exact() { MIXPREC_TP_ACT_SCALE=global MIXPREC_TP_REDUCE=exact TP_ARGS="$real" run_tp real-none; }
   case $part in
-    eager) OUT=$OUT/tp-real-exact-eager TP_CHECK_EAGER=1 MIXPREC_TP_ACT_SCALE=global \
-             MIXPREC_TP_REDUCE=exact TP_ARGS="$real" run_tp real-none ;;
-    det) OUT=$OUT/tp-real-exact-det TORCHINDUCTOR_DETERMINISTIC=1 MIXPREC_TP_ACT_SCALE=global \
-           MIXPREC_TP_REDUCE=exact TP_ARGS="$real" run_tp real-none ;;
+    eager) OUT=$OUT/tp-real-exact-eager TP_CHECK_EAGER=1 run_exact ;;
+    det) OUT=$OUT/tp-real-exact-det TORCHINDUCTOR_DETERMINISTIC=1 run_exact ;;
     control) OUT=$OUT/tp-real-control-det TORCHINDUCTOR_DETERMINISTIC=1 \
                TP_ARGS="--second-tp 1 $real" run_tp real-none ;;
     # Session 30: the eager TP=1 runs of one host agreed bit for bit except the host's first
     # vLLM process (ppl 21.2824 against 21.3172); run first on a fresh host, this pair says
     # whether the first process differs. The caches it leaves behind are listed.
     first) OUT=$OUT/tp-real-first-eager TP_CHECK_EAGER=1 TP_ARGS="--second-tp 1 $real" run_tp real-none
-           du -s ~/.triton ~/.nv ~/.cache/* /root/.cache/* 2>/dev/null | sort -u > "$OUT/caches-after-first.txt" ;;
+           du -s ~/.triton ~/.nv ~/.cache/* 2>/dev/null > "$OUT/caches-after-first.txt" ;;
     # Inductor keeps a fused kernel's intermediates in fp32 where eager rounds each op to bf16;
     # at TP=2 the collectives make it store (round) the down projection's input before it is
     # quantized, at TP=1 it need not. Emulating eager's casts should remove that difference.
     casts) OUT=$OUT/tp-real-exact-casts TORCHINDUCTOR_DETERMINISTIC=1 TORCHINDUCTOR_EMULATE_PRECISION_CASTS=1 \
-             MIXPREC_TP_ACT_SCALE=global MIXPREC_TP_REDUCE=exact TP_ARGS="$real" run_tp real-none ;;
+             run_exact ;;
     *) log "TP_REAL_EXACT_PART=$part: expected eager, det, control, first or casts"; return 2 ;;
   esac
 }

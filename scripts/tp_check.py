@@ -155,7 +155,8 @@ def child(ckpt: str, tp: int, kv: str, out_file: str, ppl_text: str | None = Non
     # A graceful engine shutdown (bounded) before interpreter exit, whose finalizer otherwise
     # stops the engine in abort mode: sessions 22 and 29 saw one TP=1 child in several abort in
     # that teardown ("terminate called without an active exception") after writing its results.
-    # Whether this avoids it is not yet known; an abort still fails the run (judge: exit_ok).
+    # It does not avoid that: session 30 saw two more aborts after it, later, in interpreter
+    # finalization. An abort still fails the run (judge: exit_ok).
     t0 = time.monotonic()
     llm.llm_engine.engine_core.shutdown(timeout=60)
     print(f"tp_check child: engine shut down in {time.monotonic() - t0:.1f} s", flush=True)

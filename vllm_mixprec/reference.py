@@ -121,10 +121,13 @@ def dequantize_weight(qweight, group_scale, group_offset, channel_scale,
 # --- activations ------------------------------------------------------------------------
 
 def _quantize_sym(xb: torch.Tensor, qmax: int, row_ok: torch.Tensor | None = None,
-                  amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  amax: torch.Tensor | None = None, half: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric codes of xb [M, B, L], one scale per (token, block): (float codes [M, B, L]
     in [-qmax, qmax], float32 scale [M, B] = max|block| / qmax). `amax` [M, B], when given,
-    stands for max|block| (a block of which xb holds only a slice).
+    stands for max|block| (a block of which xb holds only a slice). `half`: the grid of
+    formats.A4_TOP, codes q in [-qmax - 1, qmax] standing for (q + 1/2) * scale, scale =
+    max|block| / (qmax + 1/2); floor picks the nearest half-integer.
 
     A row holding a NaN or an Inf gets NaN in all of its scales and zero codes, so everything
     computed from it is NaN. amax propagates both (NaN stays NaN, |Inf| is Inf), so with one
@@ -134,8 +137,12 @@ def _quantize_sym(xb: torch.Tensor, qmax: int, row_ok: torch.Tensor | None = Non
     """
     amax = xb.abs().amax(dim=-1) if amax is None else amax
     ok = torch.isfinite(amax) if row_ok is None else row_ok[:, None]
-    scale = torch.where(ok, _div(amax.clamp_min(_EPS), qmax), torch.full_like(amax, _NAN))
-    q = torch.round(xb / scale[..., None]).clamp(-qmax, qmax)  # not clamp_: compile_passes traces it
+    top = qmax + 0.5 if half else qmax
+    scale = torch.where(ok, _div(amax.clamp_min(_EPS), top), torch.full_like(amax, _NAN))
+    if half:
+        q = torch.floor(xb / scale[..., None]).clamp(-qmax - 1, qmax)
+    else:
+        q = torch.round(xb / scale[..., None]).clamp(-qmax, qmax)  # not clamp_: compile_passes traces it
     return torch.where(ok[..., None], q, 0), scale
 
 
@@ -220,7 +227,7 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """W4Ax activations: permute channels, first k8 to int8, the rest (each block rotated by
     `rotation` when given, formats.hadamard) to packed int4 on the half-integer grid
-    (formats.A4_TOP, _quantize_half), with one symmetric scale per
+    (formats.A4_TOP), with one symmetric scale per
     (token, ACT_BLOCK-channel block) (COMET's FMPQ: an outlier-free 4-bit block keeps its own
     resolution instead of sharing the token's largest 4-bit value).
 
@@ -234,19 +241,8 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     blocks = xf.view(m, k // F.ACT_BLOCK, F.ACT_BLOCK)
     row_ok = torch.isfinite(xf.abs().amax(dim=-1))
     q8, s8 = _quantize_sym(blocks[:, :lay.num_a8_blocks], F.A8_MAX, row_ok)
-    q4, s4 = _quantize_half(blocks[:, lay.num_a8_blocks:], row_ok)
+    q4, s4 = _quantize_sym(blocks[:, lay.num_a8_blocks:], F.A4_MAX, row_ok, half=True)
     return q8.reshape(m, k8).to(torch.int8), s8, F.pack_int4(q4.reshape(m, lay.k4)), s4
-
-
-def _quantize_half(xb: torch.Tensor, row_ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 4-bit grid of formats.A4_TOP: (nibbles q [M, B, L] in [-8, 7], standing for
-    (q + 1/2) * scale, float32 scale [M, B] = max|block| / 7.5). floor picks the nearest
-    half-integer. Non-finite rows as in _quantize_sym: NaN scales, zero nibbles."""
-    amax = xb.abs().amax(dim=-1)
-    ok = row_ok[:, None]
-    scale = torch.where(ok, _div(amax.clamp_min(_EPS), F.A4_TOP), torch.full_like(amax, _NAN))
-    q = torch.floor(xb / scale[..., None]).clamp(-F.A4_MAX - 1, F.A4_MAX)
-    return torch.where(ok[..., None], q, 0), scale
 
 
 def _w4ax_codes_and_scales(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor,

@@ -334,21 +334,17 @@ def _act_values(xrow, perm_ptr, smooth_ptr, j, mask, up, HAS_PERM: tl.constexpr,
 
 
 @triton.jit
-def _codes(v, scale, QMAX: tl.constexpr):
-    """round(v / scale) half to even, clamped to [-QMAX, QMAX]; bit-exact with torch.
-    A NaN scale (non-finite row) gives zero codes, as in the reference."""
+def _codes(v, scale, QMAX: tl.constexpr, HALF: tl.constexpr):
+    """round(v / scale) half to even, clamped to [-QMAX, QMAX]; bit-exact with torch. HALF
+    (formats.A4_TOP, QMAX = 7.5): floor(v / scale) in [-QMAX - 1/2, QMAX - 1/2], the nibble
+    of the nearest half-integer (reference._quantize_sym(half=True)). A NaN scale (non-finite
+    row) gives zero codes, as in the reference."""
     q = tl.math.div_rn(v, scale)
-    q = (q + _ROUND_MAGIC) - _ROUND_MAGIC
-    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
-    return tl.where(scale == scale, q, 0.0).to(tl.int8)
-
-
-@triton.jit
-def _half_codes(v, scale):
-    """floor(v / scale) in [-8, 7]: the nibble of the nearest half-integer (formats.A4_TOP),
-    bit-exact with reference._quantize_half. A NaN scale gives zero nibbles."""
-    q = tl.math.div_rn(v, scale)
-    q = tl.minimum(tl.maximum(tl.floor(q), -8.0), 7.0)
+    if HALF:
+        q = tl.minimum(tl.maximum(tl.floor(q), -QMAX - 0.5), QMAX - 0.5)
+    else:
+        q = (q + _ROUND_MAGIC) - _ROUND_MAGIC
+        q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
     return tl.where(scale == scale, q, 0.0).to(tl.int8)
 
 
@@ -385,11 +381,11 @@ def _segment_values(xrow, perm_ptr, smooth_ptr, j0, bb, mask, up, PAIRS: tl.cons
 
 @triton.jit
 def _encode(v0, v1, scale, QMAX: tl.constexpr, PAIRS: tl.constexpr):
-    """Output bytes: int8 codes of v0, or the 4-bit nibbles of (v0, v1) packed low/high."""
+    """Output bytes: int8 codes of v0, or the 4-bit nibbles (half-integer grid) of (v0, v1)
+    packed low/high."""
+    q = _codes(v0, scale, QMAX, PAIRS)
     if PAIRS:
-        q = (_half_codes(v0, scale) & 0xF) | (_half_codes(v1, scale) << 4)
-    else:
-        q = _codes(v0, scale, QMAX)
+        q = (q & 0xF) | (_codes(v1, scale, QMAX, PAIRS) << 4)
     return q
 
 
@@ -558,7 +554,7 @@ def _quant_act_chunk_codes_kernel(v_ptr, stats_ptr, q_ptr, s_ptr, K, stride_v, s
     cols = c * BLOCK + tl.arange(0, BLOCK)
     mask = cols < K
     v = tl.load(v_ptr + row * stride_v + cols, mask=mask, other=0.0)
-    tl.store(q_ptr + row * stride_q + cols, _codes(v, scale, 127), mask=mask)
+    tl.store(q_ptr + row * stride_q + cols, _codes(v, scale, 127, False), mask=mask)
     if c == 0:
         tl.store(s_ptr + row, scale)
 
