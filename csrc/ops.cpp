@@ -71,7 +71,7 @@ int num_sms(int device) { return device_attribute<cudaDevAttrMultiProcessorCount
 // Launch options (set_launch_options; defaults chosen on the H100, csrc/gemm/NOTES.md "PDL").
 // Read at each launch, so a CUDA graph keeps the options it was captured with.
 struct LaunchOptions {
-  std::atomic<bool> gemm_pdl{true};  // decode GEMM as a programmatic dependent launch
+  std::atomic<bool> gemm_pdl{true};  // GEMMs (decode and wgmma) as programmatic dependent launches
   std::atomic<bool> act_quant_one_pass{true};
 };
 LaunchOptions& launch_options() {
@@ -274,7 +274,7 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   args.N = static_cast<int>(N);
   args.K = static_cast<int>(K);
   args.group_size = static_cast<int>(group_size);
-  args.pdl = !use_wgmma && launch_options().gemm_pdl.load() && is_sm90(xq.device().index());
+  args.pdl = launch_options().gemm_pdl.load() && is_sm90(xq.device().index());
   const cudaStream_t stream = cuda_stream.stream();
   C10_CUDA_CHECK(use_wgmma ? w4a8_wgmma_launch(args, plan, stream) : w4a8_gemm_launch(args, plan, stream));
   return out;

@@ -73,8 +73,8 @@ def main():
                     help="also time the decode kernels (0, 1) at M <= 32 with 1..16 K splits, and the "
                          "wgmma kernels 4, 5, 6 at M >= 64 with 1, 2, 4 splits (the wgmma tile/split heuristic)")
     ap.add_argument("--launch-sweep", action="store_true",
-                    help="at M <= 32 also time quantize_act and the linear (quantize_act + auto GEMM) "
-                         "under each of LAUNCH_VARIANTS (cuda.set_launch_options), all in this run")
+                    help="also time quantize_act, the linear (quantize_act + auto GEMM) and back-to-back "
+                         "GEMMs under each of LAUNCH_VARIANTS (cuda.set_launch_options), all in this run")
     ap.add_argument("--shapes", nargs="+", metavar="KxN",
                     help="K x N shapes to time instead of the default/--full set, e.g. 4096x6144")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "bench_w4a8_cuda.json"))
@@ -142,7 +142,7 @@ def main():
                 return torch.ops.mixprec_C.w4a8_gemm(xq2, xs2, pq, gp, cs, None, torch.float16, -1, 0)
 
             row["linear_auto_us"] = bench(linear)
-            if args.launch_sweep and m <= 32:
+            if args.launch_sweep:  # every M: the wgmma kernels (M >= 64) are dependents too since session 31
                 defaults = cuda.set_launch_options()
                 for one_pass in (0, 1):
                     cuda.set_launch_options(act_quant_one_pass=one_pass)

@@ -31,6 +31,15 @@ against W4Ax with 25% of the 128-channel blocks at 8 bits, and variants of the 4
             fmpq.block_gains on the calibration tokens (W: the group's linears stacked along N);
             what `quantize --a8-allocation layer` does
   budget-global  (--ppl only) the same with one MAC budget for the whole model
+  +rot-h16-keep    (--ppl only) +rot-h16 with the 4-bit channels left in their original order
+            (the 8-bit ones still the largest by calibration max|x|): the weights' groups keep
+            their neighbours (session 31)
+  +rot-h16-blocks  (--ppl only) +rot-h16 without a channel permutation: the 8-bit blocks are the
+            original 128-channel blocks of largest calibration max|x|, every block keeps its
+            channels and order (session 31)
+  W4, W4-perm, W4-perm-rot  (--ppl --weights only) activations in float, the weights rounded
+            to RTN W4 g64 in the original basis (W4A16), in W4Ax25's permuted basis, and in
+            +rot's permuted and rotated one: what the basis alone costs the weights (session 31)
 Session 21, with the budget in blocks instead of MACs: budget +9.65 %, budget-global +9.06 %
 (+rot +10.02 %, A8 +8.42 %), but both moved gate_up (N 17920) to nearly all 8-bit, 2-3x the
 8-bit MACs of uniform 25 %: hence the MAC budget.
@@ -73,10 +82,11 @@ ALPHAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 BUDGET_VARIANTS = ("budget", "budget-global")
 GROUP4 = {"g32": 32, "+rot-g32": 32, "+rot-g64": 64}  # the 4-bit scale group; else ACT_BLOCK
 FIXED_ALPHA = {"+rot-a90": 0.9, "+rot-a80": 0.8}  # a clip ratio for every linear
-HALF_GRID = ("+rot-h16", "+rrot-h16")  # 4-bit codes on the half-integers
+HALF_GRID = ("+rot-h16", "+rrot-h16", "+rot-h16-keep", "+rot-h16-blocks")  # 4-bit codes on the half-integers
+WEIGHT_ONLY = ("W4", "W4-perm", "W4-perm-rot")  # float activations, RTN weights in a basis
 SIGN_CANDIDATES = 4
 PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "+rot-g32", "+rot-g64", "+rrot", "+rrot-cal", "all") + \
-    tuple(FIXED_ALPHA) + HALF_GRID + BUDGET_VARIANTS
+    tuple(FIXED_ALPHA) + HALF_GRID + BUDGET_VARIANTS + WEIGHT_ONLY
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,6 +140,25 @@ def rtn_weight(w: torch.Tensor, perm: torch.Tensor | None = None, nb8: int = 0,
     return out.to(w.dtype)
 
 
+def keep_order_permutation(amax: torch.Tensor, nb8: int) -> torch.Tensor:
+    """The nb8 * 128 channels of largest max|x| first (by it), then the rest in original order."""
+    top = torch.argsort(amax, descending=True, stable=True)[:nb8 * F.ACT_BLOCK]
+    rest = torch.ones_like(amax, dtype=torch.bool)
+    rest[top] = False
+    return torch.cat([top, torch.nonzero(rest).flatten()])
+
+
+def block_permutation(amax: torch.Tensor, nb8: int) -> torch.Tensor:
+    """Whole original 128-channel blocks: the nb8 of largest max|x| first, then the others, each
+    block's channels in order (a block permutation: no weight group loses its neighbours)."""
+    blocks = amax.reshape(-1, F.ACT_BLOCK).amax(1)
+    top = torch.argsort(blocks, descending=True, stable=True)[:nb8]
+    rest = torch.ones_like(blocks, dtype=torch.bool)
+    rest[top] = False
+    order = torch.cat([top.sort().values, torch.nonzero(rest).flatten()])
+    return (order[:, None] * F.ACT_BLOCK + torch.arange(F.ACT_BLOCK)).flatten()
+
+
 def sensitive_permutation(amax: torch.Tensor, w: torch.Tensor, nb8: int) -> torch.Tensor:
     """8-bit channels by max|x_c| * |W[:, c]|; within and after them, by max|x_c|."""
     top = torch.argsort(amax * w.norm(dim=0), descending=True, stable=True)[:nb8 * F.ACT_BLOCK]
@@ -156,6 +185,8 @@ class ActQuant:
         self.nb8_of = {}  # budget variants: set by ppl_main once every linear is calibrated
         self.perm = outlier_permutation(amax).long()
         self.sens = sensitive_permutation(amax, wd, self.nb8)
+        self.keep = keep_order_permutation(amax, self.nb8)
+        self.bperm = block_permutation(amax, self.nb8)
         self.rot = F.hadamard().double()
         self.rrot = signed_hadamard(int(os.environ.get("DIAG_RROT_SEED", "0")))
         self.crot = self.rot
@@ -187,8 +218,9 @@ class ActQuant:
                 "all": (self.sens, self.rot), "budget": (self.perm, self.rot),
                 "budget-global": (self.perm, self.rot), "+rrot": (self.perm, self.rrot),
                 "+rrot-cal": (self.perm, self.crot), "+rrot-h16": (self.perm, self.rrot),
-                **{v: (self.perm, self.rot) for v in (*GROUP4, *FIXED_ALPHA, *HALF_GRID)
-                   if v.startswith("+rot")}
+                "W4": (None, None), "W4-perm": (self.perm, None), "W4-perm-rot": (self.perm, self.rot),
+                "+rot-h16-keep": (self.keep, self.rot), "+rot-h16-blocks": (self.bperm, self.rot),
+                **{v: (self.perm, self.rot) for v in (*GROUP4, *FIXED_ALPHA, "+rot-h16") if v.startswith("+rot")}
                 }[variant]
 
     def blocks(self, variant: str) -> int:
@@ -196,6 +228,8 @@ class ActQuant:
 
     def __call__(self, variant: str, x: torch.Tensor) -> torch.Tensor:
         xd = x.reshape(-1, x.shape[-1]).double()
+        if variant in WEIGHT_ONLY:
+            return x
         if variant == "A8":
             q = fake_sym(xd, F.A8_MAX)
         else:
@@ -207,7 +241,7 @@ class ActQuant:
 
     def weight(self, variant: str) -> torch.Tensor:
         """The RTN W4 weight of `variant`'s basis (--weights)."""
-        if variant == "A8":
+        if variant in ("A8", "W4"):
             return rtn_weight(self.w)
         perm, rot = self.basis(variant)
         return rtn_weight(self.w, perm, self.blocks(variant), rot)
@@ -310,6 +344,8 @@ def main() -> None:
     for v in a.variants.split(",") if a.ppl else ():  # before the model loads
         if v not in PPL_VARIANTS:
             raise SystemExit(f"--variants: unknown {v!r} (one of {', '.join(PPL_VARIANTS)})")
+        if v in WEIGHT_ONLY and not a.weights:
+            raise SystemExit(f"--variants: {v} rounds only the weights; it needs --weights")
     torch.set_num_threads(1)
     folder = M.cached_model(a.model) or M.fetch_model(a.model)
     model, _ = load_model_cpu(folder)

@@ -9,7 +9,7 @@
 # decode_sweep decode_plan gemm_launch gemm_flush cuda_decode cuda_decode_tune decode_impl_ab
 # rerun_refactors vllm_int_attn merge_rows_rest tp_global tp_nan_locate small_tiles small_tiles_sweep tp_split
 # tp_rest_a tp_rest_b tp_real_global tp_real_exact tp_exact tp_real_control tp_epilogue_tests sanitize_cuda
-# tp_real_exact_verdict
+# tp_real_exact_verdict wgmma_pdl_tests wgmma_pdl_bench wgmma_pdl_sanitize gemm_table
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -600,6 +600,41 @@ run_tp() {  # MODELS; $OUT may be a stage's own subfolder
   timeout "${TP_TIMEOUT:-580}" python3 scripts/tp_check.py --out "$OUT" --models "$1" ${TP_ARGS:-} 2>&1 | grep -v -E '^(INFO|WARNING)' \
     | tee "$OUT/tp-$1.log" | tail -20
   return "${PIPESTATUS[0]}"
+}
+
+# Session 31: the wgmma kernels as programmatic dependent launches. Their tests (PDL on/off
+# bit-identical after quantize_act, every tile and split), then session 30's unrun W4Ax Triton
+# changes (the half-integer 4-bit grid) and the epilogue op on the device.
+stage_wgmma_pdl_tests() {
+  pytest_gpu pytest-gpu-wgmma-pdl 420 tests/kernels/test_cuda_gemm.py tests/kernels/test_cuda_gemm_wgmma.py \
+    tests/kernels/test_triton_gemm.py tests/kernels/test_act_quant_fusion.py
+}
+# PDL on/off for every M (CUDA graphs, weights rotated past the L2, no flush), all variants in
+# one run; then issue #4's table (do_bench's L2 flush) with cuBLAS and _int_mm beside Marlin
+stage_wgmma_pdl_bench() {
+  local rc=0
+  run_bench bench_w4a8_cuda_pdl 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x4096 4096x6144 \
+    14336x4096 8192x10240 8192x28672 --ms 64 256 1024 --group 128 --launch-sweep --out "$OUT/launch_sweep_wgmma.json" || rc=1
+  run_bench bench_gemm_targets 280 python3 benchmarks/bench_gemm.py --ms 64,256,1024,4096 \
+    --shapes 4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672 \
+    --methods ours_cuda,ours_cuda_gemm,marlin_w4a16,cublas_bf16,int8_mm --out "$OUT/gemm-targets" || rc=1
+  return $rc
+}
+# After the quantizer's one-pass rule (rows over 8192 elements: two-pass above 128 rows): its
+# tests, the quantizer A/B at the rows it moved, then issue #4's whole table (M = 1 to 4096, every
+# Llama shape, every baseline, do_bench's L2 flush) in one run
+stage_gemm_table() {
+  local rc=0
+  pytest_gpu pytest-gpu-quant 200 tests/kernels/test_cuda_gemm.py -k "quantize or launch_options" || rc=1
+  run_bench bench_w4a8_cuda_quant 200 python3 scripts/bench_w4a8_cuda.py --shapes 14336x4096 28672x8192 \
+    --ms 64 128 256 1024 --group 128 --launch-sweep --no-marlin --out "$OUT/launch_sweep_quant.json" || rc=1
+  run_bench bench_gemm_table 400 python3 benchmarks/bench_gemm.py --ms 1,16,64,256,1024,4096 \
+    --shapes 4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672 \
+    --methods ours_cuda,ours_cuda_gemm,marlin_w4a16,machete_w4a16,cublas_bf16,int8_mm --out "$OUT/gemm-table" || rc=1
+  return $rc
+}
+stage_wgmma_pdl_sanitize() {
+  OUT=$OUT SANITIZE_TRITON_K="test_gpu_w4ax" timeout 500 bash scripts/sanitize.sh cuda triton 2>&1 | tail -30
 }
 
 # Any stage may start vLLM, which needs the plugin's dist-info (session 30 lost a call to a

@@ -106,7 +106,7 @@ def cmd_quantize(args) -> int:
         weight_scheme=args.scheme, group_size=args.group_size, kv_scheme=args.kv, smooth=args.smooth,
         smooth_attention=args.smooth_attention, smooth_attention_alpha=args.smooth_attention_alpha,
         k_centering=args.k_centering, gptq=args.gptq, clip=args.clip, a8_fraction=args.a8_fraction,
-        a8_allocation=args.a8_allocation,
+        a8_allocation=args.a8_allocation, a8_select=args.a8_select,
         act_rotation=args.act_rotation or ("hadamard" if args.scheme == "w4ax" else "none"),
         calib_text=args.calib_text, calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen,
         propagate=args.propagate, percdamp=args.percdamp, progress=not args.quiet)
@@ -171,7 +171,7 @@ def cmd_ab(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .eval.perplexity import KV_DTYPES
-    from .quantize.fmpq import A8_ALLOCATIONS
+    from .quantize.fmpq import A8_ALLOCATIONS, A8_SELECTIONS
 
     p = argparse.ArgumentParser(prog="vllm-mixprec", description=__doc__.split("\n\n")[0])
     p.add_argument("-v", "--verbose", action="store_true")
@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--a8-allocation", default="uniform", choices=list(A8_ALLOCATIONS),
                    help="W4Ax: uniform = that share in every linear; layer = each decoder layer's total of "
                         "them spread over its input groups by the error a block saves on calibration data")
+    q.add_argument("--a8-select", default="channels", choices=list(A8_SELECTIONS),
+                   help="W4Ax: how the 8-bit blocks are chosen: channels = every channel sorted by its "
+                        "calibration max |x| (the outliers fill the first blocks); blocks = the original "
+                        "128-channel blocks with the largest max |x|, channels kept in place")
     q.add_argument("--act-rotation", choices=list(F.ACT_ROTATIONS),
                    help="W4Ax: rotate each 4-bit activation block (and its weight columns) by a "
                         "128-point Hadamard matrix (default for --scheme w4ax: hadamard)")

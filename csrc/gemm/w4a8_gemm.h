@@ -37,8 +37,9 @@ struct W4A8GemmArgs {
   int32_t* workspace;           // [splits, M, N] int32 when splits > 1
   int32_t* counters;            // plan.num_counters ints, zero at launch; the kernel leaves them zero
   int M, N, K, group_size;
-  // Decode kernels only (kernels 0, 1), on sm_90: launched as a programmatic dependent of the
-  // previous kernel on the stream, so their launch and set-up overlap its tail.
+  // Decode kernels (0, 1) and wgmma kernels (4..8), on sm_90: launched as a programmatic
+  // dependent of the previous kernel on the stream, so their launch and set-up (for the wgmma
+  // kernels also the first stages' weight copies) overlap its tail. Kernels 2, 3 ignore it.
   bool pdl = false;
 };
 
@@ -93,8 +94,8 @@ cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cud
 
 // Per-token symmetric int8 quantisation (csrc/quant/quantize_act_int8.cu).
 // x [M, K] (row stride x_row_stride elements) of x_kind; smooth [K] of smooth_kind or nullptr.
-// one_pass: rows of up to 32768 elements are read once, into registers (false: the two-pass
-// loop, for A/B timing).
+// one_pass: rows of up to 32768 elements are read once, into registers (rows over 8192 only
+// when M <= 128); false: always the two-pass loop, for A/B timing.
 cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_row_stride,
                                      const void* smooth, OutKind smooth_kind, int8_t* q,
                                      float* scale, int M, int K, bool one_pass, cudaStream_t stream);

@@ -171,6 +171,12 @@ __device__ __forceinline__ float row_scale(float amax, float* s_red, float* scal
 // live between the two uses).
 constexpr int kRegsThreads = 1024;
 constexpr int kRegsMaxVecs = 4;
+// Rows of more than one vector a thread (K > 8192) take the one-pass kernel only up to this many
+// rows (about one CTA an SM): beyond, its 1024-thread CTAs leave too few loads in flight and the
+// two-pass loop's 512-thread CTAs win. H200, K = 14336: one-pass / two-pass 3.8 / 4.5 us at M =
+// 64, 7.1 / 6.4 at M = 256, 27.1 / 18.6 at M = 1024; at K <= 8192 one-pass is never slower
+// (session 31, csrc/gemm/NOTES.md "PDL").
+constexpr int kRegsMaxRowsMultiVec = 128;
 
 // kVec: K % 8 == 0 and 16-byte aligned rows (8 elements per access); otherwise scalar.
 template <typename T, typename S, bool kVec>
@@ -248,7 +254,7 @@ template <typename T, typename S>
 cudaError_t launch_row_kernel(const T* x, int64_t stride, const S* smooth, int8_t* q, float* scale, int M, int K,
                               bool vec, bool one_pass, cudaStream_t stream) {
   const int vecs = K / 8;
-  if (one_pass && vec && vecs <= kRegsThreads * kRegsMaxVecs) {
+  if (one_pass && vec && vecs <= kRegsThreads * kRegsMaxVecs && (vecs <= kRegsThreads || M <= kRegsMaxRowsMultiVec)) {
     int per_thread = 1;
     while (per_thread * kRegsThreads < vecs) per_thread *= 2;
     const int threads = ((ceil_div(vecs, per_thread) + 31) / 32) * 32;

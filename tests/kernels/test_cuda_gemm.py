@@ -163,11 +163,12 @@ def launch_options():
 @pytest.mark.parametrize("k", [64, 4096, 14336, 28672, 32768, 32776, 1001])
 @pytest.mark.parametrize("dtype,smooth_dtype", [(torch.bfloat16, None), (torch.float16, torch.float32),
                                                 (torch.float32, "same")])
-def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, launch_options):
+@pytest.mark.parametrize("m", [3, 200])
+def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launch_options):
     """The register-resident kernel computes what the two-pass loop does, bit for bit, with a
-    non-finite row (NaN scale, zero codes) among finite ones."""
+    non-finite row (NaN scale, zero codes) among finite ones. At m = 200 rows over 8192
+    elements take the two-pass loop even with one_pass on (more rows than SMs)."""
     gen = _gen(k)
-    m = 3
     x = (torch.randn(m, k, generator=gen, device=DEV) * 10).to(dtype)
     x[1, k // 3] = float("nan")
     smooth = None
@@ -180,19 +181,22 @@ def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, launch_o
         got[one_pass] = cuda.quantize_act(x, smooth)
     torch.cuda.synchronize()
     q0, s0 = got[0]
+    finite = torch.arange(m, device=DEV) != 1
     for mode, (q, s) in got.items():
         assert torch.equal(q, q0), mode
-        assert torch.equal(s[[0, 2]], s0[[0, 2]]) and bool(torch.isnan(s[1])), mode
+        assert torch.equal(s[finite], s0[finite]) and bool(torch.isnan(s[1])), mode
         assert int(q[1].abs().sum()) == 0, mode
     q_ref, s_ref = ref.quantize_act(x, smooth)
-    assert float(((s0[[0, 2]] - s_ref[[0, 2]]).abs() / s_ref[[0, 2]]).max()) <= 1e-6
+    assert float(((s0[finite] - s_ref[finite]).abs() / s_ref[finite]).max()) <= 1e-6
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (5, 1024, 14336), (16, 2048, 8192), (32, 512, 1024),
-                                   (2, 64, 4096)])
-def test_decode_gemm_launch_options_bit_identical(m, n, k, launch_options):
-    """The decode kernels as programmatic dependent launches (sm_90) after either quantizer
-    give the plain launch's bits; (2, 64, 4096) splits K. The linear op runs
+                                   (2, 64, 4096), (64, 4096, 4096), (256, 4096, 4096), (200, 1024, 14336),
+                                   (1024, 6144, 4096)])
+def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
+    """The decode kernels (M <= 32) and, on an H100/H200, the wgmma kernels (M >= 64) as
+    programmatic dependent launches (sm_90) after either quantizer give the plain launch's bits;
+    (2, 64, 4096), (64, 4096, 4096) and (200, 1024, 14336) split K. The linear op runs
     quantize_act first, so the dependent really overlaps a producer of its input."""
     gen = _gen(m + n + k)
     layer, _ = _prepared_layer(n, k, 64, gen)

@@ -175,3 +175,60 @@ def test_layer_allocation_keeps_each_layers_total(tmp_path):
     assert ppl == ppl and ppl < 1e4
     with pytest.raises(ValueError, match="a8 allocation 'global' is not one of"):
         QuantOptions(weight_scheme="w4ax", a8_allocation="global").validate()
+
+
+def test_block_selection_moves_whole_blocks():
+    """--a8-select blocks: the original 128-channel blocks by decreasing max |x|, each block's
+    channels in place, so the first a8 blocks are the blocks holding the largest values and every
+    64- or 128-channel weight group keeps its columns."""
+    g = torch.Generator().manual_seed(3)
+    k = 512
+    absmax = torch.rand(k, generator=g, dtype=torch.float64)
+    absmax[300], absmax[5], absmax[400] = 80.0, 40.0, 20.0  # blocks 2, 0, 3; block 1 has none
+    perm = fmpq.block_outlier_permutation(absmax)
+    assert perm.dtype == torch.int32 and torch.equal(perm.sort().values, torch.arange(k, dtype=torch.int32))
+    rows = perm.long().reshape(-1, F.ACT_BLOCK)
+    assert torch.equal(rows - rows[:, :1], torch.arange(F.ACT_BLOCK).expand_as(rows))  # whole blocks, in order
+    assert rows[:, 0].tolist() == [256, 0, 384, 128]
+    for gs in (64, 128):  # every weight group of the permuted K is one original group
+        starts = perm.long().reshape(-1, gs)[:, 0]
+        assert bool((starts % gs == 0).all())
+    assert torch.equal(fmpq.act_permutation(absmax, "blocks"), perm)
+    assert torch.equal(fmpq.act_permutation(absmax, "channels"), fmpq.outlier_permutation(absmax))
+    with pytest.raises(ValueError, match="a8 selection 'rows' is not one of"):
+        fmpq.act_permutation(absmax, "rows")
+    with pytest.raises(ValueError, match="needs K a multiple of 128"):
+        fmpq.block_outlier_permutation(absmax[:320])
+
+
+def test_block_selection_through_the_quantizer(tmp_path):
+    """quantize with a8_select="blocks": every linear's act_perm is a block permutation with its
+    8-bit blocks first by max |x|, the choice is recorded, the checkpoint evaluates; the option is
+    refused outside w4ax and when unknown."""
+    from vllm_mixprec.eval.perplexity import evaluate
+    from vllm_mixprec.quantize.pipeline import QuantOptions, quantize_model
+    from vllm_mixprec.quantize.testing import calib_text_file, save_tiny
+    from safetensors.torch import load_file
+    import json
+
+    src = save_tiny(tmp_path / "src", "llama", hidden_size=256, intermediate_size=512,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    text = calib_text_file(tmp_path / "calib.txt")
+    opts = QuantOptions(weight_scheme="w4ax", a8_fraction=0.5, a8_select="blocks", act_rotation="hadamard",
+                        calib_text=str(text), calib_samples=4, calib_seqlen=64, progress=False)
+    quantize_model(src, tmp_path / "out", opts)
+    t = load_file(str(tmp_path / "out" / "model.safetensors"))
+    perms = {n: p for n, p in t.items() if n.endswith(".act_perm")}
+    assert len(perms) == 7 * 2  # 7 linears in each of the tiny model's 2 layers
+    for name, p in perms.items():
+        rows = p.long().reshape(-1, F.ACT_BLOCK)
+        assert torch.equal(rows - rows[:, :1], torch.arange(F.ACT_BLOCK).expand_as(rows)), name
+        assert bool((rows[:, 0] % F.ACT_BLOCK == 0).all()), name
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert cfg["calibration"]["a8_select"] == "blocks"
+    ppl = next(iter(evaluate(tmp_path / "out", [str(text)], n_tokens=128, window=64).values()))["ppl"]
+    assert ppl == ppl and ppl < 1e4
+    with pytest.raises(ValueError, match="--a8-select blocks applies to the w4ax scheme only"):
+        QuantOptions(weight_scheme="w4a8", a8_select="blocks").validate()
+    with pytest.raises(ValueError, match="a8 selection 'rows' is not one of"):
+        QuantOptions(weight_scheme="w4ax", a8_select="rows").validate()

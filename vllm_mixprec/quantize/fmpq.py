@@ -82,6 +82,35 @@ def outlier_permutation(act_absmax: torch.Tensor) -> torch.Tensor:
     return torch.argsort(act_absmax.to(torch.float64), descending=True, stable=True).to(torch.int32)
 
 
+def block_outlier_permutation(act_absmax: torch.Tensor) -> torch.Tensor:
+    """int32 [K]: whole 128-channel blocks of the original order by decreasing calibration max |x|
+    (stable for ties), each block's channels in their order. The first a8 blocks are then the
+    blocks with the largest values at 8 bits, whatever their number, and every weight group (64 or
+    128 channels, inside one block) keeps its channels: only whole blocks move."""
+    a = act_absmax.to(torch.float64)
+    if a.numel() % F.ACT_BLOCK:
+        raise ValueError(f"block selection needs K a multiple of {F.ACT_BLOCK}, got {a.numel()}")
+    order = torch.argsort(a.reshape(-1, F.ACT_BLOCK).amax(1), descending=True, stable=True)
+    return (order[:, None] * F.ACT_BLOCK + torch.arange(F.ACT_BLOCK)).flatten().to(torch.int32)
+
+
+# How the 8-bit activation blocks are chosen (QuantOptions.a8_select, `quantize --a8-select`):
+# "channels" sorts every channel by calibration max |x| (COMET's permutation: the outlier channels
+# fill the first blocks); "blocks" keeps the original 128-channel blocks and puts those with the
+# largest max |x| at 8 bits (the Hadamard rotation inside each 4-bit block spreads the outliers
+# the 4-bit blocks keep). On Qwen2.5-Coder-1.5B "blocks" loses less (docs/BENCHMARKS.md, session 31).
+A8_SELECTIONS = ("channels", "blocks")
+
+
+def act_permutation(act_absmax: torch.Tensor, select: str = "channels") -> torch.Tensor:
+    """The activation channel permutation (checkpoint `act_perm`) of an A8_SELECTIONS choice."""
+    if select == "channels":
+        return outlier_permutation(act_absmax)
+    if select == "blocks":
+        return block_outlier_permutation(act_absmax)
+    raise ValueError(f"a8 selection {select!r} is not one of {A8_SELECTIONS}")
+
+
 def permute_weight(w: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """W [N, K] -> W[:, perm], so that x[:, perm] @ W[:, perm]^T == x @ W^T."""
     return w[:, perm.long()]

@@ -126,6 +126,7 @@ class QuantOptions:
     # w4ax: "uniform", every linear keeps round(a8_fraction * K/128) blocks at 8 bits; "layer",
     # a decoder layer's 8-bit MACs under uniform go to the input groups where they save most error
     a8_allocation: str = "uniform"
+    a8_select: str = "channels"  # w4ax: fmpq.A8_SELECTIONS, how the 8-bit blocks are chosen
     act_rotation: str = "none"  # w4ax: formats.ACT_ROTATIONS, on each 4-bit block (the CLI's default: hadamard)
     calib_text: str = "alice29"
     calib_samples: int = 64
@@ -182,6 +183,10 @@ class QuantOptions:
             raise ValueError(f"a8 allocation {self.a8_allocation!r} is not one of {fmpq.A8_ALLOCATIONS}")
         if self.act_rotation not in F.ACT_ROTATIONS:
             raise ValueError(f"act rotation {self.act_rotation!r} is not one of {F.ACT_ROTATIONS}")
+        if self.a8_select not in fmpq.A8_SELECTIONS:
+            raise ValueError(f"a8 selection {self.a8_select!r} is not one of {fmpq.A8_SELECTIONS}")
+        if self.a8_select != "channels" and self.weight_scheme != "w4ax":
+            raise ValueError(f"--a8-select {self.a8_select} applies to the w4ax scheme only")
         if not (0 < self.percdamp < float("inf")):
             raise ValueError(f"--percdamp {self.percdamp}: GPTQ's dampening must be a positive finite "
                              "fraction of mean(diag H) (GPTQ's default: 0.01)")
@@ -230,6 +235,7 @@ def quantization_config(opts: QuantOptions) -> dict | None:
                           "k_centering": opts.k_centering, "gptq": opts.gptq, "clip": opts.clip}
     if opts.weight_scheme == "w4ax":
         cfg["calibration"]["a8_allocation"] = opts.a8_allocation
+        cfg["calibration"]["a8_select"] = opts.a8_select
     return cfg
 
 
@@ -250,7 +256,7 @@ def a8_blocks_per_group(layer, stats: dict[str, C.LinearStats], opts: QuantOptio
     for g, d in C.LINEAR_GROUPS.items():
         st = stats[first[g]]
         w = torch.cat([layer.get_submodule(n).weight.detach() for n in d["linears"]])
-        gains[g] = fmpq.block_gains(st.sample, w, fmpq.outlier_permutation(st.absmax), rot)
+        gains[g] = fmpq.block_gains(st.sample, w, fmpq.act_permutation(st.absmax, opts.a8_select), rot)
         cost[g] = float(w.shape[0])
     return fmpq.allocate_a8_blocks(gains, cost, sum(uniform[g] * cost[g] for g in uniform))
 
@@ -265,7 +271,7 @@ def quantize_linear(w: torch.Tensor, st: C.LinearStats, opts: QuantOptions,
     extra, h = {}, st.hessian
     act_sq = st.sample.double().pow(2).mean(0)
     if opts.weight_scheme == "w4ax":
-        perm = fmpq.outlier_permutation(st.absmax)
+        perm = fmpq.act_permutation(st.absmax, opts.a8_select)
         blocks = fmpq.num_a8_blocks(w.shape[1], opts.a8_fraction) if a8_blocks is None else a8_blocks
         k8, rot = blocks * F.ACT_BLOCK, F.act_rotation_matrix(opts.act_rotation)
         w = fmpq.weight_basis(w, perm, k8, rot)
@@ -288,7 +294,7 @@ def fake_quant_fn(opts: QuantOptions):
         rot = F.act_rotation_matrix(opts.act_rotation)
 
         def fake(x, w):
-            perm = fmpq.outlier_permutation(x.abs().amax(0))
+            perm = fmpq.act_permutation(x.abs().amax(0), opts.a8_select)
             k8 = fmpq.num_a8_blocks(x.shape[1], opts.a8_fraction) * F.ACT_BLOCK
             return fmpq.fake_w4ax(x, w, opts.group_size, perm, k8, rot)
         return fake

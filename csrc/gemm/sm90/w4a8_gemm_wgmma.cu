@@ -124,6 +124,10 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Programmatic dependent launch: wait until the grids this one depends on have completed and
+// their writes are visible (returns at once when the launch was not programmatic).
+__device__ __forceinline__ void wait_prior_grids() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int kPending>
@@ -399,60 +403,72 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
     // Rows past M and row tiles past N are not copied (their results are never stored).
     // The second chunk of the last stage when K / 64 is odd is zero-filled; its source
     // address is moved back onto the valid chunk so that no copy ever points past a row.
-    int s = 0;
-    uint32_t phase = 0;
-    for (int it = 0; it < n_it; ++it) {
-      if (it >= kStages) mbar_wait(empty0 + 8 * s, phase ^ 1);
+    // Opaque strides (asm below): keep the compiler from hoisting i * stride for every row out
+    // of the stage loop (that needs 2 registers per row; the producer has 56).
+    auto copy_weights = [&](int it, int s) {  // the stage's weight words and group words
       const int c0 = 2 * (st_lo + it);
-      // Opaque strides: keeps the compiler from hoisting i * stride for every row out of the
-      // stage loop (that needs 2 registers per row; the producer has 56).
-      size_t x_step = x_step4, w_step = w_step2;
-      asm volatile("" : "+l"(x_step), "+l"(w_step));
-      {
-        const bool ok = c0 + xh < chunks;
-        const uint32_t d0 = smem_base + s * S::kXBytes + x_off0;
-        const uint32_t d1 = smem_base + s * S::kXBytes + x_off1;
-        const int8_t* src = x_src - (ok ? 0 : kChunkK);
-        if (rows_valid == kTok) {
+      size_t w_step = w_step2;
+      asm volatile("" : "+l"(w_step));
+      const bool ok = c0 + w_cl < chunks;
+      const uint32_t dst = w_ring + s * S::kWBytes + pt * 16;
+      const uint8_t* src = w_src + static_cast<size_t>(it) * (2 * kChunkBytes) - (ok ? 0 : kChunkBytes);
+      if (rt_valid == S::kRowTiles) {
 #pragma unroll
-          for (int i = 0; i < kTok / 4; ++i) {
-            cp_async4(((i & 1) ? d1 : d0) + (i >> 1) * 1024, src, ok);
-            src += x_step;
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < kTok / 4; ++i) {
-            if (pw + 4 * i < rows_valid) cp_async4(((i & 1) ? d1 : d0) + (i >> 1) * 1024, src, ok);
-            src += x_step;
-          }
+        for (int i = 0; i < S::kRowTiles / 2; ++i) {
+          cp_async16(dst + i * 128 * 16, src, ok);
+          src += w_step;
         }
-        x_src += kStageK;
-      }
-      {
-        const bool ok = c0 + w_cl < chunks;
-        const uint32_t dst = w_ring + s * S::kWBytes + pt * 16;
-        const uint8_t* src = w_src - (ok ? 0 : kChunkBytes);
-        if (rt_valid == S::kRowTiles) {
+      } else {
 #pragma unroll
-          for (int i = 0; i < S::kRowTiles / 2; ++i) {
-            cp_async16(dst + i * 128 * 16, src, ok);
-            src += w_step;
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < S::kRowTiles / 2; ++i) {
-            if (w_rt + 2 * i < rt_valid) cp_async16(dst + i * 128 * 16, src, ok);
-            src += w_step;
-          }
+        for (int i = 0; i < S::kRowTiles / 2; ++i) {
+          if (w_rt + 2 * i < rt_valid) cp_async16(dst + i * 128 * 16, src, ok);
+          src += w_step;
         }
-        w_src += 2 * kChunkBytes;
       }
       if (p_thread) {
         const int c = c0 + p_cl;
-        const bool ok = c < chunks;
-        const uint32_t* src = p_src + static_cast<size_t>((ok ? c : c0) >> p.group_shift) * 8;
-        cp_async16(p_ring + s * S::kPBytes + pt * 16, src, ok);
+        const bool pok = c < chunks;
+        const uint32_t* psrc = p_src + static_cast<size_t>((pok ? c : c0) >> p.group_shift) * 8;
+        cp_async16(p_ring + s * S::kPBytes + pt * 16, psrc, pok);
       }
+    };
+    auto copy_x = [&](int it, int s) {  // the stage's activation rows
+      const int c0 = 2 * (st_lo + it);
+      size_t x_step = x_step4;
+      asm volatile("" : "+l"(x_step));
+      const bool ok = c0 + xh < chunks;
+      const uint32_t d0 = smem_base + s * S::kXBytes + x_off0;
+      const uint32_t d1 = smem_base + s * S::kXBytes + x_off1;
+      const int8_t* src = x_src + static_cast<size_t>(it) * kStageK - (ok ? 0 : kChunkK);
+      if (rows_valid == kTok) {
+#pragma unroll
+        for (int i = 0; i < kTok / 4; ++i) {
+          cp_async4(((i & 1) ? d1 : d0) + (i >> 1) * 1024, src, ok);
+          src += x_step;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kTok / 4; ++i) {
+          if (pw + 4 * i < rows_valid) cp_async4(((i & 1) ? d1 : d0) + (i >> 1) * 1024, src, ok);
+          src += x_step;
+        }
+      }
+    };
+    // The weights of the first ring's worth of stages do not depend on the previous kernel: as a
+    // programmatic dependent launch their copies start before the wait, while that kernel (the
+    // activation quantizer, or the previous GEMM's last CTAs) still runs. A stage's full barrier
+    // completes once all of this thread's earlier copies have landed, these included.
+    const int n_pre = min(kStages, n_it);
+    for (int it = 0; it < n_pre; ++it) copy_weights(it, it);
+    wait_prior_grids();
+    int s = 0;
+    uint32_t phase = 0;
+    for (int it = 0; it < n_it; ++it) {
+      if (it >= kStages) {
+        mbar_wait(empty0 + 8 * s, phase ^ 1);
+        copy_weights(it, s);
+      }
+      copy_x(it, s);
       cp_async_arrive_noinc(full0 + 8 * s);
       if (++s == kStages) {
         s = 0;
@@ -523,6 +539,10 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
     wgmma_wait<0>();
 #pragma unroll
     for (int b = 0; b < kBlocks; ++b) fence_regs(acc[b]);
+    // The epilogue reads the scales and writes the output, the partials and the counters, which
+    // earlier kernels write or read: the producer waited before its first activation copy, but
+    // these threads order their own accesses after the previous grids too.
+    wait_prior_grids();
 
     // ---- epilogue: c[4j + d] / c[4j + 2 + d] = channels (2g, 2g+1) of token 8j + 2t + d ----
     ChanPair cp[kBlocks];
@@ -650,7 +670,7 @@ Cfg cfg_of(int kernel) {
 }
 
 template <int kBlocks, int kTok, int kStages, typename OutT>
-cudaError_t launch_one(const WParams& p, int splits, cudaStream_t stream) {
+cudaError_t launch_one(const WParams& p, int splits, bool pdl, cudaStream_t stream) {
   using S = WgShape<kBlocks, kTok, kStages>;
   auto* kern = w4a8_wgmma_kernel<kBlocks, kTok, kStages, OutT>;
   // The >48 KB dynamic shared-memory opt-in is per device; set once (not a stream operation,
@@ -665,19 +685,27 @@ cudaError_t launch_one(const WParams& p, int splits, cudaStream_t stream) {
     if (e != cudaSuccess) return e;
     configured.fetch_or(bit, std::memory_order_relaxed);
   }
-  const dim3 grid(p.tok_tiles * p.ch_tiles, splits);
-  kern<<<grid, kThreads, S::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p.tok_tiles * p.ch_tiles, splits);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = S::kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kern, p);
 }
 
 template <typename OutT>
-cudaError_t launch_typed(const WParams& p, const W4A8Plan& plan, cudaStream_t stream) {
+cudaError_t launch_typed(const WParams& p, const W4A8Plan& plan, bool pdl, cudaStream_t stream) {
   switch (static_cast<int>(plan.kernel)) {
-    case 4: return launch_one<2, 128, 5, OutT>(p, plan.splits, stream);
-    case 5: return launch_one<2, 64, 6, OutT>(p, plan.splits, stream);
-    case 7: return launch_one<1, 64, 8, OutT>(p, plan.splits, stream);
-    case 8: return launch_one<1, 128, 8, OutT>(p, plan.splits, stream);
-    default: return launch_one<1, 256, 5, OutT>(p, plan.splits, stream);
+    case 4: return launch_one<2, 128, 5, OutT>(p, plan.splits, pdl, stream);
+    case 5: return launch_one<2, 64, 6, OutT>(p, plan.splits, pdl, stream);
+    case 7: return launch_one<1, 64, 8, OutT>(p, plan.splits, pdl, stream);
+    case 8: return launch_one<1, 128, 8, OutT>(p, plan.splits, pdl, stream);
+    default: return launch_one<1, 256, 5, OutT>(p, plan.splits, pdl, stream);
   }
 }
 
@@ -793,9 +821,9 @@ cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaS
   p.tok_tiles = ceil_div(a.M, c.tok);
   p.ch_tiles = ceil_div(a.N / 16, 2 * c.blocks * 4);
   switch (a.out_kind) {
-    case OutKind::kHalf: return launch_typed<__half>(p, plan, stream);
-    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, stream);
-    default: return launch_typed<float>(p, plan, stream);
+    case OutKind::kHalf: return launch_typed<__half>(p, plan, a.pdl, stream);
+    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, a.pdl, stream);
+    default: return launch_typed<float>(p, plan, a.pdl, stream);
   }
 }
 
