@@ -37,9 +37,10 @@ against W4Ax with 25% of the 128-channel blocks at 8 bits, and variants of the 4
   +rot-h16-blocks  (--ppl only) +rot-h16 without a channel permutation: the 8-bit blocks are the
             original 128-channel blocks of largest calibration max|x|, every block keeps its
             channels and order (session 31)
-  W4, W4-perm, W4-perm-rot  (--ppl --weights only) activations in float, the weights rounded
-            to RTN W4 g64 in the original basis (W4A16), in W4Ax25's permuted basis, and in
-            +rot's permuted and rotated one: what the basis alone costs the weights (session 31)
+  W4, W4-perm, W4-perm-rot, W4-blocks-rot  (--ppl --weights only) activations in float, the
+            weights rounded to RTN W4 g64 in the original basis (W4A16), in W4Ax25's permuted basis,
+            in +rot's permuted and rotated one, and in +rot-h16-blocks' one: what the basis alone
+            costs the weights (session 31)
 Session 21, with the budget in blocks instead of MACs: budget +9.65 %, budget-global +9.06 %
 (+rot +10.02 %, A8 +8.42 %), but both moved gate_up (N 17920) to nearly all 8-bit, 2-3x the
 8-bit MACs of uniform 25 %: hence the MAC budget.
@@ -53,7 +54,7 @@ rel = |x_q W^T - x W^T| / |x W^T|. Diagnostic behind BENCHMARKS.md rows:
 perplexity (eval text lcet10, calibration on alice29: disjoint). Each linear calibrates its
 own permutation and clip ratio on --tokens alice29 tokens. What 4-bit activations cost the
 model end to end, apart from weight quantization:
-  python scripts/diag_w4ax_act_error.py --ppl [--eval-tokens 2048] [--variants A8,W4Ax25,+rot,all]
+  python scripts/diag_w4ax_act_error.py --ppl [--eval-tokens 2048] [--eval-text lcet10] [--variants A8,W4Ax25,+rot,all]
 --weights: each variant also rounds the weights to LiquidQuant W4 (round to nearest, group 64)
 in its own basis (permuted, and for +rot/all rotated in the 4-bit blocks), so A8 is W4A8:
 the whole formats, without smoothing or GPTQ.
@@ -83,7 +84,7 @@ BUDGET_VARIANTS = ("budget", "budget-global")
 GROUP4 = {"g32": 32, "+rot-g32": 32, "+rot-g64": 64}  # the 4-bit scale group; else ACT_BLOCK
 FIXED_ALPHA = {"+rot-a90": 0.9, "+rot-a80": 0.8}  # a clip ratio for every linear
 HALF_GRID = ("+rot-h16", "+rrot-h16", "+rot-h16-keep", "+rot-h16-blocks")  # 4-bit codes on the half-integers
-WEIGHT_ONLY = ("W4", "W4-perm", "W4-perm-rot")  # float activations, RTN weights in a basis
+WEIGHT_ONLY = ("W4", "W4-perm", "W4-perm-rot", "W4-blocks-rot")  # float activations, RTN weights in a basis
 SIGN_CANDIDATES = 4
 PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "+rot-g32", "+rot-g64", "+rrot", "+rrot-cal", "all") + \
     tuple(FIXED_ALPHA) + HALF_GRID + BUDGET_VARIANTS + WEIGHT_ONLY
@@ -220,6 +221,7 @@ class ActQuant:
                 "+rrot-cal": (self.perm, self.crot), "+rrot-h16": (self.perm, self.rrot),
                 "W4": (None, None), "W4-perm": (self.perm, None), "W4-perm-rot": (self.perm, self.rot),
                 "+rot-h16-keep": (self.keep, self.rot), "+rot-h16-blocks": (self.bperm, self.rot),
+                "W4-blocks-rot": (self.bperm, self.rot),
                 **{v: (self.perm, self.rot) for v in (*GROUP4, *FIXED_ALPHA, "+rot-h16") if v.startswith("+rot")}
                 }[variant]
 
@@ -310,8 +312,8 @@ def ppl_main(a, model, folder: str, cal_ids: torch.Tensor) -> None:
     bar.close()
     if any(v in BUDGET_VARIANTS for v in variants):
         set_budget_blocks(quant, variants)
-    ev = tokenize(AutoTokenizer.from_pretrained(folder), M.load_text("lcet10"))
-    print(f"eval: lcet10, {a.eval_tokens} tokens in {len(windows(ev, a.eval_tokens, 1024))} windows of 1024; "
+    ev = tokenize(AutoTokenizer.from_pretrained(folder), M.load_text(a.eval_text))
+    print(f"eval: {a.eval_text}, {a.eval_tokens} tokens in {len(windows(ev, a.eval_tokens, 1024))} windows of 1024; "
           f"calibration: alice29, {cal_ids.shape[1]} tokens; weights "
           f"{'RTN LiquidQuant W4 g64 in each basis' if a.weights else 'in float32'}; 25% of blocks at 8 bits")
     base = perplexity_cpu(model, ev, a.eval_tokens, 1024)["ppl"]
@@ -338,6 +340,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--ppl", action="store_true", help="perplexity with every decoder linear's input quantized")
     p.add_argument("--eval-tokens", type=int, default=2048)
+    p.add_argument("--eval-text", default="lcet10", help="--ppl: the evaluation text (calibration is alice29)")
     p.add_argument("--variants", default="A8,W4Ax25,+rot,all")
     p.add_argument("--weights", action="store_true", help="--ppl: RTN W4 weights too (W4A8 / W4Ax)")
     a = p.parse_args()

@@ -204,10 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--a8-allocation", default="uniform", choices=list(A8_ALLOCATIONS),
                    help="W4Ax: uniform = that share in every linear; layer = each decoder layer's total of "
                         "them spread over its input groups by the error a block saves on calibration data")
-    q.add_argument("--a8-select", default="channels", choices=list(A8_SELECTIONS),
-                   help="W4Ax: how the 8-bit blocks are chosen: channels = every channel sorted by its "
-                        "calibration max |x| (the outliers fill the first blocks); blocks = the original "
-                        "128-channel blocks with the largest max |x|, channels kept in place")
+    q.add_argument("--a8-select", default="blocks", choices=list(A8_SELECTIONS),
+                   help="W4Ax: how the 8-bit blocks are chosen: blocks (default) = the original "
+                        "128-channel blocks with the largest calibration max |x|, channels kept in place; "
+                        "channels = every channel sorted by its max |x| (the outliers fill the first blocks)")
     q.add_argument("--act-rotation", choices=list(F.ACT_ROTATIONS),
                    help="W4Ax: rotate each 4-bit activation block (and its weight columns) by a "
                         "128-point Hadamard matrix (default for --scheme w4ax: hadamard)")

@@ -228,7 +228,9 @@ def test_block_selection_through_the_quantizer(tmp_path):
     assert cfg["calibration"]["a8_select"] == "blocks"
     ppl = next(iter(evaluate(tmp_path / "out", [str(text)], n_tokens=128, window=64).values()))["ppl"]
     assert ppl == ppl and ppl < 1e4
-    with pytest.raises(ValueError, match="--a8-select blocks applies to the w4ax scheme only"):
-        QuantOptions(weight_scheme="w4a8", a8_select="blocks").validate()
+    assert QuantOptions().a8_select == "blocks"  # the default; other schemes ignore it
+    QuantOptions(weight_scheme="w4a8").validate()
+    with pytest.raises(ValueError, match="--a8-select channels applies to the w4ax scheme only"):
+        QuantOptions(weight_scheme="w4a8", a8_select="channels").validate()
     with pytest.raises(ValueError, match="a8 selection 'rows' is not one of"):
         QuantOptions(weight_scheme="w4ax", a8_select="rows").validate()

@@ -1,9 +1,10 @@
 """COMET FMPQ for W4Ax: outlier channels go to 8-bit blocks, the rest of K runs at 4 bits.
 
 Activations are split only along K into 128-channel blocks (formats.ACT_BLOCK), each with
-its own per-token scale. The channels with the largest calibration |x| are permuted to the
-front, so that the first `a8_blocks` blocks hold them and are quantized to int8; the
-weight's K is permuted the same way, so the GEMM is unchanged. Layers that share an input (q/k/v, gate/up) must share
+its own per-token scale. A permutation of K puts the outliers found on calibration data in the
+first `a8_blocks` blocks, which are quantized to int8: whole original blocks (A8_SELECTIONS
+"blocks", the default) or every channel sorted by magnitude ("channels"). The weight's K is
+permuted the same way, so the GEMM is unchanged. Layers that share an input (q/k/v, gate/up) must share
 the permutation, because vLLM fuses them into one GEMM.
 
 With act_rotation "hadamard" each 4-bit block of the permuted K is also multiplied by an
@@ -95,10 +96,11 @@ def block_outlier_permutation(act_absmax: torch.Tensor) -> torch.Tensor:
 
 
 # How the 8-bit activation blocks are chosen (QuantOptions.a8_select, `quantize --a8-select`):
-# "channels" sorts every channel by calibration max |x| (COMET's permutation: the outlier channels
-# fill the first blocks); "blocks" keeps the original 128-channel blocks and puts those with the
-# largest max |x| at 8 bits (the Hadamard rotation inside each 4-bit block spreads the outliers
-# the 4-bit blocks keep). On Qwen2.5-Coder-1.5B "blocks" loses less (docs/BENCHMARKS.md, session 31).
+# "blocks" (the default) keeps the original 128-channel blocks and puts those with the largest
+# max |x| at 8 bits (the Hadamard rotation inside each 4-bit block spreads the outliers the 4-bit
+# blocks keep); "channels" sorts every channel by calibration max |x| (COMET's permutation: the
+# outlier channels fill the first blocks). On Qwen2.5-Coder-1.5B "blocks" loses less on lcet10 and
+# as much on botchan (docs/BENCHMARKS.md, session 31).
 A8_SELECTIONS = ("channels", "blocks")
 
 

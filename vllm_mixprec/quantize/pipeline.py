@@ -126,7 +126,7 @@ class QuantOptions:
     # w4ax: "uniform", every linear keeps round(a8_fraction * K/128) blocks at 8 bits; "layer",
     # a decoder layer's 8-bit MACs under uniform go to the input groups where they save most error
     a8_allocation: str = "uniform"
-    a8_select: str = "channels"  # w4ax: fmpq.A8_SELECTIONS, how the 8-bit blocks are chosen
+    a8_select: str = "blocks"  # w4ax: fmpq.A8_SELECTIONS, how the 8-bit blocks are chosen
     act_rotation: str = "none"  # w4ax: formats.ACT_ROTATIONS, on each 4-bit block (the CLI's default: hadamard)
     calib_text: str = "alice29"
     calib_samples: int = 64
@@ -185,7 +185,7 @@ class QuantOptions:
             raise ValueError(f"act rotation {self.act_rotation!r} is not one of {F.ACT_ROTATIONS}")
         if self.a8_select not in fmpq.A8_SELECTIONS:
             raise ValueError(f"a8 selection {self.a8_select!r} is not one of {fmpq.A8_SELECTIONS}")
-        if self.a8_select != "channels" and self.weight_scheme != "w4ax":
+        if self.a8_select != QuantOptions.a8_select and self.weight_scheme != "w4ax":
             raise ValueError(f"--a8-select {self.a8_select} applies to the w4ax scheme only")
         if not (0 < self.percdamp < float("inf")):
             raise ValueError(f"--percdamp {self.percdamp}: GPTQ's dampening must be a positive finite "
