@@ -21,8 +21,9 @@
 // the CTA's row tiles copied as is (conflict-free LDS.128, as in the mma.sync tiled kernel),
 // and the group words. Consumers software-pipeline per 64-k chunk with two A register
 // buffers: dequant chunk c+1 while the wgmmas of chunk c run. int32 accumulation over all K
-// (or the CTA's K split), epilogue in fp32 as in the mma.sync kernels.
-// See csrc/gemm/NOTES.md ("sm90 wgmma kernel").
+// (or the CTA's K split), epilogue in fp32 as in the mma.sync kernels. Launched as a programmatic
+// dependent (W4A8GemmArgs::pdl): the first stages' weight copies start before griddepcontrol.wait.
+// See csrc/gemm/NOTES.md ("sm90 wgmma kernel", "PDL").
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
