@@ -149,17 +149,6 @@ def keep_order_permutation(amax: torch.Tensor, nb8: int) -> torch.Tensor:
     return torch.cat([top, torch.nonzero(rest).flatten()])
 
 
-def block_permutation(amax: torch.Tensor, nb8: int) -> torch.Tensor:
-    """Whole original 128-channel blocks: the nb8 of largest max|x| first, then the others, each
-    block's channels in order (a block permutation: no weight group loses its neighbours)."""
-    blocks = amax.reshape(-1, F.ACT_BLOCK).amax(1)
-    top = torch.argsort(blocks, descending=True, stable=True)[:nb8]
-    rest = torch.ones_like(blocks, dtype=torch.bool)
-    rest[top] = False
-    order = torch.cat([top.sort().values, torch.nonzero(rest).flatten()])
-    return (order[:, None] * F.ACT_BLOCK + torch.arange(F.ACT_BLOCK)).flatten()
-
-
 def sensitive_permutation(amax: torch.Tensor, w: torch.Tensor, nb8: int) -> torch.Tensor:
     """8-bit channels by max|x_c| * |W[:, c]|; within and after them, by max|x_c|."""
     top = torch.argsort(amax * w.norm(dim=0), descending=True, stable=True)[:nb8 * F.ACT_BLOCK]
@@ -187,7 +176,7 @@ class ActQuant:
         self.perm = outlier_permutation(amax).long()
         self.sens = sensitive_permutation(amax, wd, self.nb8)
         self.keep = keep_order_permutation(amax, self.nb8)
-        self.bperm = block_permutation(amax, self.nb8)
+        self.bperm = fmpq.block_outlier_permutation(amax).long()
         self.rot = F.hadamard().double()
         self.rrot = signed_hadamard(int(os.environ.get("DIAG_RROT_SEED", "0")))
         self.crot = self.rot

@@ -104,7 +104,7 @@ def block_outlier_permutation(act_absmax: torch.Tensor) -> torch.Tensor:
 A8_SELECTIONS = ("channels", "blocks")
 
 
-def act_permutation(act_absmax: torch.Tensor, select: str = "channels") -> torch.Tensor:
+def act_permutation(act_absmax: torch.Tensor, select: str) -> torch.Tensor:
     """The activation channel permutation (checkpoint `act_perm`) of an A8_SELECTIONS choice."""
     if select == "channels":
         return outlier_permutation(act_absmax)
