@@ -93,6 +93,8 @@ def main():
         if any(len(sh) != 2 for sh in shapes):
             ap.error(f"--shapes: expected KxN, got {args.shapes}")
     ms = args.ms
+    out = os.path.join(args.out, "bench_w4a8_cuda.json") if os.path.isdir(args.out) else args.out
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows = []
     for k, n in shapes:
@@ -162,10 +164,8 @@ def main():
                 row["speedup_linear_vs_marlin"] = row["marlin_w4a16_us"] / row["linear_auto_us"]
             rows.append(row)
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in row.items()}), flush=True)
-    out = os.path.join(args.out, "bench_w4a8_cuda.json") if os.path.isdir(args.out) else args.out
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(rows, f, indent=1)
+            with open(out, "w") as f:  # after every row: a run cut short by its time limit keeps them
+                json.dump(rows, f, indent=1)
     print(f"\n{'K':>6} {'N':>6} {'M':>5} | {'auto us':>8} {'best us':>8} {'GB/s':>6} | "
           f"{'q+gemm':>8} {'marlin':>8} {'x':>5}")
     for r in rows:

@@ -41,6 +41,10 @@ against W4Ax with 25% of the 128-channel blocks at 8 bits, and variants of the 4
             weights rounded to RTN W4 g64 in the original basis (W4A16), in W4Ax25's permuted basis,
             in +rot's permuted and rotated one, and in +rot-h16-blocks' one: what the basis alone
             costs the weights (session 31)
+  +rot64-h16-blocks, W4-blocks-rot64  (--ppl only) +rot-h16-blocks / W4-blocks-rot with a 64-point
+            Hadamard on each half of a 4-bit block instead of the 128-point one (one 4-bit scale per
+            128 channels still): the rotation then never mixes two weight groups (g64), whose steps
+            differ (session 32)
 Session 21, with the budget in blocks instead of MACs: budget +9.65 %, budget-global +9.06 %
 (+rot +10.02 %, A8 +8.42 %), but both moved gate_up (N 17920) to nearly all 8-bit, 2-3x the
 8-bit MACs of uniform 25 %: hence the MAC budget.
@@ -83,8 +87,8 @@ ALPHAS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 BUDGET_VARIANTS = ("budget", "budget-global")
 GROUP4 = {"g32": 32, "+rot-g32": 32, "+rot-g64": 64}  # the 4-bit scale group; else ACT_BLOCK
 FIXED_ALPHA = {"+rot-a90": 0.9, "+rot-a80": 0.8}  # a clip ratio for every linear
-HALF_GRID = ("+rot-h16", "+rrot-h16", "+rot-h16-keep", "+rot-h16-blocks")  # 4-bit codes on the half-integers
-WEIGHT_ONLY = ("W4", "W4-perm", "W4-perm-rot", "W4-blocks-rot")  # float activations, RTN weights in a basis
+HALF_GRID = ("+rot-h16", "+rrot-h16", "+rot-h16-keep", "+rot-h16-blocks", "+rot64-h16-blocks")  # 4-bit codes on the half-integers
+WEIGHT_ONLY = ("W4", "W4-perm", "W4-perm-rot", "W4-blocks-rot", "W4-blocks-rot64")  # float activations, RTN weights in a basis
 SIGN_CANDIDATES = 4
 PPL_VARIANTS = ("A8", "W4Ax25", "+rot", "g32", "+rot-g32", "+rot-g64", "+rrot", "+rrot-cal", "all") + \
     tuple(FIXED_ALPHA) + HALF_GRID + BUDGET_VARIANTS + WEIGHT_ONLY
@@ -178,6 +182,8 @@ class ActQuant:
         self.keep = keep_order_permutation(amax, self.nb8)
         self.bperm = fmpq.block_outlier_permutation(amax).long()
         self.rot = F.hadamard().double()
+        half = F.hadamard(F.ACT_BLOCK // 2).double()
+        self.rot64 = torch.block_diag(half, half)  # each 64-channel half alone: a weight group's own channels
         self.rrot = signed_hadamard(int(os.environ.get("DIAG_RROT_SEED", "0")))
         self.crot = self.rot
         self.alpha = 1.0
@@ -211,6 +217,7 @@ class ActQuant:
                 "W4": (None, None), "W4-perm": (self.perm, None), "W4-perm-rot": (self.perm, self.rot),
                 "+rot-h16-keep": (self.keep, self.rot), "+rot-h16-blocks": (self.bperm, self.rot),
                 "W4-blocks-rot": (self.bperm, self.rot),
+                "+rot64-h16-blocks": (self.bperm, self.rot64), "W4-blocks-rot64": (self.bperm, self.rot64),
                 **{v: (self.perm, self.rot) for v in (*GROUP4, *FIXED_ALPHA, "+rot-h16") if v.startswith("+rot")}
                 }[variant]
 

@@ -134,5 +134,10 @@ def test_act_rotation_matrix_names():
     """The one mapping from a checkpoint's act_rotation name to its matrix."""
     assert torch.equal(F.act_rotation_matrix("hadamard"), F.hadamard(F.ACT_BLOCK))
     assert F.act_rotation_matrix("none") is None
+    r64 = F.act_rotation_matrix("hadamard64")
+    half = F.ACT_BLOCK // 2
+    assert torch.equal(r64[:half, :half], F.hadamard(half)) and torch.equal(r64[half:, half:], F.hadamard(half))
+    assert not r64[:half, half:].any() and not r64[half:, :half].any(), "the halves never mix"
+    assert torch.allclose(r64 @ r64.T, torch.eye(F.ACT_BLOCK), atol=1e-6), "orthogonal"
     with pytest.raises(ValueError, match="act_rotation 'givens' is not one of"):
         F.act_rotation_matrix("givens")

@@ -210,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "channels = every channel sorted by its max |x| (the outliers fill the first blocks)")
     q.add_argument("--act-rotation", choices=list(F.ACT_ROTATIONS),
                    help="W4Ax: rotate each 4-bit activation block (and its weight columns) by a "
-                        "128-point Hadamard matrix (default for --scheme w4ax: hadamard)")
+                        "128-point Hadamard matrix (hadamard, the default for --scheme w4ax), or by a "
+                        "64-point one on each half of the block (hadamard64: each rotated channel stays "
+                        "within its 64-column weight group)")
     q.add_argument("--calib-text", default="alice29", help="known text name or a file")
     q.add_argument("--calib-samples", type=int, default=64)
     q.add_argument("--calib-seqlen", type=int, default=512)

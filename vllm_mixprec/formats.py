@@ -24,6 +24,9 @@ A8/A4 (W4Ax): channels permuted, then K is cut into ACT_BLOCK-channel blocks; th
   orthonormal Hadamard matrix hadamard(ACT_BLOCK) (x_b <- x_b H); the exporter stored that
   block's weight columns as W_b H, so x_b H (W_b H)^T = x_b W_b^T and the GEMM is unchanged.
   The 8-bit blocks are not rotated (they hold the outlier channels on purpose).
+  act_rotation "hadamard64": the same with hadamard(64) on each 64-channel half of a block (the
+  block-diagonal [[H64, 0], [0, H64]]), so a rotated channel mixes only the channels of its own
+  64-column weight group (group size 64): still one 4-bit scale per 128 channels.
 
 KV pages: see KVPageLayout.
 """
@@ -54,7 +57,7 @@ A4_MAX = 7
 A4_TOP = A4_MAX + 0.5
 
 WEIGHT_SCHEMES = ("w4a8", "w4ax")
-ACT_ROTATIONS = ("none", "hadamard")  # W4Ax: what multiplies each 4-bit activation block
+ACT_ROTATIONS = ("none", "hadamard", "hadamard64")  # W4Ax: what multiplies each 4-bit activation block
 KV_SCHEMES = ("none", "kv8", "kv4")
 
 
@@ -222,7 +225,12 @@ def act_rotation_matrix(act_rotation: str) -> torch.Tensor | None:
     """The float32 [ACT_BLOCK, ACT_BLOCK] matrix of an ACT_ROTATIONS name; None for "none"."""
     if act_rotation not in ACT_ROTATIONS:
         raise ValueError(f"act_rotation {act_rotation!r} is not one of {ACT_ROTATIONS}")
-    return hadamard() if act_rotation == "hadamard" else None
+    if act_rotation == "hadamard":
+        return hadamard()
+    if act_rotation == "hadamard64":
+        half = hadamard(ACT_BLOCK // 2)
+        return torch.block_diag(half, half)
+    return None
 
 
 # --- KV cache pages --------------------------------------------------------------------

@@ -118,7 +118,7 @@ def test_group_size_must_divide_k(vllm_tp1):
                           prefix="model.layers.0.mlp.down_proj")
 
 
-@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+@pytest.mark.parametrize("rotation", ["none", "hadamard", "hadamard64"])
 def test_w4ax_layer(vllm_tp1, seeded, rotation):
     from vllm.model_executor.layers.linear import RowParallelLinear
     cfg = MixPrecConfig.from_config(dict(BASE, weight_scheme="w4ax", act_bits="4/8", a8_fraction=0.25,
@@ -133,7 +133,7 @@ def test_w4ax_layer(vllm_tp1, seeded, rotation):
     load_tensors(layer, t, None)
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.mixprec_k8 == 128
-    rot = F.hadamard() if rotation == "hadamard" else None
+    rot = F.act_rotation_matrix(rotation)
     assert (layer.act_rotation is None) == (rot is None)
     assert rot is None or torch.equal(layer.act_rotation, rot)
     x = torch.randn(3, k, generator=seeded).half()

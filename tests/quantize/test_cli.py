@@ -103,7 +103,8 @@ def test_w4ax_rotates_by_default_and_the_rotation_needs_w4ax(tiny, tmp_path, cap
     rc = cli.main(["quantize", str(src), str(tmp_path / "bad"), "--act-rotation", "hadamard", *small(text)])
     assert rc == 2 and "--act-rotation hadamard applies to the w4ax scheme only" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
-    for flags, want in (([], "hadamard"), (["--act-rotation", "none"], None)):
+    for flags, want in (([], "hadamard"), (["--act-rotation", "none"], None),
+                        (["--act-rotation", "hadamard64"], "hadamard64")):
         out = tmp_path / f"w4ax-{want}"
         assert cli.main(["quantize", str(src), str(out), "--scheme", "w4ax", *flags, *small(text)]) == 0
         qc = json.loads((out / "config.json").read_text())["quantization_config"]

@@ -19,6 +19,9 @@ SCHEMES = {
     # GPTQ on the rotated basis (fmpq.hessian_basis); 0.25 of one or two blocks rounds to none at 8 bits
     "w4ax-rot-llama": ("llama", dict(weight_scheme="w4ax", act_rotation="hadamard", gptq=True,
                                      a8_fraction=0.25)),
+    # each 64-channel half rotated alone (formats: act_rotation "hadamard64")
+    "w4ax-rot64-qwen2": ("qwen2", dict(weight_scheme="w4ax", act_rotation="hadamard64", smooth=True,
+                                       a8_fraction=0.25)),
 }
 
 

@@ -102,7 +102,7 @@ def test_quantize_linear_exports_the_rotated_basis(use_gptq):
     assert errs["hadamard"] < 0.7 * errs["none"], errs
 
 
-@pytest.mark.parametrize("rot", ["none", "hadamard"])
+@pytest.mark.parametrize("rot", ["none", "hadamard", "hadamard64"])
 def test_block_gains_match_the_per_block_errors_written_out(rot):
     """block_gains (Gram matrices) against each block's output error computed with explicit
     matmuls: 4-bit (rotated, mapped back) minus 8-bit, over |x W^T|^2."""

@@ -97,7 +97,7 @@ class MixPrecScheme:
         if rot not in F.ACT_ROTATIONS:
             raise MixPrecConfigError(f"quantization_config.act_rotation={rot!r} is not one of "
                                      f"{F.ACT_ROTATIONS}; {REEXPORT} --scheme w4ax "
-                                     "--act-rotation hadamard (or none)")
+                                     "--act-rotation hadamard (or hadamard64, or none)")
         if rot != "none" and ws != "w4ax":
             raise MixPrecConfigError(f"quantization_config.act_rotation={rot!r} is only valid with "
                                      "weight_scheme 'w4ax' (it rotates the 4-bit activation blocks); "
