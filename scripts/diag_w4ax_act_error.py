@@ -182,8 +182,7 @@ class ActQuant:
         self.keep = keep_order_permutation(amax, self.nb8)
         self.bperm = fmpq.block_outlier_permutation(amax).long()
         self.rot = F.hadamard().double()
-        half = F.hadamard(F.ACT_BLOCK // 2).double()
-        self.rot64 = torch.block_diag(half, half)  # each 64-channel half alone: a weight group's own channels
+        self.rot64 = F.act_rotation_matrix("hadamard64").double()  # each 64-channel half alone
         self.rrot = signed_hadamard(int(os.environ.get("DIAG_RROT_SEED", "0")))
         self.crot = self.rot
         self.alpha = 1.0

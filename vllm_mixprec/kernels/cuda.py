@@ -89,8 +89,9 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1) -> dict
     """Set the csrc launch options (-1 keeps one) and return both. gemm_pdl: on sm_90 the
     decode GEMM (M <= 32) and the wgmma GEMMs are programmatic dependent launches, which
     quantize_act lets start at once. act_quant_one_pass: quantize_act reads rows of up to 32K
-    elements once, into registers (rows over 8192 only at M <= 128). Both on by default (measured: csrc/gemm/NOTES.md, "PDL"); MIXPREC_GEMM_PDL=0
-    turns PDL off at load. A CUDA graph keeps the options it was captured with."""
+    elements once, into registers (rows over 8192 only at M <= 128). Both on by default
+    (measured: csrc/gemm/NOTES.md, "PDL"); MIXPREC_GEMM_PDL=0 turns PDL off at load. A CUDA
+    graph keeps the options it was captured with."""
     got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass)
     return dict(zip(("gemm_pdl", "act_quant_one_pass"), got))
 
