@@ -29,8 +29,9 @@ namespace mixprec {
 // same arguments and plan struct as the mma.sync kernels. Supported iff the current device is
 // sm_90 and the build holds the sm_90a image.
 bool w4a8_wgmma_supported();
+// splits: -1 stream-K, 0 choose (stream-K among the candidates iff stream_k_auto), > 0 forced.
 const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel, int splits,
-                                 W4A8Plan* plan);
+                                 bool stream_k_auto, W4A8Plan* plan);
 cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cudaStream_t stream);
 
 namespace {
@@ -73,6 +74,10 @@ int num_sms(int device) { return device_attribute<cudaDevAttrMultiProcessorCount
 struct LaunchOptions {
   std::atomic<bool> gemm_pdl{true};  // GEMMs (decode and wgmma) as programmatic dependent launches
   std::atomic<bool> act_quant_one_pass{true};
+  // The wgmma planner may choose a stream-K launch (persistent grid: data-parallel waves, then the
+  // rest of the tiles x K stages split evenly over the SMs). On since session 33: no pick lost
+  // to the classic grid at M = 64, 256, 1024 on the Llama shapes (csrc/gemm/NOTES.md "Stream-K").
+  std::atomic<bool> gemm_stream_k{true};
 };
 LaunchOptions& launch_options() {
   static LaunchOptions opts;
@@ -237,6 +242,10 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   TORCH_CHECK(kernel >= -2 && kernel <= 8, op, "kernel must be -2, -1 (auto) or 0..8, got ", kernel);
   const bool wants_wgmma = kernel >= 4 || (kernel == -1 && M >= kWgmmaMinM);
   const bool use_wgmma = wants_wgmma && w4a8_wgmma_supported();
+  TORCH_CHECK(splits >= -1, op, "splits must be -1 (stream-K), 0 (choose) or a split count, got ", splits);
+  TORCH_CHECK(splits != -1 || use_wgmma, op,
+              "splits=-1 (stream-K) runs on the wgmma kernels only: kernel 4..8, or -1 with M >= ", kWgmmaMinM,
+              ", on an sm_90 GPU with an sm_90a build (M=", M, ", kernel=", kernel, ")");
   TORCH_CHECK(use_wgmma || kernel < 4, op, "kernel ", kernel,
               " is a wgmma kernel: it needs an sm_90 GPU (H100/H200) and a build with sm_90a in "
               "MIXPREC_CUDA_ARCHS; this device or build has no wgmma kernel (use -1 or 0..3)");
@@ -245,7 +254,7 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   const char* err =
       use_wgmma ? w4a8_wgmma_make_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
                                        static_cast<int>(group_size), num_sm, static_cast<int>(kernel),
-                                       static_cast<int>(splits), &plan)
+                                       static_cast<int>(splits), launch_options().gemm_stream_k.load(), &plan)
                 : w4a8_make_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
                                  static_cast<int>(group_size), num_sm, kernel == -2 ? -1 : static_cast<int>(kernel),
                                  static_cast<int>(splits), &plan);
@@ -254,8 +263,8 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
 
   const c10::cuda::CUDAStream cuda_stream = c10::cuda::getCurrentCUDAStream(xq.device().index());
   at::Tensor workspace, counters;
-  if (plan.splits > 1) {
-    workspace = at::empty({static_cast<int64_t>(plan.splits) * M * N}, xq.options().dtype(at::kInt));
+  if (plan.workspace_elems > 0) {  // split-K or stream-K partials
+    workspace = at::empty({static_cast<int64_t>(plan.workspace_elems)}, xq.options().dtype(at::kInt));
     counters = split_counters(xq, plan.num_counters, cuda_stream);
   }
   W4A8GemmArgs args{};
@@ -294,11 +303,13 @@ bool w4a8_wgmma_available(int64_t device) {
 
 // The (kernel, splits) that w4a8_gemm would launch for a problem, without a GPU: tests check the
 // planner on the CPU and benchmarks record it. wgmma picks between the wgmma kernels (ids 4..8),
-// otherwise the mma.sync ones (0..3); kernel/splits as in w4a8_gemm (-1 and 0 choose).
+// otherwise the mma.sync ones (0..3); kernel/splits as in w4a8_gemm (-1 and 0 choose). A
+// returned split count of -1 is a stream-K launch (one CTA per SM over all tiles x K stages).
 std::vector<int64_t> w4a8_plan(int64_t M, int64_t N, int64_t K, int64_t group_size, int64_t num_sms,
                                int64_t kernel, int64_t splits, bool wgmma) {
   W4A8Plan plan{};
-  const char* err = wgmma ? w4a8_wgmma_make_plan(M, N, K, group_size, num_sms, kernel, splits, &plan)
+  const char* err = wgmma ? w4a8_wgmma_make_plan(M, N, K, group_size, num_sms, kernel, splits,
+                                                 launch_options().gemm_stream_k.load(), &plan)
                           : w4a8_make_plan(M, N, K, group_size, num_sms, kernel, splits, &plan);
   TORCH_CHECK(err == nullptr, "mixprec_C::w4a8_plan: ", err ? err : "");
   return {static_cast<int64_t>(plan.kernel), plan.splits};
@@ -416,16 +427,18 @@ void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Te
   C10_CUDA_CHECK(decode_kv4_pages_launch(a, stream));
 }
 
-// Sets the launch options (a negative value keeps one) and returns them both:
-// [gemm_pdl, act_quant_one_pass]. For A/B timing and tests; the defaults are the measured best
-// (csrc/gemm/NOTES.md, "PDL").
-std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_pass) {
-  TORCH_CHECK(gemm_pdl <= 1 && act_quant_one_pass <= 1,
-              "mixprec_C::set_launch_options: gemm_pdl and act_quant_one_pass take 0, 1 or -1 (keep)");
+// Sets the launch options (a negative value keeps one) and returns them all:
+// [gemm_pdl, act_quant_one_pass, gemm_stream_k]. For A/B timing and tests; the defaults are the
+// measured best (csrc/gemm/NOTES.md, "PDL", "Stream-K").
+std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_pass, int64_t gemm_stream_k) {
+  TORCH_CHECK(gemm_pdl <= 1 && act_quant_one_pass <= 1 && gemm_stream_k <= 1,
+              "mixprec_C::set_launch_options: gemm_pdl, act_quant_one_pass and gemm_stream_k take 0, 1 or -1 "
+              "(keep); got ", gemm_pdl, ", ", act_quant_one_pass, ", ", gemm_stream_k);
   LaunchOptions& o = launch_options();
   if (gemm_pdl >= 0) o.gemm_pdl.store(gemm_pdl == 1);
   if (act_quant_one_pass >= 0) o.act_quant_one_pass.store(act_quant_one_pass == 1);
-  return {o.gemm_pdl.load() ? 1 : 0, o.act_quant_one_pass.load() ? 1 : 0};
+  if (gemm_stream_k >= 0) o.gemm_stream_k.store(gemm_stream_k == 1);
+  return {o.gemm_pdl.load() ? 1 : 0, o.act_quant_one_pass.load() ? 1 : 0, o.gemm_stream_k.load() ? 1 : 0};
 }
 
 }  // namespace
@@ -445,7 +458,7 @@ TORCH_LIBRARY(mixprec_C, m) {
       "decode_kv4_pages(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
       "Tensor(a!) out, Tensor(b!)? part_o, Tensor(c!)? part_lse, Tensor? k_smooth, float qk_scale, int num_rows, "
       "int num_splits, int slots, int res_tokens, int tile_tokens, int min_tiles, int prefetch_pages=0) -> ()");
-  m.def("set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1) -> int[]",
+  m.def("set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1, int gemm_stream_k=-1) -> int[]",
         &mixprec::set_launch_options);
 }
 

@@ -75,6 +75,12 @@ def main():
     ap.add_argument("--launch-sweep", action="store_true",
                     help="also time quantize_act, the linear (quantize_act + auto GEMM) and back-to-back "
                          "GEMMs under each of LAUNCH_VARIANTS (cuda.set_launch_options), all in this run")
+    ap.add_argument("--stream-k-sweep", action="store_true",
+                    help="at M >= 64: each auto wgmma kernel (4, 5, 7, 8) as the classic planner splits it "
+                         "and as a stream-K launch (splits=-1), and the auto GEMM and linear with the "
+                         "planner's stream-K option off and on, all in this run (csrc/gemm/NOTES.md, 'Stream-K')")
+    ap.add_argument("--sk-kernels", type=int, nargs="*", default=[4, 5, 7, 8], metavar="K",
+                    help="--stream-k-sweep: the wgmma kernels to time one by one (none: the auto plans only)")
     ap.add_argument("--shapes", nargs="+", metavar="KxN",
                     help="K x N shapes to time instead of the default/--full set, e.g. 4096x6144")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "bench_w4a8_cuda.json"))
@@ -92,6 +98,8 @@ def main():
             ap.error(f"--shapes: expected KxN integers, got {args.shapes}")
         if any(len(sh) != 2 for sh in shapes):
             ap.error(f"--shapes: expected KxN, got {args.shapes}")
+    if any(k not in cuda.WGMMA_KERNELS for k in args.sk_kernels):
+        ap.error(f"--sk-kernels: the wgmma kernels are {sorted(cuda.WGMMA_KERNELS)}, got {args.sk_kernels}")
     ms = args.ms
     out = os.path.join(args.out, "bench_w4a8_cuda.json") if os.path.isdir(args.out) else args.out
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -116,6 +124,8 @@ def main():
             x = torch.randn(m, k, device=DEV, dtype=torch.float16)
             xq, xs = cuda.quantize_act(x)
             variants = [-1] + ([0, 1] if m <= 32 else []) + ([] if args.launch_sweep and m <= 32 else [2, 3])
+            if args.stream_k_sweep and m >= 64:
+                variants = [-1]  # the sweep's own variants below; the mma.sync tiles never win there
             row = {"K": k, "N": n, "M": m, "G": g, "device": torch.cuda.get_device_name()}
             it = {"i": 0}
 
@@ -135,6 +145,19 @@ def main():
                 for kernel in cuda.WGMMA_KERNELS:
                     for splits in (1, 2, 4):
                         row[f"gemm_k{kernel}_s{splits}_us"] = bench(lambda: gemm(kernel, splits))
+            if args.stream_k_sweep and m >= 64 and cuda.has_wgmma():
+                defaults = cuda.set_launch_options()
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                for sk in (0, 1):
+                    cuda.set_launch_options(gemm_stream_k=sk)
+                    row[f"plan_auto_sk{sk}"] = list(torch.ops.mixprec_C.w4a8_plan(m, n, k, g, sms, -1, 0, True))
+                    row[f"gemm_auto_sk{sk}_us"] = bench(lambda: gemm(-1))
+                cuda.set_launch_options(gemm_stream_k=0)
+                for kernel in args.sk_kernels:
+                    row[f"plan_k{kernel}"] = list(torch.ops.mixprec_C.w4a8_plan(m, n, k, g, sms, kernel, 0, True))
+                    row[f"gemm_k{kernel}_planned_us"] = bench(lambda: gemm(kernel))
+                    row[f"gemm_k{kernel}_sk_us"] = bench(lambda: gemm(kernel, -1))
+                cuda.set_launch_options(**defaults)
             row["quantize_act_us"] = bench(lambda: cuda.quantize_act(x))
 
             def linear():  # what the layer runs: quantize, then the auto-selected GEMM
@@ -144,6 +167,12 @@ def main():
                 return torch.ops.mixprec_C.w4a8_gemm(xq2, xs2, pq, gp, cs, None, torch.float16, -1, 0)
 
             row["linear_auto_us"] = bench(linear)
+            if args.stream_k_sweep and m >= 64 and cuda.has_wgmma():
+                defaults = cuda.set_launch_options()
+                for sk in (0, 1):
+                    cuda.set_launch_options(gemm_stream_k=sk)
+                    row[f"linear_sk{sk}_us"] = bench(linear)
+                cuda.set_launch_options(**defaults)
             if args.launch_sweep:  # every M: the wgmma kernels (M >= 64) are dependents too since session 31
                 defaults = cuda.set_launch_options()
                 for one_pass in (0, 1):

@@ -10,6 +10,7 @@
 # rerun_refactors vllm_int_attn merge_rows_rest tp_global tp_nan_locate small_tiles small_tiles_sweep tp_split
 # tp_rest_a tp_rest_b tp_real_global tp_real_exact tp_exact tp_real_control tp_epilogue_tests sanitize_cuda
 # tp_real_exact_verdict wgmma_pdl_tests wgmma_pdl_bench wgmma_pdl_sanitize gemm_table
+# stream_k_tests stream_k_sweep stream_k_auto stream_k_sanitize
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -632,6 +633,27 @@ stage_gemm_table() {
     --shapes 4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672 \
     --methods ours_cuda,ours_cuda_gemm,marlin_w4a16,machete_w4a16,cublas_bf16,int8_mm --out "$OUT/gemm-table" || rc=1
   return $rc
+}
+# Stream-K (session 32): the wgmma kernels' exactness with splits=-1 first, then every auto
+# wgmma kernel as planned and as stream-K, and the auto GEMM/linear with the option off and on,
+# on the 7 Llama shapes at M = 64..4096 (CUDA graphs, weights rotated past the L2).
+stage_stream_k_tests() {
+  pytest_gpu pytest-gpu-stream-k 420 tests/kernels/test_cuda_gemm_wgmma.py tests/kernels/test_cuda_gemm.py
+}
+stage_stream_k_sweep() {
+  run_bench bench_w4a8_cuda_stream_k 420 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
+    4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms ${STREAM_K_MS:-256 1024} --group 128 \
+    --stream-k-sweep --no-marlin --out "$OUT/stream_k_sweep.json"
+}
+# The auto plans alone (stream-K option off and on, GEMM and linear) at the M the sweep above
+# leaves out (session 33: the planner's stream-K estimate was fitted at M = 256 and 1024).
+stage_stream_k_auto() {
+  run_bench bench_w4a8_cuda_stream_k_auto 420 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
+    4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms ${STREAM_K_MS:-64 4096} --group 128 \
+    --stream-k-sweep --sk-kernels --no-marlin --out "$OUT/stream_k_auto.json"
+}
+stage_stream_k_sanitize() {
+  OUT=$OUT timeout 400 bash scripts/sanitize.sh cuda 2>&1 | tail -30
 }
 stage_wgmma_pdl_sanitize() {
   OUT=$OUT SANITIZE_TRITON_K="test_gpu_w4ax" timeout 500 bash scripts/sanitize.sh cuda triton 2>&1 | tail -30

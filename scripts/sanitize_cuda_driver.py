@@ -38,10 +38,13 @@ def main() -> int:
         (33, 208, 512, 64, 2, 1), (64, 144, 640, 128, 2, 3), (65, 208, 512, 64, 3, 1),
         (200, 80, 384, 128, 3, 2), (5, 32, 128, 64, 3, 1),
     ]
-    if cuda.has_wgmma():  # sm_90a kernels 4..8: partial CTA tiles in M and N, split-K
+    if cuda.has_wgmma():  # sm_90a kernels 4..8: partial CTA tiles in M and N, split-K, stream-K
         cases += [(64, 256, 512, 64, 4, 1), (130, 272, 1024, 128, 5, 2), (300, 128, 640, 64, 6, 1),
                   (65, 512, 8192, 128, 4, 3), (70, 208, 768, 64, 7, 2), (130, 144, 1024, 128, 8, 1),
-                  (64, 128, 4096, 128, 7, 4)]
+                  (64, 128, 4096, 128, 7, 4),
+                  # stream-K (splits=-1): tiles cut between CTAs, partials, the finisher's wait
+                  (65, 512, 8192, 128, 4, -1), (200, 208, 576, 64, 7, -1), (300, 272, 1024, 64, 5, -1),
+                  (130, 144, 2048, 128, 8, -1)]
     for m, n, k, g, kernel, splits in cases:
         qw, gs, go = lqq(n, k, g, gen)
         cs = torch.rand(n, generator=gen, device=DEV) * 1e-3 + 1e-4

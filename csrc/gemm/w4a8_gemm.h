@@ -34,7 +34,7 @@ struct W4A8GemmArgs {
   BiasKind bias_kind;
   void* out;                    // [M, N]
   OutKind out_kind;
-  int32_t* workspace;           // [splits, M, N] int32 when splits > 1
+  int32_t* workspace;           // plan.workspace_elems int32 (split-K or stream-K partials)
   int32_t* counters;            // plan.num_counters ints, zero at launch; the kernel leaves them zero
   int M, N, K, group_size;
   // Decode kernels (0, 1) and wgmma kernels (4..8), on sm_90: launched as a programmatic
@@ -81,8 +81,11 @@ inline W4A8KernelParams w4a8_kernel_params(const W4A8GemmArgs& a) {
 
 struct W4A8Plan {
   W4A8Kernel kernel;
-  int splits;          // K split across CTAs (1: no workspace)
-  int num_counters;    // CTAs per split (one arrival counter each)
+  int splits;          // K split across CTAs (1: no workspace); -1: stream-K (wgmma kernels)
+  int num_counters;    // output tiles (one arrival counter each)
+  int sk_ctas = 0;     // stream-K: CTAs of the persistent grid (0: a CTA per tile and split)
+  int sk_slots = 0;    // stream-K: pieces of the most-cut tile - 1 (0: no tile is cut)
+  long long workspace_elems = 0;  // int32 partials to allocate (0: none, nor counters)
 };
 
 // Picks kernel and K split for a problem (kernel/splits < 0 or == 0 mean "choose").

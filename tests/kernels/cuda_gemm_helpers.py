@@ -19,6 +19,33 @@ def skip_without_csrc_ops():
         pytest.skip("the csrc ops need sm80+")
 
 
+def capture_after_warmup(f, x, graph=None, same_stream=False):
+    """f(x) twice on a side stream (lazy set-up settles outside the capture), then f(x) captured
+    into graph (a new CUDAGraph by default), on that side stream if same_stream. Returns
+    (graph, the captured output, the side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            f(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = graph if graph is not None else torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side if same_stream else None):
+        y = f(x)
+    return graph, y, side
+
+
+def replays_with_new_inputs(graph, x_static, seed, trials=3):
+    """For each trial: a fresh random input copied into x_static, the graph replayed and the
+    device synchronised; yields the input."""
+    for trial in range(trials):
+        x_new = torch.randn(x_static.shape, device=DEV, dtype=x_static.dtype, generator=_gen(seed + trial))
+        x_static.copy_(x_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        yield x_new
+
+
 def _gen(seed):
     return torch.Generator(device=DEV).manual_seed(seed)
 

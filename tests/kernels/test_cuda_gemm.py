@@ -13,8 +13,8 @@ import torch
 from vllm_mixprec import reference as ref
 from vllm_mixprec.kernels import cuda
 
-from cuda_gemm_helpers import (DEV, _gen, check_close, poison, random_act, random_lqq,
-                               skip_without_csrc_ops)
+from cuda_gemm_helpers import (DEV, _gen, capture_after_warmup, check_close, poison, random_act,
+                               random_lqq, skip_without_csrc_ops)
 
 pytestmark = pytest.mark.gpu
 
@@ -253,16 +253,9 @@ def test_cuda_graph_capture_and_replay(m, n, k, same_stream, tmp_path):
                               layer.channel_scale, bias, x.dtype)
 
     x_static = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            f(x_static)
-    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph(keep_graph=True)  # (debug_dump needs the cudaGraph_t kept)
     graph.enable_debug_mode()
-    with torch.cuda.graph(graph, stream=side if same_stream else None):
-        y_static = f(x_static)
+    graph, y_static, side = capture_after_warmup(f, x_static, graph, same_stream)
     graph.debug_dump(str(tmp_path / "graph.dot"))
     dot = (tmp_path / "graph.dot").read_text()
     assert "w4a8" in dot, "the dump does not name the GEMM kernel: wrong graph dumped?"

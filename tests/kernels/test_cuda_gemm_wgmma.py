@@ -15,8 +15,8 @@ import torch
 from vllm_mixprec import reference as ref
 from vllm_mixprec.kernels import cuda
 
-from cuda_gemm_helpers import (DEV, _gen, check_close, poison, random_act, random_lqq,
-                               skip_without_csrc_ops)
+from cuda_gemm_helpers import (DEV, _gen, capture_after_warmup, check_close, poison, random_act,
+                               random_lqq, replays_with_new_inputs, skip_without_csrc_ops)
 
 # kernel id -> (m64 blocks per consumer warpgroup, tokens per CTA); mirrors Wg4..Wg8.
 CONFIGS = {4: (2, 128), 5: (2, 64), 6: (1, 256), 7: (1, 64), 8: (1, 128)}
@@ -187,6 +187,124 @@ def test_raster_covers_every_tile_once():
         assert sorted(tiles) == [(a, b) for a in range(tok_tiles) for b in range(ch_tiles)]
 
 
+# --- stream-K schedule (mirrors the kernel's segment_at / sk_range_begin / sk_owner and the
+# host's sk_dp_tiles_of / sk_slots_of) ---
+
+def _sk_dp_tiles(tiles, ctas):
+    """The tiles run data-parallel first: every whole wave but the last."""
+    return (tiles // ctas - 1) * ctas if tiles >= 2 * ctas else 0
+
+
+def _sk_begin(cta, units, ctas):
+    return cta * units // ctas
+
+
+def _sk_owner(u, units, ctas):
+    return -(-(u + 1) * ctas // units) - 1
+
+
+def _stream_k_segments(tiles, stages, ctas):
+    """Per CTA, its segments in order: (tile, first stage, stages, role, slot), role one of
+    'whole' (the tile in one piece), 'finisher' (sums the other pieces), 'piece' (writes slot).
+    First the CTA's data-parallel tiles, then its run of the remaining tiles x stages units."""
+    dp = _sk_dp_tiles(tiles, ctas)
+    units = (tiles - dp) * stages
+    out = []
+    for c in range(ctas):
+        segs = [(t, 0, stages, "whole", -1) for t in range(c, dp, ctas)]
+        u, end = _sk_begin(c, units, ctas), _sk_begin(c + 1, units, ctas)
+        while u < end:
+            t = u // stages
+            n = min(stages * (t + 1), end) - u
+            fin = _sk_owner(t * stages, units, ctas)
+            pieces = _sk_owner(t * stages + stages - 1, units, ctas) - fin + 1
+            role = "whole" if pieces == 1 else ("finisher" if c == fin else "piece")
+            segs.append((dp + t, u - t * stages, n, role, c - fin - 1 if role == "piece" else -1))
+            u += n
+        out.append(segs)
+    return out
+
+
+def _sk_slots(tiles, stages, ctas):
+    """sk_slots_of: the longest run of CTA boundaries inside one tile (of the stream-K tiles)."""
+    units, most, run, run_tile = (tiles - _sk_dp_tiles(tiles, ctas)) * stages, 0, 0, -1
+    for c in range(1, ctas):
+        b = _sk_begin(c, units, ctas)
+        if b % stages == 0:
+            continue
+        run = run + 1 if b // stages == run_tile else 1
+        run_tile = b // stages
+        most = max(most, run)
+    return most
+
+
+@pytest.mark.parametrize("tiles,stages,ctas", [
+    (192, 32, 132),   # 4096 x 6144 at M = 1024, kernel 4: 1.45 tiles a CTA
+    (128, 32, 132),   # 4096 x 4096 at M = 256, kernel 7: under a tile a CTA
+    (4, 64, 132),     # few tiles, deep K: ~33 pieces a tile
+    (264, 16, 132),   # exactly two tiles a CTA: one data-parallel wave, then nothing cut
+    (896, 64, 132),   # 8192 x 28672 at M = 1024, kernel 4: 5 data-parallel waves, then 1.79 tiles a CTA
+    (400, 8, 132),    # one data-parallel wave, then 2.03 tiles a CTA
+    (20, 5, 100),     # a stage a CTA (units <= SMs)
+    (7, 3, 5), (1, 1, 1), (3, 7, 2), (1000, 9, 132),
+])
+def test_stream_k_schedule_covers_every_stage_once(tiles, stages, ctas):
+    segs = _stream_k_segments(tiles, stages, ctas)
+    dp = _sk_dp_tiles(tiles, ctas)
+    assert dp % ctas == 0 and (dp == 0 or ctas <= tiles - dp < 2 * ctas)
+    seen = np.zeros((tiles, stages), dtype=np.int64)
+    slots = _sk_slots(tiles, stages, ctas)
+    pieces = {}
+    for c, cta_segs in enumerate(segs):
+        assert cta_segs, "every CTA has work (the planner keeps ctas <= units)"
+        for i, (tile, k0, n, role, slot) in enumerate(cta_segs):
+            seen[tile, k0:k0 + n] += 1
+            pieces.setdefault(tile, []).append((role, slot, k0, c))
+            if role == "finisher":  # the tile's first stages, and the CTA's last segment
+                assert k0 == 0 and i == len(cta_segs) - 1
+            if tile < dp:  # data-parallel: whole tiles c, c + ctas, ... before the rest
+                assert role == "whole" and tile == c + i * ctas
+            if role == "piece":  # a later piece: the CTA's first stream-K segment, in a slot that exists
+                assert i == dp // ctas and k0 > 0 and 0 <= slot < slots
+    assert (seen == 1).all()
+    for tile, ps in pieces.items():
+        roles = sorted(r for r, *_ in ps)
+        if len(ps) == 1:
+            assert roles == ["whole"]
+        else:  # one finisher; the pieces fill slots 0.. in CTA order
+            assert roles.count("finisher") == 1
+            assert sorted(sl for r, sl, *_ in ps if r == "piece") == list(range(len(ps) - 1))
+    most = max(len(ps) for ps in pieces.values()) - 1
+    assert slots == most, "sk_slots_of is exact: the workspace holds the most-cut tile"
+
+
+def test_stream_k_sums_reproduce_the_gemm():
+    """Summing each tile's pieces in the kernel's order gives the integer GEMM (a tile = 16
+    channels x 8 tokens, a stage = 128 k here)."""
+    gen = torch.Generator().manual_seed(3)
+    m, n, k, ctas = 24, 48, 1280, 7
+    x = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int64)
+    w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int64)
+    tok_tiles, ch_tiles, stages = m // 8, n // 16, k // 128
+    out = torch.zeros(m, n, dtype=torch.int64)
+    partial, finish = {}, []
+    for cta_segs in _stream_k_segments(tok_tiles * ch_tiles, stages, ctas):
+        for tile, k0, cnt, role, slot in cta_segs:
+            tt, cc = divmod(tile, ch_tiles)
+            ks = slice(128 * k0, 128 * (k0 + cnt))
+            acc = x[8 * tt:8 * tt + 8, ks] @ w[16 * cc:16 * cc + 16, ks].T
+            if role == "piece":
+                partial[(tile, slot)] = acc
+            elif role == "finisher":  # waits for the pieces (later CTAs' first segments)
+                finish.append((tile, tt, cc, acc))
+            else:
+                out[8 * tt:8 * tt + 8, 16 * cc:16 * cc + 16] = acc
+    assert len(finish) == len({t for t, _ in partial})
+    for tile, tt, cc, acc in finish:
+        out[8 * tt:8 * tt + 8, 16 * cc:16 * cc + 16] = acc + sum(v for (t, _), v in partial.items() if t == tile)
+    assert torch.equal(out, x @ w.T)
+
+
 def test_kernel_id_plumbing_without_gpu():
     assert set(cuda.WGMMA_KERNELS) == set(CONFIGS)
     if not torch.cuda.is_available():
@@ -233,7 +351,7 @@ def test_integer_exact_tiles_and_tails(need_wgmma, kernel, m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8])
 @pytest.mark.parametrize("n,k,g", [(256, 128, 64), (512, 1024, 128), (4096, 2048, 64), (272, 8192, 128)])
-@pytest.mark.parametrize("splits", [1, 2, 3, 0])
+@pytest.mark.parametrize("splits", [1, 2, 3, 0, -1])
 def test_integer_exact_shapes_and_splits(need_wgmma, kernel, n, k, g, splits):
     y, acc = _exact(192, n, k, g, kernel, splits, seed=n + k + 7 * kernel + splits)
     assert torch.equal(y.double(), acc)
@@ -324,23 +442,76 @@ def test_cuda_graph_capture_and_replay(need_wgmma, m, n, k):
                                              bias, torch.bfloat16, -1, 0)
 
     x_static = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            f(x_static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = f(x_static)
-    for trial in range(3):
-        x_new = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=_gen(100 + trial))
-        x_static.copy_(x_new)
-        graph.replay()
-        torch.cuda.synchronize()
+    graph, y_static, _ = capture_after_warmup(f, x_static)
+    for x_new in replays_with_new_inputs(graph, x_static, 100):
         assert torch.equal(y_static, f(x_new))
         xq, xs = cuda.quantize_act(x_new)
         check_close(y_static, ref.w4a8_gemm(xq, xs, qw, gs, go, cs, bias, torch.float64), torch.bfloat16, check_rel=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [4, 5, 7, 8])
+@pytest.mark.parametrize("m", [1, 65, 200, 640])
+def test_stream_k_integer_exact_tails(need_wgmma, kernel, m):
+    """N = 208, K = 576 (5 stages, half a last one): at most a few hundred units, so every CTA
+    holds a stage or two and tiles are cut into up to 5 pieces."""
+    y, acc = _exact(m, 208, 576, 64, kernel, -1, seed=31 * m + kernel)
+    assert torch.equal(y.double(), acc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,kernel", [(1024, 4096, 6144, 4), (256, 4096, 4096, 7), (256, 4096, 6144, 8),
+                                          (64, 14336, 4096, 5), (4096, 4096, 4096, 4), (300, 8192, 1040, 4),
+                                          # hybrid: data-parallel waves, then cut tiles (ragged M and N)
+                                          (2100, 4096, 6144, 4), (8200, 576, 400, 7)])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_stream_k_bit_identical_to_one_split(need_wgmma, m, k, n, kernel, out_dtype):
+    """int32 sums are exact in any order: stream-K, one split and the auto plan agree bit for bit,
+    bias included, on the Llama shapes where stream-K is meant to win."""
+    gen = _gen(m + n + kernel)
+    qw, gs, go, cs = random_lqq(n, k, 64, gen)
+    xq, xs = random_act(m, k, gen)
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    bias = torch.randn(n, generator=gen, device=DEV).to(out_dtype)
+    poison(m * n, out_dtype)
+    sk = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, bias, out_dtype, kernel, -1)
+    one = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, bias, out_dtype, kernel, 1)
+    assert torch.equal(sk, one)
+    check_close(sk, ref.w4a8_gemm(xq, xs, qw, gs, go, cs, bias, torch.float64), out_dtype, check_rel=False)
+
+
+@pytest.mark.gpu
+def test_stream_k_cuda_graph_replays_reset_the_counters(need_wgmma):
+    """The finisher zeroes its tile's counter: replays (and eager calls between them) stay exact."""
+    m, n, k = 1024, 6144, 4096
+    gen = _gen(77)
+    qw, gs, go, cs = random_lqq(n, k, 64, gen)
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    x_static = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+
+    def f(x):
+        xq, xs = cuda.quantize_act(x)
+        return torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.bfloat16, 4, -1)
+
+    graph, y_static, _ = capture_after_warmup(f, x_static)
+    for x_new in replays_with_new_inputs(graph, x_static, 200):
+        xq, xs = cuda.quantize_act(x_new)
+        one = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.bfloat16, 4, 1)
+        assert torch.equal(y_static, one)
+
+
+@pytest.mark.gpu
+def test_stream_k_refused_off_the_wgmma_kernels(need_wgmma):
+    gen = _gen(2)
+    qw, gs, go, cs = random_lqq(256, 512, 64, gen)
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    xq, xs = random_act(16, 512, gen)
+    with pytest.raises(RuntimeError, match="stream-K"):
+        torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, 3, -1)
+    with pytest.raises(RuntimeError, match="stream-K"):  # auto at M < 64 is an mma.sync kernel
+        torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, -1)
+    with pytest.raises(RuntimeError, match="splits must be"):
+        torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, 4, -2)
 
 
 @pytest.mark.gpu

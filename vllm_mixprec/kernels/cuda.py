@@ -78,22 +78,31 @@ def _load() -> None:
         return
     _register_fakes()
     _state["path"] = libs[0]
-    if "MIXPREC_GEMM_PDL" in os.environ:
-        v = os.environ["MIXPREC_GEMM_PDL"].strip()
-        if v not in ("0", "1"):
-            raise ValueError(f"MIXPREC_GEMM_PDL={v!r}: expected 0 or 1")
-        set_launch_options(gemm_pdl=int(v))
+    for env, option in (("MIXPREC_GEMM_PDL", "gemm_pdl"), ("MIXPREC_GEMM_STREAM_K", "gemm_stream_k")):
+        if env in os.environ:
+            v = os.environ[env].strip()
+            if v not in ("0", "1"):
+                raise ValueError(f"{env}={v!r}: expected 0 or 1")
+            set_launch_options(**{option: int(v)})
 
 
-def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1) -> dict[str, int]:
-    """Set the csrc launch options (-1 keeps one) and return both. gemm_pdl: on sm_90 the
-    decode GEMM (M <= 32) and the wgmma GEMMs are programmatic dependent launches, which
-    quantize_act lets start at once. act_quant_one_pass: quantize_act reads rows of up to 32K
-    elements once, into registers (rows over 8192 only at M <= 128). Both on by default
-    (measured: csrc/gemm/NOTES.md, "PDL"); MIXPREC_GEMM_PDL=0 turns PDL off at load. A CUDA
-    graph keeps the options it was captured with."""
-    got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass)
-    return dict(zip(("gemm_pdl", "act_quant_one_pass"), got))
+LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k")
+
+
+def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1,
+                       gemm_stream_k: int = -1) -> dict[str, int]:
+    """Set the csrc launch options (-1 keeps one) and return them all.
+
+    gemm_pdl: on sm_90 the decode GEMM (M <= 32) and the wgmma GEMMs are programmatic dependent
+    launches, which quantize_act lets start at once (on; MIXPREC_GEMM_PDL=0 turns it off at load).
+    act_quant_one_pass: quantize_act reads rows of up to 32K elements once, into registers (rows
+    over 8192 only at M <= 128; on). gemm_stream_k: the wgmma planner may pick a stream-K launch,
+    a persistent grid of one CTA per SM (data-parallel waves, then the rest of the tiles x K
+    stages split evenly), when it estimates it 5 % faster (on; MIXPREC_GEMM_STREAM_K=0 turns it
+    off at load). Defaults: csrc/gemm/NOTES.md, "PDL" and "Stream-K". A CUDA graph keeps the
+    options it was captured with."""
+    got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k)
+    return dict(zip(LAUNCH_OPTIONS, got))
 
 
 def available() -> bool:

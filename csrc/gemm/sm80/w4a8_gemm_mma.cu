@@ -533,6 +533,7 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
     return "w4a8_gemm: group size must be 64 times a power of two (64, 128, ...)";
   if (K % group_size) return "w4a8_gemm: K must be a multiple of the group size";
   if (kernel < -1 || kernel > 3) return "w4a8_gemm: kernel must be -1 (auto) or 0..3";
+  if (splits < 0) return "w4a8_gemm: splits = -1 (stream-K) runs on the wgmma kernels (4..8) only";
   const int row_tiles = N / 16;
   const int chunks = K / kChunkK;
   W4A8Kernel k = static_cast<W4A8Kernel>(kernel);
@@ -566,6 +567,7 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
   plan->kernel = k;
   plan->splits = splits;
   plan->num_counters = ctas;
+  plan->workspace_elems = splits > 1 ? static_cast<long long>(splits) * M * N : 0;
   return nullptr;
 }
 

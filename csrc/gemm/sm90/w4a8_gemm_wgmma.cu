@@ -23,12 +23,13 @@
 // buffers: dequant chunk c+1 while the wgmmas of chunk c run. int32 accumulation over all K
 // (or the CTA's K split), epilogue in fp32 as in the mma.sync kernels. Launched as a programmatic
 // dependent (W4A8GemmArgs::pdl): the first stages' weight copies start before griddepcontrol.wait.
-// See csrc/gemm/NOTES.md ("sm90 wgmma kernel", "PDL").
+// See csrc/gemm/NOTES.md ("sm90 wgmma kernel", "PDL", "Stream-K").
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
@@ -51,6 +52,8 @@ constexpr int kThreads = 384;       // producer warpgroup + 2 consumer warpgroup
 
 struct WParams : W4A8KernelParams {
   int tok_tiles, ch_tiles;
+  int sk_ctas;      // stream-K: CTAs sharing the tiles x stages units (0: tiles x splits grid)
+  int sk_dp_tiles;  // stream-K: the first tiles, run data-parallel (a multiple of sk_ctas)
 };
 
 // kBlocks m64 blocks per consumer warpgroup, kTok tokens (= wgmma N), kStages ring slots.
@@ -72,6 +75,10 @@ struct WgShape {
 
 constexpr int kConsumers = 256;
 constexpr int kProducerRegs = 56;   // 56 + 2 * 224 = 3 * 168 (the cap of __launch_bounds__(384, 1))
+// Copy address chains per producer thread: an LDGSTS reads its address register late (long
+// scoreboard), so bumping one pointer in place after every copy stalled each next copy on the
+// last (13-17 % slower GEMMs, csrc/gemm/NOTES.md "Stream-K"); round-robin over 4 pointers.
+constexpr int kCopyChains = 4;
 constexpr int kConsumerRegs = 224;
 constexpr int kRasterGroup = 8;     // token tiles swept together across all channel tiles (L2 reuse)
 
@@ -156,12 +163,16 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t saddr) {
   return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 
+// wgmma.mma_async m64nNk32: D = A x B + (accumulate ? D : 0), s32 <- s8 (A: 4 registers) x s8
+// (B: descriptor). accumulate = 0 starts a tile without zeroing D first: ptxas serialises the
+// wgmmas of a loop whose accumulators other instructions write (C7515).
 template <int N>
-struct WgmmaRS;  // wgmma.mma_async m64nNk32 s32 += s8 (A: 4 registers) x s8 (B: descriptor)
+struct WgmmaRS;
 
 template <>
 struct WgmmaRS<64> {
-  static __device__ __forceinline__ void run(int32_t (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+  static __device__ __forceinline__ void run(int32_t (&d)[32], const uint32_t (&a)[4], uint64_t desc,
+                                             int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {"
@@ -173,13 +184,14 @@ struct WgmmaRS<64> {
           "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]),
           "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]),
           "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
   }
 };
 
 template <>
 struct WgmmaRS<128> {
-  static __device__ __forceinline__ void run(int32_t (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+  static __device__ __forceinline__ void run(int32_t (&d)[64], const uint32_t (&a)[4], uint64_t desc,
+                                             int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {"
@@ -197,13 +209,14 @@ struct WgmmaRS<128> {
           "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]),
           "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]),
           "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
   }
 };
 
 template <>
 struct WgmmaRS<256> {
-  static __device__ __forceinline__ void run(int32_t (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
+  static __device__ __forceinline__ void run(int32_t (&d)[128], const uint32_t (&a)[4], uint64_t desc,
+                                             int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {"
@@ -234,7 +247,7 @@ struct WgmmaRS<256> {
           "+r"(d[113]), "+r"(d[114]), "+r"(d[115]), "+r"(d[116]), "+r"(d[117]), "+r"(d[118]), "+r"(d[119]),
           "+r"(d[120]), "+r"(d[121]), "+r"(d[122]), "+r"(d[123]), "+r"(d[124]), "+r"(d[125]), "+r"(d[126]),
           "+r"(d[127])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
   }
 };
 
@@ -318,6 +331,23 @@ __device__ __forceinline__ int2* workspace_at(const WParams& p, int split, int t
 
 // ---- the kernel ------------------------------------------------------------------------------
 
+// A CTA's work is a run of (tile, K-stage) units, taken in segments of one tile each. Classic
+// launches (gridDim = tiles x splits) run one segment: tile blockIdx.x, split blockIdx.y. Stream-K
+// launches (p.sk_ctas > 0, gridDim.x = sk_ctas) are hybrid: CTA c first runs the whole tiles
+// c, c + sk_ctas, ... below p.sk_dp_tiles (data-parallel waves, in the classic raster order, so
+// their loads share the L2 as a classic wave's do), then the remaining tiles x stages units are
+// split evenly over the CTAs, so the last partial wave of a classic launch disappears; a tile
+// cut between CTAs is summed by the CTA holding its first stages, which reaches it last.
+// Python mirror: tests/kernels/test_cuda_gemm_wgmma.py, _stream_k_segments.
+// Units are ints (the planner refuses problems of 2^31 units or more); products are 64-bit.
+__host__ __device__ __forceinline__ int sk_range_begin(int cta, int units, int ctas) {
+  return static_cast<int>(static_cast<long long>(cta) * units / ctas);
+}
+// The CTA whose range holds unit u (ranges are [begin(c), begin(c + 1))).
+__host__ __device__ __forceinline__ int sk_owner(int u, int units, int ctas) {
+  return static_cast<int>((static_cast<long long>(u + 1) * ctas + units - 1) / units) - 1;
+}
+
 template <int kBlocks, int kTok, int kStages, typename OutT>
 __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p) {
 #ifdef MIXPREC_WGMMA_DEVICE
@@ -336,24 +366,51 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
   const uint32_t full0 = smem_addr(&bars[0]);
   const uint32_t empty0 = smem_addr(&bars[kStages]);
 
-  // Tile: token tiles in groups of kRasterGroup sweep all channel tiles (x stays in L2, each
+  // Tile t: token tiles in groups of kRasterGroup sweep all channel tiles (x stays in L2, each
   // weight tile is re-read by the group's CTAs while hot).
-  const int tile = blockIdx.x;
   const int span = kRasterGroup * p.ch_tiles;
-  const int grp = tile / span;
-  const int rem = tile - grp * span;
-  const int in_grp = min(kRasterGroup, p.tok_tiles - grp * kRasterGroup);
-  const int tok0 = (grp * kRasterGroup + rem % in_grp) * kTok;
-  const int rt0 = (rem / in_grp) * S::kRowTiles;
+  auto tile_origin = [&](int tile, int& tok0, int& rt0) {
+    const int grp = tile / span;
+    const int rem = tile - grp * span;
+    const int in_grp = min(kRasterGroup, p.tok_tiles - grp * kRasterGroup);
+    tok0 = (grp * kRasterGroup + rem % in_grp) * kTok;
+    rt0 = (rem / in_grp) * S::kRowTiles;
+  };
 
   const int M = p.M, K = p.K;
   const int chunks = K / kChunkK;
   const int num_rt = p.N >> 4;
   const int n_stage_all = ceil_div(chunks, 2);
-  const int splits = gridDim.y;
-  const int per_split = ceil_div(n_stage_all, splits);
-  const int st_lo = min(n_stage_all, static_cast<int>(blockIdx.y) * per_split);
-  const int n_it = min(n_stage_all, st_lo + per_split) - st_lo;
+  const bool stream_k = p.sk_ctas > 0;
+  const int splits = stream_k ? 1 : gridDim.y;  // classic split-K
+  const int dp_tiles = stream_k ? p.sk_dp_tiles : 0;
+  const int dp_units = stream_k ? dp_tiles / p.sk_ctas * n_stage_all : 0;  // this CTA's data-parallel units
+  const int units = (p.tok_tiles * p.ch_tiles - dp_tiles) * n_stage_all;  // the rest: tile dp_tiles + u / n_stage_all
+  int u_begin, u_end;  // this CTA's units of the rest
+  if (stream_k) {
+    u_begin = sk_range_begin(blockIdx.x, units, p.sk_ctas);
+    u_end = sk_range_begin(blockIdx.x + 1, units, p.sk_ctas);
+  } else {
+    const int per_split = ceil_div(n_stage_all, splits);
+    const int st_lo = min(n_stage_all, static_cast<int>(blockIdx.y) * per_split);
+    u_begin = static_cast<int>(blockIdx.x) * n_stage_all + st_lo;
+    u_end = u_begin + min(n_stage_all, st_lo + per_split) - st_lo;
+  }
+  // The CTA's segments, by position v in its work (0 <= v < v_end): tile, first stage, stages.
+  const int v_end = dp_units + (u_end - u_begin);
+  auto segment_at = [&](int v, int& tile, int& first_stage, int& n_it) {
+    if (v < dp_units) {
+      tile = static_cast<int>(blockIdx.x) + v / n_stage_all * p.sk_ctas;
+      first_stage = 0;
+      n_it = n_stage_all;
+    } else {
+      const int u = u_begin + v - dp_units;
+      const int t = u / n_stage_all;
+      tile = dp_tiles + t;
+      first_stage = u - t * n_stage_all;
+      n_it = min(n_stage_all - first_stage, u_end - u);
+    }
+  };
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -374,10 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     const int pt = threadIdx.x;
     const int pw = pt >> 5, lane = pt & 31;
-    const int rt_valid = min(S::kRowTiles, num_rt - rt0);
-    const int rows_valid = min(kTok, M - tok0);
     const int groups = chunks >> p.group_shift;
-
     // x: warp pw copies rows r = pw + 4i, one 128-byte row (both chunks of the stage) per
     // warp instruction. Lane l holds actual 4-byte unit u = l & 15 = 4a + b of chunk h = l >> 4;
     // it goes to logical unit 4b + a (the packing's k permutation), i.e. 16-byte block
@@ -386,94 +440,140 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
     const int xh = lane >> 4, xa = (lane & 15) >> 2, xb = lane & 3;
     const uint32_t x_off0 = pw * kStageK + 16 * ((4 * xh + xb) ^ pw) + 4 * xa;
     const uint32_t x_off1 = pw * kStageK + 512 + 16 * ((4 * xh + xb) ^ (pw + 4)) + 4 * xa;
-    const int8_t* x_src = p.xq + static_cast<size_t>(tok0 + pw) * K + static_cast<size_t>(st_lo) * kStageK + 4 * lane;
     const size_t x_step4 = static_cast<size_t>(4) * K;
-
     // weights: 16-byte unit u = pt + 128 i of the stage = row tile (pt >> 6) + 2i, byte
     // offset (pt & 63) * 16 of its two chunks (1 KB contiguous in global memory).
     const int w_rt = pt >> 6, w_cl = (pt >> 5) & 1;
-    const uint8_t* w_src =
-        p.qweight + (static_cast<size_t>(rt0 + w_rt) * chunks + 2 * st_lo) * kChunkBytes + (pt & 63) * 16;
     const size_t w_step2 = static_cast<size_t>(2) * chunks * kChunkBytes;
-
     // group words: unit pt < 4 * kRowTiles = (row tile pt >> 2, chunk (pt >> 1) & 1, half pt & 1).
     const int p_rt = pt >> 2, p_cl = (pt >> 1) & 1;
-    const bool p_thread = pt < 4 * S::kRowTiles && p_rt < rt_valid;
-    const uint32_t* p_src = p.gparams + static_cast<size_t>(rt0 + (p_thread ? p_rt : 0)) * groups * 8 + (pt & 1) * 4;
 
+    // The segment being copied: tile `tile`, its stages from st_lo (set by begin_segment).
+    int st_lo, rt_valid, rows_valid;
+    const int8_t* x_src;
+    const uint8_t* w_src;
+    bool p_thread;
+    const uint32_t* p_src;
+    auto begin_segment = [&](int tile, int first_stage) {
+      st_lo = first_stage;
+      int tok0, rt0;
+      tile_origin(tile, tok0, rt0);
+      rt_valid = min(S::kRowTiles, num_rt - rt0);
+      rows_valid = min(kTok, M - tok0);
+      x_src = p.xq + static_cast<size_t>(tok0 + pw) * K + static_cast<size_t>(st_lo) * kStageK + 4 * lane;
+      w_src = p.qweight + (static_cast<size_t>(rt0 + w_rt) * chunks + 2 * st_lo) * kChunkBytes + (pt & 63) * 16;
+      p_thread = pt < 4 * S::kRowTiles && p_rt < rt_valid;
+      p_src = p.gparams + static_cast<size_t>(rt0 + (p_thread ? p_rt : 0)) * groups * 8 + (pt & 1) * 4;
+    };
     // Rows past M and row tiles past N are not copied (their results are never stored).
     // The second chunk of the last stage when K / 64 is odd is zero-filled; its source
     // address is moved back onto the valid chunk so that no copy ever points past a row.
     // Opaque strides (asm below): keep the compiler from hoisting i * stride for every row out
     // of the stage loop (that needs 2 registers per row; the producer has 56).
-    auto copy_weights = [&](int it, int s) {  // the stage's weight words and group words
+    auto copy_weights = [&](int it, int slot) {  // the stage's weight words and group words
       const int c0 = 2 * (st_lo + it);
       size_t w_step = w_step2;
       asm volatile("" : "+l"(w_step));
       const bool ok = c0 + w_cl < chunks;
-      const uint32_t dst = w_ring + s * S::kWBytes + pt * 16;
-      const uint8_t* src = w_src + static_cast<size_t>(it) * (2 * kChunkBytes) - (ok ? 0 : kChunkBytes);
+      const uint32_t dst = w_ring + slot * S::kWBytes + pt * 16;
+      const uint8_t* src[kCopyChains];
+      src[0] = w_src + static_cast<size_t>(it) * (2 * kChunkBytes) - (ok ? 0 : kChunkBytes);
+#pragma unroll
+      for (int c = 1; c < kCopyChains; ++c) src[c] = src[c - 1] + w_step;
       if (rt_valid == S::kRowTiles) {
 #pragma unroll
         for (int i = 0; i < S::kRowTiles / 2; ++i) {
-          cp_async16(dst + i * 128 * 16, src, ok);
-          src += w_step;
+          cp_async16(dst + i * 128 * 16, src[i % kCopyChains], ok);
+          src[i % kCopyChains] += kCopyChains * w_step;
         }
       } else {
 #pragma unroll
         for (int i = 0; i < S::kRowTiles / 2; ++i) {
-          if (w_rt + 2 * i < rt_valid) cp_async16(dst + i * 128 * 16, src, ok);
-          src += w_step;
+          if (w_rt + 2 * i < rt_valid) cp_async16(dst + i * 128 * 16, src[i % kCopyChains], ok);
+          src[i % kCopyChains] += kCopyChains * w_step;
         }
       }
       if (p_thread) {
         const int c = c0 + p_cl;
         const bool pok = c < chunks;
         const uint32_t* psrc = p_src + static_cast<size_t>((pok ? c : c0) >> p.group_shift) * 8;
-        cp_async16(p_ring + s * S::kPBytes + pt * 16, psrc, pok);
+        cp_async16(p_ring + slot * S::kPBytes + pt * 16, psrc, pok);
       }
     };
-    auto copy_x = [&](int it, int s) {  // the stage's activation rows
+    auto copy_x = [&](int it, int slot) {  // the stage's activation rows
       const int c0 = 2 * (st_lo + it);
       size_t x_step = x_step4;
       asm volatile("" : "+l"(x_step));
       const bool ok = c0 + xh < chunks;
-      const uint32_t d0 = smem_base + s * S::kXBytes + x_off0;
-      const uint32_t d1 = smem_base + s * S::kXBytes + x_off1;
-      const int8_t* src = x_src + static_cast<size_t>(it) * kStageK - (ok ? 0 : kChunkK);
+      const uint32_t d0 = smem_base + slot * S::kXBytes + x_off0;
+      const uint32_t d1 = smem_base + slot * S::kXBytes + x_off1;
+      const int8_t* src[kCopyChains];
+      src[0] = x_src + static_cast<size_t>(it) * kStageK - (ok ? 0 : kChunkK);
+#pragma unroll
+      for (int c = 1; c < kCopyChains; ++c) src[c] = src[c - 1] + x_step;
       if (rows_valid == kTok) {
 #pragma unroll
         for (int i = 0; i < kTok / 4; ++i) {
-          cp_async4(((i & 1) ? d1 : d0) + (i >> 1) * 1024, src, ok);
-          src += x_step;
+          cp_async4(((i & 1) ? d1 : d0) + (i >> 1) * 1024, src[i % kCopyChains], ok);
+          src[i % kCopyChains] += kCopyChains * x_step;
         }
       } else {
 #pragma unroll
         for (int i = 0; i < kTok / 4; ++i) {
-          if (pw + 4 * i < rows_valid) cp_async4(((i & 1) ? d1 : d0) + (i >> 1) * 1024, src, ok);
-          src += x_step;
+          if (pw + 4 * i < rows_valid) cp_async4(((i & 1) ? d1 : d0) + (i >> 1) * 1024, src[i % kCopyChains], ok);
+          src[i % kCopyChains] += kCopyChains * x_step;
         }
+      }
+    };
+    int s = 0;
+    uint32_t phase = 0;
+    auto next_slot = [&]() {
+      if (++s == kStages) {
+        s = 0;
+        phase ^= 1;
       }
     };
     // The weights of the first ring's worth of stages do not depend on the previous kernel: as a
     // programmatic dependent launch their copies start before the wait, while that kernel (the
     // activation quantizer, or the previous GEMM's last CTAs) still runs. A stage's full barrier
     // completes once all of this thread's earlier copies have landed, these included.
-    const int n_pre = min(kStages, n_it);
-    for (int it = 0; it < n_pre; ++it) copy_weights(it, it);
-    wait_prior_grids();
-    int s = 0;
-    uint32_t phase = 0;
-    for (int it = 0; it < n_it; ++it) {
-      if (it >= kStages) {
-        mbar_wait(empty0 + 8 * s, phase ^ 1);
-        copy_weights(it, s);
+    if (!stream_k) {
+      // Classic launch, one segment. Its own loop: as the stream-K loop below (more live state),
+      // it ran up to 5 % slower (kernel 5, 14336 x 4096 at M = 256; csrc/gemm/NOTES.md).
+      begin_segment(blockIdx.x, u_begin - static_cast<int>(blockIdx.x) * n_stage_all);
+      const int n_it = u_end - u_begin;
+      const int n_pre = min(kStages, n_it);
+      for (int it = 0; it < n_pre; ++it) copy_weights(it, it);
+      wait_prior_grids();
+      for (int it = 0; it < n_it; ++it) {
+        if (it >= kStages) {
+          mbar_wait(empty0 + 8 * s, phase ^ 1);
+          copy_weights(it, s);
+        }
+        copy_x(it, s);
+        cp_async_arrive_noinc(full0 + 8 * s);
+        next_slot();
       }
-      copy_x(it, s);
-      cp_async_arrive_noinc(full0 + 8 * s);
-      if (++s == kStages) {
-        s = 0;
-        phase ^= 1;
+    } else {
+      int done = 0;  // stages issued by this CTA (ring slots are reused after kStages)
+      for (int v = 0; v < v_end;) {
+        int tile, first_stage, n_it;
+        segment_at(v, tile, first_stage, n_it);
+        begin_segment(tile, first_stage);
+        int n_pre = 0;
+        if (done == 0) {
+          n_pre = min(kStages, n_it);
+          for (int it = 0; it < n_pre; ++it) copy_weights(it, it);
+          wait_prior_grids();
+        }
+        for (int it = 0; it < n_it; ++it, ++done) {
+          if (done >= kStages) mbar_wait(empty0 + 8 * s, phase ^ 1);
+          if (it >= n_pre) copy_weights(it, s);
+          copy_x(it, s);
+          cp_async_arrive_noinc(full0 + 8 * s);
+          next_slot();
+        }
+        v += n_it;
       }
     }
     cp_async_wait_all();  // do not retire with copies in flight
@@ -492,7 +592,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
 #pragma unroll
     for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
-      for (int i = 0; i < S::kAcc; ++i) acc[b][i] = 0;
+      for (int i = 0; i < S::kAcc; ++i) acc[b][i] = 0;  // defined once; each segment's first wgmma overwrites
     uint32_t a0[kBlocks][2][4], a1[kBlocks][2][4];  // A fragments of chunk 0 / 1 of a stage
 
     auto load_dequant = [&](int s, int cl, uint32_t(&a)[kBlocks][2][4]) {
@@ -504,130 +604,193 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
         dequant_chunk(w, pw, a[b]);
       }
     };
-    auto issue = [&](int s, int cl, const uint32_t(&a)[kBlocks][2][4]) {
+    // fresh: the segment's first chunk, whose first k32 step overwrites the accumulators.
+    auto issue = [&](int s, int cl, const uint32_t(&a)[kBlocks][2][4], bool fresh) {
       const uint64_t desc = make_desc_sw128(smem_base + s * S::kXBytes + cl * 64);
 #pragma unroll
       for (int step = 0; step < 2; ++step)
 #pragma unroll
-        for (int b = 0; b < kBlocks; ++b)
-          WgmmaRS<kTok>::run(acc[b], a[b][step], desc + 2 * step);  // +32 bytes per k32 step
+        for (int b = 0; b < kBlocks; ++b)  // +32 bytes per k32 step
+          WgmmaRS<kTok>::run(acc[b], a[b][step], desc + 2 * step, (fresh && step == 0) ? 0 : 1);
+    };
+    // The (token, channel) of accumulator pair (b, j, d): c[4j + d] / c[4j + 2 + d] = channels
+    // (2g, 2g+1) of token tok0 + 8j + 2t + d, row tile rt0 + (wgc * kBlocks + b) * 4 + warp.
+    // Stream-K: a CTA leaves at most one partial tile (its first segment), in its own slot of the
+    // workspace: the accumulators in register order, consumer thread fastest (coalesced; only the
+    // tile's finisher reads it back, in the same order).
+    constexpr int kTileRegs = kBlocks * S::kAcc;
+    auto sk_partial = [&](int cta) { return p.workspace + static_cast<size_t>(cta) * (kTileRegs * kConsumers) + ct; };
+    // One block at a time, so that only its channel pair's scales and bias are live (the
+    // accumulators fill the consumers' registers; caching every block's spilled them).
+    auto store_tile = [&](int tok0, int rt0) {
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b) {
+        const int rt = rt0 + (wgc * kBlocks + b) * 4 + warp;
+        if (rt >= num_rt) continue;
+        const int ch = rt * 16 + 2 * g;
+        const ChanPair cp = load_chan_pair<OutT>(p, ch);
+#pragma unroll
+        for (int j = 0; j < kTok / 8; ++j) {
+#pragma unroll
+          for (int d = 0; d < 2; ++d) {
+            const int tok = tok0 + 8 * j + 2 * t + d;
+            if (tok < M) write_pair<OutT>(p, cp, p.x_scale[tok], tok, ch, acc[b][4 * j + d], acc[b][4 * j + 2 + d]);
+          }
+        }
+      }
     };
 
     int s = 0, s_prev = 0;
     uint32_t phase = 0;
-    for (int it = 0; it < n_it; ++it) {
-      mbar_wait(full0 + 8 * s, phase);
-      fence_proxy_async();
-      if (it > 0) wgmma_wait<1>();  // chunk 0 of the previous stage retired: a0 is free
-      load_dequant(s, 0, a0);
-      wgmma_fence();
-      issue(s, 0, a0);
-      wgmma_commit();
-      if (it > 0) {
-        wgmma_wait<1>();  // chunk 1 of the previous stage retired: a1 and its slot are free
-        mbar_arrive(empty0 + 8 * s_prev);
+    bool first = true;
+    for (int v = 0; v < v_end;) {
+      int tile, first_stage, n_it;
+      segment_at(v, tile, first_stage, n_it);
+      v += n_it;
+      for (int it = 0; it < n_it; ++it) {
+        mbar_wait(full0 + 8 * s, phase);
+        fence_proxy_async();
+        if (it > 0) wgmma_wait<1>();  // chunk 0 of the previous stage retired: a0 is free
+        load_dequant(s, 0, a0);
+        wgmma_fence();
+        issue(s, 0, a0, it == 0);
+        wgmma_commit();
+        if (it > 0) {
+          wgmma_wait<1>();  // chunk 1 of the previous stage retired: a1 and its slot are free
+          mbar_arrive(empty0 + 8 * s_prev);
+        }
+        load_dequant(s, 1, a1);
+        wgmma_fence();
+        issue(s, 1, a1, false);
+        wgmma_commit();
+        s_prev = s;
+        if (++s == kStages) {
+          s = 0;
+          phase ^= 1;
+        }
       }
-      load_dequant(s, 1, a1);
-      wgmma_fence();
-      issue(s, 1, a1);
-      wgmma_commit();
-      s_prev = s;
-      if (++s == kStages) {
-        s = 0;
-        phase ^= 1;
-      }
-    }
-    wgmma_wait<0>();
+      wgmma_wait<0>();
 #pragma unroll
-    for (int b = 0; b < kBlocks; ++b) fence_regs(acc[b]);
-    // The epilogue reads the scales and writes the output, the partials and the counters, which
-    // earlier kernels write or read: the producer waited before its first activation copy, but
-    // these threads order their own accesses after the previous grids too.
-    wait_prior_grids();
+      for (int b = 0; b < kBlocks; ++b) fence_regs(acc[b]);
+      mbar_arrive(empty0 + 8 * s_prev);  // the segment's last slot: the producer may refill it
+      if (first) {
+        // The epilogue reads the scales and writes the output, the partials and the counters,
+        // which earlier kernels write or read: the producer waited before its first activation
+        // copy, but these threads order their own accesses after the previous grids too.
+        wait_prior_grids();
+        first = false;
+      }
+      int tok0, rt0;
+      tile_origin(tile, tok0, rt0);
 
-    // ---- epilogue: c[4j + d] / c[4j + 2 + d] = channels (2g, 2g+1) of token 8j + 2t + d ----
-    ChanPair cp[kBlocks];
-    int ch[kBlocks];
-    bool ch_ok[kBlocks];
+      if (stream_k && tile >= dp_tiles) {
+        const int tile_u = (tile - dp_tiles) * n_stage_all;
+        const int finisher = sk_owner(tile_u, units, p.sk_ctas);
+        const int pieces = sk_owner(tile_u + n_stage_all - 1, units, p.sk_ctas) - finisher + 1;
+        if (pieces > 1) {
+          if (static_cast<int>(blockIdx.x) != finisher) {
+            // A later piece of the tile: this CTA's first segment. Hand it to the finisher.
+            int32_t* dst = sk_partial(blockIdx.x);
 #pragma unroll
-    for (int b = 0; b < kBlocks; ++b) {
-      const int rt = rt0 + (wgc * kBlocks + b) * 4 + warp;
-      ch_ok[b] = rt < num_rt;
-      ch[b] = rt * 16 + 2 * g;
-      if (ch_ok[b] && splits == 1) cp[b] = load_chan_pair<OutT>(p, ch[b]);
-    }
-    if (splits == 1) {
+            for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
-      for (int j = 0; j < kTok / 8; ++j) {
+              for (int i = 0; i < S::kAcc; ++i) __stcg(dst + (b * S::kAcc + i) * kConsumers, acc[b][i]);
+            __threadfence();
+            named_barrier_consumers();
+            if (ct == 0) atomicAdd(p.counters + tile, 1);
+            continue;
+          }
+          // The tile's first stages, this CTA's last segment: the other pieces were the first
+          // segments of the next CTAs, so they are done or nearly. Spinning is safe: those CTAs
+          // wait on nothing before their piece, and a grid of at most one CTA per SM is resident
+          // once earlier kernels drain (a dependent grid launches only after this one exits).
+          if (ct == 0) {
+            volatile int32_t* count = p.counters + tile;
+            while (*count < pieces - 1) __nanosleep(64);
+            *count = 0;  // reusable by the next launch
+          }
+          named_barrier_consumers();
+          __threadfence();
+          for (int c = 1; c < pieces; ++c) {
+            const int32_t* src = sk_partial(blockIdx.x + c);
+#pragma unroll
+            for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+              for (int i = 0; i < S::kAcc; ++i) acc[b][i] += __ldcg(src + (b * S::kAcc + i) * kConsumers);
+          }
+        }
+      }
+      if (splits == 1) {
+        store_tile(tok0, rt0);
+        continue;
+      }
+      // Split-K: int32 partials; the last CTA of the tile to arrive sums them (exact in any order).
+      int ch[kBlocks];
+      bool ch_ok[kBlocks];
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b) {
+        const int rt = rt0 + (wgc * kBlocks + b) * 4 + warp;
+        ch_ok[b] = rt < num_rt;
+        ch[b] = rt * 16 + 2 * g;
+      }
+#pragma unroll
+      for (int j = 0; j < kTok / 8; ++j)
 #pragma unroll
         for (int d = 0; d < 2; ++d) {
           const int tok = tok0 + 8 * j + 2 * t + d;
           if (tok >= M) continue;
-          const float xs = p.x_scale[tok];
 #pragma unroll
           for (int b = 0; b < kBlocks; ++b)
-            if (ch_ok[b]) write_pair<OutT>(p, cp[b], xs, tok, ch[b], acc[b][4 * j + d], acc[b][4 * j + 2 + d]);
+            if (ch_ok[b]) *workspace_at(p, blockIdx.y, tok, ch[b]) = make_int2(acc[b][4 * j + d], acc[b][4 * j + 2 + d]);
         }
+      __threadfence();
+      named_barrier_consumers();
+      if (ct == 0) {
+        const int prev = atomicAdd(p.counters + tile, 1);
+        s_is_last = prev == splits - 1;
+        if (s_is_last) p.counters[tile] = 0;  // reusable by the next launch
       }
-      return;
-    }
-    // Split-K: int32 partials; the last CTA of the tile to arrive sums them (exact in any order).
+      named_barrier_consumers();
+      if (!s_is_last) continue;
+      __threadfence();
+      ChanPair cp[kBlocks];
 #pragma unroll
-    for (int j = 0; j < kTok / 8; ++j)
+      for (int b = 0; b < kBlocks; ++b)
+        if (ch_ok[b]) cp[b] = load_chan_pair<OutT>(p, ch[b]);
+      // kJ x 2 token rows of one block at a time, the split loop inside: 2 kJ independent loads
+      // in flight per step. (A load-add chain per element costs splits x L2 latency for every
+      // element: 7 splits at 4096 x 4096, M = 64 took 71 us that way against 15 us for Marlin.)
+      constexpr int kJ = kTok / 8 < 8 ? kTok / 8 : 8;
 #pragma unroll
-      for (int d = 0; d < 2; ++d) {
-        const int tok = tok0 + 8 * j + 2 * t + d;
-        if (tok >= M) continue;
-#pragma unroll
-        for (int b = 0; b < kBlocks; ++b)
-          if (ch_ok[b]) *workspace_at(p, blockIdx.y, tok, ch[b]) = make_int2(acc[b][4 * j + d], acc[b][4 * j + 2 + d]);
-      }
-    __threadfence();
-    named_barrier_consumers();
-    if (ct == 0) {
-      const int prev = atomicAdd(p.counters + blockIdx.x, 1);
-      s_is_last = prev == splits - 1;
-      if (s_is_last) p.counters[blockIdx.x] = 0;  // reusable by the next launch
-    }
-    named_barrier_consumers();
-    if (!s_is_last) return;
-    __threadfence();
-#pragma unroll
-    for (int b = 0; b < kBlocks; ++b)
-      if (ch_ok[b]) cp[b] = load_chan_pair<OutT>(p, ch[b]);
-    // kJ x 2 token rows of one block at a time, the split loop inside: 2 kJ independent loads
-    // in flight per step. (A load-add chain per element costs splits x L2 latency for every
-    // element: 7 splits at 4096 x 4096, M = 64 took 71 us that way against 15 us for Marlin.)
-    constexpr int kJ = kTok / 8 < 8 ? kTok / 8 : 8;
-#pragma unroll
-    for (int b = 0; b < kBlocks; ++b) {
-      if (!ch_ok[b]) continue;
+      for (int b = 0; b < kBlocks; ++b) {
+        if (!ch_ok[b]) continue;
 #pragma unroll 1
-      for (int j0 = 0; j0 < kTok / 8; j0 += kJ) {
-        int2 sum[kJ][2];
+        for (int j0 = 0; j0 < kTok / 8; j0 += kJ) {
+          int2 sum[kJ][2];
 #pragma unroll
-        for (int j = 0; j < kJ; ++j) sum[j][0] = sum[j][1] = make_int2(0, 0);
+          for (int j = 0; j < kJ; ++j) sum[j][0] = sum[j][1] = make_int2(0, 0);
 #pragma unroll 1
-        for (int sp = 0; sp < splits; ++sp) {
+          for (int sp = 0; sp < splits; ++sp) {
+#pragma unroll
+            for (int j = 0; j < kJ; ++j)
+#pragma unroll
+              for (int d = 0; d < 2; ++d) {
+                const int tok = tok0 + 8 * (j0 + j) + 2 * t + d;
+                if (tok < M) {
+                  const int2 v = __ldcg(workspace_at(p, sp, tok, ch[b]));  // L2: other SMs wrote it
+                  sum[j][d].x += v.x;
+                  sum[j][d].y += v.y;
+                }
+              }
+          }
 #pragma unroll
           for (int j = 0; j < kJ; ++j)
 #pragma unroll
             for (int d = 0; d < 2; ++d) {
               const int tok = tok0 + 8 * (j0 + j) + 2 * t + d;
-              if (tok < M) {
-                const int2 v = __ldcg(workspace_at(p, sp, tok, ch[b]));  // L2: other SMs wrote it
-                sum[j][d].x += v.x;
-                sum[j][d].y += v.y;
-              }
+              if (tok < M) write_pair<OutT>(p, cp[b], p.x_scale[tok], tok, ch[b], sum[j][d].x, sum[j][d].y);
             }
         }
-#pragma unroll
-        for (int j = 0; j < kJ; ++j)
-#pragma unroll
-          for (int d = 0; d < 2; ++d) {
-            const int tok = tok0 + 8 * (j0 + j) + 2 * t + d;
-            if (tok < M) write_pair<OutT>(p, cp[b], p.x_scale[tok], tok, ch[b], sum[j][d].x, sum[j][d].y);
-          }
       }
     }
   }
@@ -690,7 +853,7 @@ cudaError_t launch_one(const WParams& p, int splits, bool pdl, cudaStream_t stre
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(p.tok_tiles * p.ch_tiles, splits);
+  cfg.gridDim = p.sk_ctas > 0 ? dim3(p.sk_ctas) : dim3(p.tok_tiles * p.ch_tiles, splits);
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = S::kSmemBytes;
   cfg.stream = stream;
@@ -741,6 +904,52 @@ double wgmma_estimate_us(int kernel, int splits, long long ctas, int n_stages, i
   return us;
 }
 
+// Stream-K over `ctas` CTAs runs its first tiles data-parallel: every whole wave but the last,
+// so the stream-K units cover one to two waves' worth of tiles (and cut none when tiles is a
+// multiple of ctas). Without the waves, 4 of 7 Llama shapes ran 5-14 % slower at M = 1024 than
+// the classic grid: each CTA swept its own run of tiles, and the L2 shared little.
+long long sk_dp_tiles_of(long long tiles, int ctas) {
+  return tiles >= 2LL * ctas ? (tiles / ctas - 1) * ctas : 0;
+}
+
+// Stream-K over `ctas` CTAs: the most partials any tile leaves for its finisher (the pieces of
+// the most-cut tile - 1), from the CTA boundaries that fall inside a tile. O(ctas).
+int sk_slots_of(long long tiles, int n_stages, int ctas) {
+  const int units = static_cast<int>((tiles - sk_dp_tiles_of(tiles, ctas)) * n_stages);
+  int most = 0, run = 0, run_tile = -1;
+  for (int c = 1; c < ctas; ++c) {
+    const int b = sk_range_begin(c, units, ctas);
+    if (b % n_stages == 0) continue;  // a boundary between tiles cuts none
+    const int tile = b / n_stages;
+    run = tile == run_tile ? run + 1 : 1;
+    run_tile = tile;
+    if (run > most) most = run;
+  }
+  return most;
+}
+
+// Estimated microseconds of a stream-K launch: its data-parallel waves as classic ones, then
+// ceil(units / ctas) stream-K stages per CTA at a 12 % dearer stage (CTAs far apart in the tile
+// order share less of the L2), one pipeline fill, an epilogue per further tile, and the
+// finisher's sum of the other pieces. Fitted (rms 4.8 %, in wgmma_estimate_us's units) to the
+// 29 pure stream-K points (tiles < 2 x 132) of the 2026-11-28 H200 sweep, csrc/gemm/NOTES.md.
+double wgmma_sk_estimate_us(int kernel, long long tiles, int n_stages, int ctas, int slots) {
+  const Cfg c = cfg_of(kernel);
+  constexpr double kWaveUs = 2.89;             // as wgmma_estimate_us: prologue and epilogue
+  constexpr double kStageScale = 1.122;        // a stream-K stage against a classic one
+  constexpr double kSegmentUs = 1.09;          // each further tile's epilogue (or partial store)
+  constexpr double kSumUsPerKElem = 0.080;     // the finisher's sum, per piece and 1024 tile elements
+  const long long dp_waves = sk_dp_tiles_of(tiles, ctas) / ctas;
+  const long long units = (tiles - dp_waves * ctas) * n_stages;
+  const long long per_cta = (units + ctas - 1) / ctas;
+  const long long segments = (per_cta + n_stages - 1) / n_stages + (slots > 0 ? 1 : 0);
+  double us = static_cast<double>(dp_waves) * (n_stages * c.stage_us + kWaveUs);
+  us += kStageScale * static_cast<double>(per_cta) * c.stage_us + kWaveUs +
+        static_cast<double>(segments - 1) * kSegmentUs;
+  if (slots > 0) us += kSumUsPerKElem * slots * (2.0 * c.blocks * 64 * c.tok / 1024);
+  return us;
+}
+
 }  // namespace
 
 // wgmma kernels run iff the current device is sm_90 and the image chosen for it is the sm_90a
@@ -772,7 +981,7 @@ bool w4a8_wgmma_supported() {
 }
 
 const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel, int splits,
-                                 W4A8Plan* plan) {
+                                 bool stream_k_auto, W4A8Plan* plan) {
   if (M <= 0 || N <= 0 || K <= 0) return "w4a8_gemm: M, N and K must be positive";
   if (N % 16) return "w4a8_gemm: N must be a multiple of 16";
   if (K % kChunkK) return "w4a8_gemm: K must be a multiple of 64";
@@ -780,38 +989,73 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
     return "w4a8_gemm: group size must be 64 times a power of two (64, 128, ...)";
   if (K % group_size) return "w4a8_gemm: K must be a multiple of the group size";
   if (kernel != -1 && (kernel < 4 || kernel > 8)) return "w4a8_gemm: the wgmma kernels are 4 to 8";
+  if (splits < -1) return "w4a8_gemm: splits must be -1 (stream-K), 0 (choose) or a split count";
   const int n_stages = ceil_div(K / kChunkK, 2);
+  const int sms = num_sms > 0 ? num_sms : 1;
   int most = n_stages / kStagesMinPerSplit;  // splits to try when choosing
   if (most > 16) most = 16;
   if (most < 1) most = 1;
   // Candidates: the requested kernel, or kAutoKernels (6 never won a sweep); the requested
-  // split count, or 1..most. The least estimated time wins.
+  // split count, or 1..most, and stream-K when asked for (-1) or allowed (stream_k_auto).
+  // The least estimated time wins. splits_of -1 stands for stream-K below.
   static constexpr int kAutoKernels[] = {4, 5, 7, 8};
   const int* k_list = kernel == -1 ? kAutoKernels : &kernel;
   const int k_count = kernel == -1 ? static_cast<int>(sizeof(kAutoKernels) / sizeof(int)) : 1;
+  const bool try_classic = splits >= 0;
+  const bool try_sk = splits == -1 || (splits == 0 && stream_k_auto);
   const int s_lo = splits > 0 ? splits : 1, s_hi = splits > 0 ? splits : most;
+  bool have = false;
   double best_us = 0.0;
   int best_kernel = k_list[0], best_splits = s_lo;
   for (int i = 0; i < k_count; ++i) {
     const int k = k_list[i];
-    for (int s = s_lo; s <= s_hi; ++s) {
-      const double us = wgmma_estimate_us(k, s, ctas_of(k, M, N), n_stages, M, N, num_sms);
-      if ((i == 0 && s == s_lo) || us < best_us) {
+    const long long tiles = ctas_of(k, M, N);
+    for (int s = try_classic ? s_lo : s_hi + 1; s <= s_hi; ++s) {
+      const double us = wgmma_estimate_us(k, s, tiles, n_stages, M, N, num_sms);
+      if (!have || us < best_us) {
+        have = true;
         best_us = us;
         best_kernel = k;
         best_splits = s;
+      }
+    }
+    if (try_sk && tiles * n_stages <= 0x7FFFFFFFLL) {
+      const int ctas = static_cast<int>(std::min<long long>(sms, tiles * n_stages));
+      // Stream-K must be estimated 5 % faster to be chosen (its estimate is 4.8 % rms off; with
+      // this edge no pick of the 2026-11-28 sweep lost to the classic grid, NOTES.md "Stream-K").
+      constexpr double kStreamKEdge = 0.95;
+      const double us = wgmma_sk_estimate_us(k, tiles, n_stages, ctas, sk_slots_of(tiles, n_stages, ctas)) / kStreamKEdge;
+      if (!have || us < best_us) {
+        have = true;
+        best_us = us;
+        best_kernel = k;
+        best_splits = -1;
       }
     }
   }
   kernel = best_kernel;
   splits = best_splits;
   const long long ctas = ctas_of(kernel, M, N);
+  const Cfg c = cfg_of(kernel);
+  plan->kernel = static_cast<W4A8Kernel>(kernel);
+  plan->num_counters = static_cast<int>(std::min<long long>(ctas, 0x7FFFFFFFLL));
+  // The kernel counts (tile, stage) units in ints.
+  if (ctas * n_stages > 0x7FFFFFFFLL) return "w4a8_gemm: problem too large for the grid";
+  if (splits == -1) {
+    plan->splits = -1;
+    plan->sk_ctas = static_cast<int>(std::min<long long>(sms, ctas * n_stages));
+    plan->sk_slots = sk_slots_of(ctas, n_stages, plan->sk_ctas);
+    // A partial tile per CTA, when any tile is cut (sk_slots > 0).
+    plan->workspace_elems = plan->sk_slots > 0 ? plan->sk_ctas * (2LL * c.blocks * 64 * c.tok) : 0;
+    return nullptr;
+  }
   if (splits > n_stages) splits = n_stages;
   splits = ceil_div(n_stages, ceil_div(n_stages, splits));  // no empty split
   if (ctas * splits > 0x7FFFFFFFLL || splits > 65535) return "w4a8_gemm: problem too large for the grid";
-  plan->kernel = static_cast<W4A8Kernel>(kernel);
   plan->splits = splits;
-  plan->num_counters = static_cast<int>(ctas);
+  plan->sk_ctas = 0;
+  plan->sk_slots = 0;
+  plan->workspace_elems = splits > 1 ? static_cast<long long>(splits) * M * N : 0;
   return nullptr;
 }
 
@@ -821,6 +1065,8 @@ cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaS
   const Cfg c = cfg_of(static_cast<int>(plan.kernel));
   p.tok_tiles = ceil_div(a.M, c.tok);
   p.ch_tiles = ceil_div(a.N / 16, 2 * c.blocks * 4);
+  p.sk_ctas = plan.splits == -1 ? plan.sk_ctas : 0;
+  p.sk_dp_tiles = p.sk_ctas > 0 ? static_cast<int>(sk_dp_tiles_of(static_cast<long long>(p.tok_tiles) * p.ch_tiles, p.sk_ctas)) : 0;
   switch (a.out_kind) {
     case OutKind::kHalf: return launch_typed<__half>(p, plan, a.pdl, stream);
     case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, a.pdl, stream);
