@@ -10,7 +10,7 @@
 # rerun_refactors vllm_int_attn merge_rows_rest tp_global tp_nan_locate small_tiles small_tiles_sweep tp_split
 # tp_rest_a tp_rest_b tp_real_global tp_real_exact tp_exact tp_real_control tp_epilogue_tests sanitize_cuda
 # tp_real_exact_verdict wgmma_pdl_tests wgmma_pdl_bench wgmma_pdl_sanitize gemm_table
-# stream_k_tests stream_k_sweep stream_k_auto stream_k_sanitize
+# stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -651,6 +651,16 @@ stage_stream_k_auto() {
   run_bench bench_w4a8_cuda_stream_k_auto 420 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
     4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms ${STREAM_K_MS:-64 4096} --group 128 \
     --stream-k-sweep --sk-kernels --no-marlin --out "$OUT/stream_k_auto.json"
+}
+# What session 33 left unmeasured with stream-K on by default: the auto plans (option off and on)
+# at the M between the fitted ones, and the 70B shapes at M = 64 (~450 s; then gemm_table for
+# issue #4's table with the default-on planner, and stream_k_sanitize).
+stage_stream_k_verify() {
+  local rc=0
+  STREAM_K_MS="96 128 192 384 512 768" stage_stream_k_auto || rc=1
+  run_bench bench_w4a8_cuda_stream_k_auto_70b 120 python3 scripts/bench_w4a8_cuda.py --shapes 28672x8192 \
+    8192x28672 --ms 64 --group 128 --stream-k-sweep --sk-kernels --no-marlin --out "$OUT/stream_k_auto_70b.json" || rc=1
+  return $rc
 }
 stage_stream_k_sanitize() {
   OUT=$OUT timeout 400 bash scripts/sanitize.sh cuda 2>&1 | tail -30

@@ -290,3 +290,16 @@ def test_stream_k_picks_never_lose_on_the_session33_sweep(stream_k_option):
         gains[key] = row["gemm_auto_sk0_us"] / timed[pick]
     assert sum(g >= 1.06 for g in gains.values()) >= 4, gains
     assert gains[(8192, 10240, 256)] >= 1.15, gains
+
+
+def test_describe_plans_names_the_launch(monkeypatch, stream_k_option):
+    """The linear method's debug log of the csrc plans (kernels.prepare_linear) reads the same
+    planner the op runs: stream-K where the session-33 sweep measured it faster."""
+    stream_k_option(1)
+    monkeypatch.setattr(cuda, "auto_gemm_kernel_family",
+                        lambda m, device=None: "wgmma" if m >= 64 else ("decode" if m <= 32 else "mma"))
+    text = cuda.describe_plans(6144, 4096, 128, ms=(16, 1024, 4096), num_sms=H100_SMS)
+    assert text.startswith("M=16 decode k"), text
+    assert "M=1024 wgmma k4 stream-K" in text and "M=4096 wgmma k4 1 split" in text, text
+    stream_k_option(0)
+    assert "stream-K" not in cuda.describe_plans(6144, 4096, 128, ms=(1024,), num_sms=H100_SMS)

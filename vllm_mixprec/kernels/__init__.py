@@ -303,6 +303,7 @@ def prepare_linear(layer: torch.nn.Module, weight_scheme: str, prefix: str,
         rot = F.act_rotation_matrix(act_rotation)
         rot = None if rot is None else rot.to(layer.qweight.device)
         layer.register_buffer("act_rotation", rot, persistent=False)
+    group_size = layer.mixprec_in_features // layer.group_scale.shape[-1]  # checkpoint layout [N, K/G]
     if impl == "cuda":
         _cuda.prepare_weights(layer)
     # read per layer (validated at any TP); create_weights refuses W4Ax on a row-parallel
@@ -322,6 +323,10 @@ def prepare_linear(layer: torch.nn.Module, weight_scheme: str, prefix: str,
     layer.mixprec_scheme = weight_scheme
     logger.debug("vllm_mixprec: %s -> %s %s kernel (N=%d, K=%d)", prefix, impl, weight_scheme,
                  layer.mixprec_out_features, layer.mixprec_in_features)
+    if impl == "cuda" and weight_scheme == "w4a8" and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("vllm_mixprec: %s csrc plans: %s", prefix,
+                     _cuda.describe_plans(layer.mixprec_out_features, layer.mixprec_in_features,
+                                          group_size, layer.qweight.device))
 
 
 def _row_parallel_exact(layer: torch.nn.Module, x2: torch.Tensor, smooth: torch.Tensor | None

@@ -156,6 +156,25 @@ def auto_gemm_kernel_family(m: int, device: torch.device | int | None = None) ->
     return "decode" if m <= 32 else "mma"
 
 
+def describe_plans(n: int, k: int, group_size: int, device: torch.device | int | None = None,
+                   ms: tuple[int, ...] = (1, 16, 64, 256, 1024, 4096), num_sms: int | None = None) -> str:
+    """What w4a8_gemm would launch for an N x K layer at each M in `ms`, on `device` (its SM
+    count unless num_sms is given) with the current launch options and MIXPREC_W4A8_*
+    overrides: "M=1024 wgmma k4 stream-K, ...". Host code only (the planner), for the debug log."""
+    if num_sms is None:
+        idx = torch.cuda.current_device() if device is None else torch.device(device).index
+        num_sms = torch.cuda.get_device_properties(idx).multi_processor_count
+    out = []
+    for m in ms:
+        family = auto_gemm_kernel_family(m, device)
+        kernel = _GEMM_KERNEL if _GEMM_KERNEL >= 0 else -1
+        kid, splits = torch.ops.mixprec_C.w4a8_plan(m, n, k, group_size, num_sms, kernel, _GEMM_SPLITS,
+                                                    family == "wgmma")
+        how = "stream-K" if splits == -1 else f"{splits} split{'s' if splits > 1 else ''}"
+        out.append(f"M={m} {family} k{kid} {how}")
+    return ", ".join(out)
+
+
 def has_w4ax() -> bool:
     return available() and hasattr(torch.ops.mixprec_C, "w4ax_gemm")
 
