@@ -203,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--a8-fraction", type=float, default=0.25, help="W4Ax: share of 8-bit K blocks")
     q.add_argument("--a8-allocation", default="uniform", choices=list(A8_ALLOCATIONS),
                    help="W4Ax: uniform = that share in every linear; layer = each decoder layer's total of "
-                        "them spread over its input groups by the error a block saves on calibration data")
+                        "them spread over its input groups by the error a block saves on calibration data "
+                        "(the share is then of the layer's GEMM MACs; with --act-rotation hadamard64, the "
+                        "most accurate W4Ax measured on Qwen2.5-1.5B: docs/BENCHMARKS.md, session 33)")
     q.add_argument("--a8-select", default="blocks", choices=list(A8_SELECTIONS),
                    help="W4Ax: how the 8-bit blocks are chosen: blocks (default) = the original "
                         "128-channel blocks with the largest calibration max |x|, channels kept in place; "
