@@ -913,14 +913,28 @@ long long sk_dp_tiles_of(long long tiles, int ctas) {
 }
 
 // Stream-K over `ctas` CTAs: the most partials any tile leaves for its finisher (the pieces of
-// the most-cut tile - 1), from the CTA boundaries that fall inside a tile. O(ctas).
+// the most-cut tile - 1), from the CTA boundaries that fall inside a tile. The planner runs this
+// for every candidate of every w4a8_gemm call, so the boundaries sk_range_begin(c) =
+// c * q + floor(c * r / ctas) are stepped (by q or q + 1, ctas <= units) without dividing.
 int sk_slots_of(long long tiles, int n_stages, int ctas) {
-  const int units = static_cast<int>((tiles - sk_dp_tiles_of(tiles, ctas)) * n_stages);
-  int most = 0, run = 0, run_tile = -1;
+  const long long units = (tiles - sk_dp_tiles_of(tiles, ctas)) * n_stages;
+  const long long q = units / ctas, r = units % ctas;
+  long long carry = 0, at = 0;  // c * r mod ctas; the boundary's stage within its tile
+  long long tile = 0;
+  int most = 0, run = 0;
+  long long run_tile = -1;
   for (int c = 1; c < ctas; ++c) {
-    const int b = sk_range_begin(c, units, ctas);
-    if (b % n_stages == 0) continue;  // a boundary between tiles cuts none
-    const int tile = b / n_stages;
+    carry += r;
+    at += q;
+    if (carry >= ctas) {
+      carry -= ctas;
+      ++at;
+    }
+    while (at >= n_stages) {  // at most tiles + ctas passes in all: the stream-K tiles are < 2 ctas
+      at -= n_stages;
+      ++tile;
+    }
+    if (at == 0) continue;  // a boundary between tiles cuts none
     run = tile == run_tile ? run + 1 : 1;
     run_tile = tile;
     if (run > most) most = run;
@@ -1006,7 +1020,7 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
   const int s_lo = splits > 0 ? splits : 1, s_hi = splits > 0 ? splits : most;
   bool have = false;
   double best_us = 0.0;
-  int best_kernel = k_list[0], best_splits = s_lo;
+  int best_kernel = k_list[0], best_splits = s_lo, best_slots = 0;
   for (int i = 0; i < k_count; ++i) {
     const int k = k_list[i];
     const long long tiles = ctas_of(k, M, N);
@@ -1024,12 +1038,14 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
       // Stream-K must be estimated 5 % faster to be chosen (its estimate is 4.8 % rms off; with
       // this edge no pick of the 2026-11-28 sweep lost to the classic grid, NOTES.md "Stream-K").
       constexpr double kStreamKEdge = 0.95;
-      const double us = wgmma_sk_estimate_us(k, tiles, n_stages, ctas, sk_slots_of(tiles, n_stages, ctas)) / kStreamKEdge;
+      const int slots = sk_slots_of(tiles, n_stages, ctas);
+      const double us = wgmma_sk_estimate_us(k, tiles, n_stages, ctas, slots) / kStreamKEdge;
       if (!have || us < best_us) {
         have = true;
         best_us = us;
         best_kernel = k;
         best_splits = -1;
+        best_slots = slots;
       }
     }
   }
@@ -1044,7 +1060,7 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
   if (splits == -1) {
     plan->splits = -1;
     plan->sk_ctas = static_cast<int>(std::min<long long>(sms, ctas * n_stages));
-    plan->sk_slots = sk_slots_of(ctas, n_stages, plan->sk_ctas);
+    plan->sk_slots = best_slots;  // the candidate's: same tiles and CTAs
     // A partial tile per CTA, when any tile is cut (sk_slots > 0).
     plan->workspace_elems = plan->sk_slots > 0 ? plan->sk_ctas * (2LL * c.blocks * 64 * c.tok) : 0;
     return nullptr;
