@@ -10,9 +10,13 @@ Measured in the same run, on the same random data sizes:
                      layer launches under vLLM's torch.compile, where Inductor fuses the
                      quantization into the RMSNorm / SiLU-and-mul before it (kernels/__init__.py)
   ours_w4ax_triton_q Triton quantize_act_w4ax + w4ax_gemm, 25% of the 128-channel blocks at 8 bits
-                     (W4Ax, COMET's FMPQ; Hopper widens the int4 blocks to int8 in registers)
-  ours_w4ax_rot_triton_q  the same with act_rotation "hadamard" (the quantizer's W4Ax default): a
-                     torch matmul rotates each 4-bit block before the quantize kernel (not fused)
+                     (W4Ax, COMET's FMPQ; Hopper widens the int4 blocks to int8 in registers;
+                     --w4ax-a8-share sets the share)
+  ours_w4ax_rot_triton_q  the same with act_rotation "hadamard" (the quantizer's W4Ax default;
+                     --w4ax-rotation): w4ax_act_input's kernel rotates each 4-bit block, then
+                     the quantize kernel runs
+  ours_w4ax_rot_torch_triton_q  the same with the rotation as session 33 ran it: torch ops
+                     (float32 gather, divide, matmul, concatenate) before the quantize kernel
   marlin_w4a16       Marlin, uint4b8 group 128, fp16 activations (apply_gptq_marlin_linear)
   marlin_w4a8        Marlin with its own int8 activations (VLLM_MARLIN_INPUT_DTYPE=int8 path)
   machete_w4a16      Machete, uint4b8 group 128, fp16 activations
@@ -56,7 +60,7 @@ MAX_COPIES = 16
 GROUP = 128  # Marlin/Machete group size (ours: --group-size, 128 by default, same bytes)
 
 METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "ours_cuda_gemm", "ours_w4ax_triton_q",
-           "ours_w4ax_rot_triton_q", "marlin_w4a16", "marlin_w4a8", "machete_w4a16", "cublas_bf16", "int8_mm",
+           "ours_w4ax_rot_triton_q", "ours_w4ax_rot_torch_triton_q", "marlin_w4a16", "marlin_w4a8", "machete_w4a16", "cublas_bf16", "int8_mm",
            "fp8_w8a8")
 
 
@@ -77,6 +81,12 @@ def parse_args(argv=None):
     p.add_argument("--group-size", type=int, default=128, choices=(64, 128),
                    help="LiquidQuant group size of ours (Marlin and Machete use 128)")
     p.add_argument("--rep-ms", type=int, default=60, help="do_bench rep time per measurement")
+    p.add_argument("--w4ax-a8-share", type=float, default=0.25,
+                   help="W4Ax methods: share of K's 128-channel blocks at 8 bits, rounded to whole "
+                        "blocks (0: all 4-bit, 1: all 8-bit; the quantizer's --a8-allocation layer "
+                        "gives each linear its own)")
+    p.add_argument("--w4ax-rotation", choices=("hadamard", "hadamard64"), default="hadamard",
+                   help="ours_w4ax_rot_triton_q's act_rotation (formats.ACT_ROTATIONS)")
     p.add_argument("--flush", choices=("write", "read"), default="write",
                    help="L2 flush before each replay: do_bench's (writes 256 MB: the L2 is left full of "
                         "dirty lines, whose write-backs the timed kernel pays) or one that reads 256 MB "
@@ -88,6 +98,8 @@ def parse_args(argv=None):
     args.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in shapes.split(",") if s]
     args.ms = [int(v) for v in (args.ms or (QUICK_MS if args.quick else DEFAULT_MS)).split(",") if v]
     args.methods = [m for m in args.methods.split(",") if m]
+    if not 0.0 <= args.w4ax_a8_share <= 1.0:
+        p.error(f"--w4ax-a8-share={args.w4ax_a8_share}: expected a share in [0, 1]")
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         p.error(f"unknown methods {sorted(unknown)}")
@@ -190,18 +202,36 @@ def random_lqq(N: int, K: int, G: int, device):
 def setup_of(name: str) -> str:
     """The weight setup a method times: the Triton variants share "ours", the csrc ones
     "ours_cuda"."""
-    if name in ("ours_triton", "ours_triton_q", "ours_w4ax_triton_q", "ours_w4ax_rot_triton_q"):
+    if name in ("ours_triton", "ours_triton_q") or name.startswith("ours_w4ax"):
         return "ours"
     return "ours_cuda" if name == "ours_cuda_gemm" else name
+
+
+def _w4ax_quant_torch_rotation(x, perm, k8, smooth, rotation, ident):
+    """quantize_act_w4ax with the rotation as session 33 ran it, for comparison: float32 torch
+    ops (gather, divide, one matmul over the 4-bit blocks, concatenate), then the quantize
+    kernel on the result (identity permutation, no smoothing)."""
+    import torch
+    from vllm_mixprec.kernels.triton import gemm as tg
+    m, k = x.shape
+    xp = x.float()[:, perm.long()]
+    if smooth is not None:
+        xp = xp / smooth.float()[perm.long()]
+    a4 = xp[:, k8:].reshape(m, (k - k8) // 128, 128) @ rotation
+    xr = torch.cat([xp[:, :k8], a4.reshape(m, k - k8)], dim=1)
+    return tg.quantize_act_w4ax(xr, ident, k8, None, None)
 
 
 class Methods:
     """Builds, per shape, each method's weights; per M, a callable per weight copy."""
 
-    def __init__(self, K: int, N: int, wanted, errors: dict, group_size: int = GROUP):
+    def __init__(self, K: int, N: int, wanted, errors: dict, group_size: int = GROUP,
+                 w4ax_a8_share: float = 0.25, w4ax_rotation: str = "hadamard"):
         import torch
         self.K, self.N, self.dev, self.errors = K, N, "cuda", errors
         self.group_size = group_size
+        self.w4ax_k8 = 128 * round(w4ax_a8_share * K / 128)
+        self.w4ax_rotation = w4ax_rotation
         self.wanted = wanted
         self.w16 = (torch.randn(N, K, device=self.dev) / math.sqrt(K)).half()  # [N, K]
         self.setups = {}
@@ -308,15 +338,20 @@ class Methods:
                 out.append(lambda t=t, xb=xb: tg.w4a8_gemm(
                     *tg.quantize_act(xb), t["qweight"], t["group_scale"], t["group_offset"],
                     t["channel_scale"], None, torch.bfloat16, config=config))
-            elif name in ("ours_w4ax_triton_q", "ours_w4ax_rot_triton_q"):  # the same weights, K permuted
+            elif name.startswith("ours_w4ax"):  # the same weights, K permuted
                 if K % 128:
                     raise RuntimeError("W4Ax needs K to be a multiple of 128")
                 xb = x16.bfloat16()
                 perm = torch.randperm(K, device=dev).to(torch.int32)
-                k8 = 128 * max(1, round(0.25 * K / 128))
-                rot = F.hadamard().to(dev) if name == "ours_w4ax_rot_triton_q" else None
-                out.append(lambda t=t, xb=xb, perm=perm, k8=k8, rot=rot: tg.w4ax_gemm(
-                    *tg.quantize_act_w4ax(xb, perm, k8, None, rot), t["qweight"], t["group_scale"],
+                k8 = self.w4ax_k8
+                rot = (F.act_rotation_matrix(self.w4ax_rotation).to(dev)
+                       if name != "ours_w4ax_triton_q" else None)
+                quant = tg.quantize_act_w4ax
+                if name == "ours_w4ax_rot_torch_triton_q":
+                    quant = functools.partial(_w4ax_quant_torch_rotation, ident=torch.arange(
+                        K, device=dev, dtype=torch.int32))
+                out.append(lambda t=t, xb=xb, perm=perm, k8=k8, rot=rot, quant=quant: tg.w4ax_gemm(
+                    *quant(xb, perm, k8, None, rot), t["qweight"], t["group_scale"],
                     t["group_offset"], t["channel_scale"], None, torch.bfloat16, config=config))
             elif name == "ours_cuda":  # quantize_act + the auto-selected csrc GEMM, prepacked
                 xb = x16.bfloat16()
@@ -372,7 +407,7 @@ class Methods:
         wbytes = self.setups[base][0]
         a_in = {"cublas_bf16": 2, "fp8_w8a8": 2, "marlin_w4a16": 2, "machete_w4a16": 2, "marlin_w4a8": 2,
                 "ours_triton_q": 2, "ours_cuda": 2, "ours_w4ax_triton_q": 2,
-                "ours_w4ax_rot_triton_q": 2}.get(name, 1)
+                "ours_w4ax_rot_triton_q": 2, "ours_w4ax_rot_torch_triton_q": 2}.get(name, 1)
         a_out = 4 if name == "int8_mm" else 2
         return wbytes + M * self.K * a_in + M * self.N * a_out
 
@@ -443,11 +478,13 @@ def main(argv=None) -> int:
               "dtypes": {"ours": "bf16 in/out, int8 x int4 (LiquidQuant)", "marlin/machete": "fp16",
                          "cublas": "bf16", "int8_mm": "int8 -> int32"},
               "group_size": {"ours": args.group_size, "marlin/machete": GROUP},
+              "w4ax": {"a8_share": args.w4ax_a8_share, "rotation": args.w4ax_rotation},
               "results": [], "sweep": []}
     t_start = time.time()
     for K, N in args.shapes:
         errors: dict = {}
-        meth = Methods(K, N, args.methods, errors, args.group_size)
+        meth = Methods(K, N, args.methods, errors, args.group_size, args.w4ax_a8_share,
+                       args.w4ax_rotation)
         for M in args.ms:
             row = {"K": K, "N": N, "M": M, "flop": 2 * M * N * K, "methods": {}}
             if "ours" in meth.setups:
@@ -526,6 +563,7 @@ def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms):
 
 _SHORT = {"ours_triton": "tri", "ours_triton_q": "tri+q", "ours_cuda": "cuda", "ours_cuda_gemm": "cuda-g",
           "ours_w4ax_triton_q": "w4ax", "ours_w4ax_rot_triton_q": "w4ax+rot",
+          "ours_w4ax_rot_torch_triton_q": "w4ax+rot(torch)",
           "marlin_w4a16": "mar16",
           "marlin_w4a8": "mar8", "machete_w4a16": "mach", "cublas_bf16": "bf16", "int8_mm": "i8mm", "fp8_w8a8": "fp8"}
 _RATIOS = (("ours_cuda", "marlin_w4a16"), ("ours_cuda_gemm", "marlin_w4a16"), ("ours_cuda", "fp8_w8a8"),
@@ -573,14 +611,19 @@ def plot(report, out_dir) -> None:
         return
     # the csrc linear is what vLLM runs on sm_90; the Triton linear is the portable path
     for name, suffix in (("ours_cuda", ""), ("ours_triton_q", "_triton")):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
         shapes = sorted({(r["K"], r["N"]) for r in report["results"]})
+        curves = {}
         for K, N in shapes:
             pts = [(r["M"], r["methods"].get(name, {}).get("speedup_vs_marlin_w4a16"))
                    for r in report["results"] if (r["K"], r["N"]) == (K, N)]
             pts = [(m, s) for m, s in pts if s]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"K={K} N={N}")
+                curves[f"K={K} N={N}"] = pts
+        if not curves:  # the method (or Marlin) was not run: no empty figure
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label, pts in curves.items():
+            ax.plot(*zip(*pts), marker="o", label=label)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("M (tokens)")

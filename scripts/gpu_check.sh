@@ -278,9 +278,10 @@ stage_merge_rows_bench() {
 }
 # W4Ax with the block rotation (act_rotation "hadamard"): its GPU tests, then its cost against W4Ax
 # without rotation, W4A8 and Marlin on two Llama-3-8B shapes
+stage_w4ax_tests() { pytest_gpu pytest-gpu-w4ax 240 tests/kernels/test_triton_gemm.py -k w4ax; }
 stage_w4ax() {
   local rc=0
-  pytest_logged pytest-gpu-w4ax 240 tests/kernels/test_triton_gemm.py -m gpu -k w4ax || rc=1
+  stage_w4ax_tests || rc=1
   mkdir -p "$OUT/w4ax"
   run_bench bench_gemm_w4ax 300 python3 benchmarks/bench_gemm.py --shapes 4096x6144,14336x4096 \
     --ms 1,16,256,4096 --methods ours_triton_q,ours_cuda,ours_w4ax_triton_q,ours_w4ax_rot_triton_q,marlin_w4a16 \
@@ -629,10 +630,13 @@ stage_gemm_table() {
   pytest_gpu pytest-gpu-quant 200 tests/kernels/test_cuda_gemm.py -k "quantize or launch_options" || rc=1
   run_bench bench_w4a8_cuda_quant 200 python3 scripts/bench_w4a8_cuda.py --shapes 14336x4096 28672x8192 \
     --ms 64 128 256 1024 --group 128 --launch-sweep --no-marlin --out "$OUT/launch_sweep_quant.json" || rc=1
+  stage_issue_table || rc=1
+  return $rc
+}
+stage_issue_table() {
   run_bench bench_gemm_table 400 python3 benchmarks/bench_gemm.py --ms 1,16,64,256,1024,4096 \
     --shapes 4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672 \
-    --methods ours_cuda,ours_cuda_gemm,marlin_w4a16,machete_w4a16,cublas_bf16,int8_mm --out "$OUT/gemm-table" || rc=1
-  return $rc
+    --methods ours_cuda,ours_cuda_gemm,marlin_w4a16,machete_w4a16,cublas_bf16,int8_mm --out "$OUT/gemm-table"
 }
 # Stream-K (session 32): the wgmma kernels' exactness with splits=-1 first, then every auto
 # wgmma kernel as planned and as stream-K, and the auto GEMM/linear with the option off and on,
@@ -653,13 +657,41 @@ stage_stream_k_auto() {
     --stream-k-sweep --sk-kernels --no-marlin --out "$OUT/stream_k_auto.json"
 }
 # What session 33 left unmeasured with stream-K on by default: the auto plans (option off and on)
-# at the M between the fitted ones, and the 70B shapes at M = 64 (~450 s; then gemm_table for
-# issue #4's table with the default-on planner, and stream_k_sanitize).
+# at M between the fitted ones, and the 70B shapes at M = 64 (~300 s with the default M; then
+# issue_table for issue #4's table with the default-on planner, and stream_k_sanitize).
 stage_stream_k_verify() {
   local rc=0
-  STREAM_K_MS="96 128 192 384 512 768" stage_stream_k_auto || rc=1
+  STREAM_K_MS="${STREAM_K_VERIFY_MS:-128 384 768}" stage_stream_k_auto || rc=1
   run_bench bench_w4a8_cuda_stream_k_auto_70b 120 python3 scripts/bench_w4a8_cuda.py --shapes 28672x8192 \
     8192x28672 --ms 64 --group 128 --stream-k-sweep --sk-kernels --no-marlin --out "$OUT/stream_k_auto_70b.json" || rc=1
+  return $rc
+}
+# Session 34's refitted stream-K estimate: the auto plans, option off and on, where its picks
+# differ from session 33's (4096x6144 at M = 64-384, 4096x4096 and 14336x4096 at M = 64,
+# 28672x8192 at M = 768)
+stage_stream_k_refit() {
+  local rc=0
+  run_bench bench_w4a8_cuda_stream_k_refit 200 python3 scripts/bench_w4a8_cuda.py \
+    --shapes 4096x6144 4096x4096 14336x4096 --ms 64 128 384 --group 128 --stream-k-sweep --sk-kernels \
+    --no-marlin --out "$OUT/stream_k_refit.json" || rc=1
+  run_bench bench_w4a8_cuda_stream_k_refit_70b 100 python3 scripts/bench_w4a8_cuda.py --shapes 28672x8192 \
+    --ms 768 --group 128 --stream-k-sweep --sk-kernels --no-marlin --out "$OUT/stream_k_refit_70b.json" || rc=1
+  return $rc
+}
+# W4Ax at the shares the per-layer allocation gives (session 33's recipe on Qwen2.5-1.5B: qkv and
+# o all 8-bit, gate_up all 4-bit, down 32 of 70 blocks at 8 bits; 64-point rotation halves), on
+# Qwen2.5-1.5B's and Llama-3-8B's shapes, beside W4A8 (csrc and Triton) and Marlin
+stage_w4ax_alloc() {
+  local rc=0 share shapes
+  local methods=ours_cuda,ours_triton_q,ours_w4ax_triton_q,ours_w4ax_rot_triton_q,ours_w4ax_rot_torch_triton_q,marlin_w4a16
+  local specs=${W4AX_ALLOC_SPECS:-"1.0:1536x2048,1536x1536,4096x6144,4096x4096 0.0:1536x17920,4096x28672 0.457:8960x1536,14336x4096"}
+  for spec in $specs; do
+    share=${spec%%:*}; shapes=${spec#*:}
+    mkdir -p "$OUT/w4ax-alloc-$share"
+    run_bench "bench_gemm_w4ax_$share" 240 python3 benchmarks/bench_gemm.py --shapes "$shapes" \
+      --ms 1,16,256,1024 --methods $methods --w4ax-a8-share "$share" --w4ax-rotation hadamard64 \
+      --out "$OUT/w4ax-alloc-$share" || rc=1
+  done
   return $rc
 }
 stage_stream_k_sanitize() {

@@ -44,7 +44,10 @@ def main() -> int:
                   (64, 128, 4096, 128, 7, 4),
                   # stream-K (splits=-1): tiles cut between CTAs, partials, the finisher's wait
                   (65, 512, 8192, 128, 4, -1), (200, 208, 576, 64, 7, -1), (300, 272, 1024, 64, 5, -1),
-                  (130, 144, 2048, 128, 8, -1)]
+                  (130, 144, 2048, 128, 8, -1),
+                  # hybrid stream-K: 17 x 24 = 408 tiles > 2 waves, so whole waves run
+                  # data-parallel before the split remainder
+                  (2100, 6144, 256, 128, 4, -1)]
     for m, n, k, g, kernel, splits in cases:
         qw, gs, go = lqq(n, k, g, gen)
         cs = torch.rand(n, generator=gen, device=DEV) * 1e-3 + 1e-4

@@ -208,12 +208,16 @@ def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None = N
 def rotate_a4_blocks(xp: torch.Tensor, k8: int, rotation: torch.Tensor | None) -> torch.Tensor:
     """Permuted float32 activations [M, K] with each 4-bit block (channels k8 onward, in
     ACT_BLOCK-channel blocks) multiplied by `rotation` [ACT_BLOCK, ACT_BLOCK] (x_b @ R); the
-    8-bit part is returned as it is. rotation None: xp itself (formats: act_rotation)."""
-    if rotation is None:
-        return xp
+    8-bit part is returned as it is. rotation None, or no 4-bit block (k8 == K): xp itself
+    (formats: act_rotation). The products are summed in float64 and rounded once to xp's
+    dtype: another summation order (the Triton twin's tl.dot) gives the same float32 values
+    unless a float64 rounding error crosses a float32 rounding boundary."""
     m, k = xp.shape
-    a4 = xp[:, k8:].reshape(m, (k - k8) // F.ACT_BLOCK, F.ACT_BLOCK) @ rotation.to(xp.dtype)
-    return torch.cat([xp[:, :k8], a4.reshape(m, k - k8)], dim=1)
+    if rotation is None or k8 == k:
+        return xp
+    a4 = (xp[:, k8:].reshape(m, (k - k8) // F.ACT_BLOCK, F.ACT_BLOCK).to(torch.float64)
+          @ rotation.to(torch.float64)).to(xp.dtype)
+    return a4.reshape(m, k) if k8 == 0 else torch.cat([xp[:, :k8], a4.reshape(m, k - k8)], dim=1)
 
 
 def w4ax_act_input(x: torch.Tensor, perm: torch.Tensor, k8: int, smooth: torch.Tensor | None,

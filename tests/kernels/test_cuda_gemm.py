@@ -348,3 +348,23 @@ def test_errors_name_the_problem():
     out = r.stdout + r.stderr
     assert r.returncode == 0, f"exit {r.returncode} (negative: killed by that signal)\n{out[-4000:]}"
     assert "FAIL" not in out and "finite=True" in out, out[-4000:]
+
+
+def test_prepare_linear_debug_log_names_the_planned_launches(caplog):
+    """The linear method's debug log (kernels.prepare_linear) on a real sm_90 layer: one line
+    with the csrc plan at each M, from the planner w4a8_gemm runs (cuda.describe_plans)."""
+    import logging
+
+    from vllm_mixprec import kernels
+    qw, gs, go, cs = random_lqq(6144, 4096, 128, _gen(7))
+    layer = torch.nn.Module()
+    for name, t in (("qweight", qw), ("group_scale", gs), ("group_offset", go), ("channel_scale", cs)):
+        layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+    layer.mixprec_in_features, layer.mixprec_out_features = 4096, 6144
+    with caplog.at_level(logging.DEBUG, logger=kernels.logger.name):
+        kernels.prepare_linear(layer, "w4a8", "model.layers.0.self_attn.qkv_proj")
+    assert layer.mixprec_impl == "cuda"
+    lines = [r.getMessage() for r in caplog.records if "csrc plans" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    expect = cuda.describe_plans(6144, 4096, 128, layer.qweight.device)
+    assert lines[0].endswith(expect) and "M=1 " in expect and "M=4096 wgmma" in expect, lines[0]

@@ -263,33 +263,44 @@ def test_stream_k_only_chosen_when_allowed(stream_k_option):
     assert plan(1024, 6144, 4096, kernel=4, splits=2) == (4, 2)
 
 
-S33 = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "2026-11-28-s33")
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results")
 
 
-def test_stream_k_picks_never_lose_on_the_session33_sweep(stream_k_option):
-    """With stream-K allowed (the default), the pick on every row of the 2026-11-28 H200 sweeps
-    (`STREAM_K_MS="256 1024" bash scripts/gpu_check.sh stream_k_sweep`, group 128, 132 SMs; and
-    the M = 64 auto-only rows of `stream_k_auto`) is timed there, within 2 % of the classic
-    planner's pick, and at least 15 % faster on 8192 x 10240 at M = 256 (one of four rows that
-    gain 6 % or more). The stream-K estimate was fitted to the M = 256 and 1024 rows."""
+def _stream_k_rows():
+    """Every auto-plan row timed with stream-K off and on, on one H200 (132 SMs, group 128):
+    session 33's sweep at M = 256 and 1024 (each wgmma kernel's stream-K time too) and its M = 64
+    rows, and session 34's M = 128, 384 and 768 rows plus the 70B shapes at M = 64
+    (`bash scripts/gpu_check.sh stream_k_verify`)."""
+    rows = []
+    for name in ("2026-11-28-s33/stream_k_sweep.json", "2026-11-28-s33/stream_k_auto_m64.json",
+                 "2026-11-28-s34/stream_k_auto.json"):
+        with open(os.path.join(RESULTS, name)) as f:
+            rows += json.load(f)
+    return rows
+
+
+def test_stream_k_picks_never_lose_on_the_measured_rows(stream_k_option):
+    """With stream-K allowed (the default), the pick on each of the 42 rows is one the row timed,
+    within 2 % of the classic planner's pick, and 6 % faster or more on at least 10 of them
+    (8192 x 10240 at M = 256: 1.21x; 4096 x 6144 at M = 768: 1.41x). Session 33's estimate and
+    5 % edge picked stream-K on 4096 x 6144 at M = 128, 11.5 % slower; the estimate was refitted
+    on all of these rows, so this test checks the fit, not an out-of-sample prediction."""
     stream_k_option(1)
-    with open(os.path.join(S33, "stream_k_sweep.json")) as f:
-        rows = json.load(f)
-    with open(os.path.join(S33, "stream_k_auto_m64.json")) as f:
-        auto_rows = json.load(f)
-    assert len(rows) == 14 and len(auto_rows) == 5
+    rows = _stream_k_rows()
+    assert len(rows) == 42
     gains = {}
-    for row in rows + auto_rows:
+    for row in rows:
         key = (row["K"], row["N"], row["M"])
         pick = plan(row["M"], row["N"], row["K"], g=row["G"])
         timed = {tuple(row["plan_auto_sk0"]): row["gemm_auto_sk0_us"],
                  tuple(row["plan_auto_sk1"]): row["gemm_auto_sk1_us"]}
         timed.update({(k, -1): row[f"gemm_k{k}_sk_us"] for k in cuda.WGMMA_KERNELS if f"gemm_k{k}_sk_us" in row})
-        assert pick in timed, (key, pick, "a pick the sweep did not time")
+        assert pick in timed, (key, pick, "a pick the rows did not time")
         assert timed[pick] <= 1.02 * row["gemm_auto_sk0_us"], (key, pick, timed[pick], row["gemm_auto_sk0_us"])
         gains[key] = row["gemm_auto_sk0_us"] / timed[pick]
-    assert sum(g >= 1.06 for g in gains.values()) >= 4, gains
+    assert sum(g >= 1.06 for g in gains.values()) >= 10, gains
     assert gains[(8192, 10240, 256)] >= 1.15, gains
+    assert gains[(4096, 6144, 768)] >= 1.3, gains
 
 
 def test_describe_plans_names_the_launch(monkeypatch, stream_k_option):

@@ -11,6 +11,7 @@ output dtype plus ~1e-6 of the output scale.
 """
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -200,6 +201,62 @@ def test_quantize_act_w4ax_bit_exact(k, k8, smooth, m, rotate, seeded):
     for name, a, b in zip(("x8", "s8", "x4", "s4"), got, expect):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(a.cpu(), b), name
+
+
+def test_quantize_act_w4ax_all_8bit_skips_the_rotation_pass(seeded, monkeypatch):
+    """k8 == K (a layer the per-layer allocation keeps at 8 bits): there is no 4-bit block to
+    rotate, so the kernel reads x with perm and smooth itself, without the rotation pass (the
+    torch one cost 11 us a call at M = 1 on the H200, session 34), and the codes are the
+    unrotated ones."""
+    x = _act(3, 256, seeded, torch.bfloat16)
+    perm = torch.randperm(256, generator=seeded).to(DEV)
+    sm = (torch.rand(256, generator=seeded) + 0.5).to(DEV)
+    plain = tg.quantize_act_w4ax(x, perm, 256, sm, None)
+
+    def no_pass(*args):
+        raise AssertionError("the torch rotation pass ran for a layer with no 4-bit block")
+
+    monkeypatch.setattr(tg, "w4ax_act_input", no_pass)
+    got = tg.quantize_act_w4ax(x, perm, 256, sm, F.hadamard().to(DEV))
+    for a, b in zip(got, plain):
+        assert torch.equal(a, b)
+    with pytest.raises(AssertionError, match="rotation pass ran"):
+        tg.quantize_act_w4ax(x, perm, 128, sm, F.hadamard().to(DEV))
+
+
+@pytest.mark.parametrize("m,k,k8", [(1, 256, 0), (17, 384, 128), (5, 512, 256), (3, 256, 256)])
+@pytest.mark.parametrize("rotation", ["hadamard", "hadamard64", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_w4ax_act_input_is_the_reference(m, k, k8, rotation, dtype, seeded):
+    """The fused rotation kernel against reference.w4ax_act_input, bit for bit: permuted,
+    smoothed, each 4-bit block rotated (rows past a multiple of 16 masked; a NaN row stays NaN
+    where the reference's does)."""
+    x = _act(m, k, seeded, dtype)
+    if m > 3:
+        x[2, 7] = float("nan")
+    perm = torch.randperm(k, generator=seeded).to(DEV)
+    sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV)
+    rot = F.act_rotation_matrix(rotation)
+    got = tg.w4ax_act_input(x, perm, k8, sm, None if rot is None else rot.to(DEV))
+    expect = ref.w4ax_act_input(x.cpu(), perm.cpu(), k8, sm.cpu(), rot)
+    assert got.dtype == torch.float32 and got.shape == (m, k)
+    assert torch.equal(got.cpu().nan_to_num(7.0), expect.nan_to_num(7.0))
+    assert torch.equal(got.cpu().isnan(), expect.isnan())
+
+
+def test_w4ax_act_input_errors_and_empty(seeded):
+    x = _act(2, 256, seeded, torch.bfloat16)
+    perm = torch.randperm(256, generator=seeded).to(DEV)
+    h = F.hadamard().to(DEV)
+    assert tg.w4ax_act_input(x[:0], perm, 128, None, h).shape == (0, 256)
+    with pytest.raises(ValueError, match=r"perm has shape \(255,\); expected \(256,\)"):
+        tg.w4ax_act_input(x, perm[:255], 128, None, h)
+    with pytest.raises(ValueError, match="k8=64"):
+        tg.w4ax_act_input(x, perm, 64, None, h)
+    with pytest.raises(TypeError, match="rotation has dtype torch.float64"):
+        tg.w4ax_act_input(x, perm, 128, None, h.double())
+    with pytest.raises(ValueError, match=r"rotation has shape \(64, 64\)"):
+        tg.w4ax_act_input(x, perm, 128, None, h[:64, :64].contiguous())
 
 
 @pytest.mark.parametrize("k,k8", [(4096, 0), (4096, 1024), (4096, 4096), (14336, 3584),
@@ -550,13 +607,18 @@ def test_gpu_silu_mul_quantize_act(m, k, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k8,rotate", [(1, 0, False), (16, 512, False), (200, 1024, False),
-                                         (1000, 4096, False), (1, 1024, True), (200, 1024, True)])
-def test_gpu_w4ax(m, k8, rotate):
+@pytest.mark.parametrize("m,k8,rotation", [(1, 0, "none"), (16, 512, "none"), (200, 1024, "none"),
+                                            (1000, 4096, "none"), (1, 1024, "hadamard"),
+                                            (200, 1024, "hadamard"), (1, 0, "hadamard64"),
+                                            (1000, 2048, "hadamard64")])
+def test_gpu_w4ax(m, k8, rotation):
+    """Codes and scales bit for bit (the rotation by w4ax_act_input's float64 MMA against the
+    reference's float64 matmul), then the GEMM against float64."""
     n, k, g = 4096 + 64, 4096, 128
     t, x = _gpu_case(m, n, k, g, seed=m)
     perm = torch.randperm(k, device="cuda")
-    rot = F.hadamard().cuda() if rotate else None
+    rot = F.act_rotation_matrix(rotation)
+    rot = None if rot is None else rot.cuda()
     x8, s8, x4, s4 = tg.quantize_act_w4ax(x, perm, k8, None, rot)
     for a, b in zip((x8, s8, x4, s4), ref.quantize_act_w4ax(x, perm, k8, None, rot)):
         assert torch.equal(a, b)
@@ -605,3 +667,25 @@ def test_bench_gemm_imports_without_gpu(repo_module):
     args = mod.parse_args(["--quick", "--out", "/tmp/x"])
     assert args.shapes == [(8192, 28672), (4096, 4096)] and args.ms == [1, 16, 256, 4096]
     assert mod.n_copies(4096 * 4096 // 2) >= 2 and mod.n_copies(8192 * 28672 // 2) == 1
+
+
+def test_bench_gemm_w4ax_options_and_bad_share(repo_module, capsys):
+    mod = repo_module("benchmarks/bench_gemm.py")
+    args = mod.parse_args(["--w4ax-a8-share", "0.457", "--w4ax-rotation", "hadamard64"])
+    assert (args.w4ax_a8_share, args.w4ax_rotation) == (0.457, "hadamard64")
+    assert mod.parse_args([]).w4ax_a8_share == 0.25
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--w4ax-a8-share", "1.5"])
+    assert "--w4ax-a8-share=1.5: expected a share in [0, 1]" in capsys.readouterr().err
+
+
+def test_bench_gemm_replot_skips_methods_not_run(repo_module, tmp_path):
+    """--replot of a run without the Triton linear draws the csrc figure only (no empty one)."""
+    pytest.importorskip("matplotlib")
+    mod = repo_module("benchmarks/bench_gemm.py")
+    row = {"K": 4096, "N": 4096, "M": 16, "methods": {
+        "ours_cuda": {"ms": 0.008, "speedup_vs_marlin_w4a16": 1.25}, "marlin_w4a16": {"ms": 0.010}}}
+    report = tmp_path / "bench_gemm.json"
+    report.write_text(json.dumps({"device": "test", "results": [row]}))
+    assert mod.main(["--replot", str(report), "--out", str(tmp_path / "plots")]) == 0
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["bench_gemm_speedup.png"]

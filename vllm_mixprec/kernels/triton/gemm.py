@@ -559,6 +559,34 @@ def _quant_act_chunk_codes_kernel(v_ptr, stats_ptr, q_ptr, s_ptr, K, stride_v, s
         tl.store(s_ptr + row, scale)
 
 
+@triton.jit
+def _w4ax_act_input_kernel(x_ptr, perm_ptr, smooth_ptr, rot_ptr, out_ptr, M, K8, stride_x,
+                           stride_out, HAS_SMOOTH: tl.constexpr, BM: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """reference.w4ax_act_input for BM rows and one BLOCK-channel block per program, grid
+    (cdiv(M, BM), K / BLOCK): permuted channels divided by smooth (_act_values), and a block at or
+    past K8 times the rotation, summed in float64 and rounded once to float32 as the reference
+    does, so that the codes quantized from it are the reference's."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = tl.broadcast_to((rows < M)[:, None], (BM, BLOCK))
+    xrows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    v = _act_values(xrows, perm_ptr, smooth_ptr, cols[None, :], mask, 0, True, HAS_SMOOTH, False)
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(out, v, mask=mask)
+    if tl.program_id(1) * BLOCK >= K8:
+        # the dot's operand is read back as float32: from a 16-bit x, Triton 3.6 would move the
+        # operand's layout to the 16-bit load, and its float64 MMA cannot take that ("fp64 don't
+        # support largeK MMA"); the barrier makes the CTA's stores visible to its loads
+        tl.debug_barrier()
+        a = tl.load(out, mask=mask, other=0.0).to(tl.float64)
+        k = tl.arange(0, BLOCK)
+        rot = tl.load(rot_ptr + k[:, None] * BLOCK + k[None, :]).to(tl.float64)
+        r = tl.dot(a, rot, input_precision="ieee", out_dtype=tl.float64).to(tl.float32)
+        tl.debug_barrier()  # every thread has read its operand before any overwrites it
+        tl.store(out, r, mask=mask)
+
+
 # ======================================================================================
 # Host side
 # ======================================================================================
@@ -927,6 +955,37 @@ def _launch_split_rows(x, smooth, K, q, s, gated: bool = True) -> None:
         **({"launch_pdl": True} if pdl else {}))
 
 
+# rows per program of w4ax_act_input: tl.dot's smallest M (rows past M are masked)
+W4AX_INPUT_ROWS = 16
+
+
+def w4ax_act_input(x: torch.Tensor, perm: torch.Tensor, k8: int, smooth: torch.Tensor | None,
+                   rotation: torch.Tensor | None) -> torch.Tensor:
+    """reference.w4ax_act_input in one kernel: the float32 values W4Ax quantizes (x / smooth,
+    channels permuted, each 4-bit block times `rotation`). Both sum the rotation in float64
+    and round once, so the two agree unless a float64 rounding error crosses a float32
+    rounding boundary (tests/kernels/test_triton_gemm.py compares them bit for bit). Before it, the rotation was six
+    torch launches: 10-65 us a call at M <= 16 on the H200 (docs/BENCHMARKS.md, session 34)."""
+    x = _check_act(x, smooth)
+    M, K = x.shape
+    _check_shape("perm", perm, (K,))
+    F.W4ActLayout.from_k8(K, k8)
+    out = torch.empty((M, K), dtype=torch.float32, device=x.device)
+    if rotation is None:  # nothing to fuse: the permuted, smoothed copy
+        rotation, k8 = torch.empty(0, dtype=torch.float32, device=x.device), K
+    else:
+        _check_dtype("rotation", rotation, (torch.float32,))
+        _check_shape("rotation", rotation, (F.ACT_BLOCK, F.ACT_BLOCK))
+    if M == 0:
+        return out
+    rows = W4AX_INPUT_ROWS
+    _w4ax_act_input_kernel[(triton.cdiv(M, rows), K // F.ACT_BLOCK)](
+        x, perm.contiguous(), smooth.contiguous() if smooth is not None else x,
+        rotation.contiguous(), out, M, k8, x.stride(0), out.stride(0),
+        HAS_SMOOTH=smooth is not None, BM=rows, BLOCK=F.ACT_BLOCK, num_warps=4)
+    return out
+
+
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
                       smooth: torch.Tensor | None = None, rotation: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -934,8 +993,9 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     `rotation` [128, 128] when given) to packed int4, one scale per (token, ACT_BLOCK-channel
     block); bit-exact with the reference.
 
-    The rotation is not fused: reference.w4ax_act_input (a torch matmul, one more pass over x)
-    builds the rotated float32 input that the kernel then quantizes without perm or smooth.
+    With a rotation, w4ax_act_input (one kernel, one more pass over x) builds the rotated
+    float32 input that the quantize kernel then reads without perm or smooth. With no 4-bit
+    block (k8 == K) there is nothing to rotate, and the quantize kernel reads x itself.
 
     Returns (x8 int8 [M, k8], s8 float32 [M, k8/128], x4 uint8 [M, (K-k8)/2],
     s4 float32 [M, (K-k8)/128])."""
@@ -948,8 +1008,9 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     if rotation is not None:
         _check_dtype("rotation", rotation, (torch.float32,))
         _check_shape("rotation", rotation, (F.ACT_BLOCK, F.ACT_BLOCK))
-        x = ref.w4ax_act_input(x, perm, k8, smooth, rotation)
-        perm = smooth = None
+        if k8 < K:
+            x = w4ax_act_input(x, perm, k8, smooth, rotation)
+            perm = smooth = None
     dev = x.device
     x8 = torch.empty((M, k8), dtype=torch.int8, device=dev)
     x4 = torch.empty((M, lay.k4 // 2), dtype=torch.uint8, device=dev)
