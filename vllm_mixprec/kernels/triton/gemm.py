@@ -964,8 +964,9 @@ def w4ax_act_input(x: torch.Tensor, perm: torch.Tensor, k8: int, smooth: torch.T
     """reference.w4ax_act_input in one kernel: the float32 values W4Ax quantizes (x / smooth,
     channels permuted, each 4-bit block times `rotation`). Both sum the rotation in float64
     and round once, so the two agree unless a float64 rounding error crosses a float32
-    rounding boundary (tests/kernels/test_triton_gemm.py compares them bit for bit). Before it, the rotation was six
-    torch launches: 10-65 us a call at M <= 16 on the H200 (docs/BENCHMARKS.md, session 34)."""
+    rounding boundary (tests/kernels/test_triton_gemm.py compares them bit for bit). It
+    replaced six torch launches, 10-65 us a call at M <= 16 on the H200 (docs/BENCHMARKS.md,
+    session 34)."""
     x = _check_act(x, smooth)
     M, K = x.shape
     _check_shape("perm", perm, (K,))
