@@ -226,13 +226,19 @@ def test_quantize_act_strided_and_zero_rows():
 
 # --- graphs, compile, the linear op -------------------------------------------------------
 
-def _prepared_layer(n, k, g, gen):
+def _checkpoint_layer(n, k, g, gen):
+    """A module holding random LiquidQuant weights as a checkpoint stores them."""
     qw, gs, go, cs = random_lqq(n, k, g, gen)
     layer = torch.nn.Module()
     for name, t in (("qweight", qw), ("group_scale", gs), ("group_offset", go), ("channel_scale", cs)):
         layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-    cuda.prepare_weights(layer)
     return layer, (qw, gs, go, cs)
+
+
+def _prepared_layer(n, k, g, gen):
+    layer, raw = _checkpoint_layer(n, k, g, gen)
+    cuda.prepare_weights(layer)
+    return layer, raw
 
 
 @pytest.mark.parametrize("same_stream", [False, True], ids=["capture-stream", "warmup-stream"])
@@ -356,10 +362,7 @@ def test_prepare_linear_debug_log_names_the_planned_launches(caplog):
     import logging
 
     from vllm_mixprec import kernels
-    qw, gs, go, cs = random_lqq(6144, 4096, 128, _gen(7))
-    layer = torch.nn.Module()
-    for name, t in (("qweight", qw), ("group_scale", gs), ("group_offset", go), ("channel_scale", cs)):
-        layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+    layer, _ = _checkpoint_layer(6144, 4096, 128, _gen(7))
     layer.mixprec_in_features, layer.mixprec_out_features = 4096, 6144
     with caplog.at_level(logging.DEBUG, logger=kernels.logger.name):
         kernels.prepare_linear(layer, "w4a8", "model.layers.0.self_attn.qkv_proj")

@@ -216,7 +216,7 @@ def test_quantize_act_w4ax_all_8bit_skips_the_rotation_pass(seeded, monkeypatch)
     def no_pass(*args):
         raise AssertionError("the torch rotation pass ran for a layer with no 4-bit block")
 
-    monkeypatch.setattr(tg, "w4ax_act_input", no_pass)
+    monkeypatch.setattr(tg, "_launch_act_input", no_pass)
     got = tg.quantize_act_w4ax(x, perm, 256, sm, F.hadamard().to(DEV))
     for a, b in zip(got, plain):
         assert torch.equal(a, b)

@@ -98,7 +98,7 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1,
     act_quant_one_pass: quantize_act reads rows of up to 32K elements once, into registers (rows
     over 8192 only at M <= 128; on). gemm_stream_k: the wgmma planner may pick a stream-K launch,
     a persistent grid of one CTA per SM (data-parallel waves, then the rest of the tiles x K
-    stages split evenly), when it estimates it 5 % faster (on; MIXPREC_GEMM_STREAM_K=0 turns it
+    stages split evenly), when it estimates it 8 % faster (on; MIXPREC_GEMM_STREAM_K=0 turns it
     off at load). Defaults: csrc/gemm/NOTES.md, "PDL" and "Stream-K". A CUDA graph keeps the
     options it was captured with."""
     got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k)

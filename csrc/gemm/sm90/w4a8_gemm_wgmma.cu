@@ -887,9 +887,10 @@ long long ctas_of(int kernel, int M, int N) {
 // 144-point kernel x split sweep of 2026-11-23, those of 7 and 8 and the split cost to the
 // 105-point sweep of 2026-11-28 with the 2023 one (csrc/gemm/NOTES.md, "Choosing the tile and
 // the split"): on both, every pick they timed is within 1.3% of the best measured.
+constexpr double kWaveUs = 2.89;  // a wave's prologue and epilogue (both estimates below)
+
 double wgmma_estimate_us(int kernel, int splits, long long ctas, int n_stages, int M, int N, int num_sms) {
   const Cfg c = cfg_of(kernel);
-  constexpr double kWaveUs = 2.89;                 // prologue and epilogue, per wave
   constexpr double kSplitUs = 1.0;                 // the split-K reduction's fixed cost
   constexpr double kSumUsPerKElem = 0.1;           // the last CTA's sum, per split and 1024 tile elements
   constexpr double kPartialBytesPerUs = 2.56e6;    // int32 partials written, then read back
@@ -950,7 +951,6 @@ int sk_slots_of(long long tiles, int n_stages, int ctas) {
 // ratio there, so that the two estimates compare as the launches do (csrc/gemm/NOTES.md).
 double wgmma_sk_estimate_us(int kernel, long long tiles, int n_stages, int ctas, int slots) {
   const Cfg c = cfg_of(kernel);
-  constexpr double kWaveUs = 2.89;             // a data-parallel wave, as in wgmma_estimate_us
   constexpr double kLaunchUs = 7.32;           // the stream-K part: fill, drain and fix-up waits
   constexpr double kSegmentUs = 1.32;          // each further tile's epilogue (or partial store)
   constexpr double kSumUsPerKElem = 0.049;     // the finisher's sum, per piece and 1024 tile elements

@@ -968,15 +968,24 @@ def w4ax_act_input(x: torch.Tensor, perm: torch.Tensor, k8: int, smooth: torch.T
     replaced six torch launches, 10-65 us a call at M <= 16 on the H200 (docs/BENCHMARKS.md,
     session 34)."""
     x = _check_act(x, smooth)
-    M, K = x.shape
-    _check_shape("perm", perm, (K,))
-    F.W4ActLayout.from_k8(K, k8)
-    out = torch.empty((M, K), dtype=torch.float32, device=x.device)
+    _check_shape("perm", perm, (x.shape[1],))
+    F.W4ActLayout.from_k8(x.shape[1], k8)
     if rotation is None:  # nothing to fuse: the permuted, smoothed copy
-        rotation, k8 = torch.empty(0, dtype=torch.float32, device=x.device), K
+        rotation, k8 = torch.empty(0, dtype=torch.float32, device=x.device), x.shape[1]
     else:
-        _check_dtype("rotation", rotation, (torch.float32,))
-        _check_shape("rotation", rotation, (F.ACT_BLOCK, F.ACT_BLOCK))
+        _check_rotation(rotation)
+    return _launch_act_input(x, perm, k8, smooth, rotation)
+
+
+def _check_rotation(rotation: torch.Tensor) -> None:
+    _check_dtype("rotation", rotation, (torch.float32,))
+    _check_shape("rotation", rotation, (F.ACT_BLOCK, F.ACT_BLOCK))
+
+
+def _launch_act_input(x, perm, k8, smooth, rotation) -> torch.Tensor:
+    """w4ax_act_input on arguments already checked (x row-major)."""
+    M, K = x.shape
+    out = torch.empty((M, K), dtype=torch.float32, device=x.device)
     if M == 0:
         return out
     rows = W4AX_INPUT_ROWS
@@ -1007,10 +1016,9 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
         raise TypeError(f"perm has dtype {perm.dtype}; expected torch.int32 or torch.int64")
     lay = F.W4ActLayout.from_k8(K, k8)
     if rotation is not None:
-        _check_dtype("rotation", rotation, (torch.float32,))
-        _check_shape("rotation", rotation, (F.ACT_BLOCK, F.ACT_BLOCK))
+        _check_rotation(rotation)
         if k8 < K:
-            x = w4ax_act_input(x, perm, k8, smooth, rotation)
+            x = _launch_act_input(x, perm, k8, smooth, rotation)
             perm = smooth = None
     dev = x.device
     x8 = torch.empty((M, k8), dtype=torch.int8, device=dev)
