@@ -53,15 +53,9 @@ def test_gemm_matches_reference(m, n, k, g, out_dtype):
     check_close(y, y_ref, out_dtype)
 
 
-@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 31, 32, 33, 64, 65, 130])
-@pytest.mark.parametrize("kernel", [0, 1, 2, 3])
-@pytest.mark.parametrize("splits", [1, 2, 3, 5])
-def test_gemm_integer_exact_every_kernel(m, kernel, splits):
+def assert_integer_sums_exact(m, n, k, g, kernel, splits, seed):
     """x_scale = channel_scale = 1, float32 out: the int32 sums come out exactly (|acc| < 2^24)."""
-    if kernel in (0, 1) and m > 32:
-        pytest.skip("decode kernels take M <= 32")
-    n, k, g = 208, 1024, 64  # 13 row tiles: odd, not a multiple of 8 (tiled CTAs overhang N)
-    gen = _gen(1000 + 17 * m + kernel + 101 * splits)
+    gen = _gen(seed)
     qw, gs, go, _ = random_lqq(n, k, g, gen)
     xq, _ = random_act(m, k, gen)
     ones_m, ones_n = torch.ones(m, device=DEV), torch.ones(n, device=DEV)
@@ -71,6 +65,27 @@ def test_gemm_integer_exact_every_kernel(m, kernel, splits):
     poison(m * n, torch.float32)
     y = torch.ops.mixprec_C.w4a8_gemm(xq, ones_m, pq, gp, ones_n, None, torch.float32, kernel, splits)
     assert torch.equal(y.double(), acc)
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 31, 32, 33, 64, 65, 130])
+@pytest.mark.parametrize("kernel", [0, 1, 2, 3])
+@pytest.mark.parametrize("splits", [1, 2, 3, 5])
+def test_gemm_integer_exact_every_kernel(m, kernel, splits):
+    if kernel in (0, 1) and m > 32:
+        pytest.skip("decode kernels take M <= 32")
+    # 13 row tiles: odd, not a multiple of 8 (tiled CTAs overhang N)
+    assert_integer_sums_exact(m, 208, 1024, 64, kernel, splits, seed=1000 + 17 * m + kernel + 101 * splits)
+
+
+@pytest.mark.parametrize("m", [1, 5, 9, 16, 17, 32])
+@pytest.mark.parametrize("kernel", [0, 1])
+@pytest.mark.parametrize("splits", [1, 3, 5])
+@pytest.mark.parametrize("k,g", [(1024, 64), (1728, 64), (3328, 128)])
+def test_decode_ring_integer_exact(m, kernel, splits, k, g, launch_options):
+    """The decode kernels' cp.async ring (decode_ring): 27 and 52 chunks leave warps whose range
+    is empty, one chunk, or ends inside a stage; G = 128 shares a group word between chunks."""
+    launch_options(decode_ring=1)
+    assert_integer_sums_exact(m, 208, k, g, kernel, splits, seed=2000 + 17 * m + kernel + 101 * splits + k)
 
 
 @pytest.mark.parametrize("kernel,splits,m", [(0, 1, 16), (1, 2, 16), (2, 1, 200), (3, 1, 200), (3, 3, 200)])
@@ -194,21 +209,22 @@ def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launc
                                    (2, 64, 4096), (64, 4096, 4096), (256, 4096, 4096), (200, 1024, 14336),
                                    (1024, 6144, 4096)])
 def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
-    """The decode kernels (M <= 32) and, on an H100/H200, the wgmma kernels (M >= 64) as
-    programmatic dependent launches (sm_90) after either quantizer give the plain launch's bits;
+    """The decode kernels (M <= 32), register batches or cp.async ring, and on an H100/H200 the
+    wgmma kernels (M >= 64), as programmatic dependent launches (sm_90) after either quantizer
+    give the plain launch's bits;
     (2, 64, 4096), (64, 4096, 4096) and (200, 1024, 14336) split K. The linear op runs
     quantize_act first, so the dependent really overlaps a producer of its input."""
     gen = _gen(m + n + k)
     layer, _ = _prepared_layer(n, k, 64, gen)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
     outs = []
-    for pdl, one_pass in ((0, 0), (1, 0), (1, 1), (0, 1)):
-        launch_options(gemm_pdl=pdl, act_quant_one_pass=one_pass)
+    for pdl, one_pass, ring in ((0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0), (1, 1, 1), (0, 0, 1)):
+        launch_options(gemm_pdl=pdl, act_quant_one_pass=one_pass, decode_ring=ring)
         for _ in range(3):  # back to back, so a dependent can start before its producer ends
             poison(m * n, torch.bfloat16)
             y = torch.ops.mixprec.w4a8_linear(x, layer.qweight, layer.group_scale, layer.group_offset,
                                               layer.channel_scale, None, None, "cuda")
-            outs.append(((pdl, one_pass), y))
+            outs.append(((pdl, one_pass, ring), y))
     torch.cuda.synchronize()
     for opts, y in outs[1:]:
         assert torch.equal(y, outs[0][1]), opts

@@ -29,6 +29,7 @@ H100_SMS = 132
 LLAMA_SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192),
                 (8192, 28672))  # K x N
 STREAM_K_DEFAULT = 1  # set_launch_options' gemm_stream_k: on since session 33
+DECODE_RING_DEFAULT = 0  # set_launch_options' decode_ring: off until measured
 
 
 @pytest.fixture(autouse=True)
@@ -215,21 +216,22 @@ def test_bad_problems_raise(args, match):
 
 def test_launch_options_round_trip_and_errors(_classic_planner):
     """set_launch_options (host state, no GPU needed): -1 keeps a value; a bad value names the fields."""
-    assert _classic_planner == {"gemm_pdl": 1, "act_quant_one_pass": 1, "gemm_stream_k": STREAM_K_DEFAULT}
+    assert _classic_planner == {"gemm_pdl": 1, "act_quant_one_pass": 1, "gemm_stream_k": STREAM_K_DEFAULT,
+                                "decode_ring": DECODE_RING_DEFAULT}
     saved = cuda.set_launch_options()
     try:
-        assert set(saved) == {"gemm_pdl", "act_quant_one_pass", "gemm_stream_k"}
-        sk = saved["gemm_stream_k"]
-        assert cuda.set_launch_options(gemm_pdl=0) == {"gemm_pdl": 0, "act_quant_one_pass": saved["act_quant_one_pass"],
-                                                       "gemm_stream_k": sk}
-        assert cuda.set_launch_options(act_quant_one_pass=0) == {"gemm_pdl": 0, "act_quant_one_pass": 0, "gemm_stream_k": sk}
-        assert cuda.set_launch_options(gemm_stream_k=1 - sk) == {"gemm_pdl": 0, "act_quant_one_pass": 0,
-                                                                 "gemm_stream_k": 1 - sk}
-        assert cuda.set_launch_options(gemm_pdl=1) == {"gemm_pdl": 1, "act_quant_one_pass": 0, "gemm_stream_k": 1 - sk}
-        with pytest.raises(RuntimeError, match="gemm_pdl, act_quant_one_pass and gemm_stream_k take 0, 1 or -1"):
+        assert set(saved) == set(cuda.LAUNCH_OPTIONS)
+        want = dict(saved)
+        for option in ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_ring", "gemm_pdl"):
+            want[option] = 1 - want[option]
+            assert cuda.set_launch_options(**{option: want[option]}) == want, option
+        with pytest.raises(RuntimeError, match="gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_ring take "
+                                               "0, 1 or -1"):
             cuda.set_launch_options(gemm_pdl=2)
-        with pytest.raises(RuntimeError, match="got -1, -1, 5"):
+        with pytest.raises(RuntimeError, match="got -1, -1, 5, -1"):
             cuda.set_launch_options(gemm_stream_k=5)
+        with pytest.raises(RuntimeError, match="got -1, -1, -1, 3"):
+            cuda.set_launch_options(decode_ring=3)
     finally:
         cuda.set_launch_options(**saved)
     assert cuda.set_launch_options() == saved

@@ -78,7 +78,8 @@ def _load() -> None:
         return
     _register_fakes()
     _state["path"] = libs[0]
-    for env, option in (("MIXPREC_GEMM_PDL", "gemm_pdl"), ("MIXPREC_GEMM_STREAM_K", "gemm_stream_k")):
+    for env, option in (("MIXPREC_GEMM_PDL", "gemm_pdl"), ("MIXPREC_GEMM_STREAM_K", "gemm_stream_k"),
+                        ("MIXPREC_GEMM_DECODE_RING", "decode_ring")):
         if env in os.environ:
             v = os.environ[env].strip()
             if v not in ("0", "1"):
@@ -86,11 +87,11 @@ def _load() -> None:
             set_launch_options(**{option: int(v)})
 
 
-LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k")
+LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_ring")
 
 
 def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1,
-                       gemm_stream_k: int = -1) -> dict[str, int]:
+                       gemm_stream_k: int = -1, decode_ring: int = -1) -> dict[str, int]:
     """Set the csrc launch options (-1 keeps one) and return them all.
 
     gemm_pdl: on sm_90 the decode GEMM (M <= 32) and the wgmma GEMMs are programmatic dependent
@@ -99,9 +100,11 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1,
     over 8192 only at M <= 128; on). gemm_stream_k: the wgmma planner may pick a stream-K launch,
     a persistent grid of one CTA per SM (data-parallel waves, then the rest of the tiles x K
     stages split evenly), when it estimates it 8 % faster (on; MIXPREC_GEMM_STREAM_K=0 turns it
-    off at load). Defaults: csrc/gemm/NOTES.md, "PDL" and "Stream-K". A CUDA graph keeps the
-    options it was captured with."""
-    got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k)
+    off at load). decode_ring: the decode GEMM (M <= 32) streams the weight through a per-warp
+    cp.async ring in shared memory instead of batches of register loads (off;
+    MIXPREC_GEMM_DECODE_RING=1 turns it on at load). Defaults: csrc/gemm/NOTES.md, "PDL",
+    "Stream-K" and "Decode ring". A CUDA graph keeps the options it was captured with."""
+    got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_ring)
     return dict(zip(LAUNCH_OPTIONS, got))
 
 

@@ -25,6 +25,8 @@
 #include <cstdint>
 
 #include "common/device.h"
+#include "common/launch.h"
+#include "common/ptx.h"
 #include "gemm/w4a8_gemm.h"
 
 namespace mixprec {
@@ -44,25 +46,7 @@ __device__ __forceinline__ uint4 ldg_v4(const void* ptr) {
   return __ldg(reinterpret_cast<const uint4*>(ptr));
 }
 
-// 16-byte async copy; ok == false fills the destination with zeros (src is not read).
-__device__ __forceinline__ void cp_async16(void* smem_ptr, const void* gmem_ptr, bool ok) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_ptr),
-               "r"(ok ? 16 : 0)
-               : "memory");
-}
-// Programmatic dependent launch (sm_90; a no-op below): wait for the grids this one depends on.
-__device__ __forceinline__ void wait_prior_grids() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
+// (cp.async and griddepcontrol wrappers: common/ptx.h)
 
 // ---- dequantisation and MMA ---------------------------------------------------------------
 
@@ -202,73 +186,60 @@ __device__ __forceinline__ void decode_batch(const uint8_t* (&wptr)[kRowTiles], 
   }
 }
 
-// ---- decode kernel (M <= 32): stream the weight once -----------------------------------------
+// ---- decode kernels (M <= 32): stream the weight once ---------------------------------------
 //
-// CTA = kRowTiles x 16 channels, 8 warps split its K range (contiguous chunk ranges), each
-// warp reads its weight words straight from global memory with kUnroll x kRowTiles
-// independent LDG.128 in flight, activations from L1/L2. Warp partials meet in a shared
-// int32 tile (shared atomics), then the epilogue (or the split-K workspace).
-template <int kTokTiles, int kRowTiles, int kUnroll, typename OutT>
-__global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_kernel(const Params p) {
-  constexpr int kRows = kRowTiles * 16;
-  constexpr int kToks = kTokTiles * 8;
-  constexpr int kStride = kRows + 8;  // +8 ints: the 4 t-lanes' rows land 16 banks apart
-  __shared__ int32_t tile[kToks * kStride];
+// CTA = kRowTiles x 16 channels; 8 warps split its K range (contiguous chunk ranges). Warp
+// partials meet in a shared int32 tile (shared atomics), then the epilogue (or the split-K
+// workspace). Two ways to stream a warp's weight words, switched by the decode_ring launch option:
+// * w4a8_decode_kernel: kUnroll x kRowTiles LDG.128 per lane straight into registers, then
+//   dequant + MMA; loads are in flight only while the warp waits for its batch.
+// * w4a8_decode_ring_kernel: a per-warp ring of kDecodeStages shared-memory stages filled by
+//   cp.async, kDecodeStages - 1 stages in flight while one is computed (more bytes in flight
+//   per SM, for HBM3e; csrc/gemm/NOTES.md "Decode ring").
 
-  const int tid = threadIdx.x;
-  const int lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int M = p.M, N = p.N, K = p.K;
-  const int num_row_tiles = N >> 4;
-  const int chunks = K / kChunkK;
-  const int groups = chunks >> p.group_shift;
-  const int row_tile0 = blockIdx.x * kRowTiles;
-  const int splits = gridDim.y;
+template <int kTokTiles, int kRowTiles>
+struct DecodeTile {
+  static constexpr int kRows = kRowTiles * 16;
+  static constexpr int kToks = kTokTiles * 8;
+  static constexpr int kStride = kRows + 8;  // +8 ints: the 4 t-lanes' rows land 16 banks apart
+  static constexpr int kInts = kToks * kStride;
+};
 
-  const int per_split = ceil_div(chunks, splits);
+// This warp's chunk range [lo, hi) of its CTA's split (ranges may be empty).
+struct ChunkRange {
+  int lo, hi;
+};
+__device__ __forceinline__ ChunkRange decode_warp_chunks(int chunks, int warp) {
+  const int per_split = ceil_div(chunks, static_cast<int>(gridDim.y));
   const int split_lo = min(chunks, static_cast<int>(blockIdx.y) * per_split);
   const int split_hi = min(chunks, split_lo + per_split);
   const int per_warp = ceil_div(split_hi - split_lo, kDecodeWarps);
-  const int c_lo = min(split_hi, split_lo + warp * per_warp);
-  const int c_hi = min(split_hi, c_lo + per_warp);
+  const int lo = min(split_hi, split_lo + warp * per_warp);
+  return {lo, min(split_hi, lo + per_warp)};
+}
 
-  // Row tiles past N (last CTA) and tokens past M read valid duplicates instead of being
-  // predicated: their accumulators are never stored.
-  const uint8_t* wptr[kRowTiles];
-  const uint32_t* pptr[kRowTiles];
-#pragma unroll
-  for (int r = 0; r < kRowTiles; ++r) {
-    const size_t rt = min(row_tile0 + r, num_row_tiles - 1);
-    wptr[r] = p.qweight + (rt * chunks + c_lo) * kChunkBytes + lane * 16;
-    pptr[r] = p.gparams + rt * groups * 8 + g;
-  }
-  // As a programmatic dependent (sm_90), the CTA got here while the previous grid
-  // (quantize_act) may still run; nothing it writes is read or written before this wait.
-  // (An L2 prefetch of the weight range before it cost 1-8 us: session 24, NOTES.md "PDL".)
-  wait_prior_grids();
-
-  const int8_t* xptr[kTokTiles];
+// Activation rows of the lane's token tiles at chunk c (tokens past M read row M - 1: their
+// accumulators are never stored).
+template <int kTokTiles>
+__device__ __forceinline__ void decode_x_pointers(const Params& p, int c, int g, int t,
+                                                  const int8_t* (&xptr)[kTokTiles]) {
 #pragma unroll
   for (int tt = 0; tt < kTokTiles; ++tt) {
-    const size_t tok = min(tt * 8 + g, M - 1);
-    xptr[tt] = p.xq + tok * K + static_cast<size_t>(c_lo) * kChunkK + t * 16;
+    const size_t tok = min(tt * 8 + g, p.M - 1);
+    xptr[tt] = p.xq + tok * p.K + static_cast<size_t>(c) * kChunkK + t * 16;
   }
+}
 
-  int32_t acc[kRowTiles][kTokTiles][4];
-#pragma unroll
-  for (int r = 0; r < kRowTiles; ++r)
-#pragma unroll
-    for (int tt = 0; tt < kTokTiles; ++tt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[r][tt][i] = 0;
-
-  int c = c_lo;
-  for (; c + kUnroll <= c_hi; c += kUnroll)
-    decode_batch<kUnroll>(wptr, pptr, xptr, c, p.group_shift, acc);
-  for (; c < c_hi; ++c) decode_batch<1>(wptr, pptr, xptr, c, p.group_shift, acc);
-
-  // Intra-CTA split-K: warps add into a shared int32 tile [token][channel].
-  for (int i = tid; i < kToks * kStride; i += kDecodeThreads) tile[i] = 0;
+// Intra-CTA split-K (warps add into the shared tile [token][channel]), then the epilogue or,
+// with cross-CTA splits, the workspace and the last CTA's sum.
+template <int kTokTiles, int kRowTiles, typename OutT>
+__device__ __forceinline__ void decode_finish(const Params& p, int32_t* tile, int row_tile0,
+                                              const int32_t (&acc)[kRowTiles][kTokTiles][4]) {
+  using Tile = DecodeTile<kTokTiles, kRowTiles>;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int M = p.M, N = p.N, splits = gridDim.y;
+  for (int i = tid; i < Tile::kInts; i += kDecodeThreads) tile[i] = 0;
   __syncthreads();
 #pragma unroll
   for (int r = 0; r < kRowTiles; ++r) {
@@ -277,23 +248,23 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_kernel(const Pa
       const int ch = r * 16 + 2 * g;  // MMA rows g, g+8 are channels 2g, 2g+1
       const int tok = tt * 8 + 2 * t;
       if (tok < M) {
-        atomicAdd(&tile[tok * kStride + ch], acc[r][tt][0]);
-        atomicAdd(&tile[tok * kStride + ch + 1], acc[r][tt][2]);
+        atomicAdd(&tile[tok * Tile::kStride + ch], acc[r][tt][0]);
+        atomicAdd(&tile[tok * Tile::kStride + ch + 1], acc[r][tt][2]);
       }
       if (tok + 1 < M) {
-        atomicAdd(&tile[(tok + 1) * kStride + ch], acc[r][tt][1]);
-        atomicAdd(&tile[(tok + 1) * kStride + ch + 1], acc[r][tt][3]);
+        atomicAdd(&tile[(tok + 1) * Tile::kStride + ch], acc[r][tt][1]);
+        atomicAdd(&tile[(tok + 1) * Tile::kStride + ch + 1], acc[r][tt][3]);
       }
     }
   }
   __syncthreads();
 
-  constexpr int kPairs = kRows / 2;
+  constexpr int kPairs = Tile::kRows / 2;
   const int ch0 = row_tile0 * 16;
-  for (int i = tid; i < kToks * kPairs; i += kDecodeThreads) {
+  for (int i = tid; i < Tile::kToks * kPairs; i += kDecodeThreads) {
     const int tok = i / kPairs, ch_l = (i % kPairs) * 2, ch = ch0 + ch_l;
     if (tok >= M || ch >= N) continue;
-    const int32_t v0 = tile[tok * kStride + ch_l], v1 = tile[tok * kStride + ch_l + 1];
+    const int32_t v0 = tile[tok * Tile::kStride + ch_l], v1 = tile[tok * Tile::kStride + ch_l + 1];
     if (splits == 1)
       write_pair<OutT>(p, tok, ch, v0, v1);
     else
@@ -301,12 +272,163 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_kernel(const Pa
   }
   if (splits == 1) return;
   if (!arrive_last(p.counters + blockIdx.x, splits)) return;
-  for (int i = tid; i < kToks * kPairs; i += kDecodeThreads) {
+  for (int i = tid; i < Tile::kToks * kPairs; i += kDecodeThreads) {
     const int tok = i / kPairs, ch = ch0 + (i % kPairs) * 2;
     if (tok >= M || ch >= N) continue;
     const int2 v = sum_splits(p, splits, tok, ch);
     write_pair<OutT>(p, tok, ch, v.x, v.y);
   }
+}
+
+template <int kTokTiles, int kRowTiles, int kUnroll, typename OutT>
+__global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_kernel(const Params p) {
+  __shared__ int32_t tile[DecodeTile<kTokTiles, kRowTiles>::kInts];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int num_row_tiles = p.N >> 4;
+  const int chunks = p.K / kChunkK;
+  const int groups = chunks >> p.group_shift;
+  const int row_tile0 = blockIdx.x * kRowTiles;
+  const ChunkRange range = decode_warp_chunks(chunks, warp);
+
+  // Row tiles past N (last CTA) read valid duplicates instead of being predicated.
+  const uint8_t* wptr[kRowTiles];
+  const uint32_t* pptr[kRowTiles];
+#pragma unroll
+  for (int r = 0; r < kRowTiles; ++r) {
+    const size_t rt = min(row_tile0 + r, num_row_tiles - 1);
+    wptr[r] = p.qweight + (rt * chunks + range.lo) * kChunkBytes + lane * 16;
+    pptr[r] = p.gparams + rt * groups * 8 + g;
+  }
+  // As a programmatic dependent (sm_90), the CTA got here while the previous grid
+  // (quantize_act) may still run; nothing it writes is read or written before this wait.
+  // (An L2 prefetch of the weight range before it cost 1-8 us: session 24, NOTES.md "PDL".)
+  wait_prior_grids();
+  const int8_t* xptr[kTokTiles];
+  decode_x_pointers<kTokTiles>(p, range.lo, g, t, xptr);
+
+  int32_t acc[kRowTiles][kTokTiles][4] = {};
+  int c = range.lo;
+  for (; c + kUnroll <= range.hi; c += kUnroll)
+    decode_batch<kUnroll>(wptr, pptr, xptr, c, p.group_shift, acc);
+  for (; c < range.hi; ++c) decode_batch<1>(wptr, pptr, xptr, c, p.group_shift, acc);
+  decode_finish<kTokTiles, kRowTiles, OutT>(p, tile, row_tile0, acc);
+}
+
+// Ring geometry: a stage is 4 chunks of weight words per warp (2 KB: 4 chunks of one row tile or
+// 2 of two) plus the group words they use (at most one 32-byte group per chunk); 4 stages, 3 in
+// flight while one is computed: 68 KB of dynamic shared memory per CTA.
+constexpr int kDecodeStages = 4;
+template <int kRowTiles>
+struct DecodeRing {
+  static constexpr int kStageChunks = 4 / kRowTiles;
+  static constexpr int kWBytes = kStageChunks * kChunkBytes;  // per row tile and stage
+  static constexpr int kPBytes = kStageChunks * 32;
+  static constexpr int kWarpBytes = kDecodeStages * kRowTiles * (kWBytes + kPBytes);
+  static constexpr int kSmemBytes = kDecodeWarps * kWarpBytes;
+};
+
+// sm_90 only (bulk copies): the launcher runs it only there (ops.cpp sets decode_ring on sm_90).
+template <int kTokTiles, int kRowTiles, typename OutT>
+__global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_ring_kernel(const Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Ring = DecodeRing<kRowTiles>;
+  constexpr int kStageChunks = Ring::kStageChunks;
+  extern __shared__ __align__(128) uint8_t ring[];
+  __shared__ __align__(8) uint64_t full[kDecodeWarps][kDecodeStages];
+  __shared__ int32_t tile[DecodeTile<kTokTiles, kRowTiles>::kInts];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int num_row_tiles = p.N >> 4;
+  const int chunks = p.K / kChunkK;
+  const int groups = chunks >> p.group_shift;
+  const int gs = p.group_shift;
+  const int row_tile0 = blockIdx.x * kRowTiles;
+  const ChunkRange range = decode_warp_chunks(chunks, warp);
+  const int stages = ceil_div(range.hi - range.lo, kStageChunks);
+
+  // This warp's ring, per stage and row tile: the weight words of its chunks as they lie in
+  // global memory (lane-ordered 512 B per chunk), then their group words ([group][8] u32).
+  // Lane 0 issues one bulk copy of each per stage; everyone waits on the stage's full barrier.
+  const uint32_t w_smem = smem_addr(ring + warp * Ring::kWarpBytes);
+  const uint32_t p_smem = w_smem + kDecodeStages * kRowTiles * Ring::kWBytes;
+  const uint32_t bar0 = smem_addr(&full[warp][0]);
+  const uint8_t* wrow[kRowTiles];   // chunk 0 of each row tile
+  const uint32_t* prow[kRowTiles];  // group 0 of each row tile
+#pragma unroll
+  for (int r = 0; r < kRowTiles; ++r) {
+    const size_t rt = min(row_tile0 + r, num_row_tiles - 1);
+    wrow[r] = p.qweight + rt * chunks * kChunkBytes;
+    prow[r] = p.gparams + rt * groups * 8;
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int s = 0; s < kDecodeStages; ++s) mbar_init(bar0 + 8 * s, 1);
+    fence_mbarrier_init();
+  }
+  __syncwarp();
+  // Lane 0: stage s into slot s % kDecodeStages (stages past the range are never issued nor waited on).
+  auto issue = [&](int s) {
+    if (lane != 0 || s >= stages) return;
+    const int slot = s % kDecodeStages;
+    const int c0 = range.lo + s * kStageChunks;
+    const int valid = min(kStageChunks, range.hi - c0);
+    const int g_lo = c0 >> gs, g_n = ((c0 + valid - 1) >> gs) - g_lo + 1;
+    const uint32_t bar = bar0 + 8 * slot;
+    mbar_arrive_expect_tx(bar, kRowTiles * (valid * kChunkBytes + g_n * 32));
+#pragma unroll
+    for (int r = 0; r < kRowTiles; ++r) {
+      bulk_copy_g2s(w_smem + (slot * kRowTiles + r) * Ring::kWBytes, wrow[r] + static_cast<size_t>(c0) * kChunkBytes,
+                    valid * kChunkBytes, bar);
+      bulk_copy_g2s(p_smem + (slot * kRowTiles + r) * Ring::kPBytes, prow[r] + g_lo * 8, g_n * 32, bar);
+    }
+  };
+  // The weights and group words never come from another kernel: the first stages are copied
+  // before the programmatic-dependent wait, as in the wgmma kernels.
+#pragma unroll
+  for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
+  wait_prior_grids();
+  const int8_t* xptr[kTokTiles];
+  decode_x_pointers<kTokTiles>(p, range.lo, g, t, xptr);
+
+  int32_t acc[kRowTiles][kTokTiles][4] = {};
+#pragma unroll 1
+  for (int s = 0; s < stages; ++s) {
+    const int slot = s % kDecodeStages;
+    const int c0 = range.lo + s * kStageChunks;
+    const int valid = min(kStageChunks, range.hi - c0);  // the last stage may be short
+    uint4 xv[kStageChunks][kTokTiles];
+#pragma unroll
+    for (int u = 0; u < kStageChunks; ++u)
+#pragma unroll
+      for (int tt = 0; tt < kTokTiles; ++tt)
+        if (u < valid) xv[u][tt] = ldg_v4(xptr[tt] + u * kChunkK);
+#pragma unroll
+    for (int tt = 0; tt < kTokTiles; ++tt) xptr[tt] += kStageChunks * kChunkK;
+    // Every lane has read the slot it refills (last iteration's) before lane 0 hands it to the
+    // async proxy.
+    __syncwarp();
+    if (lane == 0) fence_proxy_async();
+    issue(s + kDecodeStages - 1);
+    mbar_wait(bar0 + 8 * slot, (s / kDecodeStages) & 1);
+#pragma unroll
+    for (int u = 0; u < kStageChunks; ++u) {
+      if (u >= valid) break;  // warp-uniform
+      const uint32_t group_off = (((c0 + u) >> gs) - (c0 >> gs)) * 32 + g * 4;
+#pragma unroll
+      for (int r = 0; r < kRowTiles; ++r) {
+        const uint32_t wr = w_smem + (slot * kRowTiles + r) * Ring::kWBytes + u * kChunkBytes + lane * 16;
+        const uint32_t pr = lds_u32(p_smem + (slot * kRowTiles + r) * Ring::kPBytes + group_off);
+        uint32_t a[2][4];
+        dequant_chunk(lds_v4(wr), pr, a);
+#pragma unroll
+        for (int tt = 0; tt < kTokTiles; ++tt) mma_chunk(acc[r][tt], a, xv[u][tt]);
+      }
+    }
+  }
+  decode_finish<kTokTiles, kRowTiles, OutT>(p, tile, row_tile0, acc);
+#endif
 }
 
 // ---- tiled kernel (any M): cp.async multistage, weight and activations in shared memory ------
@@ -356,19 +478,19 @@ __global__ void __launch_bounds__(kWarpsCh* kWarpsTok * 32, 2) w4a8_tiled_kernel
       const int rt = row_tile0 + i / 32;
       const bool ok = rt < num_row_tiles;
       const uint8_t* src = p.qweight + (static_cast<size_t>(rt) * chunks + c) * kChunkBytes + (i % 32) * 16;
-      cp_async16(s_w + i * 16, ok ? src : p.qweight, ok);
+      cp_async16(smem_addr(s_w + i * 16), ok ? src : p.qweight, ok);
     }
     for (int i = tid; i < S::kCtaToks * 4; i += S::kThreads) {
       const int tok = tok0 + i / 4;
       const bool ok = tok < M;
       const int8_t* src = p.xq + static_cast<size_t>(tok) * K + c * kChunkK + (i % 4) * 16;
-      cp_async16(s_x + i * 16, ok ? src : p.xq, ok);
+      cp_async16(smem_addr(s_x + i * 16), ok ? src : p.xq, ok);
     }
     for (int i = tid; i < S::kCtaRowTiles * 2; i += S::kThreads) {
       const int rt = row_tile0 + i / 2;
       const bool ok = rt < num_row_tiles;
       const uint32_t* src = p.gparams + (static_cast<size_t>(rt) * groups + (c >> p.group_shift)) * 8 + (i % 2) * 4;
-      cp_async16(s_p + i * 16, ok ? src : p.gparams, ok);
+      cp_async16(smem_addr(s_p + i * 16), ok ? src : p.gparams, ok);
     }
   };
 
@@ -480,22 +602,16 @@ int ctas_per_split(W4A8Kernel k, int M, int N) {
 
 // A decode kernel, as a programmatic dependent launch when pdl (sm_90 only: the caller checks).
 template <int kTokTiles, int kRowTiles, int kUnroll, typename OutT>
-cudaError_t launch_decode(const Params& p, dim3 grid, bool pdl, cudaStream_t stream) {
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kDecodeThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, OutT>, p);
+cudaError_t launch_decode(const Params& p, dim3 grid, bool pdl, bool ring, cudaStream_t stream) {
+  if (ring)
+    return launch_kernel<w4a8_decode_ring_kernel<kTokTiles, kRowTiles, OutT>>(
+        grid, dim3(kDecodeThreads), DecodeRing<kRowTiles>::kSmemBytes, pdl, stream, p);
+  return launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, OutT>>(grid, dim3(kDecodeThreads), 0, pdl,
+                                                                                 stream, p);
 }
 
 template <typename OutT>
-cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, cudaStream_t stream) {
+cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, bool ring, cudaStream_t stream) {
   const int row_tiles = p.N / 16;
   switch (plan.kernel) {
     case W4A8Kernel::kDecodeRows16:
@@ -504,10 +620,13 @@ cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, cudaSt
       const dim3 grid(ceil_div(row_tiles, two ? 2 : 1), plan.splits);
       // Loads in flight per lane: unroll x (row tiles + token tiles); unroll shrinks as x grows.
       if (p.M <= 8)
-        return two ? launch_decode<1, 2, 4, OutT>(p, grid, pdl, stream) : launch_decode<1, 1, 4, OutT>(p, grid, pdl, stream);
+        return two ? launch_decode<1, 2, 4, OutT>(p, grid, pdl, ring, stream)
+                   : launch_decode<1, 1, 4, OutT>(p, grid, pdl, ring, stream);
       if (p.M <= 16)
-        return two ? launch_decode<2, 2, 4, OutT>(p, grid, pdl, stream) : launch_decode<2, 1, 4, OutT>(p, grid, pdl, stream);
-      return two ? launch_decode<4, 2, 2, OutT>(p, grid, pdl, stream) : launch_decode<4, 1, 2, OutT>(p, grid, pdl, stream);
+        return two ? launch_decode<2, 2, 4, OutT>(p, grid, pdl, ring, stream)
+                   : launch_decode<2, 1, 4, OutT>(p, grid, pdl, ring, stream);
+      return two ? launch_decode<4, 2, 2, OutT>(p, grid, pdl, ring, stream)
+                 : launch_decode<4, 1, 2, OutT>(p, grid, pdl, ring, stream);
     }
     case W4A8Kernel::kTiledTok64: {
       const dim3 grid(ceil_div(p.M, Tiled64::kCtaToks), ceil_div(row_tiles, Tiled64::kCtaRowTiles), plan.splits);
@@ -574,9 +693,9 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaStream_t stream) {
   const Params p = w4a8_kernel_params(a);
   switch (a.out_kind) {
-    case OutKind::kHalf: return launch_typed<__half>(p, plan, a.pdl, stream);
-    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, a.pdl, stream);
-    default: return launch_typed<float>(p, plan, a.pdl, stream);
+    case OutKind::kHalf: return launch_typed<__half>(p, plan, a.pdl, a.decode_ring, stream);
+    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, a.pdl, a.decode_ring, stream);
+    default: return launch_typed<float>(p, plan, a.pdl, a.decode_ring, stream);
   }
 }
 

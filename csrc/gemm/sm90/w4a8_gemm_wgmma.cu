@@ -34,6 +34,8 @@
 #include <cstdint>
 
 #include "common/device.h"
+#include "common/launch.h"
+#include "common/ptx.h"
 #include "gemm/w4a8_gemm.h"
 
 // The kernel bodies exist only in the sm_90a pass; every other pass (sm_80, plain sm_90)
@@ -84,57 +86,8 @@ constexpr int kRasterGroup = 8;     // token tiles swept together across all cha
 
 // ---- PTX wrappers ----------------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  while (!mbar_try_wait(bar, parity)) {
-  }
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-// Arrives on `bar` once all of this thread's earlier cp.async have landed; .noinc: the arrival
-// is one of the barrier's expected count (the full barriers expect one per producer thread).
-__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
-// ok == false writes zeros (the source is not read).
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool ok) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
-// cp.async writes are generic-proxy writes; wgmma reads B through the async proxy.
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// Programmatic dependent launch: wait until the grids this one depends on have completed and
-// their writes are visible (returns at once when the launch was not programmatic).
-__device__ __forceinline__ void wait_prior_grids() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// (smem_addr, cp.async, mbarrier, griddepcontrol and proxy-fence wrappers: common/ptx.h; wgmma
+// reads B through the async proxy, so cp.async writes are fenced with fence_proxy_async before it.)
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -421,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
       // follow that chain and reported 1.6M WAR hazards on lanes 1..31.)
       mbar_init(empty0 + 8 * s, kConsumers);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbarrier_init();
   }
   __syncthreads();
 
@@ -836,30 +789,9 @@ Cfg cfg_of(int kernel) {
 template <int kBlocks, int kTok, int kStages, typename OutT>
 cudaError_t launch_one(const WParams& p, int splits, bool pdl, cudaStream_t stream) {
   using S = WgShape<kBlocks, kTok, kStages>;
-  auto* kern = w4a8_wgmma_kernel<kBlocks, kTok, kStages, OutT>;
-  // The >48 KB dynamic shared-memory opt-in is per device; set once (not a stream operation,
-  // so it is safe while a CUDA graph is being captured).
-  static std::atomic<unsigned long long> configured{0};
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  const unsigned long long bit = 1ull << (dev & 63);
-  if (!(configured.load(std::memory_order_relaxed) & bit)) {
-    e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
-    if (e != cudaSuccess) return e;
-    configured.fetch_or(bit, std::memory_order_relaxed);
-  }
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = p.sk_ctas > 0 ? dim3(p.sk_ctas) : dim3(p.tok_tiles * p.ch_tiles, splits);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = S::kSmemBytes;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kern, p);
+  const dim3 grid = p.sk_ctas > 0 ? dim3(p.sk_ctas) : dim3(p.tok_tiles * p.ch_tiles, splits);
+  return launch_kernel<w4a8_wgmma_kernel<kBlocks, kTok, kStages, OutT>>(grid, dim3(kThreads), S::kSmemBytes, pdl,
+                                                                         stream, p);
 }
 
 template <typename OutT>
