@@ -79,9 +79,9 @@ struct LaunchOptions {
   // 34's refit no pick of the 42 measured Llama rows loses 2 % to the classic grid
   // (csrc/gemm/NOTES.md "Stream-K").
   std::atomic<bool> gemm_stream_k{true};
-  // The decode kernels (M <= 32) stream the weight through a per-warp cp.async ring in shared
-  // memory rather than batches of register loads (csrc/gemm/NOTES.md "Decode ring").
-  std::atomic<bool> decode_ring{false};
+  // The decode kernels (M <= 32) keep the weight bytes unsigned (u8 x s8 MMA, no XOR per byte)
+  // and subtract 128 * sum_k x; the same int32 sums. Off until timed (csrc/gemm/NOTES.md "Decode u8").
+  std::atomic<bool> decode_u8{false};
 };
 LaunchOptions& launch_options() {
   static LaunchOptions opts;
@@ -288,7 +288,7 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   args.K = static_cast<int>(K);
   args.group_size = static_cast<int>(group_size);
   args.pdl = launch_options().gemm_pdl.load() && is_sm90(xq.device().index());
-  args.decode_ring = launch_options().decode_ring.load() && is_sm90(xq.device().index());  // bulk copies: sm_90
+  args.decode_u8 = launch_options().decode_u8.load();
   const cudaStream_t stream = cuda_stream.stream();
   C10_CUDA_CHECK(use_wgmma ? w4a8_wgmma_launch(args, plan, stream) : w4a8_gemm_launch(args, plan, stream));
   return out;
@@ -433,20 +433,20 @@ void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Te
 }
 
 // Sets the launch options (a negative value keeps one) and returns them all:
-// [gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_ring]. For A/B timing and tests; the
-// defaults are the measured best (csrc/gemm/NOTES.md, "PDL", "Stream-K", "Decode ring").
+// [gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8]. For A/B timing and tests; the
+// defaults are the measured best (csrc/gemm/NOTES.md, "PDL", "Stream-K", "Decode u8").
 std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_pass, int64_t gemm_stream_k,
-                                        int64_t decode_ring) {
-  TORCH_CHECK(gemm_pdl <= 1 && act_quant_one_pass <= 1 && gemm_stream_k <= 1 && decode_ring <= 1,
-              "mixprec_C::set_launch_options: gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_ring take "
-              "0, 1 or -1 (keep); got ", gemm_pdl, ", ", act_quant_one_pass, ", ", gemm_stream_k, ", ", decode_ring);
+                                        int64_t decode_u8) {
+  TORCH_CHECK(gemm_pdl <= 1 && act_quant_one_pass <= 1 && gemm_stream_k <= 1 && decode_u8 <= 1,
+              "mixprec_C::set_launch_options: gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_u8 take "
+              "0, 1 or -1 (keep); got ", gemm_pdl, ", ", act_quant_one_pass, ", ", gemm_stream_k, ", ", decode_u8);
   LaunchOptions& o = launch_options();
   if (gemm_pdl >= 0) o.gemm_pdl.store(gemm_pdl == 1);
   if (act_quant_one_pass >= 0) o.act_quant_one_pass.store(act_quant_one_pass == 1);
   if (gemm_stream_k >= 0) o.gemm_stream_k.store(gemm_stream_k == 1);
-  if (decode_ring >= 0) o.decode_ring.store(decode_ring == 1);
+  if (decode_u8 >= 0) o.decode_u8.store(decode_u8 == 1);
   return {o.gemm_pdl.load() ? 1 : 0, o.act_quant_one_pass.load() ? 1 : 0, o.gemm_stream_k.load() ? 1 : 0,
-          o.decode_ring.load() ? 1 : 0};
+          o.decode_u8.load() ? 1 : 0};
 }
 
 }  // namespace
@@ -467,7 +467,7 @@ TORCH_LIBRARY(mixprec_C, m) {
       "Tensor(a!) out, Tensor(b!)? part_o, Tensor(c!)? part_lse, Tensor? k_smooth, float qk_scale, int num_rows, "
       "int num_splits, int slots, int res_tokens, int tile_tokens, int min_tiles, int prefetch_pages=0) -> ()");
   m.def(
-      "set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1, int gemm_stream_k=-1, int decode_ring=-1) "
+      "set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1, int gemm_stream_k=-1, int decode_u8=-1) "
       "-> int[]",
         &mixprec::set_launch_options);
 }

@@ -72,9 +72,12 @@ def main():
     ap.add_argument("--splits-sweep", action="store_true",
                     help="also time the decode kernels (0, 1) at M <= 32 with 1..16 K splits, and the "
                          "wgmma kernels 4, 5, 6 at M >= 64 with 1, 2, 4 splits (the wgmma tile/split heuristic)")
-    ap.add_argument("--decode-ring-sweep", action="store_true",
-                    help="M <= 32: the decode GEMMs (auto, kernels 0 and 1) and the linear with the decode_ring "
-                         "launch option off and on, and cuBLAS bf16 on the same shape (HBM reference), all in this run")
+    ap.add_argument("--decode-u8-sweep", action="store_true",
+                    help="M <= 32: the decode GEMMs (auto, kernels 0 and 1) and the linear with the decode_u8 "
+                         "launch option off and on, all in this run (csrc/gemm/NOTES.md 'Decode u8')")
+    ap.add_argument("--cublas-gemv", action="store_true",
+                    help="M <= 32: also cuBLAS bf16 on the same shape (the weight's N x K bf16, >= 2x the L2), "
+                         "the HBM bandwidth a GEMV reaches on this GPU (cublas_bf16_TBps)")
     ap.add_argument("--launch-sweep", action="store_true",
                     help="also time quantize_act, the linear (quantize_act + auto GEMM) and back-to-back "
                          "GEMMs under each of LAUNCH_VARIANTS (cuda.set_launch_options), all in this run")
@@ -125,12 +128,12 @@ def main():
                 print("marlin unavailable:", repr(e)[:200])
         # no bf16 copies to rotate: one N x K bf16 weight of >= 2x the L2 streams from HBM
         bf16_weight = (torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=gen)
-                       if args.decode_ring_sweep and n * k * 2 >= 2 * L2_BYTES else None)
+                       if args.cublas_gemv and n * k * 2 >= 2 * L2_BYTES else None)
         for m in ms:
             x = torch.randn(m, k, device=DEV, dtype=torch.float16)
             xq, xs = cuda.quantize_act(x)
-            variants = [-1] + ([0, 1] if m <= 32 and not args.decode_ring_sweep else []) + (
-                [] if (args.launch_sweep or args.decode_ring_sweep) and m <= 32 else [2, 3])
+            variants = [-1] + ([0, 1] if m <= 32 and not args.decode_u8_sweep else []) + (
+                [] if (args.launch_sweep or args.decode_u8_sweep) and m <= 32 else [2, 3])
             if args.stream_k_sweep and m >= 64:
                 variants = [-1]  # the sweep's own variants below; the mma.sync tiles never win there
             row = {"K": k, "N": n, "M": m, "G": g, "device": torch.cuda.get_device_name()}
@@ -180,18 +183,18 @@ def main():
                     cuda.set_launch_options(gemm_stream_k=sk)
                     row[f"linear_sk{sk}_us"] = bench(linear)
                 cuda.set_launch_options(**defaults)
-            if args.decode_ring_sweep and m <= 32:  # every variant in this run, ring off and on
+            if args.decode_u8_sweep and m <= 32:  # the decode GEMM and the linear, s8 and u8 weights, this run
                 defaults = cuda.set_launch_options()
-                for ring in (0, 1):
-                    cuda.set_launch_options(decode_ring=ring)
+                for u8 in (0, 1):
+                    cuda.set_launch_options(decode_u8=u8)
                     for kernel in (-1, 0, 1):
-                        row[f"gemm_k{kernel}_ring{ring}_us"] = bench(lambda: gemm(kernel))
-                    row[f"linear_ring{ring}_us"] = bench(linear)
+                        row[f"gemm_k{kernel}_u8{u8}_us"] = bench(lambda: gemm(kernel))
+                    row[f"linear_u8{u8}_us"] = bench(linear)
                 cuda.set_launch_options(**defaults)
-                if bf16_weight is not None:  # cuBLAS streaming the bf16 weight: the HBM a GEMV reaches here
-                    xb = x.to(torch.bfloat16)
-                    row["cublas_bf16_us"] = bench(lambda: xb @ bf16_weight.t())
-                    row["cublas_bf16_TBps"] = n * k * 2 / (row["cublas_bf16_us"] * 1e-6) / 1e12
+            if bf16_weight is not None and m <= 32:  # cuBLAS streaming the bf16 weight: the HBM a GEMV reaches here
+                xb = x.to(torch.bfloat16)
+                row["cublas_bf16_us"] = bench(lambda: xb @ bf16_weight.t())
+                row["cublas_bf16_TBps"] = n * k * 2 / (row["cublas_bf16_us"] * 1e-6) / 1e12
             if args.launch_sweep:  # every M: the wgmma kernels (M >= 64) are dependents too since session 31
                 defaults = cuda.set_launch_options()
                 for one_pass in (0, 1):

@@ -694,27 +694,27 @@ stage_w4ax_alloc() {
   done
   return $rc
 }
-# Session 35: the decode kernels' weight ring (decode_ring launch option) against the register
-# batches on every Llama layer shape at M <= 32, cuBLAS bf16 beside them (the HBM a GEMV reaches),
-# after its GPU tests; then ncu of both at 8192x28672, M = 1 (DECODE_RING_MS overrides the M list)
-stage_decode_ring_tests() {
+# The decode GEMM (M <= 32) on every Llama layer shape beside cuBLAS bf16 on the same shape (the
+# HBM bandwidth a GEMV reaches), Marlin in the same run: issue #4's "80 % of HBM" on an H100.
+# (Session 35's decode-ring stages are in commit 72ee91c; the option is gone.)
+stage_decode_hbm() {
+  run_bench bench_w4a8_cuda_decode_hbm 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
+    4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms ${DECODE_HBM_MS:-1 16} --group 128 \
+    --cublas-gemv --out "$OUT/decode_hbm.json"
+}
+# Session 35 (prepared, not yet run): the decode GEMM with unsigned weight bytes (decode_u8: u8 x s8
+# MMA, no XOR per weight byte) against the s8 path, after its GPU tests; then ncu of both at
+# 8192x28672, M = 1, and memcheck over every kernel including the u8 cases
+stage_decode_u8() {
   local rc=0
-  pytest_gpu pytest-gpu-decode-ring 200 tests/kernels/test_cuda_gemm.py -k "ring or launch_options or llama70b or integer_exact or graph" || rc=1
-  # the wgmma kernels' launches moved to common/launch.h: every kernel id, stream-K and graphs
-  pytest_gpu pytest-gpu-wgmma-launch 150 tests/kernels/test_cuda_gemm_wgmma.py \
-    -k "bit_identical_to_mma_sync or graph or tiles_and_tails or stream_k_integer" || rc=1
+  pytest_gpu pytest-gpu-decode-u8 200 tests/kernels/test_cuda_gemm.py \
+    -k "u8 or launch_options or llama70b or integer_exact or graph" || rc=1
+  run_bench bench_w4a8_cuda_decode_u8 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
+    4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms ${DECODE_U8_MS:-1 16} --group 128 \
+    --decode-u8-sweep --cublas-gemv --out "$OUT/decode_u8.json" || rc=1
+  OUT=$OUT SANITIZE_TOOLS=memcheck timeout 150 bash scripts/sanitize.sh cuda 2>&1 | tail -4 || rc=1
+  OUT=$OUT timeout 150 bash scripts/profile_ncu.sh gemm gemm-u8 2>&1 | tail -12
   return $rc
-}
-stage_decode_ring() {
-  run_bench bench_w4a8_cuda_decode_ring 420 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
-    4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms ${DECODE_RING_MS:-1 4 16 32} --group 128 \
-    --decode-ring-sweep --out "$OUT/decode_ring.json"
-}
-stage_decode_ring_ncu() {
-  OUT=$OUT timeout 240 bash scripts/profile_ncu.sh gemm gemm-ring 2>&1 | tail -20
-}
-stage_decode_ring_memcheck() {
-  OUT=$OUT SANITIZE_TOOLS=memcheck timeout 150 bash scripts/sanitize.sh cuda 2>&1 | tail -8
 }
 stage_stream_k_sanitize() {
   OUT=$OUT timeout 400 bash scripts/sanitize.sh cuda 2>&1 | tail -30

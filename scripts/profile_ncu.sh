@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute profiles of the two decode hot spots, for the notes on where time goes:
 #   gemm: the csrc W4A8 decode GEMM at M=1, K x N = 8192 x 28672 (after quantize_act)
-#   gemm-ring: the same with the decode_ring launch option (MIXPREC_GEMM_DECODE_RING=1)
+#   gemm-u8: the same with the decode_u8 launch option (MIXPREC_GEMM_DECODE_U8=1)
 #   attn: the Triton KV4 decode attention kernel at batch 64 x 8K context (GQA 32/8, d=128)
 # Usage (GPU host, extension built): OUT=... bash scripts/profile_ncu.sh [gemm] [attn]
 set -u
@@ -17,9 +17,9 @@ targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=(gemm attn)
 for t in "${targets[@]}"; do
   case $t in
-    gemm|gemm-ring)
-      ring=0; [ "$t" = gemm-ring ] && ring=1
-      MIXPREC_GEMM_DECODE_RING=$ring "$NCU" "${SECTIONS[@]}" -k regex:w4a8_decode --launch-skip 5 --launch-count 1 \
+    gemm|gemm-u8)
+      u8=0; [ "$t" = gemm-u8 ] && u8=1
+      MIXPREC_GEMM_DECODE_U8=$u8 "$NCU" "${SECTIONS[@]}" -k regex:w4a8_decode_kernel --launch-skip 5 --launch-count 1 \
         python3 - > "$OUT_DIR/$t-m1.txt" 2>&1 <<'PY'
 import torch
 from vllm_mixprec.kernels import cuda
@@ -41,7 +41,7 @@ PY
       "$NCU" "${SECTIONS[@]}" -k regex:_paged_attn_kernel --launch-skip 3 --launch-count 1 \
         python3 benchmarks/bench_attention.py --batch 64 --ctx 8192 --methods mixprec-kv4 --rep-ms 5 \
         --out "$OUT_DIR" > "$OUT_DIR/attn-kv4-64x8k.txt" 2>&1 ;;
-    *) echo "unknown target $t (gemm, gemm-ring, attn)"; exit 2 ;;
+    *) echo "unknown target $t (gemm, gemm-u8, attn)"; exit 2 ;;
   esac
   echo "== $t: $(grep -E 'Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy' "$OUT_DIR/$t"-[mk]*.txt | head -6 | tr -s ' ')"
 done

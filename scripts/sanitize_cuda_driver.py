@@ -48,11 +48,11 @@ def main() -> int:
                   # hybrid stream-K: 17 x 24 = 408 tiles > 2 waves, so whole waves run
                   # data-parallel before the split remainder
                   (2100, 6144, 256, 128, 4, -1)]
-    # The decode kernels again through their cp.async ring (the decode_ring launch option)
-    ring_cases = [(m, n, k, g, kernel, splits, 1) for m, n, k, g, kernel, splits in cases if kernel in (0, 1)]
+    # The decode kernels again with unsigned weight bytes (the decode_u8 launch option)
+    u8_cases = [(m, n, k, g, kernel, splits, 1) for m, n, k, g, kernel, splits in cases if kernel in (0, 1)]
     defaults = cuda.set_launch_options()
-    for m, n, k, g, kernel, splits, ring in [c + (0,) for c in cases] + ring_cases:
-        cuda.set_launch_options(decode_ring=ring)
+    for m, n, k, g, kernel, splits, u8 in [c + (0,) for c in cases] + u8_cases:
+        cuda.set_launch_options(decode_u8=u8)
         qw, gs, go = lqq(n, k, g, gen)
         cs = torch.rand(n, generator=gen, device=DEV) * 1e-3 + 1e-4
         x = torch.randn(m, k, generator=gen, device=DEV, dtype=torch.float16)
@@ -64,7 +64,7 @@ def main() -> int:
         rel = float((y.double() - y_ref).norm() / y_ref.norm())
         ok = rel < 2e-3 and bool(torch.isfinite(y).all())
         failures += not ok
-        print(f"M={m:4d} N={n:4d} K={k:5d} G={g:3d} kernel={kernel} splits={splits} ring={ring}: rel={rel:.2e} "
+        print(f"M={m:4d} N={n:4d} K={k:5d} G={g:3d} kernel={kernel} splits={splits} u8={u8}: rel={rel:.2e} "
               f"{'ok' if ok else 'FAIL'}")
     cuda.set_launch_options(**defaults)
     for dtype, k in ((torch.bfloat16, 1000), (torch.float32, 4096), (torch.float16, 8192)):

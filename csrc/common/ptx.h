@@ -1,5 +1,5 @@
-// PTX wrappers shared by the csrc kernels: shared-memory addresses, cp.async, mbarriers and
-// (sm_90) bulk copies. Shared-memory operands are 32-bit shared-window addresses.
+// PTX wrappers shared by the csrc GEMM kernels: shared-memory addresses, cp.async, mbarriers,
+// griddepcontrol and proxy fences. Shared-memory operands are 32-bit shared-window addresses.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,17 +10,6 @@ namespace mixprec {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ uint4 lds_v4(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
-  return v;
 }
 
 // cp.async; ok == false writes zeros (the source is not read).
@@ -63,19 +52,6 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// One arrival that also expects `bytes` of bulk-copy transactions before the phase completes.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-// Bulk copy global -> shared (the TMA unit, no tensor map): bytes and both addresses 16-byte
-// multiples; completes `bytes` transactions on bar.
-__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-#endif
 
 // Programmatic dependent launch (sm_90; a no-op below): wait until the grids this one depends on
 // have completed and their writes are visible (returns at once when the launch was not programmatic).
@@ -85,7 +61,7 @@ __device__ __forceinline__ void wait_prior_grids() {
 #endif
 }
 
-// Generic-proxy shared-memory accesses before async-proxy ones (wgmma operands, bulk copies).
+// Generic-proxy shared-memory writes (cp.async) before async-proxy reads of them (wgmma operands).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");

@@ -41,9 +41,9 @@ struct W4A8GemmArgs {
   // dependent of the previous kernel on the stream, so their launch and set-up (for the wgmma
   // kernels also the first stages' weight copies) overlap its tail. Kernels 2, 3 ignore it.
   bool pdl = false;
-  // Decode kernels (0, 1): stream the weight through a per-warp cp.async ring in shared memory
-  // instead of batches of register loads (csrc/gemm/NOTES.md "Decode ring").
-  bool decode_ring = false;
+  // Decode kernels (0, 1): u8 x s8 MMA on u = w8 + 128 (no XOR per weight byte), 128 * sum_k x
+  // subtracted per warp; the same int32 sums (csrc/gemm/NOTES.md "Decode u8").
+  bool decode_u8 = false;
 };
 
 // What every W4A8 kernel reads: W4A8GemmArgs in device form (the kernels take it by value).

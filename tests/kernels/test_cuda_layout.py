@@ -156,7 +156,7 @@ def _bytes_i8(word):
     return ((word[..., None] >> (8 * torch.arange(4))) & 0xFF).to(torch.uint8).view(torch.int8)
 
 
-def _simulate_warp_tile(packed, gparams, x, tile, group_shift):
+def _simulate_warp_tile(packed, gparams, x, tile, group_shift, unsigned=False):
     """One warp of the kernel on one 16-channel tile and 8 tokens, fragment by fragment.
 
     Builds the mma.m16n8k32 A/B operands from what each lane holds (as the kernel code
@@ -164,11 +164,17 @@ def _simulate_warp_tile(packed, gparams, x, tile, group_shift):
     (A: reg i byte b -> row g + 8*(i&1), col 4t + b + 16*(i>>1); B: reg i byte b -> row
     4t + b + 16i, col g; C: reg i -> row g + 8*(i>>1), col 2t + (i&1)), and scatters C the
     way the epilogue does (MMA rows g, g+8 -> channels 2g, 2g+1). Returns y[token, channel].
+    unsigned: the decode_u8 path; A holds u = w8 + 128 (no XOR, u8 x s8 MMA), and each lane
+    subtracts 128 * sum_k x of its C registers' tokens as subtract_unsigned_offset does (lane
+    (g, t) sums token g's x over its k-slice; the 4 t-lanes' sums add up; C register i is token
+    2t + (i & 1), fetched from lane 4 * (2t + (i & 1))).
     """
     chunks = packed.shape[1] // 512
     lanes = torch.arange(32)
     g, t = lanes // 4, lanes % 4
     d = torch.zeros(16, 8, dtype=torch.int64)
+    flip = 0 if unsigned else 0x80808080
+    xsum = torch.zeros(32, dtype=torch.int64)  # per lane (unsigned)
     for c in range(chunks):
         words = _u32(packed[tile, c * 512:(c + 1) * 512].view(32, 4, 4))  # lane, j
         pw = gparams[tile, c >> group_shift].to(torch.int64) & 0xFFFFFFFF  # g -> word
@@ -179,14 +185,16 @@ def _simulate_warp_tile(packed, gparams, x, tile, group_shift):
             s = (pw >> (16 * p)) & 0xFF
             off = ((pw >> (16 * p + 8)) & 0xFF) * 0x01010101
             lo, hi = words[:, j] & 0x0F0F0F0F, (words[:, j] >> 4) & 0x0F0F0F0F
-            a[j >> 1, p] = ((lo * s + off) & 0xFFFFFFFF) ^ 0x80808080
-            a[j >> 1, 2 + p] = ((hi * s + off) & 0xFFFFFFFF) ^ 0x80808080
+            a[j >> 1, p] = ((lo * s + off) & 0xFFFFFFFF) ^ flip
+            a[j >> 1, 2 + p] = ((hi * s + off) & 0xFFFFFFFF) ^ flip
         xv = _u32(x[g][:, None, c * 64:(c + 1) * 64].reshape(32, 4, 16)[lanes, t].view(32, 4, 4).view(torch.uint8))
+        xsum += _bytes_i8(xv).to(torch.int64).sum((1, 2))
         for step in range(2):
             A = torch.zeros(16, 32, dtype=torch.int64)
             B = torch.zeros(32, 8, dtype=torch.int64)
             for i in range(4):
-                vals = _bytes_i8(a[step, i]).to(torch.int64)  # lane, byte
+                vals = _bytes_i8(a[step, i])  # lane, byte
+                vals = (vals.view(torch.uint8) if unsigned else vals).to(torch.int64)
                 for b in range(4):
                     A[g + 8 * (i & 1), 4 * t + b + 16 * (i >> 1)] = vals[:, b]
             for i in range(2):
@@ -194,6 +202,11 @@ def _simulate_warp_tile(packed, gparams, x, tile, group_shift):
                 for b in range(4):
                     B[4 * t + b + 16 * i, g] = vals[:, b]
             d += A @ B
+    if unsigned:
+        token_sum = xsum.view(8, 4).sum(1)  # the two shfl_xor steps: token g's sum on every lane g
+        for i in range(4):
+            row, col = g + 8 * (i >> 1), 2 * t + (i & 1)
+            d[row, col] -= 128 * token_sum[col]  # __shfl_sync from lane 4 * col
     y = torch.zeros(8, 16, dtype=torch.int64)
     for i in range(4):
         row, col = g + 8 * (i >> 1), 2 * t + (i & 1)
@@ -201,8 +214,9 @@ def _simulate_warp_tile(packed, gparams, x, tile, group_shift):
     return y
 
 
+@pytest.mark.parametrize("unsigned", [False, True])
 @pytest.mark.parametrize("k,g", [(128, 64), (256, 128)])
-def test_fragment_level_simulation_matches_integer_gemm(k, g, seeded):
+def test_fragment_level_simulation_matches_integer_gemm(k, g, unsigned, seeded):
     n = 32
     qw, gs, go = _lqq_checkpoint(n, k, g, seeded)
     packed, gparams = cuda.repack_w4a8_reference(qw, gs, go)
@@ -210,5 +224,5 @@ def test_fragment_level_simulation_matches_integer_gemm(k, g, seeded):
     w8 = ref.dequantize_weight_w8(qw, gs, go).to(torch.int64)
     expect = x.to(torch.int64) @ w8.T  # [8, N]
     for tile in range(n // 16):
-        y = _simulate_warp_tile(packed, gparams, x, tile, (g // 64).bit_length() - 1)
+        y = _simulate_warp_tile(packed, gparams, x, tile, (g // 64).bit_length() - 1, unsigned)
         assert torch.equal(y, expect[:, tile * 16:(tile + 1) * 16])

@@ -29,7 +29,7 @@ H100_SMS = 132
 LLAMA_SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192),
                 (8192, 28672))  # K x N
 STREAM_K_DEFAULT = 1  # set_launch_options' gemm_stream_k: on since session 33
-DECODE_RING_DEFAULT = 0  # set_launch_options' decode_ring: off until measured
+DECODE_U8_DEFAULT = 0  # set_launch_options' decode_u8: off until timed on a GPU (session 35)
 
 
 @pytest.fixture(autouse=True)
@@ -217,21 +217,21 @@ def test_bad_problems_raise(args, match):
 def test_launch_options_round_trip_and_errors(_classic_planner):
     """set_launch_options (host state, no GPU needed): -1 keeps a value; a bad value names the fields."""
     assert _classic_planner == {"gemm_pdl": 1, "act_quant_one_pass": 1, "gemm_stream_k": STREAM_K_DEFAULT,
-                                "decode_ring": DECODE_RING_DEFAULT}
+                                "decode_u8": DECODE_U8_DEFAULT}
     saved = cuda.set_launch_options()
     try:
         assert set(saved) == set(cuda.LAUNCH_OPTIONS)
         want = dict(saved)
-        for option in ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_ring", "gemm_pdl"):
+        for option in ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "gemm_pdl"):
             want[option] = 1 - want[option]
             assert cuda.set_launch_options(**{option: want[option]}) == want, option
-        with pytest.raises(RuntimeError, match="gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_ring take "
+        with pytest.raises(RuntimeError, match="gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_u8 take "
                                                "0, 1 or -1"):
             cuda.set_launch_options(gemm_pdl=2)
         with pytest.raises(RuntimeError, match="got -1, -1, 5, -1"):
             cuda.set_launch_options(gemm_stream_k=5)
         with pytest.raises(RuntimeError, match="got -1, -1, -1, 3"):
-            cuda.set_launch_options(decode_ring=3)
+            cuda.set_launch_options(decode_u8=3)
     finally:
         cuda.set_launch_options(**saved)
     assert cuda.set_launch_options() == saved

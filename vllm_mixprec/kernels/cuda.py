@@ -79,7 +79,7 @@ def _load() -> None:
     _register_fakes()
     _state["path"] = libs[0]
     for env, option in (("MIXPREC_GEMM_PDL", "gemm_pdl"), ("MIXPREC_GEMM_STREAM_K", "gemm_stream_k"),
-                        ("MIXPREC_GEMM_DECODE_RING", "decode_ring")):
+                        ("MIXPREC_GEMM_DECODE_U8", "decode_u8")):
         if env in os.environ:
             v = os.environ[env].strip()
             if v not in ("0", "1"):
@@ -87,11 +87,11 @@ def _load() -> None:
             set_launch_options(**{option: int(v)})
 
 
-LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_ring")
+LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8")
 
 
 def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1,
-                       gemm_stream_k: int = -1, decode_ring: int = -1) -> dict[str, int]:
+                       gemm_stream_k: int = -1, decode_u8: int = -1) -> dict[str, int]:
     """Set the csrc launch options (-1 keeps one) and return them all.
 
     gemm_pdl: on sm_90 the decode GEMM (M <= 32) and the wgmma GEMMs are programmatic dependent
@@ -100,11 +100,12 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1,
     over 8192 only at M <= 128; on). gemm_stream_k: the wgmma planner may pick a stream-K launch,
     a persistent grid of one CTA per SM (data-parallel waves, then the rest of the tiles x K
     stages split evenly), when it estimates it 8 % faster (on; MIXPREC_GEMM_STREAM_K=0 turns it
-    off at load). decode_ring: the decode GEMM (M <= 32) streams the weight through a per-warp
-    cp.async ring in shared memory instead of batches of register loads (off;
-    MIXPREC_GEMM_DECODE_RING=1 turns it on at load). Defaults: csrc/gemm/NOTES.md, "PDL",
-    "Stream-K" and "Decode ring". A CUDA graph keeps the options it was captured with."""
-    got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_ring)
+    off at load). decode_u8: the decode GEMM (M <= 32) multiplies the unsigned weight bytes
+    (u8 x s8 MMA, one XOR fewer per 4 weights) and subtracts 128 * sum_k x; the same int32 sums
+    (off until timed on a GPU; MIXPREC_GEMM_DECODE_U8=1 turns it on at load). Defaults:
+    csrc/gemm/NOTES.md, "PDL", "Stream-K" and "Decode u8". A CUDA graph keeps the options it was
+    captured with."""
+    got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8)
     return dict(zip(LAUNCH_OPTIONS, got))
 
 

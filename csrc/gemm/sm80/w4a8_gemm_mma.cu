@@ -53,8 +53,11 @@ __device__ __forceinline__ uint4 ldg_v4(const void* ptr) {
 // One packed 16-byte word -> the A fragments of two k32 steps: a[step][reg].
 // Per u32: 8 nibbles -> two registers of 4 byte lanes (AND, SHF+AND), then IMAD + XOR each.
 // No lane carries: q * s + a <= 255 by construction of LiquidQuant (formats.py).
+// kUnsigned keeps u = q * s + a (= w8 + 128, no XOR) for the u8 x s8 MMA (decode_u8 option).
+template <bool kUnsigned = false>
 __device__ __forceinline__ void dequant_chunk(const uint4 w, const uint32_t params,
                                               uint32_t (&a)[2][4]) {
+  constexpr uint32_t kFlip = kUnsigned ? 0u : 0x80808080u;
   const uint32_t s_even = __byte_perm(params, 0, 0x4440);  // scale of channel 2g in lane 0
   const uint32_t a_even = __byte_perm(params, 0, 0x1111);  // offset of 2g in all 4 lanes
   const uint32_t s_odd = __byte_perm(params, 0, 0x4442);
@@ -67,24 +70,34 @@ __device__ __forceinline__ void dequant_chunk(const uint4 w, const uint32_t para
     const uint32_t lo = words[j] & 0x0F0F0F0Fu;         // k = 16t + 8s + 0..3
     const uint32_t hi = (words[j] >> 4) & 0x0F0F0F0Fu;  // k = 16t + 8s + 4..7
     // step j>>1; reg 0/1 = rows g / g+8 (k 0..15 of the step), reg 2/3 = k 16..31
-    a[j >> 1][(j & 1)] = (lo * s + off) ^ 0x80808080u;
-    a[j >> 1][2 + (j & 1)] = (hi * s + off) ^ 0x80808080u;
+    a[j >> 1][(j & 1)] = (lo * s + off) ^ kFlip;
+    a[j >> 1][2 + (j & 1)] = (hi * s + off) ^ kFlip;
   }
 }
 
-__device__ __forceinline__ void mma_s8_16x8x32(int32_t (&c)[4], const uint32_t (&a)[4],
-                                               uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// A is s8 (w8), or u8 (u = w8 + 128) when kUnsigned; B (activations) is s8.
+template <bool kUnsigned = false>
+__device__ __forceinline__ void mma_16x8x32(int32_t (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (kUnsigned) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
 }
 
 // Both k32 steps of a chunk; x holds the lane's 16 activations k = 16t .. 16t+15.
+template <bool kUnsigned = false>
 __device__ __forceinline__ void mma_chunk(int32_t (&c)[4], const uint32_t (&a)[2][4], const uint4 x) {
-  mma_s8_16x8x32(c, a[0], x.x, x.y);
-  mma_s8_16x8x32(c, a[1], x.z, x.w);
+  mma_16x8x32<kUnsigned>(c, a[0], x.x, x.y);
+  mma_16x8x32<kUnsigned>(c, a[1], x.z, x.w);
 }
 
 // ---- epilogue ------------------------------------------------------------------------------
@@ -152,10 +165,11 @@ __device__ __forceinline__ int2 sum_splits(const Params& p, int splits, int tok,
 
 // kBatch chunks of one warp: all loads first (kBatch * (kRowTiles + kTokTiles) independent
 // 16-byte requests plus the group words), then dequant + MMA; pointers advance by kBatch chunks.
-template <int kBatch, int kRowTiles, int kTokTiles>
+// kUnsigned (u8 x s8 MMA) also sums the lane's activations per token tile into xsum.
+template <int kBatch, bool kUnsigned, int kRowTiles, int kTokTiles>
 __device__ __forceinline__ void decode_batch(const uint8_t* (&wptr)[kRowTiles], const uint32_t* const (&pptr)[kRowTiles],
                                              const int8_t* (&xptr)[kTokTiles], int c, int group_shift,
-                                             int32_t (&acc)[kRowTiles][kTokTiles][4]) {
+                                             int32_t (&acc)[kRowTiles][kTokTiles][4], int32_t (&xsum)[kTokTiles]) {
   uint4 wv[kBatch][kRowTiles];
   uint32_t pv[kBatch][kRowTiles];
   uint4 xv[kBatch][kTokTiles];
@@ -179,23 +193,54 @@ __device__ __forceinline__ void decode_batch(const uint8_t* (&wptr)[kRowTiles], 
 #pragma unroll
     for (int r = 0; r < kRowTiles; ++r) {
       uint32_t a[2][4];
-      dequant_chunk(wv[u][r], pv[u][r], a);
+      dequant_chunk<kUnsigned>(wv[u][r], pv[u][r], a);
 #pragma unroll
-      for (int tt = 0; tt < kTokTiles; ++tt) mma_chunk(acc[r][tt], a, xv[u][tt]);
+      for (int tt = 0; tt < kTokTiles; ++tt) mma_chunk<kUnsigned>(acc[r][tt], a, xv[u][tt]);
+    }
+    if constexpr (kUnsigned) {
+#pragma unroll
+      for (int tt = 0; tt < kTokTiles; ++tt) {
+        const uint4 x = xv[u][tt];
+        xsum[tt] = __dp4a(static_cast<int>(x.x), 0x01010101, xsum[tt]);
+        xsum[tt] = __dp4a(static_cast<int>(x.y), 0x01010101, xsum[tt]);
+        xsum[tt] = __dp4a(static_cast<int>(x.z), 0x01010101, xsum[tt]);
+        xsum[tt] = __dp4a(static_cast<int>(x.w), 0x01010101, xsum[tt]);
+      }
+    }
+  }
+}
+
+// The u8 x s8 MMA summed u * x = (w8 + 128) * x: subtract 128 * sum_k x of each accumulator's
+// token over the warp's chunks. Lane (g, t) summed token g's x over its k-slice; the 4 t-lanes
+// hold the chunk's k, and C register i belongs to token 2t + (i & 1). Integer, so exact: the
+// sums equal the s8 x s8 path's bit for bit (int32 wraparound cancels within the final value).
+template <int kRowTiles, int kTokTiles>
+__device__ __forceinline__ void subtract_unsigned_offset(int32_t (&acc)[kRowTiles][kTokTiles][4],
+                                                         const int32_t (&xsum)[kTokTiles], int t) {
+#pragma unroll
+  for (int tt = 0; tt < kTokTiles; ++tt) {
+    int32_t s = xsum[tt];
+    s += __shfl_xor_sync(0xFFFFFFFFu, s, 1);
+    s += __shfl_xor_sync(0xFFFFFFFFu, s, 2);
+    const int32_t even = __shfl_sync(0xFFFFFFFFu, s, 8 * t) * 128;      // token 2t: lanes g = 2t
+    const int32_t odd = __shfl_sync(0xFFFFFFFFu, s, 8 * t + 4) * 128;   // token 2t + 1
+#pragma unroll
+    for (int r = 0; r < kRowTiles; ++r) {
+      acc[r][tt][0] -= even;
+      acc[r][tt][2] -= even;
+      acc[r][tt][1] -= odd;
+      acc[r][tt][3] -= odd;
     }
   }
 }
 
 // ---- decode kernels (M <= 32): stream the weight once ---------------------------------------
 //
-// CTA = kRowTiles x 16 channels; 8 warps split its K range (contiguous chunk ranges). Warp
-// partials meet in a shared int32 tile (shared atomics), then the epilogue (or the split-K
-// workspace). Two ways to stream a warp's weight words, switched by the decode_ring launch option:
-// * w4a8_decode_kernel: kUnroll x kRowTiles LDG.128 per lane straight into registers, then
-//   dequant + MMA; loads are in flight only while the warp waits for its batch.
-// * w4a8_decode_ring_kernel: a per-warp ring of kDecodeStages shared-memory stages filled by
-//   cp.async, kDecodeStages - 1 stages in flight while one is computed (more bytes in flight
-//   per SM, for HBM3e; csrc/gemm/NOTES.md "Decode ring").
+// CTA = kRowTiles x 16 channels; 8 warps split its K range (contiguous chunk ranges). Each
+// warp reads its weight words straight from global memory, kUnroll x kRowTiles LDG.128 per lane
+// in flight, activations from L1/L2, then dequant + MMA. Warp partials meet in a shared int32
+// tile (shared atomics), then the epilogue (or the split-K workspace). (Shared-memory rings that
+// keep more bytes in flight were slower: csrc/gemm/NOTES.md "Decode ring".)
 
 template <int kTokTiles, int kRowTiles>
 struct DecodeTile {
@@ -280,7 +325,7 @@ __device__ __forceinline__ void decode_finish(const Params& p, int32_t* tile, in
   }
 }
 
-template <int kTokTiles, int kRowTiles, int kUnroll, typename OutT>
+template <int kTokTiles, int kRowTiles, int kUnroll, bool kUnsigned, typename OutT>
 __global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_kernel(const Params p) {
   __shared__ int32_t tile[DecodeTile<kTokTiles, kRowTiles>::kInts];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -308,127 +353,13 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_kernel(const Pa
   decode_x_pointers<kTokTiles>(p, range.lo, g, t, xptr);
 
   int32_t acc[kRowTiles][kTokTiles][4] = {};
+  int32_t xsum[kTokTiles] = {};
   int c = range.lo;
   for (; c + kUnroll <= range.hi; c += kUnroll)
-    decode_batch<kUnroll>(wptr, pptr, xptr, c, p.group_shift, acc);
-  for (; c < range.hi; ++c) decode_batch<1>(wptr, pptr, xptr, c, p.group_shift, acc);
+    decode_batch<kUnroll, kUnsigned>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
+  for (; c < range.hi; ++c) decode_batch<1, kUnsigned>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
+  if constexpr (kUnsigned) subtract_unsigned_offset(acc, xsum, t);
   decode_finish<kTokTiles, kRowTiles, OutT>(p, tile, row_tile0, acc);
-}
-
-// Ring geometry: a stage is 4 chunks of weight words per warp (2 KB: 4 chunks of one row tile or
-// 2 of two) plus the group words they use (at most one 32-byte group per chunk); 4 stages, 3 in
-// flight while one is computed: 68 KB of dynamic shared memory per CTA.
-constexpr int kDecodeStages = 4;
-template <int kRowTiles>
-struct DecodeRing {
-  static constexpr int kStageChunks = 4 / kRowTiles;
-  static constexpr int kWBytes = kStageChunks * kChunkBytes;  // per row tile and stage
-  static constexpr int kPBytes = kStageChunks * 32;
-  static constexpr int kWarpBytes = kDecodeStages * kRowTiles * (kWBytes + kPBytes);
-  static constexpr int kSmemBytes = kDecodeWarps * kWarpBytes;
-};
-
-// sm_90 only (bulk copies): the launcher runs it only there (ops.cpp sets decode_ring on sm_90).
-template <int kTokTiles, int kRowTiles, typename OutT>
-__global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_ring_kernel(const Params p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Ring = DecodeRing<kRowTiles>;
-  constexpr int kStageChunks = Ring::kStageChunks;
-  extern __shared__ __align__(128) uint8_t ring[];
-  __shared__ __align__(8) uint64_t full[kDecodeWarps][kDecodeStages];
-  __shared__ int32_t tile[DecodeTile<kTokTiles, kRowTiles>::kInts];
-
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int num_row_tiles = p.N >> 4;
-  const int chunks = p.K / kChunkK;
-  const int groups = chunks >> p.group_shift;
-  const int gs = p.group_shift;
-  const int row_tile0 = blockIdx.x * kRowTiles;
-  const ChunkRange range = decode_warp_chunks(chunks, warp);
-  const int stages = ceil_div(range.hi - range.lo, kStageChunks);
-
-  // This warp's ring, per stage and row tile: the weight words of its chunks as they lie in
-  // global memory (lane-ordered 512 B per chunk), then their group words ([group][8] u32).
-  // Lane 0 issues one bulk copy of each per stage; everyone waits on the stage's full barrier.
-  const uint32_t w_smem = smem_addr(ring + warp * Ring::kWarpBytes);
-  const uint32_t p_smem = w_smem + kDecodeStages * kRowTiles * Ring::kWBytes;
-  const uint32_t bar0 = smem_addr(&full[warp][0]);
-  const uint8_t* wrow[kRowTiles];   // chunk 0 of each row tile
-  const uint32_t* prow[kRowTiles];  // group 0 of each row tile
-#pragma unroll
-  for (int r = 0; r < kRowTiles; ++r) {
-    const size_t rt = min(row_tile0 + r, num_row_tiles - 1);
-    wrow[r] = p.qweight + rt * chunks * kChunkBytes;
-    prow[r] = p.gparams + rt * groups * 8;
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int s = 0; s < kDecodeStages; ++s) mbar_init(bar0 + 8 * s, 1);
-    fence_mbarrier_init();
-  }
-  __syncwarp();
-  // Lane 0: stage s into slot s % kDecodeStages (stages past the range are never issued nor waited on).
-  auto issue = [&](int s) {
-    if (lane != 0 || s >= stages) return;
-    const int slot = s % kDecodeStages;
-    const int c0 = range.lo + s * kStageChunks;
-    const int valid = min(kStageChunks, range.hi - c0);
-    const int g_lo = c0 >> gs, g_n = ((c0 + valid - 1) >> gs) - g_lo + 1;
-    const uint32_t bar = bar0 + 8 * slot;
-    mbar_arrive_expect_tx(bar, kRowTiles * (valid * kChunkBytes + g_n * 32));
-#pragma unroll
-    for (int r = 0; r < kRowTiles; ++r) {
-      bulk_copy_g2s(w_smem + (slot * kRowTiles + r) * Ring::kWBytes, wrow[r] + static_cast<size_t>(c0) * kChunkBytes,
-                    valid * kChunkBytes, bar);
-      bulk_copy_g2s(p_smem + (slot * kRowTiles + r) * Ring::kPBytes, prow[r] + g_lo * 8, g_n * 32, bar);
-    }
-  };
-  // The weights and group words never come from another kernel: the first stages are copied
-  // before the programmatic-dependent wait, as in the wgmma kernels.
-#pragma unroll
-  for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
-  wait_prior_grids();
-  const int8_t* xptr[kTokTiles];
-  decode_x_pointers<kTokTiles>(p, range.lo, g, t, xptr);
-
-  int32_t acc[kRowTiles][kTokTiles][4] = {};
-#pragma unroll 1
-  for (int s = 0; s < stages; ++s) {
-    const int slot = s % kDecodeStages;
-    const int c0 = range.lo + s * kStageChunks;
-    const int valid = min(kStageChunks, range.hi - c0);  // the last stage may be short
-    uint4 xv[kStageChunks][kTokTiles];
-#pragma unroll
-    for (int u = 0; u < kStageChunks; ++u)
-#pragma unroll
-      for (int tt = 0; tt < kTokTiles; ++tt)
-        if (u < valid) xv[u][tt] = ldg_v4(xptr[tt] + u * kChunkK);
-#pragma unroll
-    for (int tt = 0; tt < kTokTiles; ++tt) xptr[tt] += kStageChunks * kChunkK;
-    // Every lane has read the slot it refills (last iteration's) before lane 0 hands it to the
-    // async proxy.
-    __syncwarp();
-    if (lane == 0) fence_proxy_async();
-    issue(s + kDecodeStages - 1);
-    mbar_wait(bar0 + 8 * slot, (s / kDecodeStages) & 1);
-#pragma unroll
-    for (int u = 0; u < kStageChunks; ++u) {
-      if (u >= valid) break;  // warp-uniform
-      const uint32_t group_off = (((c0 + u) >> gs) - (c0 >> gs)) * 32 + g * 4;
-#pragma unroll
-      for (int r = 0; r < kRowTiles; ++r) {
-        const uint32_t wr = w_smem + (slot * kRowTiles + r) * Ring::kWBytes + u * kChunkBytes + lane * 16;
-        const uint32_t pr = lds_u32(p_smem + (slot * kRowTiles + r) * Ring::kPBytes + group_off);
-        uint32_t a[2][4];
-        dequant_chunk(lds_v4(wr), pr, a);
-#pragma unroll
-        for (int tt = 0; tt < kTokTiles; ++tt) mma_chunk(acc[r][tt], a, xv[u][tt]);
-      }
-    }
-  }
-  decode_finish<kTokTiles, kRowTiles, OutT>(p, tile, row_tile0, acc);
-#endif
 }
 
 // ---- tiled kernel (any M): cp.async multistage, weight and activations in shared memory ------
@@ -602,16 +533,16 @@ int ctas_per_split(W4A8Kernel k, int M, int N) {
 
 // A decode kernel, as a programmatic dependent launch when pdl (sm_90 only: the caller checks).
 template <int kTokTiles, int kRowTiles, int kUnroll, typename OutT>
-cudaError_t launch_decode(const Params& p, dim3 grid, bool pdl, bool ring, cudaStream_t stream) {
-  if (ring)
-    return launch_kernel<w4a8_decode_ring_kernel<kTokTiles, kRowTiles, OutT>>(
-        grid, dim3(kDecodeThreads), DecodeRing<kRowTiles>::kSmemBytes, pdl, stream, p);
-  return launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, OutT>>(grid, dim3(kDecodeThreads), 0, pdl,
-                                                                                 stream, p);
+cudaError_t launch_decode(const Params& p, dim3 grid, bool pdl, bool u8, cudaStream_t stream) {
+  if (u8)
+    return launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, true, OutT>>(grid, dim3(kDecodeThreads), 0,
+                                                                                         pdl, stream, p);
+  return launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, false, OutT>>(grid, dim3(kDecodeThreads), 0,
+                                                                                        pdl, stream, p);
 }
 
 template <typename OutT>
-cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, bool ring, cudaStream_t stream) {
+cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, bool u8, cudaStream_t stream) {
   const int row_tiles = p.N / 16;
   switch (plan.kernel) {
     case W4A8Kernel::kDecodeRows16:
@@ -620,13 +551,13 @@ cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, bool r
       const dim3 grid(ceil_div(row_tiles, two ? 2 : 1), plan.splits);
       // Loads in flight per lane: unroll x (row tiles + token tiles); unroll shrinks as x grows.
       if (p.M <= 8)
-        return two ? launch_decode<1, 2, 4, OutT>(p, grid, pdl, ring, stream)
-                   : launch_decode<1, 1, 4, OutT>(p, grid, pdl, ring, stream);
+        return two ? launch_decode<1, 2, 4, OutT>(p, grid, pdl, u8, stream)
+                   : launch_decode<1, 1, 4, OutT>(p, grid, pdl, u8, stream);
       if (p.M <= 16)
-        return two ? launch_decode<2, 2, 4, OutT>(p, grid, pdl, ring, stream)
-                   : launch_decode<2, 1, 4, OutT>(p, grid, pdl, ring, stream);
-      return two ? launch_decode<4, 2, 2, OutT>(p, grid, pdl, ring, stream)
-                 : launch_decode<4, 1, 2, OutT>(p, grid, pdl, ring, stream);
+        return two ? launch_decode<2, 2, 4, OutT>(p, grid, pdl, u8, stream)
+                   : launch_decode<2, 1, 4, OutT>(p, grid, pdl, u8, stream);
+      return two ? launch_decode<4, 2, 2, OutT>(p, grid, pdl, u8, stream)
+                 : launch_decode<4, 1, 2, OutT>(p, grid, pdl, u8, stream);
     }
     case W4A8Kernel::kTiledTok64: {
       const dim3 grid(ceil_div(p.M, Tiled64::kCtaToks), ceil_div(row_tiles, Tiled64::kCtaRowTiles), plan.splits);
@@ -693,9 +624,9 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaStream_t stream) {
   const Params p = w4a8_kernel_params(a);
   switch (a.out_kind) {
-    case OutKind::kHalf: return launch_typed<__half>(p, plan, a.pdl, a.decode_ring, stream);
-    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, a.pdl, a.decode_ring, stream);
-    default: return launch_typed<float>(p, plan, a.pdl, a.decode_ring, stream);
+    case OutKind::kHalf: return launch_typed<__half>(p, plan, a.pdl, a.decode_u8, stream);
+    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, a.pdl, a.decode_u8, stream);
+    default: return launch_typed<float>(p, plan, a.pdl, a.decode_u8, stream);
   }
 }
 

@@ -293,11 +293,12 @@ __device__ __forceinline__ int2* workspace_at(const WParams& p, int split, int t
 // cut between CTAs is summed by the CTA holding its first stages, which reaches it last.
 // Python mirror: tests/kernels/test_cuda_gemm_wgmma.py, _stream_k_segments.
 // Units are ints (the planner refuses problems of 2^31 units or more); products are 64-bit.
-__host__ __device__ __forceinline__ int sk_range_begin(int cta, int units, int ctas) {
+// (maybe_unused: the sm_80 pass compiles no kernel body that calls them.)
+[[maybe_unused]] __host__ __device__ __forceinline__ int sk_range_begin(int cta, int units, int ctas) {
   return static_cast<int>(static_cast<long long>(cta) * units / ctas);
 }
 // The CTA whose range holds unit u (ranges are [begin(c), begin(c + 1))).
-__host__ __device__ __forceinline__ int sk_owner(int u, int units, int ctas) {
+[[maybe_unused]] __host__ __device__ __forceinline__ int sk_owner(int u, int units, int ctas) {
   return static_cast<int>((static_cast<long long>(u + 1) * ctas + units - 1) / units) - 1;
 }
 
