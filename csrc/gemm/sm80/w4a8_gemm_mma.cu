@@ -28,12 +28,11 @@
 #include "common/launch.h"
 #include "common/ptx.h"
 #include "gemm/w4a8_gemm.h"
+#include "gemm/w4a8_packed.cuh"
 
 namespace mixprec {
 namespace {
 
-constexpr int kChunkK = 64;        // k per packed chunk (two mma k32 steps)
-constexpr int kChunkBytes = 512;   // one 16-channel x 64-k chunk = 32 lanes x 16 B
 constexpr int kDecodeWarps = 8;    // intra-CTA split-K for the decode kernels
 constexpr int kDecodeThreads = kDecodeWarps * 32;
 
@@ -50,30 +49,7 @@ __device__ __forceinline__ uint4 ldg_v4(const void* ptr) {
 
 // ---- dequantisation and MMA ---------------------------------------------------------------
 
-// One packed 16-byte word -> the A fragments of two k32 steps: a[step][reg].
-// Per u32: 8 nibbles -> two registers of 4 byte lanes (AND, SHF+AND), then IMAD + XOR each.
-// No lane carries: q * s + a <= 255 by construction of LiquidQuant (formats.py).
-// kUnsigned keeps u = q * s + a (= w8 + 128, no XOR) for the u8 x s8 MMA (decode_u8 option).
-template <bool kUnsigned = false>
-__device__ __forceinline__ void dequant_chunk(const uint4 w, const uint32_t params,
-                                              uint32_t (&a)[2][4]) {
-  constexpr uint32_t kFlip = kUnsigned ? 0u : 0x80808080u;
-  const uint32_t s_even = __byte_perm(params, 0, 0x4440);  // scale of channel 2g in lane 0
-  const uint32_t a_even = __byte_perm(params, 0, 0x1111);  // offset of 2g in all 4 lanes
-  const uint32_t s_odd = __byte_perm(params, 0, 0x4442);
-  const uint32_t a_odd = __byte_perm(params, 0, 0x3333);
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t s = (j & 1) ? s_odd : s_even;
-    const uint32_t off = (j & 1) ? a_odd : a_even;
-    const uint32_t lo = words[j] & 0x0F0F0F0Fu;         // k = 16t + 8s + 0..3
-    const uint32_t hi = (words[j] >> 4) & 0x0F0F0F0Fu;  // k = 16t + 8s + 4..7
-    // step j>>1; reg 0/1 = rows g / g+8 (k 0..15 of the step), reg 2/3 = k 16..31
-    a[j >> 1][(j & 1)] = (lo * s + off) ^ kFlip;
-    a[j >> 1][2 + (j & 1)] = (hi * s + off) ^ kFlip;
-  }
-}
+// (dequant_chunk, shared with the wgmma kernels: gemm/w4a8_packed.cuh)
 
 // A is s8 (w8), or u8 (u = w8 + 128) when kUnsigned; B (activations) is s8.
 template <bool kUnsigned = false>
@@ -102,15 +78,7 @@ __device__ __forceinline__ void mma_chunk(int32_t (&c)[4], const uint32_t (&a)[2
 
 // ---- epilogue ------------------------------------------------------------------------------
 
-__device__ __forceinline__ void store2(float* p, float y0, float y1) {
-  *reinterpret_cast<float2*>(p) = make_float2(y0, y1);
-}
-__device__ __forceinline__ void store2(__half* p, float y0, float y1) {
-  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(y0, y1);
-}
-__device__ __forceinline__ void store2(__nv_bfloat16* p, float y0, float y1) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(y0, y1);
-}
+// (store2: gemm/w4a8_packed.cuh)
 
 // Output channels ch, ch+1 (ch even) of token tok from their int32 sums.
 template <typename OutT>
@@ -234,57 +202,76 @@ __device__ __forceinline__ void subtract_unsigned_offset(int32_t (&acc)[kRowTile
   }
 }
 
-// ---- decode kernels (M <= 32): stream the weight once ---------------------------------------
+// ---- decode kernel (M <= 32): stream the weight once -----------------------------------------
 //
-// CTA = kRowTiles x 16 channels; 8 warps split its K range (contiguous chunk ranges). Each
-// warp reads its weight words straight from global memory, kUnroll x kRowTiles LDG.128 per lane
-// in flight, activations from L1/L2, then dequant + MMA. Warp partials meet in a shared int32
-// tile (shared atomics), then the epilogue (or the split-K workspace). (Shared-memory rings that
-// keep more bytes in flight were slower: csrc/gemm/NOTES.md "Decode ring".)
+// CTA = kRowTiles x 16 channels, 8 warps split its K range (contiguous chunk ranges), each
+// warp reads its weight words straight from global memory with kUnroll x kRowTiles
+// independent LDG.128 in flight, activations from L1/L2. Warp partials meet in a shared
+// int32 tile (shared atomics), then the epilogue (or the split-K workspace). (Shared-memory
+// rings that keep more bytes in flight were slower: csrc/gemm/NOTES.md "Decode ring".)
+template <int kTokTiles, int kRowTiles, int kUnroll, bool kUnsigned, typename OutT>
+__global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_kernel(const Params p) {
+  constexpr int kRows = kRowTiles * 16;
+  constexpr int kToks = kTokTiles * 8;
+  constexpr int kStride = kRows + 8;  // +8 ints: the 4 t-lanes' rows land 16 banks apart
+  __shared__ int32_t tile[kToks * kStride];
 
-template <int kTokTiles, int kRowTiles>
-struct DecodeTile {
-  static constexpr int kRows = kRowTiles * 16;
-  static constexpr int kToks = kTokTiles * 8;
-  static constexpr int kStride = kRows + 8;  // +8 ints: the 4 t-lanes' rows land 16 banks apart
-  static constexpr int kInts = kToks * kStride;
-};
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int M = p.M, N = p.N, K = p.K;
+  const int num_row_tiles = N >> 4;
+  const int chunks = K / kChunkK;
+  const int groups = chunks >> p.group_shift;
+  const int row_tile0 = blockIdx.x * kRowTiles;
+  const int splits = gridDim.y;
 
-// This warp's chunk range [lo, hi) of its CTA's split (ranges may be empty).
-struct ChunkRange {
-  int lo, hi;
-};
-__device__ __forceinline__ ChunkRange decode_warp_chunks(int chunks, int warp) {
-  const int per_split = ceil_div(chunks, static_cast<int>(gridDim.y));
+  const int per_split = ceil_div(chunks, splits);
   const int split_lo = min(chunks, static_cast<int>(blockIdx.y) * per_split);
   const int split_hi = min(chunks, split_lo + per_split);
   const int per_warp = ceil_div(split_hi - split_lo, kDecodeWarps);
-  const int lo = min(split_hi, split_lo + warp * per_warp);
-  return {lo, min(split_hi, lo + per_warp)};
-}
+  const int c_lo = min(split_hi, split_lo + warp * per_warp);
+  const int c_hi = min(split_hi, c_lo + per_warp);
 
-// Activation rows of the lane's token tiles at chunk c (tokens past M read row M - 1: their
-// accumulators are never stored).
-template <int kTokTiles>
-__device__ __forceinline__ void decode_x_pointers(const Params& p, int c, int g, int t,
-                                                  const int8_t* (&xptr)[kTokTiles]) {
+  // Row tiles past N (last CTA) and tokens past M read valid duplicates instead of being
+  // predicated: their accumulators are never stored.
+  const uint8_t* wptr[kRowTiles];
+  const uint32_t* pptr[kRowTiles];
+#pragma unroll
+  for (int r = 0; r < kRowTiles; ++r) {
+    const size_t rt = min(row_tile0 + r, num_row_tiles - 1);
+    wptr[r] = p.qweight + (rt * chunks + c_lo) * kChunkBytes + lane * 16;
+    pptr[r] = p.gparams + rt * groups * 8 + g;
+  }
+  // As a programmatic dependent (sm_90), the CTA got here while the previous grid
+  // (quantize_act) may still run; nothing it writes is read or written before this wait.
+  // (An L2 prefetch of the weight range before it cost 1-8 us: session 24, NOTES.md "PDL".)
+  wait_prior_grids();
+
+  const int8_t* xptr[kTokTiles];
 #pragma unroll
   for (int tt = 0; tt < kTokTiles; ++tt) {
-    const size_t tok = min(tt * 8 + g, p.M - 1);
-    xptr[tt] = p.xq + tok * p.K + static_cast<size_t>(c) * kChunkK + t * 16;
+    const size_t tok = min(tt * 8 + g, M - 1);
+    xptr[tt] = p.xq + tok * K + static_cast<size_t>(c_lo) * kChunkK + t * 16;
   }
-}
 
-// Intra-CTA split-K (warps add into the shared tile [token][channel]), then the epilogue or,
-// with cross-CTA splits, the workspace and the last CTA's sum.
-template <int kTokTiles, int kRowTiles, typename OutT>
-__device__ __forceinline__ void decode_finish(const Params& p, int32_t* tile, int row_tile0,
-                                              const int32_t (&acc)[kRowTiles][kTokTiles][4]) {
-  using Tile = DecodeTile<kTokTiles, kRowTiles>;
-  const int tid = threadIdx.x, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int M = p.M, N = p.N, splits = gridDim.y;
-  for (int i = tid; i < Tile::kInts; i += kDecodeThreads) tile[i] = 0;
+  int32_t acc[kRowTiles][kTokTiles][4];
+#pragma unroll
+  for (int r = 0; r < kRowTiles; ++r)
+#pragma unroll
+    for (int tt = 0; tt < kTokTiles; ++tt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][tt][i] = 0;
+
+  int32_t xsum[kTokTiles] = {};  // kUnsigned only
+  int c = c_lo;
+  for (; c + kUnroll <= c_hi; c += kUnroll)
+    decode_batch<kUnroll, kUnsigned>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
+  for (; c < c_hi; ++c) decode_batch<1, kUnsigned>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
+  if constexpr (kUnsigned) subtract_unsigned_offset(acc, xsum, t);
+
+  // Intra-CTA split-K: warps add into a shared int32 tile [token][channel].
+  for (int i = tid; i < kToks * kStride; i += kDecodeThreads) tile[i] = 0;
   __syncthreads();
 #pragma unroll
   for (int r = 0; r < kRowTiles; ++r) {
@@ -293,23 +280,23 @@ __device__ __forceinline__ void decode_finish(const Params& p, int32_t* tile, in
       const int ch = r * 16 + 2 * g;  // MMA rows g, g+8 are channels 2g, 2g+1
       const int tok = tt * 8 + 2 * t;
       if (tok < M) {
-        atomicAdd(&tile[tok * Tile::kStride + ch], acc[r][tt][0]);
-        atomicAdd(&tile[tok * Tile::kStride + ch + 1], acc[r][tt][2]);
+        atomicAdd(&tile[tok * kStride + ch], acc[r][tt][0]);
+        atomicAdd(&tile[tok * kStride + ch + 1], acc[r][tt][2]);
       }
       if (tok + 1 < M) {
-        atomicAdd(&tile[(tok + 1) * Tile::kStride + ch], acc[r][tt][1]);
-        atomicAdd(&tile[(tok + 1) * Tile::kStride + ch + 1], acc[r][tt][3]);
+        atomicAdd(&tile[(tok + 1) * kStride + ch], acc[r][tt][1]);
+        atomicAdd(&tile[(tok + 1) * kStride + ch + 1], acc[r][tt][3]);
       }
     }
   }
   __syncthreads();
 
-  constexpr int kPairs = Tile::kRows / 2;
+  constexpr int kPairs = kRows / 2;
   const int ch0 = row_tile0 * 16;
-  for (int i = tid; i < Tile::kToks * kPairs; i += kDecodeThreads) {
+  for (int i = tid; i < kToks * kPairs; i += kDecodeThreads) {
     const int tok = i / kPairs, ch_l = (i % kPairs) * 2, ch = ch0 + ch_l;
     if (tok >= M || ch >= N) continue;
-    const int32_t v0 = tile[tok * Tile::kStride + ch_l], v1 = tile[tok * Tile::kStride + ch_l + 1];
+    const int32_t v0 = tile[tok * kStride + ch_l], v1 = tile[tok * kStride + ch_l + 1];
     if (splits == 1)
       write_pair<OutT>(p, tok, ch, v0, v1);
     else
@@ -317,49 +304,12 @@ __device__ __forceinline__ void decode_finish(const Params& p, int32_t* tile, in
   }
   if (splits == 1) return;
   if (!arrive_last(p.counters + blockIdx.x, splits)) return;
-  for (int i = tid; i < Tile::kToks * kPairs; i += kDecodeThreads) {
+  for (int i = tid; i < kToks * kPairs; i += kDecodeThreads) {
     const int tok = i / kPairs, ch = ch0 + (i % kPairs) * 2;
     if (tok >= M || ch >= N) continue;
     const int2 v = sum_splits(p, splits, tok, ch);
     write_pair<OutT>(p, tok, ch, v.x, v.y);
   }
-}
-
-template <int kTokTiles, int kRowTiles, int kUnroll, bool kUnsigned, typename OutT>
-__global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_kernel(const Params p) {
-  __shared__ int32_t tile[DecodeTile<kTokTiles, kRowTiles>::kInts];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int num_row_tiles = p.N >> 4;
-  const int chunks = p.K / kChunkK;
-  const int groups = chunks >> p.group_shift;
-  const int row_tile0 = blockIdx.x * kRowTiles;
-  const ChunkRange range = decode_warp_chunks(chunks, warp);
-
-  // Row tiles past N (last CTA) read valid duplicates instead of being predicated.
-  const uint8_t* wptr[kRowTiles];
-  const uint32_t* pptr[kRowTiles];
-#pragma unroll
-  for (int r = 0; r < kRowTiles; ++r) {
-    const size_t rt = min(row_tile0 + r, num_row_tiles - 1);
-    wptr[r] = p.qweight + (rt * chunks + range.lo) * kChunkBytes + lane * 16;
-    pptr[r] = p.gparams + rt * groups * 8 + g;
-  }
-  // As a programmatic dependent (sm_90), the CTA got here while the previous grid
-  // (quantize_act) may still run; nothing it writes is read or written before this wait.
-  // (An L2 prefetch of the weight range before it cost 1-8 us: session 24, NOTES.md "PDL".)
-  wait_prior_grids();
-  const int8_t* xptr[kTokTiles];
-  decode_x_pointers<kTokTiles>(p, range.lo, g, t, xptr);
-
-  int32_t acc[kRowTiles][kTokTiles][4] = {};
-  int32_t xsum[kTokTiles] = {};
-  int c = range.lo;
-  for (; c + kUnroll <= range.hi; c += kUnroll)
-    decode_batch<kUnroll, kUnsigned>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
-  for (; c < range.hi; ++c) decode_batch<1, kUnsigned>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
-  if constexpr (kUnsigned) subtract_unsigned_offset(acc, xsum, t);
-  decode_finish<kTokTiles, kRowTiles, OutT>(p, tile, row_tile0, acc);
 }
 
 // ---- tiled kernel (any M): cp.async multistage, weight and activations in shared memory ------

@@ -37,6 +37,7 @@
 #include "common/launch.h"
 #include "common/ptx.h"
 #include "gemm/w4a8_gemm.h"
+#include "gemm/w4a8_packed.cuh"
 
 // The kernel bodies exist only in the sm_90a pass; every other pass (sm_80, plain sm_90)
 // compiles empty stubs so the extension still builds and links for all targets.
@@ -47,8 +48,6 @@
 namespace mixprec {
 namespace {
 
-constexpr int kChunkK = 64;         // k per packed chunk (two k32 steps)
-constexpr int kChunkBytes = 512;    // 16 channels x 64 k, lane-ordered
 constexpr int kStageK = 128;        // k per pipeline stage = one 128-byte swizzle row of x
 constexpr int kThreads = 384;       // producer warpgroup + 2 consumer warpgroups
 
@@ -204,39 +203,7 @@ struct WgmmaRS<256> {
   }
 };
 
-// ---- dequantisation (same recipe and packed layout as sm80/w4a8_gemm_mma.cu) ---------------------
-
-// One packed 16-byte word -> the A fragments of two k32 steps: a[step][reg].
-// Per u32: 8 nibbles -> two registers of 4 byte lanes, then IMAD + XOR each; no lane carries
-// since q * s + a <= 255 by construction of LiquidQuant.
-__device__ __forceinline__ void dequant_chunk(const uint4 w, const uint32_t params, uint32_t (&a)[2][4]) {
-  const uint32_t s_even = __byte_perm(params, 0, 0x4440);
-  const uint32_t a_even = __byte_perm(params, 0, 0x1111);
-  const uint32_t s_odd = __byte_perm(params, 0, 0x4442);
-  const uint32_t a_odd = __byte_perm(params, 0, 0x3333);
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t s = (j & 1) ? s_odd : s_even;
-    const uint32_t off = (j & 1) ? a_odd : a_even;
-    const uint32_t lo = words[j] & 0x0F0F0F0Fu;
-    const uint32_t hi = (words[j] >> 4) & 0x0F0F0F0Fu;
-    a[j >> 1][(j & 1)] = (lo * s + off) ^ 0x80808080u;
-    a[j >> 1][2 + (j & 1)] = (hi * s + off) ^ 0x80808080u;
-  }
-}
-
-// ---- epilogue --------------------------------------------------------------------------------
-
-__device__ __forceinline__ void store2(float* p, float y0, float y1) {
-  *reinterpret_cast<float2*>(p) = make_float2(y0, y1);
-}
-__device__ __forceinline__ void store2(__half* p, float y0, float y1) {
-  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(y0, y1);
-}
-__device__ __forceinline__ void store2(__nv_bfloat16* p, float y0, float y1) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(y0, y1);
-}
+// ---- epilogue (dequant_chunk and store2, shared with the mma.sync kernels: gemm/w4a8_packed.cuh) --
 
 // Per-channel-pair epilogue constants (loaded once per tile).
 struct ChanPair {
