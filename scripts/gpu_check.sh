@@ -351,10 +351,11 @@ stage_small_tiles_sweep() {
 }
 # The decode kernels (M <= 32) x K splits on every Llama layer shape, Marlin beside them: the
 # data of the decode plan (csrc/gemm/NOTES.md, "Decode plan")
+# (DECODE_SWEEP_SHAPES / DECODE_SWEEP_MS narrow it, e.g. "8192x10240" and "16": issue #4's M <= 16 miss)
 stage_decode_sweep() {
-  run_bench bench_w4a8_cuda_decode 560 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
-    4096x28672 14336x4096 8192x10240 8192x57344 28672x8192 8192x28672 --ms 1 16 32 --splits-sweep \
-    --out "$OUT/decode_sweep.json"
+  run_bench bench_w4a8_cuda_decode 560 python3 scripts/bench_w4a8_cuda.py --shapes ${DECODE_SWEEP_SHAPES:-4096x6144 \
+    4096x4096 4096x28672 14336x4096 8192x10240 8192x57344 28672x8192 8192x28672} --ms ${DECODE_SWEEP_MS:-1 16 32} \
+    --splits-sweep --out "$OUT/decode_sweep.json"
 }
 # The decode plan after that sweep: the csrc GEMM tests, the auto pick against every forced
 # kernel on the shapes whose plan changed (Marlin beside it, same run), then bench_gemm's
