@@ -3,7 +3,7 @@
 #   gemm: the csrc W4A8 decode GEMM at M=1, K x N = 8192 x 28672 (after quantize_act)
 #   gemm-u8: the same with the decode_u8 launch option (MIXPREC_GEMM_DECODE_U8=1)
 #   attn: the Triton KV4 decode attention kernel at batch 64 x 8K context (GQA 32/8, d=128)
-# Usage (GPU host, extension built): OUT=... bash scripts/profile_ncu.sh [gemm] [attn]
+# Usage (GPU host, extension built): OUT=... bash scripts/profile_ncu.sh [gemm] [gemm-u8] [attn]
 set -u
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
