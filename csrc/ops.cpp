@@ -469,7 +469,7 @@ TORCH_LIBRARY(mixprec_C, m) {
   m.def(
       "set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1, int gemm_stream_k=-1, int decode_u8=-1) "
       "-> int[]",
-        &mixprec::set_launch_options);
+      &mixprec::set_launch_options);
 }
 
 TORCH_LIBRARY_IMPL(mixprec_C, CUDA, m) {

@@ -132,8 +132,9 @@ def main():
         for m in ms:
             x = torch.randn(m, k, device=DEV, dtype=torch.float16)
             xq, xs = cuda.quantize_act(x)
-            variants = [-1] + ([0, 1] if m <= 32 and not args.decode_u8_sweep else []) + (
-                [] if (args.launch_sweep or args.decode_u8_sweep) and m <= 32 else [2, 3])
+            decode_forced = m <= 32 and not args.decode_u8_sweep  # that sweep times kernels 0, 1 itself
+            tiled_forced = not (m <= 32 and (args.launch_sweep or args.decode_u8_sweep))
+            variants = [-1] + ([0, 1] if decode_forced else []) + ([2, 3] if tiled_forced else [])
             if args.stream_k_sweep and m >= 64:
                 variants = [-1]  # the sweep's own variants below; the mma.sync tiles never win there
             row = {"K": k, "N": n, "M": m, "G": g, "device": torch.cuda.get_device_name()}

@@ -26,9 +26,9 @@
 
 #include "common/device.h"
 #include "common/launch.h"
-#include "common/ptx.h"
+#include "common/ptx.h"  // cp.async, griddepcontrol
 #include "gemm/w4a8_gemm.h"
-#include "gemm/w4a8_packed.cuh"
+#include "gemm/w4a8_packed.cuh"  // dequant_chunk, store2 (shared with the wgmma kernels)
 
 namespace mixprec {
 namespace {
@@ -45,11 +45,7 @@ __device__ __forceinline__ uint4 ldg_v4(const void* ptr) {
   return __ldg(reinterpret_cast<const uint4*>(ptr));
 }
 
-// (cp.async and griddepcontrol wrappers: common/ptx.h)
-
-// ---- dequantisation and MMA ---------------------------------------------------------------
-
-// (dequant_chunk, shared with the wgmma kernels: gemm/w4a8_packed.cuh)
+// ---- MMA -----------------------------------------------------------------------------------
 
 // A is s8 (w8), or u8 (u = w8 + 128) when kUnsigned; B (activations) is s8.
 template <bool kUnsigned = false>
@@ -77,8 +73,6 @@ __device__ __forceinline__ void mma_chunk(int32_t (&c)[4], const uint32_t (&a)[2
 }
 
 // ---- epilogue ------------------------------------------------------------------------------
-
-// (store2: gemm/w4a8_packed.cuh)
 
 // Output channels ch, ch+1 (ch even) of token tok from their int32 sums.
 template <typename OutT>

@@ -35,9 +35,9 @@
 
 #include "common/device.h"
 #include "common/launch.h"
-#include "common/ptx.h"
+#include "common/ptx.h"  // cp.async, mbarriers, griddepcontrol, proxy fences
 #include "gemm/w4a8_gemm.h"
-#include "gemm/w4a8_packed.cuh"
+#include "gemm/w4a8_packed.cuh"  // dequant_chunk, store2 (shared with the mma.sync kernels)
 
 // The kernel bodies exist only in the sm_90a pass; every other pass (sm_80, plain sm_90)
 // compiles empty stubs so the extension still builds and links for all targets.
@@ -85,8 +85,8 @@ constexpr int kRasterGroup = 8;     // token tiles swept together across all cha
 
 // ---- PTX wrappers ----------------------------------------------------------------------------
 
-// (smem_addr, cp.async, mbarrier, griddepcontrol and proxy-fence wrappers: common/ptx.h; wgmma
-// reads B through the async proxy, so cp.async writes are fenced with fence_proxy_async before it.)
+// (The generic ones are in common/ptx.h. wgmma reads B through the async proxy, so cp.async
+// writes are fenced with fence_proxy_async before it.)
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -203,7 +203,7 @@ struct WgmmaRS<256> {
   }
 };
 
-// ---- epilogue (dequant_chunk and store2, shared with the mma.sync kernels: gemm/w4a8_packed.cuh) --
+// ---- epilogue --------------------------------------------------------------------------------
 
 // Per-channel-pair epilogue constants (loaded once per tile).
 struct ChanPair {
