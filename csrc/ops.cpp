@@ -82,6 +82,9 @@ struct LaunchOptions {
   // The decode kernels (M <= 32) keep the weight bytes unsigned (u8 x s8 MMA, no XOR per byte)
   // and subtract 128 * sum_k x; the same int32 sums. Off until timed (csrc/gemm/NOTES.md "Decode u8").
   std::atomic<bool> decode_u8{false};
+  // The decode kernels' build at M <= 16: 0, the planner picks the 2-CTA (<= 128 registers) or the
+  // 3-CTA (<= 80) build with the kernel (csrc/gemm/NOTES.md "Decode occupancy"); 2 or 3 forces one.
+  std::atomic<int> decode_ctas_per_sm{0};
 };
 LaunchOptions& launch_options() {
   static LaunchOptions opts;
@@ -261,7 +264,7 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
                                        static_cast<int>(splits), launch_options().gemm_stream_k.load(), &plan)
                 : w4a8_make_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
                                  static_cast<int>(group_size), num_sm, kernel == -2 ? -1 : static_cast<int>(kernel),
-                                 static_cast<int>(splits), &plan);
+                                 static_cast<int>(splits), launch_options().decode_ctas_per_sm.load(), &plan);
   TORCH_CHECK(err == nullptr, err ? err : "", " (M=", M, ", N=", N, ", K=", K, ", G=", group_size,
               ", kernel=", kernel, ", splits=", splits, ")");
 
@@ -306,18 +309,21 @@ bool w4a8_wgmma_available(int64_t device) {
   return w4a8_wgmma_supported();
 }
 
-// The (kernel, splits) that w4a8_gemm would launch for a problem, without a GPU: tests check the
-// planner on the CPU and benchmarks record it. wgmma picks between the wgmma kernels (ids 4..8),
-// otherwise the mma.sync ones (0..3); kernel/splits as in w4a8_gemm (-1 and 0 choose). A
-// returned split count of -1 is a stream-K launch (one CTA per SM over all tiles x K stages).
+// The (kernel, splits, decode build) that w4a8_gemm would launch for a problem, without a GPU:
+// tests check the planner on the CPU and benchmarks record it. wgmma picks between the wgmma
+// kernels (ids 4..8), otherwise the mma.sync ones (0..3); kernel/splits as in w4a8_gemm (-1 and 0
+// choose), the launch options as set. A returned split count of -1 is a stream-K launch (one CTA
+// per SM over all tiles x K stages); the decode build is 2 or 3 CTAs per SM for kernels 0 and 1,
+// else 0.
 std::vector<int64_t> w4a8_plan(int64_t M, int64_t N, int64_t K, int64_t group_size, int64_t num_sms,
                                int64_t kernel, int64_t splits, bool wgmma) {
   W4A8Plan plan{};
   const char* err = wgmma ? w4a8_wgmma_make_plan(M, N, K, group_size, num_sms, kernel, splits,
                                                  launch_options().gemm_stream_k.load(), &plan)
-                          : w4a8_make_plan(M, N, K, group_size, num_sms, kernel, splits, &plan);
+                          : w4a8_make_plan(M, N, K, group_size, num_sms, kernel, splits,
+                                           launch_options().decode_ctas_per_sm.load(), &plan);
   TORCH_CHECK(err == nullptr, "mixprec_C::w4a8_plan: ", err ? err : "");
-  return {static_cast<int64_t>(plan.kernel), plan.splits};
+  return {static_cast<int64_t>(plan.kernel), plan.splits, plan.decode_ctas};
 }
 
 // The page part of KV4 decode attention (csrc/attention/sm80/decode_kv4_mma.cu): the rows of
@@ -433,20 +439,25 @@ void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Te
 }
 
 // Sets the launch options (a negative value keeps one) and returns them all:
-// [gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8]. For A/B timing and tests; the
-// defaults are the measured best (csrc/gemm/NOTES.md, "PDL", "Stream-K", "Decode u8").
+// [gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8, decode_ctas_per_sm]. For A/B timing
+// and tests; the defaults are the measured best (csrc/gemm/NOTES.md, "PDL", "Stream-K",
+// "Decode u8", "Decode occupancy").
 std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_pass, int64_t gemm_stream_k,
-                                        int64_t decode_u8) {
+                                        int64_t decode_u8, int64_t decode_ctas_per_sm) {
   TORCH_CHECK(gemm_pdl <= 1 && act_quant_one_pass <= 1 && gemm_stream_k <= 1 && decode_u8 <= 1,
               "mixprec_C::set_launch_options: gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_u8 take "
               "0, 1 or -1 (keep); got ", gemm_pdl, ", ", act_quant_one_pass, ", ", gemm_stream_k, ", ", decode_u8);
+  TORCH_CHECK(decode_ctas_per_sm < 0 || decode_ctas_per_sm == 0 || decode_ctas_per_sm == 2 || decode_ctas_per_sm == 3,
+              "mixprec_C::set_launch_options: decode_ctas_per_sm takes 0 (the planner picks), 2, 3 or -1 (keep); got ",
+              decode_ctas_per_sm);
   LaunchOptions& o = launch_options();
   if (gemm_pdl >= 0) o.gemm_pdl.store(gemm_pdl == 1);
   if (act_quant_one_pass >= 0) o.act_quant_one_pass.store(act_quant_one_pass == 1);
   if (gemm_stream_k >= 0) o.gemm_stream_k.store(gemm_stream_k == 1);
   if (decode_u8 >= 0) o.decode_u8.store(decode_u8 == 1);
+  if (decode_ctas_per_sm >= 0) o.decode_ctas_per_sm.store(static_cast<int>(decode_ctas_per_sm));
   return {o.gemm_pdl.load() ? 1 : 0, o.act_quant_one_pass.load() ? 1 : 0, o.gemm_stream_k.load() ? 1 : 0,
-          o.decode_u8.load() ? 1 : 0};
+          o.decode_u8.load() ? 1 : 0, o.decode_ctas_per_sm.load()};
 }
 
 }  // namespace
@@ -467,8 +478,8 @@ TORCH_LIBRARY(mixprec_C, m) {
       "Tensor(a!) out, Tensor(b!)? part_o, Tensor(c!)? part_lse, Tensor? k_smooth, float qk_scale, int num_rows, "
       "int num_splits, int slots, int res_tokens, int tile_tokens, int min_tiles, int prefetch_pages=0) -> ()");
   m.def(
-      "set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1, int gemm_stream_k=-1, int decode_u8=-1) "
-      "-> int[]",
+      "set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1, int gemm_stream_k=-1, int decode_u8=-1, "
+      "int decode_ctas_per_sm=-1) -> int[]",
       &mixprec::set_launch_options);
 }
 

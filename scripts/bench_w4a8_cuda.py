@@ -34,16 +34,27 @@ def lqq(n, k, g, gen):
 
 USE_GRAPHS = True
 DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # --splits-sweep, decode kernels 0 and 1
-# --launch-sweep: (gemm_pdl, act_quant_one_pass) of the linear; (0, 0) is the launch before
-# session 24. (Session 24 also swept an L2 prefetch of the weights before the GEMM's wait and a
-# cluster of CTAs per quantizer row: both removed, csrc/gemm/NOTES.md "PDL".)
-LAUNCH_VARIANTS = ((0, 0), (1, 0), (0, 1), (1, 1))
+# --launch-sweep: gemm_pdl x act_quant_one_pass of the linear. (Session 24 also swept an L2
+# prefetch of the weights before the GEMM's wait and a cluster of CTAs per quantizer row: both
+# removed, csrc/gemm/NOTES.md "PDL".)
 
 
 def bench(fn):
     if USE_GRAPHS:
         return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3  # us
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def each_option(option, values):
+    """Sets one csrc launch option to each value in turn (the others as they are), yielding the
+    value; restores every option after."""
+    defaults = cuda.set_launch_options()
+    try:
+        for value in values:
+            cuda.set_launch_options(**{option: value})
+            yield value
+    finally:
+        cuda.set_launch_options(**defaults)
 
 
 def marlin_setup(k, n):
@@ -72,15 +83,21 @@ def main():
     ap.add_argument("--splits-sweep", action="store_true",
                     help="also time the decode kernels (0, 1) at M <= 32 with 1..16 K splits, and the "
                          "wgmma kernels 4, 5, 6 at M >= 64 with 1, 2, 4 splits (the wgmma tile/split heuristic)")
-    ap.add_argument("--decode-u8-sweep", action="store_true",
-                    help="M <= 32: the decode GEMMs (auto, kernels 0 and 1) and the linear with the decode_u8 "
-                         "launch option off and on, all in this run (csrc/gemm/NOTES.md 'Decode u8')")
+    ap.add_argument("--decode-options-sweep", action="store_true",
+                    help="M <= 32: the decode GEMMs (auto, kernels 0 and 1) and the linear under each of "
+                         "decode_u8 0, 1 x decode_ctas_per_sm 2, 3 (3 at M <= 16 only), all in this "
+                         "run; with --splits-sweep also kernels 0 and 1 x DECODE_SPLITS under each "
+                         "(csrc/gemm/NOTES.md 'Decode u8', 'Decode occupancy')")
+    ap.add_argument("--decode-build-ab", action="store_true",
+                    help="M <= 32: also the auto GEMM and the linear with the decode build held at 2 CTAs per SM "
+                         "(the planner before session 36) beside the planner's pick, this run")
     ap.add_argument("--cublas-gemv", action="store_true",
                     help="M <= 32: also cuBLAS bf16 on the same shape (the weight's N x K bf16, >= 2x the L2), "
                          "the HBM bandwidth a GEMV reaches on this GPU (cublas_bf16_TBps)")
     ap.add_argument("--launch-sweep", action="store_true",
                     help="also time quantize_act, the linear (quantize_act + auto GEMM) and back-to-back "
-                         "GEMMs under each of LAUNCH_VARIANTS (cuda.set_launch_options), all in this run")
+                         "GEMMs with gemm_pdl and act_quant_one_pass off and on (cuda.set_launch_options), "
+                         "all in this run")
     ap.add_argument("--stream-k-sweep", action="store_true",
                     help="at M >= 64: each auto wgmma kernel (4, 5, 7, 8) as the classic planner splits it "
                          "and as a stream-K launch (splits=-1), and the auto GEMM and linear with the "
@@ -132,8 +149,8 @@ def main():
         for m in ms:
             x = torch.randn(m, k, device=DEV, dtype=torch.float16)
             xq, xs = cuda.quantize_act(x)
-            decode_forced = m <= 32 and not args.decode_u8_sweep  # that sweep times kernels 0, 1 itself
-            tiled_forced = not (m <= 32 and (args.launch_sweep or args.decode_u8_sweep))
+            decode_forced = m <= 32 and not args.decode_options_sweep  # that sweep times kernels 0, 1 itself
+            tiled_forced = not (m <= 32 and (args.launch_sweep or args.decode_options_sweep))
             variants = [-1] + ([0, 1] if decode_forced else []) + ([2, 3] if tiled_forced else [])
             if args.stream_k_sweep and m >= 64:
                 variants = [-1]  # the sweep's own variants below; the mma.sync tiles never win there
@@ -145,9 +162,14 @@ def main():
                 it["i"] += 1
                 return torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, kernel, splits)
 
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+            def plan(kernel, wgmma):  # what the op launches: [kernel, splits, decode build]
+                return list(torch.ops.mixprec_C.w4a8_plan(m, n, k, g, sms, kernel, 0, wgmma))
+
             for kernel in variants:
                 row[f"gemm_k{kernel}_us"] = bench(lambda: gemm(kernel))
-            if args.splits_sweep and m <= 32:  # the decode kernels' range
+            if args.splits_sweep and m <= 32 and not args.decode_options_sweep:  # the decode kernels' range
                 for kernel in (0, 1):
                     for splits in DECODE_SPLITS:
                         if splits <= k // 64:  # the op clamps to the chunk count
@@ -157,18 +179,14 @@ def main():
                     for splits in (1, 2, 4):
                         row[f"gemm_k{kernel}_s{splits}_us"] = bench(lambda: gemm(kernel, splits))
             if args.stream_k_sweep and m >= 64 and cuda.has_wgmma():
-                defaults = cuda.set_launch_options()
-                sms = torch.cuda.get_device_properties(0).multi_processor_count
-                for sk in (0, 1):
-                    cuda.set_launch_options(gemm_stream_k=sk)
-                    row[f"plan_auto_sk{sk}"] = list(torch.ops.mixprec_C.w4a8_plan(m, n, k, g, sms, -1, 0, True))
+                for sk in each_option("gemm_stream_k", (0, 1)):
+                    row[f"plan_auto_sk{sk}"] = plan(-1, True)
                     row[f"gemm_auto_sk{sk}_us"] = bench(lambda: gemm(-1))
-                cuda.set_launch_options(gemm_stream_k=0)
-                for kernel in args.sk_kernels:
-                    row[f"plan_k{kernel}"] = list(torch.ops.mixprec_C.w4a8_plan(m, n, k, g, sms, kernel, 0, True))
-                    row[f"gemm_k{kernel}_planned_us"] = bench(lambda: gemm(kernel))
-                    row[f"gemm_k{kernel}_sk_us"] = bench(lambda: gemm(kernel, -1))
-                cuda.set_launch_options(**defaults)
+                for _ in each_option("gemm_stream_k", (0,)):
+                    for kernel in args.sk_kernels:
+                        row[f"plan_k{kernel}"] = plan(kernel, True)
+                        row[f"gemm_k{kernel}_planned_us"] = bench(lambda: gemm(kernel))
+                        row[f"gemm_k{kernel}_sk_us"] = bench(lambda: gemm(kernel, -1))
             row["quantize_act_us"] = bench(lambda: cuda.quantize_act(x))
 
             def linear():  # what the layer runs: quantize, then the auto-selected GEMM
@@ -179,35 +197,38 @@ def main():
 
             row["linear_auto_us"] = bench(linear)
             if args.stream_k_sweep and m >= 64 and cuda.has_wgmma():
-                defaults = cuda.set_launch_options()
-                for sk in (0, 1):
-                    cuda.set_launch_options(gemm_stream_k=sk)
+                for sk in each_option("gemm_stream_k", (0, 1)):
                     row[f"linear_sk{sk}_us"] = bench(linear)
-                cuda.set_launch_options(**defaults)
-            if args.decode_u8_sweep and m <= 32:  # the decode GEMM and the linear, s8 and u8 weights, this run
-                defaults = cuda.set_launch_options()
-                for u8 in (0, 1):
-                    cuda.set_launch_options(decode_u8=u8)
-                    for kernel in (-1, 0, 1):
-                        row[f"gemm_k{kernel}_u8{u8}_us"] = bench(lambda: gemm(kernel))
-                    row[f"linear_u8{u8}_us"] = bench(linear)
-                cuda.set_launch_options(**defaults)
+            if args.decode_options_sweep and m <= 32:  # the decode GEMM and the linear under each build, this run
+                row["plan_auto"] = plan(-1, False)
+                for u8 in each_option("decode_u8", (0, 1)):
+                    # the 3-CTA build covers M <= 16 only
+                    for ctas in each_option("decode_ctas_per_sm", (2, 3) if m <= 16 else (2,)):
+                        tag = f"u8{u8}_c{ctas}"
+                        for kernel in (-1, 0, 1):
+                            row[f"gemm_k{kernel}_{tag}_us"] = bench(lambda: gemm(kernel))
+                        row[f"linear_{tag}_us"] = bench(linear)
+                        for kernel in (0, 1) if args.splits_sweep else ():
+                            for splits in DECODE_SPLITS:
+                                if splits <= k // 64:
+                                    row[f"gemm_k{kernel}_s{splits}_{tag}_us"] = bench(lambda: gemm(kernel, splits))
+            if args.decode_build_ab and m <= 32:
+                for ctas in each_option("decode_ctas_per_sm", (0, 2)):
+                    row[f"plan_c{ctas}"] = plan(-1, False)
+                    row[f"gemm_auto_c{ctas}_us"] = bench(lambda: gemm(-1))
+                    row[f"linear_c{ctas}_us"] = bench(linear)
             if bf16_weight is not None and m <= 32:  # cuBLAS streaming the bf16 weight: the HBM a GEMV reaches here
                 xb = x.to(torch.bfloat16)
                 row["cublas_bf16_us"] = bench(lambda: xb @ bf16_weight.t())
                 row["cublas_bf16_TBps"] = n * k * 2 / (row["cublas_bf16_us"] * 1e-6) / 1e12
             if args.launch_sweep:  # every M: the wgmma kernels (M >= 64) are dependents too since session 31
-                defaults = cuda.set_launch_options()
-                for one_pass in (0, 1):
-                    cuda.set_launch_options(act_quant_one_pass=one_pass)
+                for one_pass in each_option("act_quant_one_pass", (0, 1)):
                     row[f"quantize_act_op{one_pass}_us"] = bench(lambda: cuda.quantize_act(x))
-                for pdl, one_pass in LAUNCH_VARIANTS:
-                    cuda.set_launch_options(gemm_pdl=pdl, act_quant_one_pass=one_pass)
-                    row[f"linear_pdl{pdl}_op{one_pass}_us"] = bench(linear)
-                for pdl in (0, 1):  # back-to-back GEMMs: PDL with no early trigger
-                    cuda.set_launch_options(gemm_pdl=pdl)
+                for pdl in each_option("gemm_pdl", (0, 1)):  # (0, 0) is the launch before session 24
+                    for one_pass in each_option("act_quant_one_pass", (0, 1)):
+                        row[f"linear_pdl{pdl}_op{one_pass}_us"] = bench(linear)
+                for pdl in each_option("gemm_pdl", (0, 1)):  # back-to-back GEMMs: PDL with no early trigger
                     row[f"gemm_pdl{pdl}_us"] = bench(lambda: gemm(-1))
-                cuda.set_launch_options(**defaults)
             best = min(row[f"gemm_k{v}_us"] for v in variants)
             row["best_gemm_us"] = best
             row["weight_GBps_auto"] = weight_bytes / (row["gemm_k-1_us"] * 1e-6) / 1e9

@@ -10,7 +10,8 @@
 # rerun_refactors vllm_int_attn merge_rows_rest tp_global tp_nan_locate small_tiles small_tiles_sweep tp_split
 # tp_rest_a tp_rest_b tp_real_global tp_real_exact tp_exact tp_real_control tp_epilogue_tests sanitize_cuda
 # tp_real_exact_verdict wgmma_pdl_tests wgmma_pdl_bench wgmma_pdl_sanitize gemm_table
-# stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize
+# stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize decode_hbm
+# decode_options decode_options_splits decode_options_check decode_build decode_table decode_table_tested
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -703,18 +704,52 @@ stage_decode_hbm() {
     4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms ${DECODE_HBM_MS:-1 16} --group 128 \
     --cublas-gemv --out "$OUT/decode_hbm.json"
 }
-# Session 35 (prepared, not yet run): the decode GEMM with unsigned weight bytes (decode_u8: u8 x s8
-# MMA, no XOR per weight byte) against the s8 path, after its GPU tests; then ncu of both at
-# 8192x28672, M = 1, and memcheck over every kernel including the u8 cases
-stage_decode_u8() {
+# Sessions 35-36: the decode GEMM's builds besides the default: unsigned weight bytes (decode_u8:
+# u8 x s8 MMA, no XOR per weight byte) and 80 registers for 3 CTAs per SM (decode_ctas_per_sm=3,
+# M <= 16), against the default in one run, after their GPU tests. decode_options_check: memcheck
+# over every kernel including those builds, and ncu of each build at 8192x28672, M = 1.
+stage_decode_options() {
   local rc=0
-  pytest_gpu pytest-gpu-decode-u8 200 tests/kernels/test_cuda_gemm.py \
-    -k "u8 or launch_options or llama70b or integer_exact or graph" || rc=1
-  run_bench bench_w4a8_cuda_decode_u8 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
-    4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms ${DECODE_U8_MS:-1 16} --group 128 \
-    --decode-u8-sweep --cublas-gemv --out "$OUT/decode_u8.json" || rc=1
+  pytest_gpu pytest-gpu-decode-options 200 tests/kernels/test_cuda_gemm.py \
+    -k "options or llama70b or integer_exact or graph" || rc=1
+  run_bench bench_w4a8_cuda_decode_options 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
+    4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms ${DECODE_OPTIONS_MS:-1 16} --group 128 \
+    --decode-options-sweep --cublas-gemv --out "$OUT/decode_options.json" || rc=1
+  return $rc
+}
+# The same builds x K splits (kernels 0 and 1) on the one shape that misses 1.2x Marlin at M <= 16
+stage_decode_options_splits() {
+  run_bench bench_w4a8_cuda_decode_options_splits 300 python3 scripts/bench_w4a8_cuda.py \
+    --shapes ${DECODE_SWEEP_SHAPES:-8192x10240} --ms ${DECODE_SWEEP_MS:-1 16} --group 128 \
+    --decode-options-sweep --splits-sweep --out "$OUT/decode_options_splits.json"
+}
+# Session 36: the decode planner's build pick (2 or 3 CTAs per SM) on every Llama shape against
+# the 2-CTA build it replaced, cuBLAS's GEMV and Marlin in the same run, after the GPU tests; then
+# issue #4's bench_gemm table at M = 1 and 16 (do_bench's L2 flush, every baseline).
+stage_decode_build() {
+  local rc=0
+  pytest_gpu pytest-gpu-decode-build 240 tests/kernels/test_cuda_gemm.py tests/kernels/test_gemm_plan.py || rc=1
+  run_bench bench_w4a8_cuda_decode_build 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
+    4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms 1 16 --group 128 --decode-build-ab \
+    --cublas-gemv --out "$OUT/decode_build.json" || rc=1
+  return $rc
+}
+stage_decode_table() {
+  run_bench bench_gemm_decode_table 300 python3 benchmarks/bench_gemm.py --ms 1,16 \
+    --shapes 4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672 \
+    --methods ours_cuda,ours_cuda_gemm,marlin_w4a16,machete_w4a16,cublas_bf16 --out "$OUT/gemm-decode-table"
+}
+# The GEMM tests, then that table: the check of the final planner (session 36's last call)
+stage_decode_table_tested() {
+  local rc=0
+  pytest_gpu pytest-gpu-decode-table 240 tests/kernels/test_cuda_gemm.py tests/kernels/test_gemm_plan.py || rc=1
+  stage_decode_table || rc=1
+  return $rc
+}
+stage_decode_options_check() {
+  local rc=0
   OUT=$OUT SANITIZE_TOOLS=memcheck timeout 150 bash scripts/sanitize.sh cuda 2>&1 | tail -4 || rc=1
-  OUT=$OUT timeout 150 bash scripts/profile_ncu.sh gemm gemm-u8 2>&1 | tail -12
+  OUT=$OUT timeout 200 bash scripts/profile_ncu.sh gemm gemm-u8 gemm-c3 gemm-u8-c3 2>&1 | tail -12
   return $rc
 }
 stage_stream_k_sanitize() {

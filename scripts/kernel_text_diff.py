@@ -3,7 +3,7 @@ and in the work tree to cubins (no GPU needed) and compares each kernel's .text 
 
     python3 scripts/kernel_text_diff.py csrc/gemm/sm80/w4a8_gemm_mma.cu e80ba12 [--arch 90a]
 
-Kernel names are compared without the anonymous-namespace hash (it depends on the file's path).
+Kernel names are compared without the anonymous namespace's two hashes (they vary with the path and the build).
 --rename OLD=NEW maps a name fragment of the work tree's kernels back to the revision's (e.g.
 "ELb0E=E" when a bool template parameter was added); kernels only one side has are listed.
 Exit status 1 when a kernel both sides have differs.
@@ -32,7 +32,9 @@ def text_sections(cubin: str) -> dict[str, str]:
         end = data.index(b"\0", names_at + name_off)
         name = data[names_at + name_off:end].decode()
         if name.startswith(".text."):
-            out[re.sub(r"_GLOBAL__N__[0-9a-f]+_", "_GLOBAL__N__", name)] = hashlib.md5(data[off:off + size]).hexdigest()
+            # both hashes of the anonymous namespace (_GLOBAL__N__<h>_<len>_<file>_<h>) vary by build
+            name = re.sub(r"_GLOBAL__N__[0-9a-f]+_(\d+_\w+?)_[0-9a-f]{8}", r"_GLOBAL__N__\1_", name)
+            out[name] = hashlib.md5(data[off:off + size]).hexdigest()
     return out
 
 

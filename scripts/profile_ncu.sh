@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Nsight Compute profiles of the two decode hot spots, for the notes on where time goes:
 #   gemm: the csrc W4A8 decode GEMM at M=1, K x N = 8192 x 28672 (after quantize_act)
-#   gemm-u8: the same with the decode_u8 launch option (MIXPREC_GEMM_DECODE_U8=1)
+#   gemm-u8, gemm-c3, gemm-u8-c3: the same with the decode_u8 launch option
+#     (MIXPREC_GEMM_DECODE_U8=1), the 3-CTA build (MIXPREC_GEMM_DECODE_CTAS_PER_SM=3), or both
 #   attn: the Triton KV4 decode attention kernel at batch 64 x 8K context (GQA 32/8, d=128)
-# Usage (GPU host, extension built): OUT=... bash scripts/profile_ncu.sh [gemm] [gemm-u8] [attn]
+# Usage (GPU host, extension built): OUT=... bash scripts/profile_ncu.sh [gemm] [gemm-u8] [gemm-c3] [gemm-u8-c3] [attn]
 set -u
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -17,9 +18,10 @@ targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=(gemm attn)
 for t in "${targets[@]}"; do
   case $t in
-    gemm|gemm-u8)
-      u8=0; [ "$t" = gemm-u8 ] && u8=1
-      MIXPREC_GEMM_DECODE_U8=$u8 "$NCU" "${SECTIONS[@]}" -k regex:w4a8_decode_kernel --launch-skip 5 --launch-count 1 \
+    gemm|gemm-u8|gemm-c3|gemm-u8-c3)
+      u8=0; case $t in *-u8*) u8=1 ;; esac
+      ctas=2; case $t in *-c3) ctas=3 ;; esac
+      MIXPREC_GEMM_DECODE_U8=$u8 MIXPREC_GEMM_DECODE_CTAS_PER_SM=$ctas "$NCU" "${SECTIONS[@]}" -k regex:w4a8_decode_kernel --launch-skip 5 --launch-count 1 \
         python3 - > "$OUT_DIR/$t-m1.txt" 2>&1 <<'PY'
 import torch
 from vllm_mixprec.kernels import cuda

@@ -85,16 +85,20 @@ inline W4A8KernelParams w4a8_kernel_params(const W4A8GemmArgs& a) {
 struct W4A8Plan {
   W4A8Kernel kernel;
   int splits;          // K split across CTAs (1: no workspace); -1: stream-K (wgmma kernels)
+  // Decode kernels (0, 1): the build's registers are capped for 2 CTAs per SM (<= 128) or 3
+  // (<= 80, M <= 16; csrc/gemm/NOTES.md "Decode occupancy"); 0 for the other kernels.
+  int decode_ctas = 0;
   int num_counters;    // output tiles (one arrival counter each)
   int sk_ctas = 0;     // stream-K: CTAs of the persistent grid (0: a CTA per tile and split)
   int sk_slots = 0;    // stream-K: pieces of the most-cut tile - 1 (0: no tile is cut)
   long long workspace_elems = 0;  // int32 partials to allocate (0: none, nor counters)
 };
 
-// Picks kernel and K split for a problem (kernel/splits < 0 or == 0 mean "choose").
+// Picks kernel, K split and (decode kernels) build for a problem (kernel/splits < 0 or == 0 and
+// decode_ctas_per_sm == 0 mean "choose"; a forced 3 applies at M <= 16 only).
 // Returns an error string (static) when the request cannot be served, nullptr otherwise.
 const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel,
-                           int splits, W4A8Plan* plan);
+                           int splits, int decode_ctas_per_sm, W4A8Plan* plan);
 
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cudaStream_t stream);
 

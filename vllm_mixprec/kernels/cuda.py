@@ -78,20 +78,33 @@ def _load() -> None:
         return
     _register_fakes()
     _state["path"] = libs[0]
-    for env, option in (("MIXPREC_GEMM_PDL", "gemm_pdl"), ("MIXPREC_GEMM_STREAM_K", "gemm_stream_k"),
-                        ("MIXPREC_GEMM_DECODE_U8", "decode_u8")):
-        if env in os.environ:
-            v = os.environ[env].strip()
-            if v not in ("0", "1"):
-                raise ValueError(f"{env}={v!r}: expected 0 or 1")
-            set_launch_options(**{option: int(v)})
+    set_launch_options(**launch_options_from_env(os.environ))
 
 
-LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8")
+# Environment variables that set a launch option when the library loads, and their values.
+ENV_LAUNCH_OPTIONS = (("MIXPREC_GEMM_PDL", "gemm_pdl", ("0", "1")),
+                      ("MIXPREC_GEMM_STREAM_K", "gemm_stream_k", ("0", "1")),
+                      ("MIXPREC_GEMM_DECODE_U8", "decode_u8", ("0", "1")),
+                      ("MIXPREC_GEMM_DECODE_CTAS_PER_SM", "decode_ctas_per_sm", ("0", "2", "3")))
 
 
-def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1,
-                       gemm_stream_k: int = -1, decode_u8: int = -1) -> dict[str, int]:
+def launch_options_from_env(environ) -> dict[str, int]:
+    """The launch options that ENV_LAUNCH_OPTIONS' variables in environ ask for; a bad value raises."""
+    options = {}
+    for env, option, allowed in ENV_LAUNCH_OPTIONS:
+        if env in environ:
+            v = environ[env].strip()
+            if v not in allowed:
+                raise ValueError(f"{env}={v!r}: expected {', '.join(allowed[:-1])} or {allowed[-1]}")
+            options[option] = int(v)
+    return options
+
+
+LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "decode_ctas_per_sm")
+
+
+def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_stream_k: int = -1,
+                       decode_u8: int = -1, decode_ctas_per_sm: int = -1) -> dict[str, int]:
     """Set the csrc launch options (-1 keeps one) and return them all.
 
     gemm_pdl: on sm_90 the decode GEMM (M <= 32) and the wgmma GEMMs are programmatic dependent
@@ -102,10 +115,14 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1,
     stages split evenly), when it estimates it 8 % faster (on; MIXPREC_GEMM_STREAM_K=0 turns it
     off at load). decode_u8: the decode GEMM (M <= 32) multiplies the unsigned weight bytes
     (u8 x s8 MMA, one XOR fewer per 4 weights) and subtracts 128 * sum_k x; the same int32 sums
-    (off until timed on a GPU; MIXPREC_GEMM_DECODE_U8=1 turns it on at load). Defaults:
-    csrc/gemm/NOTES.md, "PDL", "Stream-K" and "Decode u8". A CUDA graph keeps the options it was
-    captured with."""
-    got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8)
+    (off until timed on a GPU; MIXPREC_GEMM_DECODE_U8=1 turns it on at load).
+    decode_ctas_per_sm: the decode kernels' build at M <= 16, registers capped for 2 CTAs per SM
+    (<= 128) or 3 (<= 80: more CTAs resident, so fewer waves); 0 (default): the planner picks it
+    with the kernel, fewest waves first; 2 or 3 forces one (MIXPREC_GEMM_DECODE_CTAS_PER_SM at
+    load); M 17-32 always runs the 2-CTA build. Defaults: csrc/gemm/NOTES.md, "PDL", "Stream-K",
+    "Decode u8" and "Decode occupancy". A CUDA graph keeps the options it was captured with."""
+    got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8,
+                                                 decode_ctas_per_sm)
     return dict(zip(LAUNCH_OPTIONS, got))
 
 
@@ -172,10 +189,11 @@ def describe_plans(n: int, k: int, group_size: int, device: torch.device | int |
     for m in ms:
         family = auto_gemm_kernel_family(m, device)
         kernel = _GEMM_KERNEL if _GEMM_KERNEL >= 0 else -1
-        kid, splits = torch.ops.mixprec_C.w4a8_plan(m, n, k, group_size, num_sms, kernel, _GEMM_SPLITS,
-                                                    family == "wgmma")
+        kid, splits, decode_ctas = torch.ops.mixprec_C.w4a8_plan(m, n, k, group_size, num_sms, kernel,
+                                                                 _GEMM_SPLITS, family == "wgmma")
         how = "stream-K" if splits == -1 else f"{splits} split{'s' if splits > 1 else ''}"
-        out.append(f"M={m} {family} k{kid} {how}")
+        build = f" ({decode_ctas} CTAs/SM)" if decode_ctas else ""
+        out.append(f"M={m} {family} k{kid}{build} {how}")
     return ", ".join(out)
 
 

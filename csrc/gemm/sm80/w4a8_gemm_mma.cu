@@ -203,8 +203,10 @@ __device__ __forceinline__ void subtract_unsigned_offset(int32_t (&acc)[kRowTile
 // independent LDG.128 in flight, activations from L1/L2. Warp partials meet in a shared
 // int32 tile (shared atomics), then the epilogue (or the split-K workspace). (Shared-memory
 // rings that keep more bytes in flight were slower: csrc/gemm/NOTES.md "Decode ring".)
-template <int kTokTiles, int kRowTiles, int kUnroll, bool kUnsigned, typename OutT>
-__global__ void __launch_bounds__(kDecodeThreads, 2) w4a8_decode_kernel(const Params p) {
+// kMinCtas: CTAs per SM the registers are capped for (2: <= 128 registers; 3: <= 80, the
+// decode_ctas_per_sm launch option, M <= 16 only: 4 token tiles spill at 80).
+template <int kTokTiles, int kRowTiles, int kUnroll, bool kUnsigned, int kMinCtas, typename OutT>
+__global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(const Params p) {
   constexpr int kRows = kRowTiles * 16;
   constexpr int kToks = kTokTiles * 8;
   constexpr int kStride = kRows + 8;  // +8 ints: the 4 t-lanes' rows land 16 banks apart
@@ -475,18 +477,36 @@ int ctas_per_split(W4A8Kernel k, int M, int N) {
   }
 }
 
+// Decode CTAs resident per SM, which registers decide: the 2-CTA build uses 70 registers for
+// 16 channels and one token tile (3 fit), 91-128 otherwise; the 3-CTA build <= 80 (M <= 16).
+int decode_ctas_resident(int M, W4A8Kernel k, int build_ctas) {
+  const int tok_tiles = M <= 8 ? 1 : (M <= 16 ? 2 : 4);
+  if (build_ctas == 3 && tok_tiles <= 2) return 3;
+  return tok_tiles == 1 && k == W4A8Kernel::kDecodeRows16 ? 3 : 2;
+}
+
 // A decode kernel, as a programmatic dependent launch when pdl (sm_90 only: the caller checks).
-template <int kTokTiles, int kRowTiles, int kUnroll, typename OutT>
+template <int kTokTiles, int kRowTiles, int kUnroll, int kMinCtas, typename OutT>
 cudaError_t launch_decode(const Params& p, dim3 grid, bool pdl, bool u8, cudaStream_t stream) {
   if (u8)
-    return launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, true, OutT>>(grid, dim3(kDecodeThreads), 0,
-                                                                                         pdl, stream, p);
-  return launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, false, OutT>>(grid, dim3(kDecodeThreads), 0,
-                                                                                        pdl, stream, p);
+    return launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, true, kMinCtas, OutT>>(
+        grid, dim3(kDecodeThreads), 0, pdl, stream, p);
+  return launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, false, kMinCtas, OutT>>(
+      grid, dim3(kDecodeThreads), 0, pdl, stream, p);
+}
+
+// Token tiles x row tiles x unroll by M; three_ctas picks the 80-register build (M <= 16).
+template <int kTokTiles, int kRowTiles, int kUnroll, typename OutT>
+cudaError_t launch_decode_ctas(const Params& p, dim3 grid, bool pdl, bool u8, bool three_ctas, cudaStream_t stream) {
+  if constexpr (kTokTiles <= 2) {
+    if (three_ctas) return launch_decode<kTokTiles, kRowTiles, kUnroll, 3, OutT>(p, grid, pdl, u8, stream);
+  }
+  return launch_decode<kTokTiles, kRowTiles, kUnroll, 2, OutT>(p, grid, pdl, u8, stream);
 }
 
 template <typename OutT>
-cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, bool u8, cudaStream_t stream) {
+cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, bool u8, bool three_ctas,
+                         cudaStream_t stream) {
   const int row_tiles = p.N / 16;
   switch (plan.kernel) {
     case W4A8Kernel::kDecodeRows16:
@@ -495,13 +515,13 @@ cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, bool u
       const dim3 grid(ceil_div(row_tiles, two ? 2 : 1), plan.splits);
       // Loads in flight per lane: unroll x (row tiles + token tiles); unroll shrinks as x grows.
       if (p.M <= 8)
-        return two ? launch_decode<1, 2, 4, OutT>(p, grid, pdl, u8, stream)
-                   : launch_decode<1, 1, 4, OutT>(p, grid, pdl, u8, stream);
+        return two ? launch_decode_ctas<1, 2, 4, OutT>(p, grid, pdl, u8, three_ctas, stream)
+                   : launch_decode_ctas<1, 1, 4, OutT>(p, grid, pdl, u8, three_ctas, stream);
       if (p.M <= 16)
-        return two ? launch_decode<2, 2, 4, OutT>(p, grid, pdl, u8, stream)
-                   : launch_decode<2, 1, 4, OutT>(p, grid, pdl, u8, stream);
-      return two ? launch_decode<4, 2, 2, OutT>(p, grid, pdl, u8, stream)
-                 : launch_decode<4, 1, 2, OutT>(p, grid, pdl, u8, stream);
+        return two ? launch_decode_ctas<2, 2, 4, OutT>(p, grid, pdl, u8, three_ctas, stream)
+                   : launch_decode_ctas<2, 1, 4, OutT>(p, grid, pdl, u8, three_ctas, stream);
+      return two ? launch_decode_ctas<4, 2, 2, OutT>(p, grid, pdl, u8, three_ctas, stream)
+                 : launch_decode_ctas<4, 1, 2, OutT>(p, grid, pdl, u8, three_ctas, stream);
     }
     case W4A8Kernel::kTiledTok64: {
       const dim3 grid(ceil_div(p.M, Tiled64::kCtaToks), ceil_div(row_tiles, Tiled64::kCtaRowTiles), plan.splits);
@@ -520,7 +540,7 @@ cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, bool u
 }  // namespace
 
 const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel, int splits,
-                           W4A8Plan* plan) {
+                           int decode_ctas_per_sm, W4A8Plan* plan) {
   if (M <= 0 || N <= 0 || K <= 0) return "w4a8_gemm: M, N and K must be positive";
   if (N % 16) return "w4a8_gemm: N must be a multiple of 16";
   if (group_size < kChunkK || group_size % kChunkK || ((group_size / kChunkK) & (group_size / kChunkK - 1)))
@@ -528,20 +548,43 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
   if (K % group_size) return "w4a8_gemm: K must be a multiple of the group size";
   if (kernel < -1 || kernel > 3) return "w4a8_gemm: kernel must be -1 (auto) or 0..3";
   if (splits < 0) return "w4a8_gemm: splits = -1 (stream-K) runs on the wgmma kernels (4..8) only";
-  const int row_tiles = N / 16;
+  if (decode_ctas_per_sm != 0 && decode_ctas_per_sm != 2 && decode_ctas_per_sm != 3)
+    return "w4a8_gemm: decode_ctas_per_sm must be 0 (choose), 2 or 3";
   const int chunks = K / kChunkK;
   W4A8Kernel k = static_cast<W4A8Kernel>(kernel);
-  if (k == W4A8Kernel::kAuto) {
-    if (M <= kDecodeMaxM) {
-      // Fewest waves of resident CTAs (registers: 3 CTAs per SM for 16 channels and one token
-      // tile, else 2), 16 channels on a tie (decode sweep, csrc/gemm/NOTES.md "Decode plan").
-      const int per_sm16 = M <= 8 ? 3 : 2;
-      const int waves16 = ceil_div(row_tiles, per_sm16 * num_sms);
-      const int waves32 = ceil_div(row_tiles, 2 * 2 * num_sms);
-      k = waves32 < waves16 ? W4A8Kernel::kDecodeRows32 : W4A8Kernel::kDecodeRows16;
-    } else {
-      k = M <= 64 ? W4A8Kernel::kTiledTok64 : W4A8Kernel::kTiledTok128;
+  if (k == W4A8Kernel::kAuto && M > kDecodeMaxM) k = M <= 64 ? W4A8Kernel::kTiledTok64 : W4A8Kernel::kTiledTok128;
+  int build_ctas = 0;
+  if (M <= kDecodeMaxM && (k == W4A8Kernel::kAuto || is_decode(k))) {
+    // Fewest waves of resident CTAs, then the fullest last wave, then the 2-CTA build and 16
+    // channels. The 3-CTA build covers M <= 16; above M = 8 (two token tiles, 120 registers cut
+    // to 80: up to 28 % slower per CTA) it is chosen only when its grid fits one wave (a forced
+    // build is taken as it is). Session 36's H200 rows:
+    // within 0.5 % of the measured best on all 36 (csrc/gemm/NOTES.md "Decode occupancy").
+    const int forced = decode_ctas_per_sm == 3 && M > 16 ? 2 : decode_ctas_per_sm;
+    long long best_waves = 0, best_slots = 1;
+    int best_ctas = 0;
+    for (const int build : {2, 3}) {
+      if ((forced != 0 && build != forced) || (build == 3 && M > 16)) continue;
+      for (const W4A8Kernel cand : {W4A8Kernel::kDecodeRows16, W4A8Kernel::kDecodeRows32}) {
+        if (k != W4A8Kernel::kAuto && cand != k) continue;
+        const int ctas = ctas_per_split(cand, M, N);
+        const long long slots = static_cast<long long>(decode_ctas_resident(M, cand, build)) * num_sms;
+        const long long waves = (ctas + slots - 1) / slots;
+        if (build == 3 && M > 8 && waves > 1 && forced == 0) continue;
+        // fuller: ctas / (waves * slots) larger, compared without division
+        const bool better = best_ctas == 0 || waves < best_waves ||
+                            (waves == best_waves && static_cast<long long>(ctas) * best_waves * best_slots >
+                                                        static_cast<long long>(best_ctas) * waves * slots);
+        if (better) {
+          best_waves = waves;
+          best_slots = slots;
+          best_ctas = ctas;
+          plan->kernel = cand;
+          build_ctas = build;
+        }
+      }
     }
+    k = plan->kernel;
   }
   if (is_decode(k) && M > kDecodeMaxM) return "w4a8_gemm: the decode kernels (0, 1) need M <= 32";
   const int ctas = ctas_per_split(k, M, N);
@@ -560,6 +603,7 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
     return "w4a8_gemm: problem too large for the grid";
   plan->kernel = k;
   plan->splits = splits;
+  plan->decode_ctas = build_ctas;
   plan->num_counters = ctas;
   plan->workspace_elems = splits > 1 ? static_cast<long long>(splits) * M * N : 0;
   return nullptr;
@@ -567,10 +611,11 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
 
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaStream_t stream) {
   const Params p = w4a8_kernel_params(a);
+  const bool three = plan.decode_ctas == 3;
   switch (a.out_kind) {
-    case OutKind::kHalf: return launch_typed<__half>(p, plan, a.pdl, a.decode_u8, stream);
-    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, a.pdl, a.decode_u8, stream);
-    default: return launch_typed<float>(p, plan, a.pdl, a.decode_u8, stream);
+    case OutKind::kHalf: return launch_typed<__half>(p, plan, a.pdl, a.decode_u8, three, stream);
+    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, a.pdl, a.decode_u8, three, stream);
+    default: return launch_typed<float>(p, plan, a.pdl, a.decode_u8, three, stream);
   }
 }
 
