@@ -85,6 +85,9 @@ struct LaunchOptions {
   // The decode kernels' build at M <= 16: 0, the planner picks the 2-CTA (<= 128 registers) or the
   // 3-CTA (<= 80) build with the kernel (csrc/gemm/NOTES.md "Decode occupancy"); 2 or 3 forces one.
   std::atomic<int> decode_ctas_per_sm{0};
+  // The decode kernels read each warp's first batch of weight words before the PDL wait. Off
+  // until timed (csrc/gemm/NOTES.md "Decode preload").
+  std::atomic<bool> decode_preload{false};
 };
 LaunchOptions& launch_options() {
   static LaunchOptions opts;
@@ -292,6 +295,7 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   args.group_size = static_cast<int>(group_size);
   args.pdl = launch_options().gemm_pdl.load() && is_sm90(xq.device().index());
   args.decode_u8 = launch_options().decode_u8.load();
+  args.decode_preload = launch_options().decode_preload.load();
   const cudaStream_t stream = cuda_stream.stream();
   C10_CUDA_CHECK(use_wgmma ? w4a8_wgmma_launch(args, plan, stream) : w4a8_gemm_launch(args, plan, stream));
   return out;
@@ -439,14 +443,15 @@ void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Te
 }
 
 // Sets the launch options (a negative value keeps one) and returns them all:
-// [gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8, decode_ctas_per_sm]. For A/B timing
-// and tests; the defaults are the measured best (csrc/gemm/NOTES.md, "PDL", "Stream-K",
-// "Decode u8", "Decode occupancy").
+// [gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8, decode_ctas_per_sm, decode_preload]. For
+// A/B timing and tests; the defaults are the measured best (csrc/gemm/NOTES.md, "PDL", "Stream-K",
+// "Decode u8", "Decode occupancy", "Decode preload").
 std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_pass, int64_t gemm_stream_k,
-                                        int64_t decode_u8, int64_t decode_ctas_per_sm) {
-  TORCH_CHECK(gemm_pdl <= 1 && act_quant_one_pass <= 1 && gemm_stream_k <= 1 && decode_u8 <= 1,
-              "mixprec_C::set_launch_options: gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_u8 take "
-              "0, 1 or -1 (keep); got ", gemm_pdl, ", ", act_quant_one_pass, ", ", gemm_stream_k, ", ", decode_u8);
+                                        int64_t decode_u8, int64_t decode_ctas_per_sm, int64_t decode_preload) {
+  TORCH_CHECK(gemm_pdl <= 1 && act_quant_one_pass <= 1 && gemm_stream_k <= 1 && decode_u8 <= 1 && decode_preload <= 1,
+              "mixprec_C::set_launch_options: gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8 and "
+              "decode_preload take 0, 1 or -1 (keep); got ", gemm_pdl, ", ", act_quant_one_pass, ", ", gemm_stream_k,
+              ", ", decode_u8, ", ", decode_preload);
   TORCH_CHECK(decode_ctas_per_sm < 0 || decode_ctas_per_sm == 0 || decode_ctas_per_sm == 2 || decode_ctas_per_sm == 3,
               "mixprec_C::set_launch_options: decode_ctas_per_sm takes 0 (the planner picks), 2, 3 or -1 (keep); got ",
               decode_ctas_per_sm);
@@ -456,8 +461,9 @@ std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_
   if (gemm_stream_k >= 0) o.gemm_stream_k.store(gemm_stream_k == 1);
   if (decode_u8 >= 0) o.decode_u8.store(decode_u8 == 1);
   if (decode_ctas_per_sm >= 0) o.decode_ctas_per_sm.store(static_cast<int>(decode_ctas_per_sm));
+  if (decode_preload >= 0) o.decode_preload.store(decode_preload == 1);
   return {o.gemm_pdl.load() ? 1 : 0, o.act_quant_one_pass.load() ? 1 : 0, o.gemm_stream_k.load() ? 1 : 0,
-          o.decode_u8.load() ? 1 : 0, o.decode_ctas_per_sm.load()};
+          o.decode_u8.load() ? 1 : 0, o.decode_ctas_per_sm.load(), o.decode_preload.load() ? 1 : 0};
 }
 
 }  // namespace
@@ -479,7 +485,7 @@ TORCH_LIBRARY(mixprec_C, m) {
       "int num_splits, int slots, int res_tokens, int tile_tokens, int min_tiles, int prefetch_pages=0) -> ()");
   m.def(
       "set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1, int gemm_stream_k=-1, int decode_u8=-1, "
-      "int decode_ctas_per_sm=-1) -> int[]",
+      "int decode_ctas_per_sm=-1, int decode_preload=-1) -> int[]",
       &mixprec::set_launch_options);
 }
 

@@ -34,6 +34,8 @@ def lqq(n, k, g, gen):
 
 USE_GRAPHS = True
 DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # --splits-sweep, decode kernels 0 and 1
+# --decode-ab: launch option -> (JSON key tag, values timed)
+DECODE_AB = {"decode_ctas_per_sm": ("c", (0, 2)), "decode_preload": ("pre", (0, 1))}
 # --launch-sweep: gemm_pdl x act_quant_one_pass of the linear. (Session 24 also swept an L2
 # prefetch of the weights before the GEMM's wait and a cluster of CTAs per quantizer row: both
 # removed, csrc/gemm/NOTES.md "PDL".)
@@ -88,9 +90,10 @@ def main():
                          "decode_u8 0, 1 x decode_ctas_per_sm 2, 3 (3 at M <= 16 only), all in this "
                          "run; with --splits-sweep also kernels 0 and 1 x DECODE_SPLITS under each "
                          "(csrc/gemm/NOTES.md 'Decode u8', 'Decode occupancy')")
-    ap.add_argument("--decode-build-ab", action="store_true",
-                    help="M <= 32: also the auto GEMM and the linear with the decode build held at 2 CTAs per SM "
-                         "(the planner before session 36) beside the planner's pick, this run")
+    ap.add_argument("--decode-ab", nargs="+", choices=sorted(DECODE_AB), default=[], metavar="OPTION",
+                    help="M <= 32: also the plan, the auto GEMM (back to back) and the linear under each value of "
+                         "these launch options, this run: decode_ctas_per_sm 0 (the planner's build) and 2 (the "
+                         "plan before session 36); decode_preload 0 and 1")
     ap.add_argument("--cublas-gemv", action="store_true",
                     help="M <= 32: also cuBLAS bf16 on the same shape (the weight's N x K bf16, >= 2x the L2), "
                          "the HBM bandwidth a GEMV reaches on this GPU (cublas_bf16_TBps)")
@@ -212,11 +215,12 @@ def main():
                             for splits in DECODE_SPLITS:
                                 if splits <= k // 64:
                                     row[f"gemm_k{kernel}_s{splits}_{tag}_us"] = bench(lambda: gemm(kernel, splits))
-            if args.decode_build_ab and m <= 32:
-                for ctas in each_option("decode_ctas_per_sm", (0, 2)):
-                    row[f"plan_c{ctas}"] = plan(-1, False)
-                    row[f"gemm_auto_c{ctas}_us"] = bench(lambda: gemm(-1))
-                    row[f"linear_c{ctas}_us"] = bench(linear)
+            for option in args.decode_ab if m <= 32 else ():
+                tag, values = DECODE_AB[option]
+                for value in each_option(option, values):
+                    row[f"plan_{tag}{value}"] = plan(-1, False)
+                    row[f"gemm_auto_{tag}{value}_us"] = bench(lambda: gemm(-1))
+                    row[f"linear_{tag}{value}_us"] = bench(linear)
             if bf16_weight is not None and m <= 32:  # cuBLAS streaming the bf16 weight: the HBM a GEMV reaches here
                 xb = x.to(torch.bfloat16)
                 row["cublas_bf16_us"] = bench(lambda: xb @ bf16_weight.t())

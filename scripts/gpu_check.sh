@@ -12,6 +12,7 @@
 # tp_real_exact_verdict wgmma_pdl_tests wgmma_pdl_bench wgmma_pdl_sanitize gemm_table
 # stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize decode_hbm
 # decode_options decode_options_splits decode_options_check decode_build decode_table decode_table_tested
+# decode_preload decode_preload_table
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -730,7 +731,7 @@ stage_decode_build() {
   local rc=0
   pytest_gpu pytest-gpu-decode-build 240 tests/kernels/test_cuda_gemm.py tests/kernels/test_gemm_plan.py || rc=1
   run_bench bench_w4a8_cuda_decode_build 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
-    4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms 1 16 --group 128 --decode-build-ab \
+    4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms 1 16 --group 128 --decode-ab decode_ctas_per_sm \
     --cublas-gemv --out "$OUT/decode_build.json" || rc=1
   return $rc
 }
@@ -744,6 +745,24 @@ stage_decode_table_tested() {
   local rc=0
   pytest_gpu pytest-gpu-decode-table 240 tests/kernels/test_cuda_gemm.py tests/kernels/test_gemm_plan.py || rc=1
   stage_decode_table || rc=1
+  return $rc
+}
+# Prepared in session 36, not yet run: decode_preload (each decode warp reads its first weight
+# batch before the PDL wait) after its GPU tests, against the default in one run on every Llama
+# shape at M = 1, 8, 16; then issue #4's bench_gemm table at M = 1, 16 with it on
+# (MIXPREC_GEMM_DECODE_PRELOAD=1), and memcheck with the preload cases.
+stage_decode_preload() {
+  local rc=0
+  pytest_gpu pytest-gpu-decode-preload 200 tests/kernels/test_cuda_gemm.py -k "options or graph" || rc=1
+  run_bench bench_w4a8_cuda_decode_preload 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
+    4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms ${DECODE_PRELOAD_MS:-1 8 16} --group 128 \
+    --decode-ab decode_preload --out "$OUT/decode_preload.json" || rc=1
+  return $rc
+}
+stage_decode_preload_table() {
+  local rc=0
+  (export OUT=$OUT/preload-on MIXPREC_GEMM_DECODE_PRELOAD=1 && mkdir -p "$OUT" && stage_decode_table) || rc=1
+  OUT=$OUT SANITIZE_TOOLS=memcheck timeout 150 bash scripts/sanitize.sh cuda 2>&1 | tail -4 || rc=1
   return $rc
 }
 stage_decode_options_check() {

@@ -48,14 +48,16 @@ def main() -> int:
                   # hybrid stream-K: 17 x 24 = 408 tiles > 2 waves, so whole waves run
                   # data-parallel before the split remainder
                   (2100, 6144, 256, 128, 4, -1)]
-    # The decode kernels again with unsigned weight bytes (decode_u8) and with the 3-CTA build
-    # (decode_ctas_per_sm=3, M <= 16)
+    # The decode kernels again with unsigned weight bytes (decode_u8), with the 3-CTA build
+    # (decode_ctas_per_sm=3, M <= 16) and with the first weight batch read before the PDL wait
+    # (decode_preload)
     decode = [c for c in cases if c[4] in (0, 1)]
-    option_cases = ([c + (1, 2) for c in decode] + [c + (0, 3) for c in decode if c[0] <= 16]
-                    + [c + (1, 3) for c in decode if c[0] <= 16])
+    option_cases = ([c + (1, 2, 0) for c in decode] + [c + (0, 3, 0) for c in decode if c[0] <= 16]
+                    + [c + (1, 3, 0) for c in decode if c[0] <= 16] + [c + (0, 2, 1) for c in decode]
+                    + [c + (0, 3, 1) for c in decode if c[0] <= 16])
     defaults = cuda.set_launch_options()
-    for m, n, k, g, kernel, splits, u8, ctas in [c + (0, 2) for c in cases] + option_cases:
-        cuda.set_launch_options(decode_u8=u8, decode_ctas_per_sm=ctas)
+    for m, n, k, g, kernel, splits, u8, ctas, pre in [c + (0, 2, 0) for c in cases] + option_cases:
+        cuda.set_launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload=pre)
         qw, gs, go = lqq(n, k, g, gen)
         cs = torch.rand(n, generator=gen, device=DEV) * 1e-3 + 1e-4
         x = torch.randn(m, k, generator=gen, device=DEV, dtype=torch.float16)
@@ -67,8 +69,8 @@ def main() -> int:
         rel = float((y.double() - y_ref).norm() / y_ref.norm())
         ok = rel < 2e-3 and bool(torch.isfinite(y).all())
         failures += not ok
-        print(f"M={m:4d} N={n:4d} K={k:5d} G={g:3d} kernel={kernel} splits={splits} u8={u8} ctas={ctas}: rel={rel:.2e} "
-              f"{'ok' if ok else 'FAIL'}")
+        print(f"M={m:4d} N={n:4d} K={k:5d} G={g:3d} kernel={kernel} splits={splits} u8={u8} ctas={ctas} "
+              f"preload={pre}: rel={rel:.2e} {'ok' if ok else 'FAIL'}")
     cuda.set_launch_options(**defaults)
     for dtype, k in ((torch.bfloat16, 1000), (torch.float32, 4096), (torch.float16, 8192)):
         x = torch.randn(9, k, generator=gen, device=DEV).to(dtype)

@@ -81,13 +81,15 @@ def test_gemm_integer_exact_every_kernel(m, kernel, splits):
 @pytest.mark.parametrize("kernel", [0, 1])
 @pytest.mark.parametrize("splits", [1, 3, 5])
 @pytest.mark.parametrize("k,g", [(1024, 64), (1728, 64), (3328, 128)])
-@pytest.mark.parametrize("u8,ctas", [(1, 2), (0, 3), (1, 3)])
-def test_decode_options_integer_exact(m, kernel, splits, k, g, u8, ctas, launch_options):
+@pytest.mark.parametrize("u8,ctas,preload", [(1, 2, 0), (0, 3, 0), (1, 3, 0), (0, 2, 1), (0, 3, 1), (1, 2, 1)])
+def test_decode_options_integer_exact(m, kernel, splits, k, g, u8, ctas, preload, launch_options):
     """The decode kernels' builds besides the default (s8, 2 CTAs per SM): decode_u8 (u8 x s8 MMA,
-    128 * sum_k x subtracted per warp) and decode_ctas_per_sm=3 (80 registers; M > 16 keeps the
-    2-CTA build): the int32 sums exactly, with warps whose chunk range is empty, one chunk, or a
-    partial unroll batch (27 and 52 chunks), every token tile count (M = 1..32) and G = 128."""
-    launch_options(decode_u8=u8, decode_ctas_per_sm=ctas)
+    128 * sum_k x subtracted per warp), decode_ctas_per_sm=3 (80 registers; M > 16 keeps the
+    2-CTA build) and decode_preload (the first batch's weights read before the PDL wait; warps
+    with fewer chunks than a batch skip it): the int32 sums exactly, with warps whose chunk range
+    is empty, one chunk, or a partial unroll batch (27 and 52 chunks), every token tile count
+    (M = 1..32) and G = 128."""
+    launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload=preload)
     assert_integer_sums_exact(m, 208, k, g, kernel, splits, seed=2000 + 17 * m + kernel + 101 * splits + k)
 
 
@@ -213,7 +215,7 @@ def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launc
                                    (1024, 6144, 4096)])
 def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
     """The decode kernels (M <= 32), s8 or u8 weights (decode_u8), the 2- or 3-CTA build or the
-    planner's, and on an H100/H200 the
+    planner's, with and without decode_preload, and on an H100/H200 the
     wgmma kernels (M >= 64), as programmatic dependent launches (sm_90) after either quantizer
     give the plain launch's bits;
     (2, 64, 4096), (64, 4096, 4096) and (200, 1024, 14336) split K. The linear op runs
@@ -222,14 +224,16 @@ def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
     layer, _ = _prepared_layer(n, k, 64, gen)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
     outs = []
-    for pdl, one_pass, u8, ctas in ((0, 0, 0, 2), (1, 0, 0, 2), (1, 1, 0, 2), (0, 1, 0, 2), (1, 1, 1, 2),
-                                    (0, 0, 1, 2), (1, 1, 0, 3), (1, 1, 1, 3), (1, 1, 0, 0)):
-        launch_options(gemm_pdl=pdl, act_quant_one_pass=one_pass, decode_u8=u8, decode_ctas_per_sm=ctas)
+    for pdl, one_pass, u8, ctas, pre in ((0, 0, 0, 2, 0), (1, 0, 0, 2, 0), (1, 1, 0, 2, 0), (0, 1, 0, 2, 0),
+                                         (1, 1, 1, 2, 0), (0, 0, 1, 2, 0), (1, 1, 0, 3, 0), (1, 1, 1, 3, 0),
+                                         (1, 1, 0, 0, 0), (1, 1, 0, 0, 1), (0, 0, 0, 2, 1), (1, 1, 1, 3, 1)):
+        launch_options(gemm_pdl=pdl, act_quant_one_pass=one_pass, decode_u8=u8, decode_ctas_per_sm=ctas,
+                       decode_preload=pre)
         for _ in range(3):  # back to back, so a dependent can start before its producer ends
             poison(m * n, torch.bfloat16)
             y = torch.ops.mixprec.w4a8_linear(x, layer.qweight, layer.group_scale, layer.group_offset,
                                               layer.channel_scale, None, None, "cuda")
-            outs.append(((pdl, one_pass, u8, ctas), y))
+            outs.append(((pdl, one_pass, u8, ctas, pre), y))
     torch.cuda.synchronize()
     for opts, y in outs[1:]:
         assert torch.equal(y, outs[0][1]), opts

@@ -85,7 +85,8 @@ def _load() -> None:
 ENV_LAUNCH_OPTIONS = (("MIXPREC_GEMM_PDL", "gemm_pdl", ("0", "1")),
                       ("MIXPREC_GEMM_STREAM_K", "gemm_stream_k", ("0", "1")),
                       ("MIXPREC_GEMM_DECODE_U8", "decode_u8", ("0", "1")),
-                      ("MIXPREC_GEMM_DECODE_CTAS_PER_SM", "decode_ctas_per_sm", ("0", "2", "3")))
+                      ("MIXPREC_GEMM_DECODE_CTAS_PER_SM", "decode_ctas_per_sm", ("0", "2", "3")),
+                      ("MIXPREC_GEMM_DECODE_PRELOAD", "decode_preload", ("0", "1")))
 
 
 def launch_options_from_env(environ) -> dict[str, int]:
@@ -100,11 +101,13 @@ def launch_options_from_env(environ) -> dict[str, int]:
     return options
 
 
-LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "decode_ctas_per_sm")
+LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "decode_ctas_per_sm",
+                  "decode_preload")
 
 
 def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_stream_k: int = -1,
-                       decode_u8: int = -1, decode_ctas_per_sm: int = -1) -> dict[str, int]:
+                       decode_u8: int = -1, decode_ctas_per_sm: int = -1,
+                       decode_preload: int = -1) -> dict[str, int]:
     """Set the csrc launch options (-1 keeps one) and return them all.
 
     gemm_pdl: on sm_90 the decode GEMM (M <= 32) and the wgmma GEMMs are programmatic dependent
@@ -119,10 +122,13 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
     decode_ctas_per_sm: the decode kernels' build at M <= 16, registers capped for 2 CTAs per SM
     (<= 128) or 3 (<= 80: more CTAs resident, so fewer waves); 0 (default): the planner picks it
     with the kernel, fewest waves first; 2 or 3 forces one (MIXPREC_GEMM_DECODE_CTAS_PER_SM at
-    load); M 17-32 always runs the 2-CTA build. Defaults: csrc/gemm/NOTES.md, "PDL", "Stream-K",
-    "Decode u8" and "Decode occupancy". A CUDA graph keeps the options it was captured with."""
+    load); M 17-32 always runs the 2-CTA build. decode_preload: each decode warp reads its first
+    batch of weight words before the PDL wait, overlapping their DRAM latency with quantize_act
+    (off until timed on a GPU; MIXPREC_GEMM_DECODE_PRELOAD=1 at load). Defaults:
+    csrc/gemm/NOTES.md, "PDL", "Stream-K", "Decode u8", "Decode occupancy" and "Decode preload".
+    A CUDA graph keeps the options it was captured with."""
     got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8,
-                                                 decode_ctas_per_sm)
+                                                 decode_ctas_per_sm, decode_preload)
     return dict(zip(LAUNCH_OPTIONS, got))
 
 

@@ -125,31 +125,12 @@ __device__ __forceinline__ int2 sum_splits(const Params& p, int splits, int tok,
   return acc;
 }
 
-// kBatch chunks of one warp: all loads first (kBatch * (kRowTiles + kTokTiles) independent
-// 16-byte requests plus the group words), then dequant + MMA; pointers advance by kBatch chunks.
-// kUnsigned (u8 x s8 MMA) also sums the lane's activations per token tile into xsum.
+// Dequant + MMA of kBatch loaded chunks; kUnsigned (u8 x s8 MMA) also sums the lane's
+// activations per token tile into xsum.
 template <int kBatch, bool kUnsigned, int kRowTiles, int kTokTiles>
-__device__ __forceinline__ void decode_batch(const uint8_t* (&wptr)[kRowTiles], const uint32_t* const (&pptr)[kRowTiles],
-                                             const int8_t* (&xptr)[kTokTiles], int c, int group_shift,
-                                             int32_t (&acc)[kRowTiles][kTokTiles][4], int32_t (&xsum)[kTokTiles]) {
-  uint4 wv[kBatch][kRowTiles];
-  uint32_t pv[kBatch][kRowTiles];
-  uint4 xv[kBatch][kTokTiles];
-#pragma unroll
-  for (int u = 0; u < kBatch; ++u) {
-    const uint32_t group_word = (static_cast<uint32_t>(c + u) >> group_shift) * 8u;
-#pragma unroll
-    for (int r = 0; r < kRowTiles; ++r) {
-      wv[u][r] = ldg_stream_v4(wptr[r] + u * kChunkBytes);
-      pv[u][r] = __ldg(pptr[r] + group_word);
-    }
-#pragma unroll
-    for (int tt = 0; tt < kTokTiles; ++tt) xv[u][tt] = ldg_v4(xptr[tt] + u * kChunkK);
-  }
-#pragma unroll
-  for (int r = 0; r < kRowTiles; ++r) wptr[r] += kBatch * kChunkBytes;
-#pragma unroll
-  for (int tt = 0; tt < kTokTiles; ++tt) xptr[tt] += kBatch * kChunkK;
+__device__ __forceinline__ void mma_batch(const uint4 (&wv)[kBatch][kRowTiles], const uint32_t (&pv)[kBatch][kRowTiles],
+                                          const uint4 (&xv)[kBatch][kTokTiles],
+                                          int32_t (&acc)[kRowTiles][kTokTiles][4], int32_t (&xsum)[kTokTiles]) {
 #pragma unroll
   for (int u = 0; u < kBatch; ++u) {
 #pragma unroll
@@ -170,6 +151,72 @@ __device__ __forceinline__ void decode_batch(const uint8_t* (&wptr)[kRowTiles], 
       }
     }
   }
+}
+
+// A batch whose weight words are loaded: its activations, then dequant + MMA.
+template <int kBatch, bool kUnsigned, int kRowTiles, int kTokTiles>
+__device__ __forceinline__ void decode_loaded_batch(const uint4 (&wv)[kBatch][kRowTiles],
+                                                       const uint32_t (&pv)[kBatch][kRowTiles],
+                                                       const int8_t* (&xptr)[kTokTiles],
+                                                       int32_t (&acc)[kRowTiles][kTokTiles][4],
+                                                       int32_t (&xsum)[kTokTiles]) {
+  uint4 xv[kBatch][kTokTiles];
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+    for (int tt = 0; tt < kTokTiles; ++tt) xv[u][tt] = ldg_v4(xptr[tt] + u * kChunkK);
+#pragma unroll
+  for (int tt = 0; tt < kTokTiles; ++tt) xptr[tt] += kBatch * kChunkK;
+  mma_batch<kBatch, kUnsigned>(wv, pv, xv, acc, xsum);
+}
+
+// The weight and group words of chunk c + u for each row tile (LDG.128 + LDG.32 each).
+template <int kRowTiles>
+__device__ __forceinline__ void load_chunk_weights(const uint8_t* const (&wptr)[kRowTiles],
+                                                   const uint32_t* const (&pptr)[kRowTiles], int c, int u,
+                                                   int group_shift, uint4 (&wv)[kRowTiles], uint32_t (&pv)[kRowTiles]) {
+  const uint32_t group_word = (static_cast<uint32_t>(c + u) >> group_shift) * 8u;
+#pragma unroll
+  for (int r = 0; r < kRowTiles; ++r) {
+    wv[r] = ldg_stream_v4(wptr[r] + u * kChunkBytes);
+    pv[r] = __ldg(pptr[r] + group_word);
+  }
+}
+
+// The weight and group words of a warp's first kBatch chunks, read before the PDL wait
+// (decode_preload: no other kernel writes them); wptr advances past them.
+template <int kBatch, int kRowTiles>
+__device__ __forceinline__ void load_weights(const uint8_t* (&wptr)[kRowTiles], const uint32_t* const (&pptr)[kRowTiles],
+                                             int c, int group_shift, uint4 (&wv)[kBatch][kRowTiles],
+                                             uint32_t (&pv)[kBatch][kRowTiles]) {
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) load_chunk_weights(wptr, pptr, c, u, group_shift, wv[u], pv[u]);
+#pragma unroll
+  for (int r = 0; r < kRowTiles; ++r) wptr[r] += kBatch * kChunkBytes;
+}
+
+// kBatch chunks of one warp: all loads first (kBatch * (kRowTiles + kTokTiles) independent
+// 16-byte requests plus the group words), then dequant + MMA; pointers advance by kBatch chunks.
+template <int kBatch, bool kUnsigned, int kRowTiles, int kTokTiles>
+__device__ __forceinline__ void decode_batch(const uint8_t* (&wptr)[kRowTiles], const uint32_t* const (&pptr)[kRowTiles],
+                                             const int8_t* (&xptr)[kTokTiles], int c, int group_shift,
+                                             int32_t (&acc)[kRowTiles][kTokTiles][4], int32_t (&xsum)[kTokTiles]) {
+  // (Weights and activations interleave per chunk: ptxas schedules 4 token tiles differently
+  // when all weight loads come first, as load_weights + decode_loaded_batch would issue them.)
+  uint4 wv[kBatch][kRowTiles];
+  uint32_t pv[kBatch][kRowTiles];
+  uint4 xv[kBatch][kTokTiles];
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+    load_chunk_weights(wptr, pptr, c, u, group_shift, wv[u], pv[u]);
+#pragma unroll
+    for (int tt = 0; tt < kTokTiles; ++tt) xv[u][tt] = ldg_v4(xptr[tt] + u * kChunkK);
+  }
+#pragma unroll
+  for (int r = 0; r < kRowTiles; ++r) wptr[r] += kBatch * kChunkBytes;
+#pragma unroll
+  for (int tt = 0; tt < kTokTiles; ++tt) xptr[tt] += kBatch * kChunkK;
+  mma_batch<kBatch, kUnsigned>(wv, pv, xv, acc, xsum);
 }
 
 // The u8 x s8 MMA summed u * x = (w8 + 128) * x: subtract 128 * sum_k x of each accumulator's
@@ -204,8 +251,9 @@ __device__ __forceinline__ void subtract_unsigned_offset(int32_t (&acc)[kRowTile
 // int32 tile (shared atomics), then the epilogue (or the split-K workspace). (Shared-memory
 // rings that keep more bytes in flight were slower: csrc/gemm/NOTES.md "Decode ring".)
 // kMinCtas: CTAs per SM the registers are capped for (2: <= 128 registers; 3: <= 80, the
-// decode_ctas_per_sm launch option, M <= 16 only: 4 token tiles spill at 80).
-template <int kTokTiles, int kRowTiles, int kUnroll, bool kUnsigned, int kMinCtas, typename OutT>
+// decode_ctas_per_sm launch option, M <= 16 only: 4 token tiles spill at 80). kPreload: each
+// warp reads its first batch of weight words before the PDL wait (decode_preload).
+template <int kTokTiles, int kRowTiles, int kUnroll, bool kUnsigned, int kMinCtas, bool kPreload, typename OutT>
 __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(const Params p) {
   constexpr int kRows = kRowTiles * 16;
   constexpr int kToks = kTokTiles * 8;
@@ -242,6 +290,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(c
   // As a programmatic dependent (sm_90), the CTA got here while the previous grid
   // (quantize_act) may still run; nothing it writes is read or written before this wait.
   // (An L2 prefetch of the weight range before it cost 1-8 us: session 24, NOTES.md "PDL".)
+  uint4 wv0[kPreload ? kUnroll : 1][kRowTiles];
+  uint32_t pv0[kPreload ? kUnroll : 1][kRowTiles];
+  const bool preloaded = kPreload && c_lo + kUnroll <= c_hi;
+  if constexpr (kPreload) {
+    if (preloaded) load_weights<kUnroll>(wptr, pptr, c_lo, p.group_shift, wv0, pv0);
+  }
   wait_prior_grids();
 
   const int8_t* xptr[kTokTiles];
@@ -261,6 +315,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(c
 
   int32_t xsum[kTokTiles] = {};  // kUnsigned only
   int c = c_lo;
+  if constexpr (kPreload) {
+    if (preloaded) {
+      decode_loaded_batch<kUnroll, kUnsigned>(wv0, pv0, xptr, acc, xsum);
+      c += kUnroll;
+    }
+  }
   for (; c + kUnroll <= c_hi; c += kUnroll)
     decode_batch<kUnroll, kUnsigned>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
   for (; c < c_hi; ++c) decode_batch<1, kUnsigned>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
@@ -485,28 +545,39 @@ int decode_ctas_resident(int M, W4A8Kernel k, int build_ctas) {
   return tok_tiles == 1 && k == W4A8Kernel::kDecodeRows16 ? 3 : 2;
 }
 
+// Which decode kernel build to launch: decode_u8, decode_preload, the plan's 3-CTA build.
+struct DecodeBuild {
+  bool u8, preload, three_ctas;
+};
+
 // A decode kernel, as a programmatic dependent launch when pdl (sm_90 only: the caller checks).
 template <int kTokTiles, int kRowTiles, int kUnroll, int kMinCtas, typename OutT>
-cudaError_t launch_decode(const Params& p, dim3 grid, bool pdl, bool u8, cudaStream_t stream) {
-  if (u8)
-    return launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, true, kMinCtas, OutT>>(
-        grid, dim3(kDecodeThreads), 0, pdl, stream, p);
-  return launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, false, kMinCtas, OutT>>(
-      grid, dim3(kDecodeThreads), 0, pdl, stream, p);
+cudaError_t launch_decode(const Params& p, dim3 grid, bool pdl, DecodeBuild b, cudaStream_t stream) {
+  const dim3 block(kDecodeThreads);
+  if (b.u8)
+    return b.preload
+               ? launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, true, kMinCtas, true, OutT>>(
+                     grid, block, 0, pdl, stream, p)
+               : launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, true, kMinCtas, false, OutT>>(
+                     grid, block, 0, pdl, stream, p);
+  return b.preload
+             ? launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, false, kMinCtas, true, OutT>>(
+                   grid, block, 0, pdl, stream, p)
+             : launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, false, kMinCtas, false, OutT>>(
+                   grid, block, 0, pdl, stream, p);
 }
 
 // Token tiles x row tiles x unroll by M; three_ctas picks the 80-register build (M <= 16).
 template <int kTokTiles, int kRowTiles, int kUnroll, typename OutT>
-cudaError_t launch_decode_ctas(const Params& p, dim3 grid, bool pdl, bool u8, bool three_ctas, cudaStream_t stream) {
+cudaError_t launch_decode_ctas(const Params& p, dim3 grid, bool pdl, DecodeBuild b, cudaStream_t stream) {
   if constexpr (kTokTiles <= 2) {
-    if (three_ctas) return launch_decode<kTokTiles, kRowTiles, kUnroll, 3, OutT>(p, grid, pdl, u8, stream);
+    if (b.three_ctas) return launch_decode<kTokTiles, kRowTiles, kUnroll, 3, OutT>(p, grid, pdl, b, stream);
   }
-  return launch_decode<kTokTiles, kRowTiles, kUnroll, 2, OutT>(p, grid, pdl, u8, stream);
+  return launch_decode<kTokTiles, kRowTiles, kUnroll, 2, OutT>(p, grid, pdl, b, stream);
 }
 
 template <typename OutT>
-cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, bool u8, bool three_ctas,
-                         cudaStream_t stream) {
+cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, DecodeBuild b, cudaStream_t stream) {
   const int row_tiles = p.N / 16;
   switch (plan.kernel) {
     case W4A8Kernel::kDecodeRows16:
@@ -515,13 +586,13 @@ cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, bool u
       const dim3 grid(ceil_div(row_tiles, two ? 2 : 1), plan.splits);
       // Loads in flight per lane: unroll x (row tiles + token tiles); unroll shrinks as x grows.
       if (p.M <= 8)
-        return two ? launch_decode_ctas<1, 2, 4, OutT>(p, grid, pdl, u8, three_ctas, stream)
-                   : launch_decode_ctas<1, 1, 4, OutT>(p, grid, pdl, u8, three_ctas, stream);
+        return two ? launch_decode_ctas<1, 2, 4, OutT>(p, grid, pdl, b, stream)
+                   : launch_decode_ctas<1, 1, 4, OutT>(p, grid, pdl, b, stream);
       if (p.M <= 16)
-        return two ? launch_decode_ctas<2, 2, 4, OutT>(p, grid, pdl, u8, three_ctas, stream)
-                   : launch_decode_ctas<2, 1, 4, OutT>(p, grid, pdl, u8, three_ctas, stream);
-      return two ? launch_decode_ctas<4, 2, 2, OutT>(p, grid, pdl, u8, three_ctas, stream)
-                 : launch_decode_ctas<4, 1, 2, OutT>(p, grid, pdl, u8, three_ctas, stream);
+        return two ? launch_decode_ctas<2, 2, 4, OutT>(p, grid, pdl, b, stream)
+                   : launch_decode_ctas<2, 1, 4, OutT>(p, grid, pdl, b, stream);
+      return two ? launch_decode_ctas<4, 2, 2, OutT>(p, grid, pdl, b, stream)
+                 : launch_decode_ctas<4, 1, 2, OutT>(p, grid, pdl, b, stream);
     }
     case W4A8Kernel::kTiledTok64: {
       const dim3 grid(ceil_div(p.M, Tiled64::kCtaToks), ceil_div(row_tiles, Tiled64::kCtaRowTiles), plan.splits);
@@ -611,11 +682,11 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
 
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaStream_t stream) {
   const Params p = w4a8_kernel_params(a);
-  const bool three = plan.decode_ctas == 3;
+  const DecodeBuild b{a.decode_u8, a.decode_preload, plan.decode_ctas == 3};
   switch (a.out_kind) {
-    case OutKind::kHalf: return launch_typed<__half>(p, plan, a.pdl, a.decode_u8, three, stream);
-    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, a.pdl, a.decode_u8, three, stream);
-    default: return launch_typed<float>(p, plan, a.pdl, a.decode_u8, three, stream);
+    case OutKind::kHalf: return launch_typed<__half>(p, plan, a.pdl, b, stream);
+    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, a.pdl, b, stream);
+    default: return launch_typed<float>(p, plan, a.pdl, b, stream);
   }
 }
 
