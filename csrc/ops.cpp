@@ -452,7 +452,7 @@ std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_
               "mixprec_C::set_launch_options: gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8 and "
               "decode_preload take 0, 1 or -1 (keep); got ", gemm_pdl, ", ", act_quant_one_pass, ", ", gemm_stream_k,
               ", ", decode_u8, ", ", decode_preload);
-  TORCH_CHECK(decode_ctas_per_sm < 0 || decode_ctas_per_sm == 0 || decode_ctas_per_sm == 2 || decode_ctas_per_sm == 3,
+  TORCH_CHECK(decode_ctas_per_sm <= 0 || decode_ctas_per_sm == 2 || decode_ctas_per_sm == 3,
               "mixprec_C::set_launch_options: decode_ctas_per_sm takes 0 (the planner picks), 2, 3 or -1 (keep); got ",
               decode_ctas_per_sm);
   LaunchOptions& o = launch_options();

@@ -725,9 +725,14 @@ stage_decode_options_splits() {
     --shapes ${DECODE_SWEEP_SHAPES:-8192x10240} --ms ${DECODE_SWEEP_MS:-1 16} --group 128 \
     --decode-options-sweep --splits-sweep --out "$OUT/decode_options_splits.json"
 }
+stage_decode_options_check() {
+  local rc=0
+  OUT=$OUT SANITIZE_TOOLS=memcheck timeout 150 bash scripts/sanitize.sh cuda 2>&1 | tail -4 || rc=1
+  OUT=$OUT timeout 200 bash scripts/profile_ncu.sh gemm gemm-u8 gemm-c3 gemm-u8-c3 2>&1 | tail -12
+  return $rc
+}
 # Session 36: the decode planner's build pick (2 or 3 CTAs per SM) on every Llama shape against
-# the 2-CTA build it replaced, cuBLAS's GEMV and Marlin in the same run, after the GPU tests; then
-# issue #4's bench_gemm table at M = 1 and 16 (do_bench's L2 flush, every baseline).
+# the 2-CTA build it replaced, cuBLAS's GEMV and Marlin in the same run, after the GPU tests.
 stage_decode_build() {
   local rc=0
   pytest_gpu pytest-gpu-decode-build 240 tests/kernels/test_cuda_gemm.py tests/kernels/test_gemm_plan.py || rc=1
@@ -736,6 +741,7 @@ stage_decode_build() {
     --cublas-gemv --out "$OUT/decode_build.json" || rc=1
   return $rc
 }
+# Issue #4's bench_gemm table at M = 1 and 16 (do_bench's L2 flush, every baseline)
 stage_decode_table() {
   run_bench bench_gemm_decode_table 300 python3 benchmarks/bench_gemm.py --ms 1,16 \
     --shapes 4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672 \
@@ -764,12 +770,6 @@ stage_decode_preload_table() {
   local rc=0
   (export OUT=$OUT/preload-on MIXPREC_GEMM_DECODE_PRELOAD=1 && mkdir -p "$OUT" && stage_decode_table) || rc=1
   OUT=$OUT SANITIZE_TOOLS=memcheck timeout 150 bash scripts/sanitize.sh cuda 2>&1 | tail -4 || rc=1
-  return $rc
-}
-stage_decode_options_check() {
-  local rc=0
-  OUT=$OUT SANITIZE_TOOLS=memcheck timeout 150 bash scripts/sanitize.sh cuda 2>&1 | tail -4 || rc=1
-  OUT=$OUT timeout 200 bash scripts/profile_ncu.sh gemm gemm-u8 gemm-c3 gemm-u8-c3 2>&1 | tail -12
   return $rc
 }
 stage_stream_k_sanitize() {

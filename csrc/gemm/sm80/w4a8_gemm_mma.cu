@@ -156,10 +156,10 @@ __device__ __forceinline__ void mma_batch(const uint4 (&wv)[kBatch][kRowTiles], 
 // A batch whose weight words are loaded: its activations, then dequant + MMA.
 template <int kBatch, bool kUnsigned, int kRowTiles, int kTokTiles>
 __device__ __forceinline__ void decode_loaded_batch(const uint4 (&wv)[kBatch][kRowTiles],
-                                                       const uint32_t (&pv)[kBatch][kRowTiles],
-                                                       const int8_t* (&xptr)[kTokTiles],
-                                                       int32_t (&acc)[kRowTiles][kTokTiles][4],
-                                                       int32_t (&xsum)[kTokTiles]) {
+                                                    const uint32_t (&pv)[kBatch][kRowTiles],
+                                                    const int8_t* (&xptr)[kTokTiles],
+                                                    int32_t (&acc)[kRowTiles][kTokTiles][4],
+                                                    int32_t (&xsum)[kTokTiles]) {
   uint4 xv[kBatch][kTokTiles];
 #pragma unroll
   for (int u = 0; u < kBatch; ++u)
@@ -629,11 +629,12 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
     // Fewest waves of resident CTAs, then the fullest last wave, then the 2-CTA build and 16
     // channels. The 3-CTA build covers M <= 16; above M = 8 (two token tiles, 120 registers cut
     // to 80: up to 28 % slower per CTA) it is chosen only when its grid fits one wave (a forced
-    // build is taken as it is). Session 36's H200 rows:
-    // within 0.5 % of the measured best on all 36 (csrc/gemm/NOTES.md "Decode occupancy").
+    // build is taken as it is). Session 36's H200 rows: within 0.5 % of the measured best on
+    // all 36 (csrc/gemm/NOTES.md "Decode occupancy").
     const int forced = decode_ctas_per_sm == 3 && M > 16 ? 2 : decode_ctas_per_sm;
     long long best_waves = 0, best_slots = 1;
     int best_ctas = 0;
+    W4A8Kernel best_kernel = k;
     for (const int build : {2, 3}) {
       if ((forced != 0 && build != forced) || (build == 3 && M > 16)) continue;
       for (const W4A8Kernel cand : {W4A8Kernel::kDecodeRows16, W4A8Kernel::kDecodeRows32}) {
@@ -650,12 +651,12 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
           best_waves = waves;
           best_slots = slots;
           best_ctas = ctas;
-          plan->kernel = cand;
+          best_kernel = cand;
           build_ctas = build;
         }
       }
     }
-    k = plan->kernel;
+    k = best_kernel;
   }
   if (is_decode(k) && M > kDecodeMaxM) return "w4a8_gemm: the decode kernels (0, 1) need M <= 32";
   const int ctas = ctas_per_split(k, M, N);
