@@ -36,9 +36,6 @@ USE_GRAPHS = True
 DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # --splits-sweep, decode kernels 0 and 1
 # --decode-ab: launch option -> (JSON key tag, values timed)
 DECODE_AB = {"decode_ctas_per_sm": ("c", (0, 2)), "decode_preload": ("pre", (0, 1))}
-# --launch-sweep: gemm_pdl x act_quant_one_pass of the linear. (Session 24 also swept an L2
-# prefetch of the weights before the GEMM's wait and a cluster of CTAs per quantizer row: both
-# removed, csrc/gemm/NOTES.md "PDL".)
 
 
 def bench(fn):
@@ -225,6 +222,8 @@ def main():
                 xb = x.to(torch.bfloat16)
                 row["cublas_bf16_us"] = bench(lambda: xb @ bf16_weight.t())
                 row["cublas_bf16_TBps"] = n * k * 2 / (row["cublas_bf16_us"] * 1e-6) / 1e12
+            # (Session 24 also swept an L2 prefetch of the weights before the GEMM's wait and a cluster
+            # of CTAs per quantizer row: both removed, csrc/gemm/NOTES.md "PDL".)
             if args.launch_sweep:  # every M: the wgmma kernels (M >= 64) are dependents too since session 31
                 for one_pass in each_option("act_quant_one_pass", (0, 1)):
                     row[f"quantize_act_op{one_pass}_us"] = bench(lambda: cuda.quantize_act(x))

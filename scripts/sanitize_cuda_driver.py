@@ -51,10 +51,8 @@ def main() -> int:
     # The decode kernels again with unsigned weight bytes (decode_u8), with the 3-CTA build
     # (decode_ctas_per_sm=3, M <= 16) and with the first weight batch read before the PDL wait
     # (decode_preload)
-    decode = [c for c in cases if c[4] in (0, 1)]
-    option_cases = ([c + (1, 2, 0) for c in decode] + [c + (0, 3, 0) for c in decode if c[0] <= 16]
-                    + [c + (1, 3, 0) for c in decode if c[0] <= 16] + [c + (0, 2, 1) for c in decode]
-                    + [c + (0, 3, 1) for c in decode if c[0] <= 16])
+    builds = ((1, 2, 0), (0, 3, 0), (1, 3, 0), (0, 2, 1), (0, 3, 1))  # (u8, CTAs per SM, preload)
+    option_cases = [c + b for b in builds for c in cases if c[4] in (0, 1) and (b[1] == 2 or c[0] <= 16)]
     defaults = cuda.set_launch_options()
     for m, n, k, g, kernel, splits, u8, ctas, pre in [c + (0, 2, 0) for c in cases] + option_cases:
         cuda.set_launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload=pre)

@@ -52,7 +52,6 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
-
 // Programmatic dependent launch (sm_90; a no-op below): wait until the grids this one depends on
 // have completed and their writes are visible (returns at once when the launch was not programmatic).
 __device__ __forceinline__ void wait_prior_grids() {

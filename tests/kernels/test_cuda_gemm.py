@@ -170,14 +170,6 @@ def test_quantize_act_matches_reference(dtype, m, k, smooth_dtype):
     assert int(diff.max()) <= 1 and int((diff != 0).sum()) <= max(1, q.numel() // 10000)
 
 
-@pytest.fixture
-def launch_options():
-    """Restores the csrc launch options a test changes."""
-    saved = cuda.set_launch_options()
-    yield cuda.set_launch_options
-    cuda.set_launch_options(**saved)
-
-
 # K per path: one-pass with 1, 2 and 4 vectors per thread (4096, 14336, 28672, 32768 = the
 # largest), the two-pass loop above that (32776), and the scalar loop (K % 8 != 0).
 @pytest.mark.parametrize("k", [64, 4096, 14336, 28672, 32768, 32776, 1001])

@@ -188,14 +188,14 @@ def _decode_rows():
     return out
 
 
-def test_decode_choice_is_near_the_measured_best(launch_option):
+def test_decode_choice_is_near_the_measured_best(launch_options):
     """Every measured decode row (6 Llama shapes x M = 1, 16, 32 on the H100, the 2-CTA build,
     which the planner is held to here): the pick is
     never split, within 5% of the best measured (kernel, splits), and all picks together within
     2%. The old rule (32 channels from 2 CTAs per SM, splits to fill 2 CTAs per SM) picked
     4096x4096 at M = 1 with 2 splits: 8.1 us against 5.3; and 16 channels at 28672 x 8192,
     M = 1: 47.5 us against 41.5."""
-    launch_option(decode_ctas_per_sm=2)
+    launch_options(decode_ctas_per_sm=2)
     picked = best = 0.0
     for row, times in _decode_rows():
         pick = plan(row["M"], row["N"], row["K"], wgmma=False)
@@ -205,14 +205,6 @@ def test_decode_choice_is_near_the_measured_best(launch_option):
         picked += times[pick]
         best += fastest
     assert picked <= 1.02 * best, (picked, best)
-
-
-@pytest.fixture
-def launch_option():
-    """Sets launch options for one test, restoring them after it."""
-    saved = cuda.set_launch_options()
-    yield cuda.set_launch_options
-    cuda.set_launch_options(**saved)
 
 
 def _decode_build_times(row):
@@ -285,14 +277,14 @@ def test_decode_build_fewest_waves_then_fullest(m, n, k, want):
     assert decode_plan(m, n, k, sms=132) == want
 
 
-def test_decode_build_forced(launch_option):
+def test_decode_build_forced(launch_options):
     """decode_ctas_per_sm=2 or 3 holds the build (3 becomes 2 above M = 16, where 80 registers
     would spill); a forced kernel gets the build chosen for it; the other kernels report 0."""
     assert decode_plan(16, 6144, 4096, kernel=1) == (1, 1, 2)  # one wave either way: the fuller
     assert decode_plan(16, 6144, 4096, kernel=0) == (0, 1, 3)  # one wave against two
-    launch_option(decode_ctas_per_sm=2)
+    launch_options(decode_ctas_per_sm=2)
     assert decode_plan(16, 10240, 8192) == (1, 1, 2)
-    launch_option(decode_ctas_per_sm=3)
+    launch_options(decode_ctas_per_sm=3)
     assert decode_plan(1, 4096, 4096) == (0, 1, 3)
     # forced, the 3-CTA build holds over several waves too (the planner would not choose it there)
     assert decode_plan(16, 10240, 8192, kernel=0) == (0, 1, 3)
@@ -375,10 +367,8 @@ def test_launch_options_from_env():
 
 
 @pytest.fixture
-def stream_k_option():
-    saved = cuda.set_launch_options()
-    yield lambda on: cuda.set_launch_options(gemm_stream_k=on)
-    cuda.set_launch_options(**saved)
+def stream_k_option(launch_options):
+    return lambda on: launch_options(gemm_stream_k=on)
 
 
 def test_stream_k_forced_and_refused():
@@ -455,11 +445,11 @@ def test_describe_plans_names_the_launch(monkeypatch, stream_k_option):
     assert "stream-K" not in cuda.describe_plans(6144, 4096, 128, ms=(1024,), num_sms=H100_SMS)
 
 
-def test_bench_each_option_sets_each_value_and_restores(launch_option, repo_module):
+def test_bench_each_option_sets_each_value_and_restores(launch_options, repo_module):
     """scripts/bench_w4a8_cuda.py times each value of a launch option with the others kept, nested
     loops included, and leaves every option as it found it (also when a timing fails)."""
     bench = repo_module("scripts/bench_w4a8_cuda.py")
-    launch_option(decode_u8=1, decode_ctas_per_sm=0)
+    launch_options(decode_u8=1, decode_ctas_per_sm=0)
     before = cuda.set_launch_options()
     seen = []
     for u8 in bench.each_option("decode_u8", (0, 1)):
