@@ -34,8 +34,9 @@ def lqq(n, k, g, gen):
 
 USE_GRAPHS = True
 DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # --splits-sweep, decode kernels 0 and 1
-# --decode-ab: launch option -> (JSON key tag, values timed)
-DECODE_AB = {"decode_ctas_per_sm": ("c", (0, 2)), "decode_preload": ("pre", (0, 1))}
+# --option-ab: launch option -> (JSON key tag, values timed, largest M it acts on or None)
+OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32), "decode_preload_max_m": ("pre", (0, 32), 32),
+             "act_quant_one_pass": ("op", (0, 1), None), "act_quant_staged_min_m": ("st", (0, 1), None)}
 
 
 def bench(fn):
@@ -87,10 +88,12 @@ def main():
                          "decode_u8 0, 1 x decode_ctas_per_sm 2, 3 (3 at M <= 16 only), all in this "
                          "run; with --splits-sweep also kernels 0 and 1 x DECODE_SPLITS under each "
                          "(csrc/gemm/NOTES.md 'Decode u8', 'Decode occupancy')")
-    ap.add_argument("--decode-ab", nargs="+", choices=sorted(DECODE_AB), default=[], metavar="OPTION",
-                    help="M <= 32: also the plan, the auto GEMM (back to back) and the linear under each value of "
-                         "these launch options, this run: decode_ctas_per_sm 0 (the planner's build) and 2 (the "
-                         "plan before session 36); decode_preload 0 and 1")
+    ap.add_argument("--option-ab", nargs="+", choices=sorted(OPTION_AB), default=[], metavar="OPTION",
+                    help="also quantize_act, the plan, the auto GEMM (back to back) and the linear under each "
+                         "value of these launch options, this run, at the M each acts on: decode_ctas_per_sm 0 "
+                         "(the planner's build) and 2 (the plan before session 36), M <= 32; decode_preload_max_m "
+                         "0 (never) and 32 (every M), M <= 32; act_quant_one_pass 0 (the two-pass loop) and 1; "
+                         "act_quant_staged_min_m 0 (never) and 1 (every M)")
     ap.add_argument("--cublas-gemv", action="store_true",
                     help="M <= 32: also cuBLAS bf16 on the same shape (the weight's N x K bf16, >= 2x the L2), "
                          "the HBM bandwidth a GEMV reaches on this GPU (cublas_bf16_TBps)")
@@ -104,6 +107,9 @@ def main():
                          "planner's stream-K option off and on, all in this run (csrc/gemm/NOTES.md, 'Stream-K')")
     ap.add_argument("--sk-kernels", type=int, nargs="*", default=[4, 5, 7, 8], metavar="K",
                     help="--stream-k-sweep: the wgmma kernels to time one by one (none: the auto plans only)")
+    ap.add_argument("--quant-only", action="store_true",
+                    help="time only quantize_act (bf16 rows of each shape's K), under each value of --option-ab's "
+                         "options, with its bytes moved per second; no weights, no GEMMs")
     ap.add_argument("--shapes", nargs="+", metavar="KxN",
                     help="K x N shapes to time instead of the default/--full set, e.g. 4096x6144")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "bench_w4a8_cuda.json"))
@@ -127,6 +133,8 @@ def main():
     out = os.path.join(args.out, "bench_w4a8_cuda.json") if os.path.isdir(args.out) else args.out
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     gen = torch.Generator(device=DEV).manual_seed(0)
+    if args.quant_only:
+        return quant_only(sorted({k for k, _ in shapes}), ms, args.option_ab, out, gen)
     rows = []
     for k, n in shapes:
         g = args.group
@@ -212,10 +220,13 @@ def main():
                             for splits in DECODE_SPLITS:
                                 if splits <= k // 64:
                                     row[f"gemm_k{kernel}_s{splits}_{tag}_us"] = bench(lambda: gemm(kernel, splits))
-            for option in args.decode_ab if m <= 32 else ():
-                tag, values = DECODE_AB[option]
+            for option in args.option_ab:
+                tag, values, max_m = OPTION_AB[option]
+                if max_m is not None and m > max_m:
+                    continue
                 for value in each_option(option, values):
-                    row[f"plan_{tag}{value}"] = plan(-1, False)
+                    row[f"quantize_act_{tag}{value}_us"] = bench(lambda: cuda.quantize_act(x))
+                    row[f"plan_{tag}{value}"] = plan(-1, m >= 64 and cuda.has_wgmma())
                     row[f"gemm_auto_{tag}{value}_us"] = bench(lambda: gemm(-1))
                     row[f"linear_{tag}{value}_us"] = bench(linear)
             if bf16_weight is not None and m <= 32:  # cuBLAS streaming the bf16 weight: the HBM a GEMV reaches here
@@ -248,6 +259,26 @@ def main():
         print(f"{r['K']:>6} {r['N']:>6} {r['M']:>5} | {r['gemm_k-1_us']:8.1f} {r['best_gemm_us']:8.1f} "
               f"{r['weight_GBps_auto']:6.0f} | {r['linear_auto_us']:8.1f} {r.get('marlin_w4a16_us', float('nan')):8.1f} "
               f"{r.get('speedup_linear_vs_marlin', float('nan')):5.2f}")
+
+
+def quant_only(ks, ms, options, out, gen):
+    """quantize_act alone on bf16 [M, K] rows (in L2 where they fit, as after the kernel that
+    wrote them), under each value of each option; GB/s counts the bf16 read and the int8 write."""
+    rows = []
+    for k in ks:
+        for m in ms:
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+            row = {"K": k, "M": m, "device": torch.cuda.get_device_name(),
+                   "quantize_act_us": bench(lambda: cuda.quantize_act(x))}
+            for option in options:
+                tag, values, _ = OPTION_AB[option]
+                for value in each_option(option, values):
+                    row[f"quantize_act_{tag}{value}_us"] = us = bench(lambda: cuda.quantize_act(x))
+                    row[f"quantize_act_{tag}{value}_GBps"] = 3 * m * k / (us * 1e-6) / 1e9
+            rows.append(row)
+            print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in row.items()}), flush=True)
+            with open(out, "w") as f:
+                json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

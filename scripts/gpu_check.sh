@@ -12,7 +12,7 @@
 # tp_real_exact_verdict wgmma_pdl_tests wgmma_pdl_bench wgmma_pdl_sanitize gemm_table
 # stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize decode_hbm
 # decode_options decode_options_splits decode_options_check decode_build decode_table decode_table_tested
-# decode_preload decode_preload_table
+# decode_preload decode_preload_table mid_table quant_staged
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -737,7 +737,7 @@ stage_decode_build() {
   local rc=0
   pytest_gpu pytest-gpu-decode-build 240 tests/kernels/test_cuda_gemm.py tests/kernels/test_gemm_plan.py || rc=1
   run_bench bench_w4a8_cuda_decode_build 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
-    4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms 1 16 --group 128 --decode-ab decode_ctas_per_sm \
+    4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms 1 16 --group 128 --option-ab decode_ctas_per_sm \
     --cublas-gemv --out "$OUT/decode_build.json" || rc=1
   return $rc
 }
@@ -754,23 +754,47 @@ stage_decode_table_tested() {
   stage_decode_table || rc=1
   return $rc
 }
-# Prepared in session 36, not yet run: decode_preload (each decode warp reads its first weight
-# batch before the PDL wait) after its GPU tests, against the default in one run on every Llama
-# shape at M = 1, 8, 16; then issue #4's bench_gemm table at M = 1, 16 with it on
-# (MIXPREC_GEMM_DECODE_PRELOAD=1), and memcheck with the preload cases.
+# decode_preload_max_m (each decode warp reads its first weight batch before the PDL wait, at
+# M <= the option) after its GPU tests: never against every M, in one run, on the Llama shapes
+# (DECODE_PRELOAD_SHAPES) at M = 1, 8, 16 (session 36 prepared it, session 37 ran it); then issue
+# #4's bench_gemm table at M = 1, 16 with it at every M, and memcheck with the preload cases.
 stage_decode_preload() {
   local rc=0
   pytest_gpu pytest-gpu-decode-preload 200 tests/kernels/test_cuda_gemm.py -k "options or graph" || rc=1
-  run_bench bench_w4a8_cuda_decode_preload 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
-    4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms ${DECODE_PRELOAD_MS:-1 8 16} --group 128 \
-    --decode-ab decode_preload --out "$OUT/decode_preload.json" || rc=1
+  run_bench bench_w4a8_cuda_decode_preload 300 python3 scripts/bench_w4a8_cuda.py \
+    --shapes ${DECODE_PRELOAD_SHAPES:-4096x6144 4096x4096 4096x28672 14336x4096 8192x10240 28672x8192 8192x28672} \
+    --ms ${DECODE_PRELOAD_MS:-1 8 16} --group 128 --option-ab decode_preload_max_m \
+    --out "$OUT/decode_preload.json" || rc=1
   return $rc
 }
 stage_decode_preload_table() {
   local rc=0
-  (export OUT=$OUT/preload-on MIXPREC_GEMM_DECODE_PRELOAD=1 && mkdir -p "$OUT" && stage_decode_table) || rc=1
+  (export OUT=$OUT/preload-on MIXPREC_GEMM_DECODE_PRELOAD_MAX_M=32 && mkdir -p "$OUT" && stage_decode_table) || rc=1
   OUT=$OUT SANITIZE_TOOLS=memcheck timeout 150 bash scripts/sanitize.sh cuda 2>&1 | tail -4 || rc=1
   return $rc
+}
+# Prepared in session 37, not yet run: quantize_act's staged kernel (act_quant_staged_min_m; rows
+# staged in shared memory, a warp or a few each) after the quantizer's GPU tests: the quantizer
+# alone with it off and on, K = 4096 .. 28672, M = 1 .. 4096; then the linear with it off and on at
+# M = 64 .. 1024 on the K = 4096 shapes; memcheck with the staged cases.
+stage_quant_staged() {
+  local rc=0
+  pytest_gpu pytest-gpu-quant 150 tests/kernels/test_cuda_gemm.py tests/kernels/test_cuda_properties.py \
+    -k "quantize_act" || rc=1
+  run_bench bench_quant_staged 150 python3 scripts/bench_w4a8_cuda.py --quant-only \
+    --shapes 4096x1 8192x1 14336x1 28672x1 --ms 1 16 64 256 1024 4096 \
+    --option-ab act_quant_staged_min_m --out "$OUT/quant_staged.json" || rc=1
+  run_bench bench_linear_staged 150 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 \
+    --shapes 4096x6144 4096x4096 --ms 64 256 1024 --option-ab act_quant_staged_min_m \
+    --out "$OUT/linear_staged.json" || rc=1
+  OUT=$OUT SANITIZE_TOOLS=memcheck timeout 60 bash scripts/sanitize.sh cuda 2>&1 | tail -4 || rc=1
+  return $rc
+}
+# Issue #4's bench_gemm table at M = 256 and 1024 (do_bench's L2 flush, every baseline)
+stage_mid_table() {
+  run_bench bench_gemm_mid_table 200 python3 benchmarks/bench_gemm.py --ms 256,1024 \
+    --shapes 4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672 \
+    --methods ours_cuda,ours_cuda_gemm,marlin_w4a16,machete_w4a16,cublas_bf16 --out "$OUT/gemm-mid-table"
 }
 stage_stream_k_sanitize() {
   OUT=$OUT timeout 400 bash scripts/sanitize.sh cuda 2>&1 | tail -30

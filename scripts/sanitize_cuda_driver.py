@@ -50,12 +50,12 @@ def main() -> int:
                   (2100, 6144, 256, 128, 4, -1)]
     # The decode kernels again with unsigned weight bytes (decode_u8), with the 3-CTA build
     # (decode_ctas_per_sm=3, M <= 16) and with the first weight batch read before the PDL wait
-    # (decode_preload)
-    builds = ((1, 2, 0), (0, 3, 0), (1, 3, 0), (0, 2, 1), (0, 3, 1))  # (u8, CTAs per SM, preload)
+    # at every decode M (decode_preload_max_m=32)
+    builds = ((1, 2, 0), (0, 3, 0), (1, 3, 0), (0, 2, 32), (0, 3, 32))  # (u8, CTAs per SM, preload max M)
     option_cases = [c + b for b in builds for c in cases if c[4] in (0, 1) and (b[1] == 2 or c[0] <= 16)]
     defaults = cuda.set_launch_options()
     for m, n, k, g, kernel, splits, u8, ctas, pre in [c + (0, 2, 0) for c in cases] + option_cases:
-        cuda.set_launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload=pre)
+        cuda.set_launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload_max_m=pre)
         qw, gs, go = lqq(n, k, g, gen)
         cs = torch.rand(n, generator=gen, device=DEV) * 1e-3 + 1e-4
         x = torch.randn(m, k, generator=gen, device=DEV, dtype=torch.float16)
@@ -68,16 +68,21 @@ def main() -> int:
         ok = rel < 2e-3 and bool(torch.isfinite(y).all())
         failures += not ok
         print(f"M={m:4d} N={n:4d} K={k:5d} G={g:3d} kernel={kernel} splits={splits} u8={u8} ctas={ctas} "
-              f"preload={pre}: rel={rel:.2e} {'ok' if ok else 'FAIL'}")
+              f"preload_max_m={pre}: rel={rel:.2e} {'ok' if ok else 'FAIL'}")
     cuda.set_launch_options(**defaults)
-    for dtype, k in ((torch.bfloat16, 1000), (torch.float32, 4096), (torch.float16, 8192)):
+    # quantize_act's kernels; staged_min_m=1: the staged kernel (2-byte rows, 1 and 2 warps a row,
+    # 9 rows: a partly live last CTA)
+    for dtype, k, staged in ((torch.bfloat16, 1000, 0), (torch.float32, 4096, 0), (torch.float16, 8192, 0),
+                             (torch.bfloat16, 4096, 1), (torch.float16, 8192, 1)):
+        cuda.set_launch_options(act_quant_staged_min_m=staged)
         x = torch.randn(9, k, generator=gen, device=DEV).to(dtype)
         sm = torch.rand(k, generator=gen, device=DEV) + 0.5
         q, s = cuda.quantize_act(x, sm)
         q_ref, s_ref = ref.quantize_act(x, sm)
         ok = int((q.int() - q_ref.int()).abs().max()) <= 1 and torch.allclose(s, s_ref, rtol=1e-6, atol=0)
         failures += not ok
-        print(f"quantize_act {dtype} K={k}: {'ok' if ok else 'FAIL'}")
+        print(f"quantize_act {dtype} K={k} staged_min_m={staged}: {'ok' if ok else 'FAIL'}")
+    cuda.set_launch_options(**defaults)
     torch.cuda.synchronize()
     print("failures:", failures)
     return 1 if failures else 0

@@ -81,15 +81,16 @@ def test_gemm_integer_exact_every_kernel(m, kernel, splits):
 @pytest.mark.parametrize("kernel", [0, 1])
 @pytest.mark.parametrize("splits", [1, 3, 5])
 @pytest.mark.parametrize("k,g", [(1024, 64), (1728, 64), (3328, 128)])
-@pytest.mark.parametrize("u8,ctas,preload", [(1, 2, 0), (0, 3, 0), (1, 3, 0), (0, 2, 1), (0, 3, 1), (1, 2, 1)])
-def test_decode_options_integer_exact(m, kernel, splits, k, g, u8, ctas, preload, launch_options):
+@pytest.mark.parametrize("u8,ctas,preload_max_m", [(1, 2, 0), (0, 3, 0), (1, 3, 0), (0, 2, 32), (0, 3, 32),
+                                                   (1, 2, 32), (0, 0, 8)])
+def test_decode_options_integer_exact(m, kernel, splits, k, g, u8, ctas, preload_max_m, launch_options):
     """The decode kernels' builds besides the default (s8, 2 CTAs per SM): decode_u8 (u8 x s8 MMA,
     128 * sum_k x subtracted per warp), decode_ctas_per_sm=3 (80 registers; M > 16 keeps the
-    2-CTA build) and decode_preload (the first batch's weights read before the PDL wait; warps
-    with fewer chunks than a batch skip it): the int32 sums exactly, with warps whose chunk range
-    is empty, one chunk, or a partial unroll batch (27 and 52 chunks), every token tile count
+    2-CTA build) and decode_preload_max_m (at M <= it, the first batch's weights read before the
+    PDL wait; warps with fewer chunks than a batch skip it): the int32 sums exactly, with warps
+    whose chunk range is empty, one chunk, or a partial unroll batch (27 and 52 chunks), every token tile count
     (M = 1..32) and G = 128."""
-    launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload=preload)
+    launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload_max_m=preload_max_m)
     assert_integer_sums_exact(m, 208, k, g, kernel, splits, seed=2000 + 17 * m + kernel + 101 * splits + k)
 
 
@@ -171,15 +172,17 @@ def test_quantize_act_matches_reference(dtype, m, k, smooth_dtype):
 
 
 # K per path: one-pass with 1, 2 and 4 vectors per thread (4096, 14336, 28672, 32768 = the
-# largest), the two-pass loop above that (32776), and the scalar loop (K % 8 != 0).
-@pytest.mark.parametrize("k", [64, 4096, 14336, 28672, 32768, 32776, 1001])
+# largest), the two-pass loop above that (32776), and the scalar loop (K % 8 != 0); the staged
+# kernel with 1 (64, 4096), 2 (8192), 4 (14336) and 8 (28672, 32768) warps a row.
+@pytest.mark.parametrize("k", [64, 4096, 8192, 14336, 28672, 32768, 32776, 1001])
 @pytest.mark.parametrize("dtype,smooth_dtype", [(torch.bfloat16, None), (torch.float16, torch.float32),
                                                 (torch.float32, "same")])
 @pytest.mark.parametrize("m", [3, 200])
 def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launch_options):
     """The register-resident kernel computes what the two-pass loop does, bit for bit, with a
-    non-finite row (NaN scale, zero codes) among finite ones. At m = 200 rows over 8192
-    elements take the two-pass loop even with one_pass on (more rows than SMs)."""
+    non-finite row (NaN scale, zero codes) among finite ones, and so does the staged kernel
+    (act_quant_staged_min_m=1; 2-byte inputs; spare warps in the last CTA at m = 3). At m = 200
+    rows over 8192 elements take the two-pass loop with one_pass on (more rows than SMs)."""
     gen = _gen(k)
     x = (torch.randn(m, k, generator=gen, device=DEV) * 10).to(dtype)
     x[1, k // 3] = float("nan")
@@ -187,12 +190,12 @@ def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launc
     if smooth_dtype is not None:
         smooth = (torch.rand(k, generator=gen, device=DEV) + 0.25).to(dtype if smooth_dtype == "same" else smooth_dtype)
     got = {}
-    for one_pass in (0, 1):
-        launch_options(act_quant_one_pass=one_pass)
+    for one_pass, staged in ((0, 0), (1, 0), (1, 1)):
+        launch_options(act_quant_one_pass=one_pass, act_quant_staged_min_m=staged)
         poison(m * k, torch.int8)
-        got[one_pass] = cuda.quantize_act(x, smooth)
+        got[one_pass, staged] = cuda.quantize_act(x, smooth)
     torch.cuda.synchronize()
-    q0, s0 = got[0]
+    q0, s0 = got[0, 0]
     finite = torch.arange(m, device=DEV) != 1
     for mode, (q, s) in got.items():
         assert torch.equal(q, q0), mode
@@ -207,9 +210,9 @@ def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launc
                                    (1024, 6144, 4096)])
 def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
     """The decode kernels (M <= 32), s8 or u8 weights (decode_u8), the 2- or 3-CTA build or the
-    planner's, with and without decode_preload, and on an H100/H200 the
-    wgmma kernels (M >= 64), as programmatic dependent launches (sm_90) after either quantizer
-    give the plain launch's bits;
+    planner's, with the first weights preloaded at no M, M <= 8 (the default) or every M, and on
+    an H100/H200 the wgmma kernels (M >= 64), as programmatic dependent launches (sm_90) after
+    either quantizer give the plain launch's bits;
     (2, 64, 4096), (64, 4096, 4096) and (200, 1024, 14336) split K. The linear op runs
     quantize_act first, so the dependent really overlaps a producer of its input."""
     gen = _gen(m + n + k)
@@ -218,9 +221,10 @@ def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
     outs = []
     for pdl, one_pass, u8, ctas, pre in ((0, 0, 0, 2, 0), (1, 0, 0, 2, 0), (1, 1, 0, 2, 0), (0, 1, 0, 2, 0),
                                          (1, 1, 1, 2, 0), (0, 0, 1, 2, 0), (1, 1, 0, 3, 0), (1, 1, 1, 3, 0),
-                                         (1, 1, 0, 0, 0), (1, 1, 0, 0, 1), (0, 0, 0, 2, 1), (1, 1, 1, 3, 1)):
+                                         (1, 1, 0, 0, 0), (1, 1, 0, 0, 32), (0, 0, 0, 2, 32), (1, 1, 1, 3, 32),
+                                         (1, 1, 0, 0, 8)):
         launch_options(gemm_pdl=pdl, act_quant_one_pass=one_pass, decode_u8=u8, decode_ctas_per_sm=ctas,
-                       decode_preload=pre)
+                       decode_preload_max_m=pre)
         for _ in range(3):  # back to back, so a dependent can start before its producer ends
             poison(m * n, torch.bfloat16)
             y = torch.ops.mixprec.w4a8_linear(x, layer.qweight, layer.group_scale, layer.group_offset,
@@ -229,6 +233,33 @@ def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
     torch.cuda.synchronize()
     for opts, y in outs[1:]:
         assert torch.equal(y, outs[0][1]), opts
+
+
+@pytest.mark.parametrize("k,staged", [(4096, 0), (40000, 0), (4096, 1)])  # one-pass, two-pass, staged
+def test_quantize_act_near_ties_round_like_the_reference(k, staged, launch_options):
+    """Values at and a few ulps either side of every (j + 1/2) * scale round half to even, as
+    torch.round does (a quantizer that multiplied by 1 / scale would differ on some of them)."""
+    launch_options(act_quant_staged_min_m=staged)
+    gen = _gen(k)
+    rows = []
+    for scale in (torch.rand(6, generator=gen, device=DEV).double() * 20 - 10).exp2().float():
+        halves = (torch.arange(-127, 127, device=DEV, dtype=torch.float32) + 0.5) * scale
+        near = [halves]
+        for direction in (float("inf"), float("-inf")):
+            v = halves
+            for _ in range(3):
+                v = torch.nextafter(v, torch.full_like(v, direction))
+                near.append(v)
+        row = torch.cat(near + [torch.tensor([127.0], device=DEV) * scale])
+        row = row[row.abs() <= 127 * scale]
+        rows.append(torch.cat([row, torch.zeros(k - row.numel(), device=DEV)])[torch.randperm(k, generator=gen,
+                                                                                               device=DEV)])
+    x = torch.stack(rows)
+    poison(x.numel(), torch.int8)
+    q, s = cuda.quantize_act(x)
+    q_ref, s_ref = ref.quantize_act(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q, q_ref)
 
 
 def test_quantize_act_strided_and_zero_rows():

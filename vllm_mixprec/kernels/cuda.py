@@ -86,7 +86,7 @@ ENV_LAUNCH_OPTIONS = (("MIXPREC_GEMM_PDL", "gemm_pdl", ("0", "1")),
                       ("MIXPREC_GEMM_STREAM_K", "gemm_stream_k", ("0", "1")),
                       ("MIXPREC_GEMM_DECODE_U8", "decode_u8", ("0", "1")),
                       ("MIXPREC_GEMM_DECODE_CTAS_PER_SM", "decode_ctas_per_sm", ("0", "2", "3")),
-                      ("MIXPREC_GEMM_DECODE_PRELOAD", "decode_preload", ("0", "1")))
+                      ("MIXPREC_GEMM_DECODE_PRELOAD_MAX_M", "decode_preload_max_m", tuple(map(str, range(33)))))
 
 
 def launch_options_from_env(environ) -> dict[str, int]:
@@ -96,18 +96,20 @@ def launch_options_from_env(environ) -> dict[str, int]:
         if env in environ:
             v = environ[env].strip()
             if v not in allowed:
-                raise ValueError(f"{env}={v!r}: expected {', '.join(allowed[:-1])} or {allowed[-1]}")
+                expected = (f"an integer from {allowed[0]} to {allowed[-1]}" if len(allowed) > 4
+                            else f"{', '.join(allowed[:-1])} or {allowed[-1]}")
+                raise ValueError(f"{env}={v!r}: expected {expected}")
             options[option] = int(v)
     return options
 
 
 LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "decode_ctas_per_sm",
-                  "decode_preload")
+                  "decode_preload_max_m", "act_quant_staged_min_m")
 
 
 def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_stream_k: int = -1,
                        decode_u8: int = -1, decode_ctas_per_sm: int = -1,
-                       decode_preload: int = -1) -> dict[str, int]:
+                       decode_preload_max_m: int = -1, act_quant_staged_min_m: int = -1) -> dict[str, int]:
     """Set the csrc launch options (-1 keeps one) and return them all.
 
     gemm_pdl: on sm_90 the decode GEMM (M <= 32) and the wgmma GEMMs are programmatic dependent
@@ -122,13 +124,17 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
     decode_ctas_per_sm: the decode kernels' build at M <= 16, registers capped for 2 CTAs per SM
     (<= 128) or 3 (<= 80: more CTAs resident, so fewer waves); 0 (default): the planner picks it
     with the kernel, fewest waves first; 2 or 3 forces one (MIXPREC_GEMM_DECODE_CTAS_PER_SM at
-    load); M 17-32 always runs the 2-CTA build. decode_preload: each decode warp reads its first
-    batch of weight words before the PDL wait, overlapping their DRAM latency with quantize_act
-    (off until timed on a GPU; MIXPREC_GEMM_DECODE_PRELOAD=1 at load). Defaults:
+    load); M 17-32 always runs the 2-CTA build. decode_preload_max_m: at M <= this, each decode
+    warp reads its first batch of weight words before the PDL wait, overlapping their DRAM latency
+    with quantize_act (8, the default: one token tile, where it was measured faster; 0 never, 32
+    every decode M; MIXPREC_GEMM_DECODE_PRELOAD_MAX_M at load). act_quant_staged_min_m: at M >= it,
+    quantize_act stages rows of 2-byte inputs (K <= 32768) in shared memory, a warp or a few a row,
+    so that an SM holds more rows in flight; the same codes (0, the default: never; prepared, not
+    yet timed on a GPU). Defaults:
     csrc/gemm/NOTES.md, "PDL", "Stream-K", "Decode u8", "Decode occupancy" and "Decode preload".
     A CUDA graph keeps the options it was captured with."""
     got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8,
-                                                 decode_ctas_per_sm, decode_preload)
+                                                 decode_ctas_per_sm, decode_preload_max_m, act_quant_staged_min_m)
     return dict(zip(LAUNCH_OPTIONS, got))
 
 
