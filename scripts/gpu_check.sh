@@ -12,7 +12,7 @@
 # tp_real_exact_verdict wgmma_pdl_tests wgmma_pdl_bench wgmma_pdl_sanitize gemm_table
 # stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize decode_hbm
 # decode_options decode_options_splits decode_options_check decode_build decode_table decode_table_tested
-# decode_preload decode_preload_table mid_table quant_staged
+# decode_preload decode_preload_table mid_table quant_staged profile_mid
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -789,6 +789,11 @@ stage_quant_staged() {
     --out "$OUT/linear_staged.json" || rc=1
   OUT=$OUT SANITIZE_TOOLS=memcheck timeout 60 bash scripts/sanitize.sh cuda 2>&1 | tail -4 || rc=1
   return $rc
+}
+# ncu of what issue #4's M = 256 rows spend: the wgmma GEMM at M = 256 (4096 x 4096) and
+# quantize_act at M = 1024 (K = 4096) as on main and with the staged kernel
+stage_profile_mid() {
+  OUT=$OUT timeout 240 bash scripts/profile_ncu.sh wgmma-m256 quant-m1024 quant-m1024-staged 2>&1 | tail -8
 }
 # Issue #4's bench_gemm table at M = 256 and 1024 (do_bench's L2 flush, every baseline)
 stage_mid_table() {

@@ -4,7 +4,12 @@
 #   gemm-u8, gemm-c3, gemm-u8-c3: the same with the decode_u8 launch option
 #     (MIXPREC_GEMM_DECODE_U8=1), the 3-CTA build (MIXPREC_GEMM_DECODE_CTAS_PER_SM=3), or both
 #   attn: the Triton KV4 decode attention kernel at batch 64 x 8K context (GQA 32/8, d=128)
+#   wgmma-m256: the planner's wgmma kernel at M = 256, K x N = 4096 x 4096 (issue #4's M = 256 miss)
+#   quant-m1024, quant-m1024-staged: quantize_act at M = 1024, K = 4096 (bf16), as on main and with
+#     the staged kernel (act_quant_staged_min_m=1); WarpStateStats' "No Instruction" stalls tell
+#     instruction fetch apart from memory (csrc/gemm/NOTES.md "quantize_act: two experiments")
 # Usage (GPU host, extension built): OUT=... bash scripts/profile_ncu.sh [gemm] [gemm-u8] [gemm-c3] [gemm-u8-c3] [attn]
+#   [wgmma-m256] [quant-m1024] [quant-m1024-staged]
 set -u
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -43,7 +48,42 @@ PY
       "$NCU" "${SECTIONS[@]}" -k regex:_paged_attn_kernel --launch-skip 3 --launch-count 1 \
         python3 benchmarks/bench_attention.py --batch 64 --ctx 8192 --methods mixprec-kv4 --rep-ms 5 \
         --out "$OUT_DIR" > "$OUT_DIR/attn-kv4-64x8k.txt" 2>&1 ;;
-    *) echo "unknown target $t (gemm, gemm-u8, gemm-c3, gemm-u8-c3, attn)"; exit 2 ;;
+    wgmma-m256)
+      "$NCU" "${SECTIONS[@]}" --section InstructionStats -k regex:w4a8_wgmma_kernel --launch-skip 5 --launch-count 1 \
+        python3 - > "$OUT_DIR/$t-k4096.txt" 2>&1 <<'PY'
+import torch
+from vllm_mixprec.kernels import cuda
+g = torch.Generator(device="cuda").manual_seed(0)
+m, n, k = 256, 4096, 4096
+qw = torch.randint(0, 256, (n, k // 2), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+gs = torch.randint(1, 17, (n, k // 128), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+go = torch.full((n, k // 128), 9, device="cuda", dtype=torch.uint8)
+pq, gp = cuda.repack_w4a8(qw, gs, go)
+cs = torch.rand(n, device="cuda", generator=g) * 1e-3
+xq, xs = cuda.quantize_act(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g))
+print("plan", list(torch.ops.mixprec_C.w4a8_plan(m, n, k, 128, torch.cuda.get_device_properties(0).multi_processor_count,
+                                                 -1, 0, True)))
+for _ in range(8):
+    torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.bfloat16, -1, 0)
+torch.cuda.synchronize()
+PY
+      ;;
+    quant-m1024|quant-m1024-staged)
+      staged=0; case $t in *-staged) staged=1 ;; esac
+      STAGED=$staged "$NCU" "${SECTIONS[@]}" --section InstructionStats -k regex:quantize_act_int8 --launch-skip 5 \
+        --launch-count 1 python3 - > "$OUT_DIR/$t-k4096.txt" 2>&1 <<'PY'
+import os
+import torch
+from vllm_mixprec.kernels import cuda
+cuda.set_launch_options(act_quant_staged_min_m=int(os.environ["STAGED"]))
+x = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
+for _ in range(8):
+    cuda.quantize_act(x)
+torch.cuda.synchronize()
+PY
+      ;;
+    *) echo "unknown target $t (gemm, gemm-u8, gemm-c3, gemm-u8-c3, attn, wgmma-m256, quant-m1024, quant-m1024-staged)"
+       exit 2 ;;
   esac
   echo "== $t: $(grep -E 'Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy' "$OUT_DIR/$t"-[mk]*.txt | head -6 | tr -s ' ')"
 done
