@@ -34,9 +34,11 @@ def lqq(n, k, g, gen):
 
 USE_GRAPHS = True
 DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # --splits-sweep, decode kernels 0 and 1
-# --option-ab: launch option -> (JSON key tag, values timed, largest M it acts on or None)
-OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32), "decode_preload_max_m": ("pre", (0, 32), 32),
-             "act_quant_one_pass": ("op", (0, 1), None), "act_quant_staged_min_m": ("st", (0, 1), None)}
+# --option-ab: launch option -> (JSON key tag, values timed, largest M it acts on or None, what it
+# changes: "gemm" (timed: the plan, the GEMM, the linear) or "quant" (quantize_act, the linear))
+OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32, "gemm"), "decode_preload_max_m": ("pre", (0, 32), 32, "gemm"),
+             "act_quant_one_pass": ("op", (0, 1), None, "quant"),
+             "act_quant_staged_min_m": ("st", (0, 1), None, "quant")}
 
 
 def bench(fn):
@@ -89,8 +91,9 @@ def main():
                          "run; with --splits-sweep also kernels 0 and 1 x DECODE_SPLITS under each "
                          "(csrc/gemm/NOTES.md 'Decode u8', 'Decode occupancy')")
     ap.add_argument("--option-ab", nargs="+", choices=sorted(OPTION_AB), default=[], metavar="OPTION",
-                    help="also quantize_act, the plan, the auto GEMM (back to back) and the linear under each "
-                         "value of these launch options, this run, at the M each acts on: decode_ctas_per_sm 0 "
+                    help="also the linear, and the plan and the auto GEMM (back to back) or quantize_act, "
+                         "whichever the option changes, under each value of these launch options, this run, at "
+                         "the M each acts on: decode_ctas_per_sm 0 "
                          "(the planner's build) and 2 (the plan before session 36), M <= 32; decode_preload_max_m "
                          "0 (never) and 32 (every M), M <= 32; act_quant_one_pass 0 (the two-pass loop) and 1; "
                          "act_quant_staged_min_m 0 (never) and 1 (every M)")
@@ -109,7 +112,7 @@ def main():
                     help="--stream-k-sweep: the wgmma kernels to time one by one (none: the auto plans only)")
     ap.add_argument("--quant-only", action="store_true",
                     help="time only quantize_act (bf16 rows of each shape's K), under each value of --option-ab's "
-                         "options, with its bytes moved per second; no weights, no GEMMs")
+                         "quantizer options, with its bytes moved per second; no weights, no GEMMs")
     ap.add_argument("--shapes", nargs="+", metavar="KxN",
                     help="K x N shapes to time instead of the default/--full set, e.g. 4096x6144")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "bench_w4a8_cuda.json"))
@@ -221,13 +224,15 @@ def main():
                                 if splits <= k // 64:
                                     row[f"gemm_k{kernel}_s{splits}_{tag}_us"] = bench(lambda: gemm(kernel, splits))
             for option in args.option_ab:
-                tag, values, max_m = OPTION_AB[option]
+                tag, values, max_m, changes = OPTION_AB[option]
                 if max_m is not None and m > max_m:
                     continue
                 for value in each_option(option, values):
-                    row[f"quantize_act_{tag}{value}_us"] = bench(lambda: cuda.quantize_act(x))
-                    row[f"plan_{tag}{value}"] = plan(-1, m >= 64 and cuda.has_wgmma())
-                    row[f"gemm_auto_{tag}{value}_us"] = bench(lambda: gemm(-1))
+                    if changes == "quant":
+                        row[f"quantize_act_{tag}{value}_us"] = bench(lambda: cuda.quantize_act(x))
+                    else:
+                        row[f"plan_{tag}{value}"] = plan(-1, m >= 64 and cuda.has_wgmma())
+                        row[f"gemm_auto_{tag}{value}_us"] = bench(lambda: gemm(-1))
                     row[f"linear_{tag}{value}_us"] = bench(linear)
             if bf16_weight is not None and m <= 32:  # cuBLAS streaming the bf16 weight: the HBM a GEMV reaches here
                 xb = x.to(torch.bfloat16)
@@ -271,7 +276,9 @@ def quant_only(ks, ms, options, out, gen):
             row = {"K": k, "M": m, "device": torch.cuda.get_device_name(),
                    "quantize_act_us": bench(lambda: cuda.quantize_act(x))}
             for option in options:
-                tag, values, _ = OPTION_AB[option]
+                tag, values, _, changes = OPTION_AB[option]
+                if changes != "quant":  # a GEMM option leaves the quantizer as it is
+                    continue
                 for value in each_option(option, values):
                     row[f"quantize_act_{tag}{value}_us"] = us = bench(lambda: cuda.quantize_act(x))
                     row[f"quantize_act_{tag}{value}_GBps"] = 3 * m * k / (us * 1e-6) / 1e9

@@ -19,6 +19,28 @@ NCU="$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)"
 [ -z "$NCU" ] && { echo "ncu not found"; exit 2; }
 SECTIONS=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis
           --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats)
+# The W4A8 linear (quantize_act, then the auto GEMM) 8 times on random LiquidQuant weights of
+# M x K x N, group G (from the environment); prints the plan it runs.
+LINEAR_PY=$(cat <<'PY'
+import os
+import torch
+from vllm_mixprec.kernels import cuda
+m, n, k, grp = (int(os.environ[v]) for v in ("M", "N", "K", "G"))
+g = torch.Generator(device="cuda").manual_seed(0)
+qw = torch.randint(0, 256, (n, k // 2), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+gs = torch.randint(1, 17, (n, k // grp), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+go = torch.full((n, k // grp), 9, device="cuda", dtype=torch.uint8)
+pq, gp = cuda.repack_w4a8(qw, gs, go)
+cs = torch.rand(n, device="cuda", generator=g) * 1e-3
+x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=g)
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+print("plan", list(torch.ops.mixprec_C.w4a8_plan(m, n, k, grp, sms, -1, 0, m >= 64 and cuda.has_wgmma())))
+for _ in range(8):
+    xq, xs = cuda.quantize_act(x)
+    torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, 0)
+torch.cuda.synchronize()
+PY
+)
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=(gemm attn)
 for t in "${targets[@]}"; do
@@ -26,47 +48,16 @@ for t in "${targets[@]}"; do
     gemm|gemm-u8|gemm-c3|gemm-u8-c3)
       u8=0; case $t in *-u8*) u8=1 ;; esac
       ctas=2; case $t in *-c3) ctas=3 ;; esac
-      MIXPREC_GEMM_DECODE_U8=$u8 MIXPREC_GEMM_DECODE_CTAS_PER_SM=$ctas "$NCU" "${SECTIONS[@]}" -k regex:w4a8_decode_kernel --launch-skip 5 --launch-count 1 \
-        python3 - > "$OUT_DIR/$t-m1.txt" 2>&1 <<'PY'
-import torch
-from vllm_mixprec.kernels import cuda
-g = torch.Generator(device="cuda").manual_seed(0)
-n, k = 28672, 8192
-qw = torch.randint(0, 256, (n, k // 2), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
-gs = torch.randint(1, 17, (n, k // 64), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
-go = torch.full((n, k // 64), 9, device="cuda", dtype=torch.uint8)
-pq, gp = cuda.repack_w4a8(qw, gs, go)
-cs = torch.rand(n, device="cuda", generator=g) * 1e-3
-x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=g)
-for _ in range(8):
-    xq, xs = cuda.quantize_act(x)
-    torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, 0)
-torch.cuda.synchronize()
-PY
+      M=1 N=28672 K=8192 G=64 MIXPREC_GEMM_DECODE_U8=$u8 MIXPREC_GEMM_DECODE_CTAS_PER_SM=$ctas "$NCU" "${SECTIONS[@]}" \
+        -k regex:w4a8_decode_kernel --launch-skip 5 --launch-count 1 python3 -c "$LINEAR_PY" > "$OUT_DIR/$t-m1.txt" 2>&1
       ;;
     attn)
       "$NCU" "${SECTIONS[@]}" -k regex:_paged_attn_kernel --launch-skip 3 --launch-count 1 \
         python3 benchmarks/bench_attention.py --batch 64 --ctx 8192 --methods mixprec-kv4 --rep-ms 5 \
         --out "$OUT_DIR" > "$OUT_DIR/attn-kv4-64x8k.txt" 2>&1 ;;
     wgmma-m256)
-      "$NCU" "${SECTIONS[@]}" --section InstructionStats -k regex:w4a8_wgmma_kernel --launch-skip 5 --launch-count 1 \
-        python3 - > "$OUT_DIR/$t-k4096.txt" 2>&1 <<'PY'
-import torch
-from vllm_mixprec.kernels import cuda
-g = torch.Generator(device="cuda").manual_seed(0)
-m, n, k = 256, 4096, 4096
-qw = torch.randint(0, 256, (n, k // 2), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
-gs = torch.randint(1, 17, (n, k // 128), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
-go = torch.full((n, k // 128), 9, device="cuda", dtype=torch.uint8)
-pq, gp = cuda.repack_w4a8(qw, gs, go)
-cs = torch.rand(n, device="cuda", generator=g) * 1e-3
-xq, xs = cuda.quantize_act(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g))
-print("plan", list(torch.ops.mixprec_C.w4a8_plan(m, n, k, 128, torch.cuda.get_device_properties(0).multi_processor_count,
-                                                 -1, 0, True)))
-for _ in range(8):
-    torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.bfloat16, -1, 0)
-torch.cuda.synchronize()
-PY
+      M=256 N=4096 K=4096 G=128 "$NCU" "${SECTIONS[@]}" --section InstructionStats -k regex:w4a8_wgmma_kernel \
+        --launch-skip 5 --launch-count 1 python3 -c "$LINEAR_PY" > "$OUT_DIR/$t-k4096.txt" 2>&1
       ;;
     quant-m1024|quant-m1024-staged)
       staged=0; case $t in *-staged) staged=1 ;; esac
