@@ -37,8 +37,7 @@ DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # --splits-sweep, decode kernels 0 a
 # --option-ab: launch option -> (JSON key tag, values timed, largest M it acts on or None, what it
 # changes: "gemm" (timed: the plan, the GEMM, the linear) or "quant" (quantize_act, the linear))
 OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32, "gemm"), "decode_preload_max_m": ("pre", (0, 32), 32, "gemm"),
-             "act_quant_one_pass": ("op", (0, 1), None, "quant"),
-             "act_quant_staged_min_m": ("st", (0, 1), None, "quant")}
+             "act_quant_one_pass": ("op", (0, 1), None, "quant")}
 
 
 def bench(fn):
@@ -95,8 +94,7 @@ def main():
                          "whichever the option changes, under each value of these launch options, this run, at "
                          "the M each acts on: decode_ctas_per_sm 0 "
                          "(the planner's build) and 2 (the plan before session 36), M <= 32; decode_preload_max_m "
-                         "0 (never) and 32 (every M), M <= 32; act_quant_one_pass 0 (the two-pass loop) and 1; "
-                         "act_quant_staged_min_m 0 (never) and 1 (every M)")
+                         "0 (never) and 32 (every M), M <= 32; act_quant_one_pass 0 (the two-pass loop) and 1")
     ap.add_argument("--cublas-gemv", action="store_true",
                     help="M <= 32: also cuBLAS bf16 on the same shape (the weight's N x K bf16, >= 2x the L2), "
                          "the HBM bandwidth a GEMV reaches on this GPU (cublas_bf16_TBps)")
@@ -110,6 +108,8 @@ def main():
                          "planner's stream-K option off and on, all in this run (csrc/gemm/NOTES.md, 'Stream-K')")
     ap.add_argument("--sk-kernels", type=int, nargs="*", default=[4, 5, 7, 8], metavar="K",
                     help="--stream-k-sweep: the wgmma kernels to time one by one (none: the auto plans only)")
+    ap.add_argument("--auto-only", action="store_true",
+                    help="time only the auto-selected GEMM (no forced mma.sync variants) and the linear")
     ap.add_argument("--quant-only", action="store_true",
                     help="time only quantize_act (bf16 rows of each shape's K), under each value of --option-ab's "
                          "quantizer options, with its bytes moved per second; no weights, no GEMMs")
@@ -163,8 +163,8 @@ def main():
             decode_forced = m <= 32 and not args.decode_options_sweep  # that sweep times kernels 0, 1 itself
             tiled_forced = not (m <= 32 and (args.launch_sweep or args.decode_options_sweep))
             variants = [-1] + ([0, 1] if decode_forced else []) + ([2, 3] if tiled_forced else [])
-            if args.stream_k_sweep and m >= 64:
-                variants = [-1]  # the sweep's own variants below; the mma.sync tiles never win there
+            if (args.stream_k_sweep and m >= 64) or args.auto_only:
+                variants = [-1]  # (the stream-K sweep times its own variants; the mma.sync tiles never win there)
             row = {"K": k, "N": n, "M": m, "G": g, "device": torch.cuda.get_device_name()}
             it = {"i": 0}
 

@@ -12,7 +12,7 @@
 # tp_real_exact_verdict wgmma_pdl_tests wgmma_pdl_bench wgmma_pdl_sanitize gemm_table
 # stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize decode_hbm
 # decode_options decode_options_splits decode_options_check decode_build decode_table decode_table_tested
-# decode_preload decode_preload_table mid_table quant_staged profile_mid
+# decode_preload decode_preload_table mid_table profile_mid wgmma_diag
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -773,27 +773,47 @@ stage_decode_preload_table() {
   OUT=$OUT SANITIZE_TOOLS=memcheck timeout 150 bash scripts/sanitize.sh cuda 2>&1 | tail -4 || rc=1
   return $rc
 }
-# Prepared in session 37, not yet run: quantize_act's staged kernel (act_quant_staged_min_m; rows
-# staged in shared memory, a warp or a few each) after the quantizer's GPU tests: the quantizer
-# alone with it off and on, K = 4096 .. 28672, M = 1 .. 4096; then the linear with it off and on at
-# M = 64 .. 1024 on the K = 4096 shapes; memcheck with the staged cases.
-stage_quant_staged() {
-  local rc=0
-  pytest_gpu pytest-gpu-quant 150 tests/kernels/test_cuda_gemm.py tests/kernels/test_cuda_properties.py \
-    -k "quantize_act" || rc=1
-  run_bench bench_quant_staged 150 python3 scripts/bench_w4a8_cuda.py --quant-only \
-    --shapes 4096x1 8192x1 14336x1 28672x1 --ms 1 16 64 256 1024 4096 \
-    --option-ab act_quant_staged_min_m --out "$OUT/quant_staged.json" || rc=1
-  run_bench bench_linear_staged 150 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 \
-    --shapes 4096x6144 4096x4096 --ms 64 256 1024 --option-ab act_quant_staged_min_m \
-    --out "$OUT/linear_staged.json" || rc=1
-  OUT=$OUT SANITIZE_TOOLS=memcheck timeout 60 bash scripts/sanitize.sh cuda 2>&1 | tail -4 || rc=1
-  return $rc
-}
-# ncu of what issue #4's M = 256 rows spend: the wgmma GEMM at M = 256 (4096 x 4096) and
-# quantize_act at M = 1024 (K = 4096) as on main and with the staged kernel
+# ncu of what issue #4's M = 256 and 1024 rows spend: the wgmma GEMM at M = 256 (4096 x 4096) and at
+# M = 1024 (4096 x 6144, the cuBLAS miss), and quantize_act at M = 1024 (K = 4096)
 stage_profile_mid() {
-  OUT=$OUT timeout 240 bash scripts/profile_ncu.sh wgmma-m256 quant-m1024 quant-m1024-staged 2>&1 | tail -8
+  OUT=$OUT timeout 280 bash scripts/profile_ncu.sh wgmma-m256 wgmma-m1024 quant-m1024 2>&1 | tail -8
+}
+# Where the wgmma GEMM's time goes, or an A/B of kernel code: the auto GEMM and the linear at
+# M = 64 .. 4096 (WGMMA_DIAG_MS) on WGMMA_DIAG_SHAPES, built as the tree is ("plain") and rebuilt
+# with scripts/diag/ patches applied, one variant at a time (WGMMA_DIAG_VARIANTS: each a patch name
+# or names joined by "+"; a variant may repeat, to see the noise). The default variants are
+# diagnostic builds (wrong results, timing only): the consumers only wait for and release each
+# stage (feed only); the producer copies nothing (compute only); x copied in 16-byte units instead
+# of the k-permuting 4-byte ones (x16); feed only with x16. Also in scripts/diag/, not in the
+# default set: no weight or group-word copies (wgmma_no_w_copy) and no weight LDS, the consumers
+# dequantising words made in registers (wgmma_no_w_lds): what the weights' trip through shared
+# memory costs. The plain tree is rebuilt after each variant.
+rebuild_quiet() {
+  MIXPREC_BUILD_CUDA=1 MIXPREC_CUDA_ARCHS="90a" MAX_JOBS=16 python3 setup.py -q build_ext --inplace \
+    > "$OUT/rebuild.log" 2>&1 || { log "REBUILD FAILED"; tail -30 "$OUT/rebuild.log"; return 1; }
+}
+apply_patch() {  # [-R] FILE: patch(1), or git apply where the host lacks it
+  if command -v patch > /dev/null; then patch -p1 -s "${@:1:$#-1}" < "${@: -1}"; else git apply "${@:1:$#-1}" "${@: -1}"; fi
+}
+stage_wgmma_diag() {
+  local rc=0 v p i=0 patches
+  [ -x /usr/bin/g++ ] && export CC=/usr/bin/gcc CXX=/usr/bin/g++
+  for v in ${WGMMA_DIAG_VARIANTS:-plain wgmma_feed_only wgmma_compute_only wgmma_x16 wgmma_feed_only+wgmma_x16}; do
+    i=$((i + 1))
+    patches=$(echo "$v" | tr '+' ' ')
+    if [ "$v" != plain ]; then
+      for p in $patches; do apply_patch "scripts/diag/$p.patch" || { log "patch $p failed"; return 1; }; done
+      rebuild_quiet || { for p in $patches; do apply_patch -R "scripts/diag/$p.patch"; done; return 1; }
+    fi
+    run_bench "diag${i}_${v//+/_and_}" 150 python3 scripts/bench_w4a8_cuda.py --no-marlin --auto-only --group 128 \
+      --shapes ${WGMMA_DIAG_SHAPES:-4096x4096 4096x6144 8192x28672} --ms ${WGMMA_DIAG_MS:-256 1024 4096} \
+      --out "$OUT/diag${i}_${v//+/_and_}.json" || rc=1
+    if [ "$v" != plain ]; then
+      for p in $(echo "$patches" | tr ' ' '\n' | tac); do apply_patch -R "scripts/diag/$p.patch" || return 1; done
+      rebuild_quiet || rc=1
+    fi
+  done
+  return $rc
 }
 # Issue #4's bench_gemm table at M = 256 and 1024 (do_bench's L2 flush, every baseline)
 stage_mid_table() {

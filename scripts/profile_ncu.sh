@@ -5,11 +5,11 @@
 #     (MIXPREC_GEMM_DECODE_U8=1), the 3-CTA build (MIXPREC_GEMM_DECODE_CTAS_PER_SM=3), or both
 #   attn: the Triton KV4 decode attention kernel at batch 64 x 8K context (GQA 32/8, d=128)
 #   wgmma-m256: the planner's wgmma kernel at M = 256, K x N = 4096 x 4096 (issue #4's M = 256 miss)
-#   quant-m1024, quant-m1024-staged: quantize_act at M = 1024, K = 4096 (bf16), as on main and with
-#     the staged kernel (act_quant_staged_min_m=1); WarpStateStats' "No Instruction" stalls tell
-#     instruction fetch apart from memory (csrc/gemm/NOTES.md "quantize_act: two experiments")
+#   wgmma-m1024: the same at M = 1024, K x N = 4096 x 6144 (issue #4's cuBLAS 1.2x miss)
+#   quant-m1024: quantize_act at M = 1024, K = 4096 (bf16); WarpStateStats' "No Instruction" stalls
+#     tell instruction fetch apart from memory (csrc/gemm/NOTES.md "quantize_act: three experiments")
 # Usage (GPU host, extension built): OUT=... bash scripts/profile_ncu.sh [gemm] [gemm-u8] [gemm-c3] [gemm-u8-c3] [attn]
-#   [wgmma-m256] [quant-m1024] [quant-m1024-staged]
+#   [wgmma-m256] [wgmma-m1024] [quant-m1024]
 set -u
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -55,25 +55,29 @@ for t in "${targets[@]}"; do
       "$NCU" "${SECTIONS[@]}" -k regex:_paged_attn_kernel --launch-skip 3 --launch-count 1 \
         python3 benchmarks/bench_attention.py --batch 64 --ctx 8192 --methods mixprec-kv4 --rep-ms 5 \
         --out "$OUT_DIR" > "$OUT_DIR/attn-kv4-64x8k.txt" 2>&1 ;;
-    wgmma-m256)
-      M=256 N=4096 K=4096 G=128 "$NCU" "${SECTIONS[@]}" --section InstructionStats -k regex:w4a8_wgmma_kernel \
-        --launch-skip 5 --launch-count 1 python3 -c "$LINEAR_PY" > "$OUT_DIR/$t-k4096.txt" 2>&1
+    wgmma-m256|wgmma-m1024)
+      # Saved as a report, then printed three ways: every section with its charts (the stall
+      # reasons), every metric (raw CSV), and the SASS with each instruction's sampled stalls.
+      if [ $t = wgmma-m256 ]; then m=256 n=4096; else m=1024 n=6144; fi
+      M=$m N=$n K=4096 G=128 "$NCU" "${SECTIONS[@]}" --section InstructionStats --section SourceCounters \
+        -k regex:w4a8_wgmma_kernel --launch-skip 5 --launch-count 1 -f -o "$OUT_DIR/$t" python3 -c "$LINEAR_PY" \
+        > "$OUT_DIR/$t-run.txt" 2>&1
+      "$NCU" --import "$OUT_DIR/$t.ncu-rep" --print-details all > "$OUT_DIR/$t-k4096.txt" 2>&1
+      "$NCU" --import "$OUT_DIR/$t.ncu-rep" --page raw --csv > "$OUT_DIR/$t-raw.csv" 2>&1
+      "$NCU" --import "$OUT_DIR/$t.ncu-rep" --page source --print-source sass --csv > "$OUT_DIR/$t-sass.csv" 2>&1
       ;;
-    quant-m1024|quant-m1024-staged)
-      staged=0; case $t in *-staged) staged=1 ;; esac
-      STAGED=$staged "$NCU" "${SECTIONS[@]}" --section InstructionStats -k regex:quantize_act_int8 --launch-skip 5 \
+    quant-m1024)
+      "$NCU" "${SECTIONS[@]}" --section InstructionStats -k regex:quantize_act_int8 --launch-skip 5 \
         --launch-count 1 python3 - > "$OUT_DIR/$t-k4096.txt" 2>&1 <<'PY'
-import os
 import torch
 from vllm_mixprec.kernels import cuda
-cuda.set_launch_options(act_quant_staged_min_m=int(os.environ["STAGED"]))
 x = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
 for _ in range(8):
     cuda.quantize_act(x)
 torch.cuda.synchronize()
 PY
       ;;
-    *) echo "unknown target $t (gemm, gemm-u8, gemm-c3, gemm-u8-c3, attn, wgmma-m256, quant-m1024, quant-m1024-staged)"
+    *) echo "unknown target $t (gemm, gemm-u8, gemm-c3, gemm-u8-c3, attn, wgmma-m256, wgmma-m1024, quant-m1024)"
        exit 2 ;;
   esac
   echo "== $t: $(grep -E 'Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy' "$OUT_DIR/$t"-[mk]*.txt | head -6 | tr -s ' ')"

@@ -20,8 +20,6 @@
 #include <cstring>
 
 #include "common/device.h"
-#include "common/launch.h"
-#include "common/ptx.h"  // cp.async
 #include "gemm/w4a8_gemm.h"
 
 namespace mixprec {
@@ -256,90 +254,10 @@ __global__ void __launch_bounds__(kRegsThreads) quantize_act_int8_regs_kernel(
   each_vec([&](int vi, const float (&v)[8]) { *reinterpret_cast<uint2*>(qr + vi * 8) = pack_codes8(v, sc); });
 }
 
-// Many rows (M >= the act_quant_staged_min_m option), 2-byte inputs: 256-thread CTAs of
-// 8 / kWarpsPerRow rows. Each lane stages its vectors of the row in shared memory with cp.async,
-// all of them in flight at once, then makes two rolled passes over them (amax, codes). The
-// CTA-per-row kernels above give a row 512-1024 threads, so at K = 4096 an SM holds 4 rows (32 KB
-// of loads) and M >= 1024 streams at 2.0-2.3 TB/s; here an SM holds up to 24. The loops stay
-// rolled because every warp runs the code once: an unrolled register-resident version came to
-// 209 KB of SASS and spent 14-18 us a call fetching it (csrc/gemm/NOTES.md, "quantize_act: two
-// experiments"). Prepared in session 37, not yet run on a GPU: off by default.
-constexpr int kStagedThreads = 256;
-constexpr int kStagedWarps = kStagedThreads / 32;
-constexpr int kStagedMaxVecs = 16;  // 16-byte vectors a lane: 64 KB a CTA, K <= 32768
-
-template <typename T, typename S, int kWarpsPerRow>
-__global__ void __launch_bounds__(kStagedThreads) quantize_act_int8_staged_kernel(
-    const T* __restrict__ x, int64_t x_row_stride, const S* __restrict__ smooth, int8_t* __restrict__ q,
-    float* __restrict__ scale, int M, int K) {
-  static_assert(sizeof(T) == 2, "a 16-byte vector holds 8 inputs");
-  extern __shared__ uint4 staged[];  // [vector j of a lane][thread]: a lane reads back only its own
-  __shared__ float s_red[kStagedWarps];
-  allow_dependent_launch();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kStagedWarps / kWarpsPerRow) + warp / kWarpsPerRow;
-  const bool live = row < M;  // the last CTA's spare warps still meet the barrier
-  const int first = (warp % kWarpsPerRow) * 32 + lane, stride = 32 * kWarpsPerRow;
-  const int vecs = live ? K / 8 : 0;
-  const int mine = vecs > first ? ceil_div(vecs - first, stride) : 0;  // this lane's vectors
-  const T* xr = x + (live ? row : 0) * x_row_stride;
-  uint4* slot = staged + threadIdx.x;
-
-#pragma unroll 4
-  for (int j = 0; j < mine; ++j) cp_async16(smem_addr(slot + j * kStagedThreads), xr + (first + j * stride) * 8, true);
-  cp_async_commit();
-  cp_async_wait_all();  // the lane's own copies: no barrier needed
-
-  auto inputs = [&](int j, float (&v)[8]) {
-    Raw8<T> r;
-    r.u[0] = slot[j * kStagedThreads];
-    unpack_input8(r, smooth, (first + j * stride) * 8, v);
-  };
-  float amax = 0.f;
-#pragma unroll 1
-  for (int j = 0; j < mine; ++j) {
-    float v[8];
-    inputs(j, v);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, abs_or_inf(v[e]));
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if constexpr (kWarpsPerRow > 1) {
-    if (lane == 0) s_red[warp] = amax;
-    __syncthreads();
-    const int w0 = warp - warp % kWarpsPerRow;
-#pragma unroll
-    for (int i = 0; i < kWarpsPerRow; ++i) amax = fmaxf(amax, s_red[w0 + i]);
-  }
-  if (!live) return;
-  const float sc = scale_of_amax(amax);
-  if (first == 0) scale[row] = sc;
-  int8_t* qr = q + row * K;
-#pragma unroll 1
-  for (int j = 0; j < mine; ++j) {
-    float v[8];
-    inputs(j, v);
-    *reinterpret_cast<uint2*>(qr + (first + j * stride) * 8) = pack_codes8(v, sc);
-  }
-}
-
-template <typename T, typename S, int kWarpsPerRow>
-cudaError_t launch_staged(const T* x, int64_t stride, const S* smooth, int8_t* q, float* scale, int M, int K,
-                          cudaStream_t stream) {
-  // Exactly 64 KB over 48: launch_kernel opts a kernel in once, for the first size over 48 KB.
-  const int per_lane = ceil_div(K / 8, 32 * kWarpsPerRow);
-  const int smem = (per_lane > 12 ? kStagedMaxVecs : per_lane) * kStagedThreads * 16;
-  return launch_kernel<quantize_act_int8_staged_kernel<T, S, kWarpsPerRow>>(
-      dim3(ceil_div(M, kStagedWarps / kWarpsPerRow)), dim3(kStagedThreads), smem, false, stream, x, stride, smooth,
-      q, scale, M, K);
-}
-
 // The kernels a call may take: vec (K % 8 == 0 and aligned rows: 8 elements per access),
-// one_pass (act_quant_one_pass), staged_min_m (act_quant_staged_min_m; 0: never).
+// one_pass (act_quant_one_pass).
 struct QuantPaths {
   bool vec, one_pass;
-  int staged_min_m;
 };
 
 template <typename T, typename S>
@@ -347,15 +265,6 @@ cudaError_t launch_row_kernel(const T* x, int64_t stride, const S* smooth, int8_
                               QuantPaths paths, cudaStream_t stream) {
   const int vecs = K / 8;
   const bool vec = paths.vec, one_pass = paths.one_pass;
-  if constexpr (sizeof(T) == 2) {
-    if (one_pass && vec && paths.staged_min_m > 0 && M >= paths.staged_min_m &&
-        vecs <= kStagedThreads * kStagedMaxVecs) {
-      if (vecs <= 32 * kStagedMaxVecs) return launch_staged<T, S, 1>(x, stride, smooth, q, scale, M, K, stream);
-      if (vecs <= 64 * kStagedMaxVecs) return launch_staged<T, S, 2>(x, stride, smooth, q, scale, M, K, stream);
-      if (vecs <= 128 * kStagedMaxVecs) return launch_staged<T, S, 4>(x, stride, smooth, q, scale, M, K, stream);
-      return launch_staged<T, S, 8>(x, stride, smooth, q, scale, M, K, stream);
-    }
-  }
   if (one_pass && vec && vecs <= kRegsThreads * kRegsMaxVecs && (vecs <= kRegsThreads || M <= kRegsMaxRowsMultiVec)) {
     int per_thread = 1;
     while (per_thread * kRegsThreads < vecs) per_thread *= 2;
@@ -394,13 +303,13 @@ cudaError_t launch_for_x(const void* x, int64_t stride, const void* smooth, OutK
 
 cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_row_stride, const void* smooth,
                                      OutKind smooth_kind, int8_t* q, float* scale, int M, int K,
-                                     bool one_pass, int staged_min_m, cudaStream_t stream) {
+                                     bool one_pass, cudaStream_t stream) {
   if (M == 0) return cudaSuccess;
   // 8 elements per access: rows must start on 16-byte boundaries (x) and 8-byte ones (q).
   const bool vec = K % 8 == 0 && (x_row_stride % 8) == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    (smooth == nullptr || reinterpret_cast<uintptr_t>(smooth) % 16 == 0) &&
                    reinterpret_cast<uintptr_t>(q) % 8 == 0;
-  const QuantPaths paths{vec, one_pass, staged_min_m};
+  const QuantPaths paths{vec, one_pass};
   switch (x_kind) {
     case OutKind::kHalf:
       return launch_for_x<__half>(x, x_row_stride, smooth, smooth_kind, q, scale, M, K, paths, stream);

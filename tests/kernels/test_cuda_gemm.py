@@ -171,18 +171,16 @@ def test_quantize_act_matches_reference(dtype, m, k, smooth_dtype):
     assert int(diff.max()) <= 1 and int((diff != 0).sum()) <= max(1, q.numel() // 10000)
 
 
-# K per path: one-pass with 1, 2 and 4 vectors per thread (4096, 14336, 28672, 32768 = the
-# largest), the two-pass loop above that (32776), and the scalar loop (K % 8 != 0); the staged
-# kernel with 1 (64, 4096), 2 (8192), 4 (14336) and 8 (28672, 32768) warps a row.
+# K per path: one-pass with 1, 2 and 4 vectors per thread (4096, 8192, 14336, 28672, 32768 = the
+# largest), the two-pass loop above that (32776), and the scalar loop (K % 8 != 0).
 @pytest.mark.parametrize("k", [64, 4096, 8192, 14336, 28672, 32768, 32776, 1001])
 @pytest.mark.parametrize("dtype,smooth_dtype", [(torch.bfloat16, None), (torch.float16, torch.float32),
                                                 (torch.float32, "same")])
 @pytest.mark.parametrize("m", [3, 200])
 def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launch_options):
     """The register-resident kernel computes what the two-pass loop does, bit for bit, with a
-    non-finite row (NaN scale, zero codes) among finite ones, and so does the staged kernel
-    (act_quant_staged_min_m=1; 2-byte inputs; spare warps in the last CTA at m = 3). At m = 200
-    rows over 8192 elements take the two-pass loop with one_pass on (more rows than SMs)."""
+    non-finite row (NaN scale, zero codes) among finite ones. At m = 200 rows over 8192
+    elements take the two-pass loop even with one_pass on (more rows than SMs)."""
     gen = _gen(k)
     x = (torch.randn(m, k, generator=gen, device=DEV) * 10).to(dtype)
     x[1, k // 3] = float("nan")
@@ -190,12 +188,12 @@ def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launc
     if smooth_dtype is not None:
         smooth = (torch.rand(k, generator=gen, device=DEV) + 0.25).to(dtype if smooth_dtype == "same" else smooth_dtype)
     got = {}
-    for one_pass, staged in ((0, 0), (1, 0), (1, 1)):
-        launch_options(act_quant_one_pass=one_pass, act_quant_staged_min_m=staged)
+    for one_pass in (0, 1):
+        launch_options(act_quant_one_pass=one_pass)
         poison(m * k, torch.int8)
-        got[one_pass, staged] = cuda.quantize_act(x, smooth)
+        got[one_pass] = cuda.quantize_act(x, smooth)
     torch.cuda.synchronize()
-    q0, s0 = got[0, 0]
+    q0, s0 = got[0]
     finite = torch.arange(m, device=DEV) != 1
     for mode, (q, s) in got.items():
         assert torch.equal(q, q0), mode
@@ -235,11 +233,10 @@ def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
         assert torch.equal(y, outs[0][1]), opts
 
 
-@pytest.mark.parametrize("k,staged", [(4096, 0), (40000, 0), (4096, 1)])  # one-pass, two-pass, staged
-def test_quantize_act_near_ties_round_like_the_reference(k, staged, launch_options):
+@pytest.mark.parametrize("k", [4096, 40000])  # one-pass, two-pass
+def test_quantize_act_near_ties_round_like_the_reference(k):
     """Values at and a few ulps either side of every (j + 1/2) * scale round half to even, as
     torch.round does (a quantizer that multiplied by 1 / scale would differ on some of them)."""
-    launch_options(act_quant_staged_min_m=staged)
     gen = _gen(k)
     rows = []
     for scale in (torch.rand(6, generator=gen, device=DEV).double() * 20 - 10).exp2().float():

@@ -33,7 +33,6 @@ STREAM_K_DEFAULT = 1  # set_launch_options' gemm_stream_k: on since session 33
 DECODE_U8_DEFAULT = 0  # set_launch_options' decode_u8: off until timed on a GPU (session 35)
 DECODE_CTAS_PER_SM_DEFAULT = 0  # set_launch_options' decode_ctas_per_sm: the planner picks (session 36)
 DECODE_PRELOAD_MAX_M_DEFAULT = 8  # set_launch_options' decode_preload_max_m: one token tile (session 37)
-ACT_QUANT_STAGED_MIN_M_DEFAULT = 0  # act_quant_staged_min_m: off until timed on a GPU (session 37)
 # Session 36 (H200): the decode kernels x builds (2 or 3 CTAs per SM) x splits
 S36 = os.path.join(RESULTS, "2026-11-29-s36", "decode-options")
 DECODE_OPTIONS = os.path.join(S36, "decode_options.json")
@@ -323,8 +322,7 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
     """set_launch_options (host state, no GPU needed): -1 keeps a value; a bad value names the fields."""
     assert _classic_planner == {"gemm_pdl": 1, "act_quant_one_pass": 1, "gemm_stream_k": STREAM_K_DEFAULT,
                                 "decode_u8": DECODE_U8_DEFAULT, "decode_ctas_per_sm": DECODE_CTAS_PER_SM_DEFAULT,
-                                "decode_preload_max_m": DECODE_PRELOAD_MAX_M_DEFAULT,
-                                "act_quant_staged_min_m": ACT_QUANT_STAGED_MIN_M_DEFAULT}
+                                "decode_preload_max_m": DECODE_PRELOAD_MAX_M_DEFAULT}
     saved = cuda.set_launch_options()
     try:
         assert set(saved) == set(cuda.LAUNCH_OPTIONS)
@@ -338,9 +336,6 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
         for max_m in (32, 0, 1, 16, 8):
             want["decode_preload_max_m"] = max_m
             assert cuda.set_launch_options(decode_preload_max_m=max_m) == want, max_m
-        for min_m in (1, 4096, 0, 256):
-            want["act_quant_staged_min_m"] = min_m
-            assert cuda.set_launch_options(act_quant_staged_min_m=min_m) == want, min_m
         with pytest.raises(RuntimeError, match="gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_u8 take 0, "
                                                "1 or -1"):
             cuda.set_launch_options(gemm_pdl=2)
@@ -351,9 +346,6 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
         with pytest.raises(RuntimeError, match=r"decode_preload_max_m takes 0 \(never\) to 32 \(every decode M\) "
                                                r"or -1 \(keep\); got 33"):
             cuda.set_launch_options(decode_preload_max_m=33)
-        with pytest.raises(RuntimeError, match=r"act_quant_staged_min_m takes 0 \(never\), an M or -1 \(keep\); "
-                                               r"got 2147483648"):
-            cuda.set_launch_options(act_quant_staged_min_m=2**31)
         for bad in (1, 4):
             with pytest.raises(RuntimeError, match=r"decode_ctas_per_sm takes 0 \(the planner picks\), 2, 3 or -1 "
                                                    rf"\(keep\); got {bad}"):
@@ -378,6 +370,10 @@ def test_launch_options_from_env():
         cuda.launch_options_from_env({"MIXPREC_GEMM_STREAM_K": "on"})
     for bad in ("33", "-1", "8.0"):
         with pytest.raises(ValueError, match=rf"MIXPREC_GEMM_DECODE_PRELOAD_MAX_M='{bad}': expected an integer from "
+                                             r"0 to 32"):
+            cuda.launch_options_from_env({"MIXPREC_GEMM_DECODE_PRELOAD_MAX_M": bad})
+    for bad in ("", "+5", "\u0661"):  # int() takes the last two; the last is an Arabic-Indic digit
+        with pytest.raises(ValueError, match=r"MIXPREC_GEMM_DECODE_PRELOAD_MAX_M=.*: expected an integer from "
                                              r"0 to 32"):
             cuda.launch_options_from_env({"MIXPREC_GEMM_DECODE_PRELOAD_MAX_M": bad})
 

@@ -82,11 +82,11 @@ def _load() -> None:
 
 
 # Environment variables that set a launch option when the library loads, and their values.
-ENV_LAUNCH_OPTIONS = (("MIXPREC_GEMM_PDL", "gemm_pdl", ("0", "1")),
-                      ("MIXPREC_GEMM_STREAM_K", "gemm_stream_k", ("0", "1")),
-                      ("MIXPREC_GEMM_DECODE_U8", "decode_u8", ("0", "1")),
-                      ("MIXPREC_GEMM_DECODE_CTAS_PER_SM", "decode_ctas_per_sm", ("0", "2", "3")),
-                      ("MIXPREC_GEMM_DECODE_PRELOAD_MAX_M", "decode_preload_max_m", tuple(map(str, range(33)))))
+ENV_LAUNCH_OPTIONS = (("MIXPREC_GEMM_PDL", "gemm_pdl", range(2)),
+                      ("MIXPREC_GEMM_STREAM_K", "gemm_stream_k", range(2)),
+                      ("MIXPREC_GEMM_DECODE_U8", "decode_u8", range(2)),
+                      ("MIXPREC_GEMM_DECODE_CTAS_PER_SM", "decode_ctas_per_sm", (0, 2, 3)),
+                      ("MIXPREC_GEMM_DECODE_PRELOAD_MAX_M", "decode_preload_max_m", range(33)))
 
 
 def launch_options_from_env(environ) -> dict[str, int]:
@@ -95,21 +95,21 @@ def launch_options_from_env(environ) -> dict[str, int]:
     for env, option, allowed in ENV_LAUNCH_OPTIONS:
         if env in environ:
             v = environ[env].strip()
-            if v not in allowed:
+            if not (v.isascii() and v.isdigit() and int(v) in allowed):
                 expected = (f"an integer from {allowed[0]} to {allowed[-1]}" if len(allowed) > 4
-                            else f"{', '.join(allowed[:-1])} or {allowed[-1]}")
+                            else f"{', '.join(map(str, allowed[:-1]))} or {allowed[-1]}")
                 raise ValueError(f"{env}={v!r}: expected {expected}")
             options[option] = int(v)
     return options
 
 
 LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "decode_ctas_per_sm",
-                  "decode_preload_max_m", "act_quant_staged_min_m")
+                  "decode_preload_max_m")
 
 
 def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_stream_k: int = -1,
                        decode_u8: int = -1, decode_ctas_per_sm: int = -1,
-                       decode_preload_max_m: int = -1, act_quant_staged_min_m: int = -1) -> dict[str, int]:
+                       decode_preload_max_m: int = -1) -> dict[str, int]:
     """Set the csrc launch options (-1 keeps one) and return them all.
 
     gemm_pdl: on sm_90 the decode GEMM (M <= 32) and the wgmma GEMMs are programmatic dependent
@@ -127,14 +127,11 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
     load); M 17-32 always runs the 2-CTA build. decode_preload_max_m: at M <= this, each decode
     warp reads its first batch of weight words before the PDL wait, overlapping their DRAM latency
     with quantize_act (8, the default: one token tile, where it was measured faster; 0 never, 32
-    every decode M; MIXPREC_GEMM_DECODE_PRELOAD_MAX_M at load). act_quant_staged_min_m: at M >= it,
-    quantize_act stages rows of 2-byte inputs (K <= 32768) in shared memory, a warp or a few a row,
-    so that an SM holds more rows in flight; the same codes (0, the default: never; prepared, not
-    yet timed on a GPU). Defaults:
-    csrc/gemm/NOTES.md, "PDL", "Stream-K", "Decode u8", "Decode occupancy" and "Decode preload".
+    every decode M; MIXPREC_GEMM_DECODE_PRELOAD_MAX_M at load). Defaults: csrc/gemm/NOTES.md,
+    "PDL", "Stream-K", "Decode u8", "Decode occupancy" and "Decode preload".
     A CUDA graph keeps the options it was captured with."""
     got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8,
-                                                 decode_ctas_per_sm, decode_preload_max_m, act_quant_staged_min_m)
+                                                 decode_ctas_per_sm, decode_preload_max_m)
     return dict(zip(LAUNCH_OPTIONS, got))
 
 

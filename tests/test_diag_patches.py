@@ -1,0 +1,45 @@
+"""The diagnostic kernel patches in scripts/diag/ (timed by `gpu_check.sh wgmma_diag`) must apply to
+the kernels as they are, alone and in the pairs the stage combines, so that they cannot rot
+unnoticed until a GPU call fails on them."""
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PATCHES = sorted((ROOT / "scripts" / "diag").glob("*.patch"))
+GIT = shutil.which("git")
+
+
+def patched_files() -> set[str]:
+    """The repository paths the patches change (their "+++ b/..." lines)."""
+    return {line.split()[1][2:] for p in PATCHES for line in p.read_text().splitlines() if line.startswith("+++ ")}
+
+
+def git_apply(patch_name: str, cwd, *flags: str):
+    return subprocess.run([GIT, "apply", *flags, str(ROOT / "scripts" / "diag" / f"{patch_name}.patch")], cwd=cwd,
+                          capture_output=True, text=True)
+
+
+def test_there_are_patches():
+    assert {p.stem for p in PATCHES} >= {"wgmma_feed_only", "wgmma_compute_only", "wgmma_x16", "wgmma_no_w_copy",
+                                         "wgmma_no_w_lds"}
+
+
+@pytest.mark.skipif(GIT is None, reason="needs git")
+@pytest.mark.parametrize("names", [(p.stem,) for p in PATCHES] + [("wgmma_feed_only", "wgmma_x16"),
+                                                                    ("wgmma_no_w_copy", "wgmma_no_w_lds")],
+                         ids=lambda names: "+".join(names))
+def test_diag_patches_apply(names, tmp_path):
+    for rel in patched_files():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, tmp_path / rel)
+    for name in names:  # applied in turn, as the stage does
+        got = git_apply(name, tmp_path)
+        assert got.returncode == 0, f"{name}.patch no longer applies: {got.stderr}"
+    for name in reversed(names):
+        got = git_apply(name, tmp_path, "-R")
+        assert got.returncode == 0, got.stderr
+    for rel in patched_files():
+        assert (tmp_path / rel).read_bytes() == (ROOT / rel).read_bytes(), f"{rel} not restored"
