@@ -787,7 +787,12 @@ stage_profile_mid() {
 # of the k-permuting 4-byte ones (x16); feed only with x16. Also in scripts/diag/, not in the
 # default set: no weight or group-word copies (wgmma_no_w_copy) and no weight LDS, the consumers
 # dequantising words made in registers (wgmma_no_w_lds): what the weights' trip through shared
-# memory costs. The plain tree is rebuilt after each variant.
+# memory costs; and a candidate, not a diagnostic (wgmma_w_regs: the one-block kernels 7, 8 and 6
+# load their weight words from global memory into a register ring instead). The same A/B serves
+# any kernel patch there (decode_preload_half: the decode GEMM's preload, half a batch at two token
+# tiles), with WGMMA_DIAG_BENCH_ARGS added to the bench (e.g. "--option-ab decode_preload_max_m").
+# Variants named in WGMMA_DIAG_TEST also run the GEMM GPU tests (correct builds only). The plain
+# tree is rebuilt after each variant.
 rebuild_quiet() {
   MIXPREC_BUILD_CUDA=1 MIXPREC_CUDA_ARCHS="90a" MAX_JOBS=16 python3 setup.py -q build_ext --inplace \
     > "$OUT/rebuild.log" 2>&1 || { log "REBUILD FAILED"; tail -30 "$OUT/rebuild.log"; return 1; }
@@ -805,9 +810,12 @@ stage_wgmma_diag() {
       for p in $patches; do apply_patch "scripts/diag/$p.patch" || { log "patch $p failed"; return 1; }; done
       rebuild_quiet || { for p in $patches; do apply_patch -R "scripts/diag/$p.patch"; done; return 1; }
     fi
+    case " ${WGMMA_DIAG_TEST:-} " in
+      *" $v "*) pytest_gpu "pytest-gpu-diag${i}" 150 tests/kernels/test_cuda_gemm_wgmma.py tests/kernels/test_cuda_gemm.py || rc=1 ;;
+    esac
     run_bench "diag${i}_${v//+/_and_}" 150 python3 scripts/bench_w4a8_cuda.py --no-marlin --auto-only --group 128 \
       --shapes ${WGMMA_DIAG_SHAPES:-4096x4096 4096x6144 8192x28672} --ms ${WGMMA_DIAG_MS:-256 1024 4096} \
-      --out "$OUT/diag${i}_${v//+/_and_}.json" || rc=1
+      ${WGMMA_DIAG_BENCH_ARGS:-} --out "$OUT/diag${i}_${v//+/_and_}.json" || rc=1
     if [ "$v" != plain ]; then
       for p in $(echo "$patches" | tr ' ' '\n' | tac); do apply_patch -R "scripts/diag/$p.patch" || return 1; done
       rebuild_quiet || rc=1

@@ -1,6 +1,6 @@
-"""The diagnostic kernel patches in scripts/diag/ (timed by `gpu_check.sh wgmma_diag`) must apply to
-the kernels as they are, alone and in the pairs the stage combines, so that they cannot rot
-unnoticed until a GPU call fails on them."""
+"""The kernel patches in scripts/diag/ (diagnostics and candidates, timed by `gpu_check.sh
+wgmma_diag`) must apply to the kernels as they are, alone and in the pairs the stage combines, so
+that they cannot rot unnoticed until a GPU call fails on them."""
 import pathlib
 import shutil
 import subprocess
@@ -24,7 +24,7 @@ def git_apply(patch_name: str, cwd, *flags: str):
 
 def test_there_are_patches():
     assert {p.stem for p in PATCHES} >= {"wgmma_feed_only", "wgmma_compute_only", "wgmma_x16", "wgmma_no_w_copy",
-                                         "wgmma_no_w_lds"}
+                                         "wgmma_no_w_lds", "wgmma_w_regs", "decode_preload_half"}
 
 
 @pytest.mark.skipif(GIT is None, reason="needs git")
