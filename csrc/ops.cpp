@@ -25,7 +25,7 @@
 
 namespace mixprec {
 
-// sm_90a wgmma kernels (csrc/gemm/sm90/w4a8_gemm_wgmma.cu): kernel ids 4..8 of the w4a8_gemm op;
+// sm_90a wgmma kernels (csrc/gemm/sm90/w4a8_gemm_wgmma.cu): kernel ids 4..9 of the w4a8_gemm op;
 // same arguments and plan struct as the mma.sync kernels. Supported iff the current device is
 // sm_90 and the build holds the sm_90a image.
 bool w4a8_wgmma_supported();
@@ -250,13 +250,13 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   const at::Tensor channel_scale = aligned_contiguous(channel_scale_in);
 
   // kernel: -2 auto over the mma.sync kernels; -1 auto (wgmma from kWgmmaMinM tokens on sm90);
-  // 0..3 mma.sync kernels; 4..8 wgmma kernels (sm_90a build on an sm_90 GPU only).
-  TORCH_CHECK(kernel >= -2 && kernel <= 8, op, "kernel must be -2, -1 (auto) or 0..8, got ", kernel);
+  // 0..3 mma.sync kernels; 4..9 wgmma kernels (sm_90a build on an sm_90 GPU only).
+  TORCH_CHECK(kernel >= -2 && kernel <= 9, op, "kernel must be -2, -1 (auto) or 0..9, got ", kernel);
   const bool wants_wgmma = kernel >= 4 || (kernel == -1 && M >= kWgmmaMinM);
   const bool use_wgmma = wants_wgmma && w4a8_wgmma_supported();
   TORCH_CHECK(splits >= -1, op, "splits must be -1 (stream-K), 0 (choose) or a split count, got ", splits);
   TORCH_CHECK(splits != -1 || use_wgmma, op,
-              "splits=-1 (stream-K) runs on the wgmma kernels only: kernel 4..8, or -1 with M >= ", kWgmmaMinM,
+              "splits=-1 (stream-K) runs on the wgmma kernels only: kernel 4..9, or -1 with M >= ", kWgmmaMinM,
               ", on an sm_90 GPU with an sm_90a build (M=", M, ", kernel=", kernel, ")");
   TORCH_CHECK(use_wgmma || kernel < 4, op, "kernel ", kernel,
               " is a wgmma kernel: it needs an sm_90 GPU (H100/H200) and a build with sm_90a in "
@@ -303,7 +303,7 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   return out;
 }
 
-// Whether kernels 4..8 (and the auto choice of them) run on this device.
+// Whether kernels 4..9 (and the auto choice of them) run on this device.
 bool w4a8_wgmma_available(int64_t device) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
@@ -317,7 +317,7 @@ bool w4a8_wgmma_available(int64_t device) {
 
 // The (kernel, splits, decode build) that w4a8_gemm would launch for a problem, without a GPU:
 // tests check the planner on the CPU and benchmarks record it. wgmma picks between the wgmma
-// kernels (ids 4..8), otherwise the mma.sync ones (0..3); kernel/splits as in w4a8_gemm (-1 and 0
+// kernels (ids 4..9), otherwise the mma.sync ones (0..3); kernel/splits as in w4a8_gemm (-1 and 0
 // choose), the launch options as set. A returned split count of -1 is a stream-K launch (one CTA
 // per SM over all tiles x K stages); the decode build is 2 or 3 CTAs per SM for kernels 0 and 1,
 // else 0.

@@ -12,7 +12,7 @@
 # tp_real_exact_verdict wgmma_pdl_tests wgmma_pdl_bench wgmma_pdl_sanitize gemm_table
 # stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize decode_hbm
 # decode_options decode_options_splits decode_options_check decode_build decode_table decode_table_tested
-# decode_preload decode_preload_table mid_table profile_mid wgmma_diag
+# decode_preload decode_preload_table mid_table profile_mid wgmma_diag wgmma_k9
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -821,6 +821,17 @@ stage_wgmma_diag() {
       rebuild_quiet || rc=1
     fi
   done
+  return $rc
+}
+# Kernel 9 (4 consumer warpgroups, kernel 5's 256 x 64 tile; prepared in session 38, forced by id
+# only): the wgmma GPU tests, which cover it, then every wgmma kernel x 1, 2, 4 splits against
+# the planner's pick at M = 64, 256, 1024 on the K = 4096 Llama shapes and the 70B up projection.
+stage_wgmma_k9() {
+  local rc=0
+  pytest_gpu pytest-gpu-wgmma 200 tests/kernels/test_cuda_gemm_wgmma.py || rc=1
+  run_bench bench_wgmma_k9 300 python3 scripts/bench_w4a8_cuda.py --no-marlin --auto-only --splits-sweep --group 128 \
+    --shapes ${WGMMA_K9_SHAPES:-4096x6144 4096x4096 14336x4096 8192x28672} --ms ${WGMMA_K9_MS:-64 256 1024} \
+    --out "$OUT/wgmma_k9.json" || rc=1
   return $rc
 }
 # Issue #4's bench_gemm table at M = 256 and 1024 (do_bench's L2 flush, every baseline)

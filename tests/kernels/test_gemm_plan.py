@@ -309,8 +309,8 @@ def test_mma_planner_still_answers():
     (dict(m=64, n=100, k=4096), "multiple of 16"),
     (dict(m=64, n=4096, k=100), "multiple of 64"),
     (dict(m=64, n=4096, k=4096, g=96), "group size"),
-    (dict(m=64, n=4096, k=4096, kernel=3), "wgmma kernels are 4 to 8"),
-    (dict(m=64, n=4096, k=4096, kernel=9), "wgmma kernels are 4 to 8"),
+    (dict(m=64, n=4096, k=4096, kernel=3), "wgmma kernels are 4 to 9"),
+    (dict(m=64, n=4096, k=4096, kernel=10), "wgmma kernels are 4 to 9"),
     (dict(m=0, n=4096, k=4096), "positive"),
 ])
 def test_bad_problems_raise(args, match):

@@ -38,7 +38,7 @@ if _GEMM_KERNEL == -1 and os.environ.get("MIXPREC_W4A8_WGMMA", "1") == "0":
     _GEMM_KERNEL = -2
 _GEMM_SPLITS = int(os.environ.get("MIXPREC_W4A8_SPLITS", "0"))
 
-WGMMA_KERNELS = (4, 5, 6, 7, 8)
+WGMMA_KERNELS = (4, 5, 6, 7, 8, 9)  # 9: 4 consumer warpgroups, forced by id only (not yet timed)
 WGMMA_MIN_M = 64  # mirrors kWgmmaMinM in csrc/ops.cpp (documentation and tests only)
 
 CHUNK_K = 64  # k per packed chunk (two m16n8k32 steps)
@@ -151,7 +151,7 @@ def supports_device(device: torch.device) -> bool:
 
 
 def has_wgmma(device: torch.device | int | None = None) -> bool:
-    """Whether the sm_90a wgmma W4A8 kernels (ids 4..8) run on `device` (default: current).
+    """Whether the sm_90a wgmma W4A8 kernels (ids 4..9) run on `device` (default: current).
 
     True only for an sm_90 GPU with a build that includes sm_90a; cached per device.
     """
