@@ -159,6 +159,7 @@ def test_choice_is_a_valid_plan(m, n, k):
 def test_explicit_kernel_and_splits_are_kept():
     assert plan(256, 4096, 4096, kernel=6)[0] == 6
     assert plan(256, 4096, 4096, kernel=7)[0] == 7 and plan(256, 4096, 4096, kernel=8)[0] == 8
+    assert plan(256, 4096, 4096, kernel=9, splits=2) == (9, 2), "kernel 9: forced by id only, not timed yet"
     assert plan(256, 4096, 4096, kernel=4, splits=3) == (4, 3)
     assert plan(64, 4096, 512, kernel=5, splits=64) == (5, 4), "clamped to the 4 K stages there are"
     assert plan(1024, 4096, 1536, kernel=5, splits=5) == (5, 4), "no empty split: 12 stages in 4 x 3"
