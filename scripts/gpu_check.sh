@@ -51,16 +51,21 @@ PY
   python3 -c "import importlib.metadata as m; print([e.value for e in m.entry_points(group='vllm.general_plugins') if e.name=='mixprec'])"
 }
 
+# The host's CC/CXX (/opt/gcc, a wrapper around g++ 13.3) link the C++ runtime statically: a
+# TORCH_CHECK failing inside an op then crashes the process instead of raising
+# (scripts/diag_cxx_throw.sh, 2026-11-23). The system g++ is the same 13.3 and links it
+# dynamically, as torch does; setup.py refuses a build that does not.
+use_system_gxx() { [ -x /usr/bin/g++ ] && export CC=/usr/bin/gcc CXX=/usr/bin/g++; return 0; }
+build_ext_90a() {  # LOG: csrc/ in place for sm_90a (incremental: only changed sources recompile)
+  use_system_gxx
+  MIXPREC_BUILD_CUDA=1 MIXPREC_CUDA_ARCHS="90a" MAX_JOBS=16 python3 setup.py -q build_ext --inplace > "$1" 2>&1 \
+    || { log "BUILD FAILED ($1)"; tail -40 "$1"; return 1; }
+}
 stage_build() {
-  # The host's CC/CXX (/opt/gcc, a wrapper around g++ 13.3) link the C++ runtime statically:
-  # a TORCH_CHECK failing inside an op then crashes the process instead of raising
-  # (scripts/diag_cxx_throw.sh, 2026-11-23). The system g++ is the same 13.3 and links it
-  # dynamically, as torch does; setup.py refuses a build that does not.
-  [ -x /usr/bin/g++ ] && export CC=/usr/bin/gcc CXX=/usr/bin/g++
+  use_system_gxx
   log "building csrc/ (sm90a) with CXX=${CXX:-default}"
   local t0=$SECONDS
-  MIXPREC_BUILD_CUDA=1 MIXPREC_CUDA_ARCHS="90a" MAX_JOBS=16 \
-    python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { log "BUILD FAILED"; tail -40 "$OUT/build.log"; return 1; }
+  build_ext_90a "$OUT/build.log" || return 1
   log "built in $((SECONDS - t0)) s: $(ls vllm_mixprec/_C*.so)"
   python3 -c "import vllm_mixprec.kernels as k; print(k.describe())"
   # op errors must reach Python as exceptions (a crash here would kill the test session)
@@ -791,24 +796,27 @@ stage_profile_mid() {
 # load their weight words from global memory into a register ring instead). The same A/B serves
 # any kernel patch there (decode_preload_half: the decode GEMM's preload, half a batch at two token
 # tiles), with WGMMA_DIAG_BENCH_ARGS added to the bench (e.g. "--option-ab decode_preload_max_m").
-# Variants named in WGMMA_DIAG_TEST also run the GEMM GPU tests (correct builds only). The plain
-# tree is rebuilt after each variant.
-rebuild_quiet() {
-  MIXPREC_BUILD_CUDA=1 MIXPREC_CUDA_ARCHS="90a" MAX_JOBS=16 python3 setup.py -q build_ext --inplace \
-    > "$OUT/rebuild.log" 2>&1 || { log "REBUILD FAILED"; tail -30 "$OUT/rebuild.log"; return 1; }
-}
+# Variants named in WGMMA_DIAG_TEST also run the GEMM GPU tests (correct builds only). The sources
+# are patched only while a variant builds; a variant is built only when it differs from the one
+# before (plain, plain needs no build), and the plain build is left behind at the end.
 apply_patch() {  # [-R] FILE: patch(1), or git apply where the host lacks it
   if command -v patch > /dev/null; then patch -p1 -s "${@:1:$#-1}" < "${@: -1}"; else git apply "${@:1:$#-1}" "${@: -1}"; fi
 }
 stage_wgmma_diag() {
-  local rc=0 v p i=0 patches
-  [ -x /usr/bin/g++ ] && export CC=/usr/bin/gcc CXX=/usr/bin/g++
+  local rc=0 v p i=0 patches built=plain
   for v in ${WGMMA_DIAG_VARIANTS:-plain wgmma_feed_only wgmma_compute_only wgmma_x16 wgmma_feed_only+wgmma_x16}; do
     i=$((i + 1))
     patches=$(echo "$v" | tr '+' ' ')
-    if [ "$v" != plain ]; then
-      for p in $patches; do apply_patch "scripts/diag/$p.patch" || { log "patch $p failed"; return 1; }; done
-      rebuild_quiet || { for p in $patches; do apply_patch -R "scripts/diag/$p.patch"; done; return 1; }
+    if [ "$v" != "$built" ]; then  # the sources stay plain between variants; only the build follows them
+      if [ "$v" != plain ]; then
+        for p in $patches; do apply_patch "scripts/diag/$p.patch" || { log "patch $p failed"; return 1; }; done
+      fi
+      build_ext_90a "$OUT/rebuild.log" || rc=1
+      if [ "$v" != plain ]; then
+        for p in $(echo "$patches" | tr ' ' '\n' | tac); do apply_patch -R "scripts/diag/$p.patch" || return 1; done
+      fi
+      [ $rc -eq 0 ] || { build_ext_90a "$OUT/rebuild.log"; return 1; }
+      built=$v
     fi
     case " ${WGMMA_DIAG_TEST:-} " in
       *" $v "*) pytest_gpu "pytest-gpu-diag${i}" 150 tests/kernels/test_cuda_gemm_wgmma.py tests/kernels/test_cuda_gemm.py || rc=1 ;;
@@ -816,11 +824,8 @@ stage_wgmma_diag() {
     run_bench "diag${i}_${v//+/_and_}" 150 python3 scripts/bench_w4a8_cuda.py --no-marlin --auto-only --group 128 \
       --shapes ${WGMMA_DIAG_SHAPES:-4096x4096 4096x6144 8192x28672} --ms ${WGMMA_DIAG_MS:-256 1024 4096} \
       ${WGMMA_DIAG_BENCH_ARGS:-} --out "$OUT/diag${i}_${v//+/_and_}.json" || rc=1
-    if [ "$v" != plain ]; then
-      for p in $(echo "$patches" | tr ' ' '\n' | tac); do apply_patch -R "scripts/diag/$p.patch" || return 1; done
-      rebuild_quiet || rc=1
-    fi
   done
+  if [ "$built" != plain ]; then build_ext_90a "$OUT/rebuild.log" || rc=1; fi  # leave the plain build behind
   return $rc
 }
 # Kernel 9 (4 consumer warpgroups, kernel 5's 256 x 64 tile; prepared in session 38, forced by id

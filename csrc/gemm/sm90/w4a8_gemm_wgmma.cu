@@ -759,7 +759,7 @@ static_assert(Wg4::kSmemBytes <= kMaxSmem && Wg5::kSmemBytes <= kMaxSmem && Wg6:
 struct Cfg {
   int row_tiles, tok;
   double stage_us, sk_stage_scale;
-  double tile_elems() const { return 16.0 * row_tiles * tok; }
+  long long tile_elems() const { return 16LL * row_tiles * tok; }
 };
 Cfg cfg_of(int kernel) {
   switch (kernel) {
@@ -817,7 +817,7 @@ double wgmma_estimate_us(int kernel, int splits, long long ctas, int n_stages, i
   const long long waves = (ctas * splits + sms - 1) / sms;
   double us = static_cast<double>(waves) * (ceil_div(n_stages, splits) * c.stage_us + kWaveUs);
   if (splits > 1) {
-    const double tile_kelems = c.tile_elems() / 1024;
+    const double tile_kelems = c.tile_elems() / 1024.0;
     us += kSplitUs + kSumUsPerKElem * splits * tile_kelems +
           2.0 * splits * static_cast<double>(M) * N * 4 / kPartialBytesPerUs;
   }
@@ -880,7 +880,7 @@ double wgmma_sk_estimate_us(int kernel, long long tiles, int n_stages, int ctas,
   double us = static_cast<double>(dp_waves) * (n_stages * c.stage_us + kWaveUs);
   us += c.sk_stage_scale * static_cast<double>(per_cta) * c.stage_us + kLaunchUs +
         static_cast<double>(segments - 1) * kSegmentUs;
-  if (slots > 0) us += kSumUsPerKElem * slots * (c.tile_elems() / 1024);
+  if (slots > 0) us += kSumUsPerKElem * slots * (c.tile_elems() / 1024.0);
   return us;
 }
 
@@ -983,7 +983,7 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
     plan->sk_ctas = static_cast<int>(std::min<long long>(sms, ctas * n_stages));
     plan->sk_slots = best_slots;  // the candidate's: same tiles and CTAs
     // A partial tile per CTA, when any tile is cut (sk_slots > 0).
-    plan->workspace_elems = plan->sk_slots > 0 ? plan->sk_ctas * static_cast<long long>(c.tile_elems()) : 0;
+    plan->workspace_elems = plan->sk_slots > 0 ? plan->sk_ctas * c.tile_elems() : 0;
     return nullptr;
   }
   if (splits > n_stages) splits = n_stages;
