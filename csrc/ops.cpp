@@ -25,7 +25,7 @@
 
 namespace mixprec {
 
-// sm_90a wgmma kernels (csrc/gemm/sm90/w4a8_gemm_wgmma.cu): kernel ids 4..9 of the w4a8_gemm op;
+// sm_90a wgmma kernels (csrc/gemm/sm90/w4a8_gemm_wgmma.cu): kernel ids 4..8 of the w4a8_gemm op;
 // same arguments and plan struct as the mma.sync kernels. Supported iff the current device is
 // sm_90 and the build holds the sm_90a image.
 bool w4a8_wgmma_supported();
@@ -86,10 +86,11 @@ struct LaunchOptions {
   // 3-CTA (<= 80) build with the kernel (csrc/gemm/NOTES.md "Decode occupancy"); 2 or 3 forces one.
   std::atomic<int> decode_ctas_per_sm{0};
   // The decode kernels read each warp's first batch of weight words before the PDL wait, at
-  // M <= this (0: never; 32: every decode M). 8, one token tile: session 37 measured the linear
-  // up to 5 % faster there on the H200 (12 of 14 rows; within 1 % on the rest), and mixed at
-  // M = 16 (csrc/gemm/NOTES.md "Decode preload").
-  std::atomic<int> decode_preload_max_m{8};
+  // M <= this (0: never; 32: every decode M in every build; 9-16: M = 9-16 in the 3-CTA build
+  // only). 16: the linear was up to 5 % faster at M <= 8 on the H200 (session 37), and at M = 16
+  // in the 3-CTA build (half a batch where a whole one spilled; session 39) but not in the 2-CTA
+  // one (csrc/gemm/NOTES.md "Decode preload").
+  std::atomic<int> decode_preload_max_m{16};
 };
 LaunchOptions& launch_options() {
   static LaunchOptions opts;
@@ -250,13 +251,13 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   const at::Tensor channel_scale = aligned_contiguous(channel_scale_in);
 
   // kernel: -2 auto over the mma.sync kernels; -1 auto (wgmma from kWgmmaMinM tokens on sm90);
-  // 0..3 mma.sync kernels; 4..9 wgmma kernels (sm_90a build on an sm_90 GPU only).
-  TORCH_CHECK(kernel >= -2 && kernel <= 9, op, "kernel must be -2, -1 (auto) or 0..9, got ", kernel);
+  // 0..3 mma.sync kernels; 4..8 wgmma kernels (sm_90a build on an sm_90 GPU only).
+  TORCH_CHECK(kernel >= -2 && kernel <= 8, op, "kernel must be -2, -1 (auto) or 0..8, got ", kernel);
   const bool wants_wgmma = kernel >= 4 || (kernel == -1 && M >= kWgmmaMinM);
   const bool use_wgmma = wants_wgmma && w4a8_wgmma_supported();
   TORCH_CHECK(splits >= -1, op, "splits must be -1 (stream-K), 0 (choose) or a split count, got ", splits);
   TORCH_CHECK(splits != -1 || use_wgmma, op,
-              "splits=-1 (stream-K) runs on the wgmma kernels only: kernel 4..9, or -1 with M >= ", kWgmmaMinM,
+              "splits=-1 (stream-K) runs on the wgmma kernels only: kernel 4..8, or -1 with M >= ", kWgmmaMinM,
               ", on an sm_90 GPU with an sm_90a build (M=", M, ", kernel=", kernel, ")");
   TORCH_CHECK(use_wgmma || kernel < 4, op, "kernel ", kernel,
               " is a wgmma kernel: it needs an sm_90 GPU (H100/H200) and a build with sm_90a in "
@@ -297,13 +298,16 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   args.group_size = static_cast<int>(group_size);
   args.pdl = launch_options().gemm_pdl.load() && is_sm90(xq.device().index());
   args.decode_u8 = launch_options().decode_u8.load();
-  args.decode_preload = M <= launch_options().decode_preload_max_m.load();
+  // Two token tiles (M = 9-16) gained from the preload only in the 3-CTA build; in the 2-CTA one it
+  // was -3 to +4 % (NOTES.md "Decode preload"), so there only a bound above 16 asks for it.
+  const int preload_max_m = launch_options().decode_preload_max_m.load();
+  args.decode_preload = M <= preload_max_m && (M <= 8 || preload_max_m > 16 || plan.decode_ctas == 3);
   const cudaStream_t stream = cuda_stream.stream();
   C10_CUDA_CHECK(use_wgmma ? w4a8_wgmma_launch(args, plan, stream) : w4a8_gemm_launch(args, plan, stream));
   return out;
 }
 
-// Whether kernels 4..9 (and the auto choice of them) run on this device.
+// Whether kernels 4..8 (and the auto choice of them) run on this device.
 bool w4a8_wgmma_available(int64_t device) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
@@ -317,7 +321,7 @@ bool w4a8_wgmma_available(int64_t device) {
 
 // The (kernel, splits, decode build) that w4a8_gemm would launch for a problem, without a GPU:
 // tests check the planner on the CPU and benchmarks record it. wgmma picks between the wgmma
-// kernels (ids 4..9), otherwise the mma.sync ones (0..3); kernel/splits as in w4a8_gemm (-1 and 0
+// kernels (ids 4..8), otherwise the mma.sync ones (0..3); kernel/splits as in w4a8_gemm (-1 and 0
 // choose), the launch options as set. A returned split count of -1 is a stream-K launch (one CTA
 // per SM over all tiles x K stages); the decode build is 2 or 3 CTAs per SM for kernels 0 and 1,
 // else 0.

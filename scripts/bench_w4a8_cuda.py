@@ -36,7 +36,7 @@ USE_GRAPHS = True
 DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # --splits-sweep, decode kernels 0 and 1
 # --option-ab: launch option -> (JSON key tag, values timed, largest M it acts on or None, what it
 # changes: "gemm" (timed: the plan, the GEMM, the linear) or "quant" (quantize_act, the linear))
-OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32, "gemm"), "decode_preload_max_m": ("pre", (0, 32), 32, "gemm"),
+OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32, "gemm"), "decode_preload_max_m": ("pre", (0, 8, 16, 32), 32, "gemm"),
              "act_quant_one_pass": ("op", (0, 1), None, "quant")}
 
 
@@ -94,7 +94,7 @@ def main():
                          "whichever the option changes, under each value of these launch options, this run, at "
                          "the M each acts on: decode_ctas_per_sm 0 "
                          "(the planner's build) and 2 (the plan before session 36), M <= 32; decode_preload_max_m "
-                         "0 (never) and 32 (every M), M <= 32; act_quant_one_pass 0 (the two-pass loop) and 1")
+                         "0 (never), 8, 16 (M = 9-16: the 3-CTA build only) and 32 (every M), M <= 32; act_quant_one_pass 0 (the two-pass loop) and 1")
     ap.add_argument("--cublas-gemv", action="store_true",
                     help="M <= 32: also cuBLAS bf16 on the same shape (the weight's N x K bf16, >= 2x the L2), "
                          "the HBM bandwidth a GEMV reaches on this GPU (cublas_bf16_TBps)")
@@ -108,6 +108,9 @@ def main():
                          "planner's stream-K option off and on, all in this run (csrc/gemm/NOTES.md, 'Stream-K')")
     ap.add_argument("--sk-kernels", type=int, nargs="*", default=[4, 5, 7, 8], metavar="K",
                     help="--stream-k-sweep: the wgmma kernels to time one by one (none: the auto plans only)")
+    ap.add_argument("--kernels", type=int, nargs="+", metavar="K",
+                    help="time the auto pick and these kernel ids (the planner's splits) instead of the "
+                         "default forced variants, at every M, e.g. wgmma kernel 9 at M >= 64")
     ap.add_argument("--auto-only", action="store_true",
                     help="time only the auto-selected GEMM (no forced mma.sync variants) and the linear")
     ap.add_argument("--quant-only", action="store_true",
@@ -165,6 +168,8 @@ def main():
             variants = [-1] + ([0, 1] if decode_forced else []) + ([2, 3] if tiled_forced else [])
             if (args.stream_k_sweep and m >= 64) or args.auto_only:
                 variants = [-1]  # (the stream-K sweep times its own variants; the mma.sync tiles never win there)
+            if args.kernels:
+                variants = [-1] + args.kernels
             row = {"K": k, "N": n, "M": m, "G": g, "device": torch.cuda.get_device_name()}
             it = {"i": 0}
 
@@ -178,6 +183,7 @@ def main():
             def plan(kernel, wgmma):  # what the op launches: [kernel, splits, decode build]
                 return list(torch.ops.mixprec_C.w4a8_plan(m, n, k, g, sms, kernel, 0, wgmma))
 
+            row["plan_auto"] = plan(-1, m >= 64 and cuda.has_wgmma())  # what gemm_k-1 times
             for kernel in variants:
                 row[f"gemm_k{kernel}_us"] = bench(lambda: gemm(kernel))
             if args.splits_sweep and m <= 32 and not args.decode_options_sweep:  # the decode kernels' range

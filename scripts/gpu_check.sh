@@ -12,7 +12,7 @@
 # tp_real_exact_verdict wgmma_pdl_tests wgmma_pdl_bench wgmma_pdl_sanitize gemm_table
 # stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize decode_hbm
 # decode_options decode_options_splits decode_options_check decode_build decode_table decode_table_tested
-# decode_preload decode_preload_table mid_table profile_mid wgmma_diag wgmma_k9
+# decode_preload decode_preload_table mid_table profile_mid wgmma_diag
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -760,15 +760,16 @@ stage_decode_table_tested() {
   return $rc
 }
 # decode_preload_max_m (each decode warp reads its first weight batch before the PDL wait, at
-# M <= the option) after its GPU tests: never against every M, in one run, on the Llama shapes
-# (DECODE_PRELOAD_SHAPES) at M = 1, 8, 16 (session 36 prepared it, session 37 ran it); then issue
+# M <= the option) after its GPU tests: 0 (never), 8, 16 (the default) and 32, in one run, on the Llama shapes
+# (DECODE_PRELOAD_SHAPES) at M = 1, 8, 16 (session 36 prepared it, session 37 ran it; DECODE_PRELOAD_ARGS
+# adds bench arguments, e.g. --auto-only --no-marlin); then issue
 # #4's bench_gemm table at M = 1, 16 with it at every M, and memcheck with the preload cases.
 stage_decode_preload() {
   local rc=0
   pytest_gpu pytest-gpu-decode-preload 200 tests/kernels/test_cuda_gemm.py -k "options or graph" || rc=1
   run_bench bench_w4a8_cuda_decode_preload 300 python3 scripts/bench_w4a8_cuda.py \
     --shapes ${DECODE_PRELOAD_SHAPES:-4096x6144 4096x4096 4096x28672 14336x4096 8192x10240 28672x8192 8192x28672} \
-    --ms ${DECODE_PRELOAD_MS:-1 8 16} --group 128 --option-ab decode_preload_max_m \
+    --ms ${DECODE_PRELOAD_MS:-1 8 16} --group 128 --option-ab decode_preload_max_m ${DECODE_PRELOAD_ARGS:-} \
     --out "$OUT/decode_preload.json" || rc=1
   return $rc
 }
@@ -792,10 +793,10 @@ stage_profile_mid() {
 # of the k-permuting 4-byte ones (x16); feed only with x16. Also in scripts/diag/, not in the
 # default set: no weight or group-word copies (wgmma_no_w_copy) and no weight LDS, the consumers
 # dequantising words made in registers (wgmma_no_w_lds): what the weights' trip through shared
-# memory costs; and a candidate, not a diagnostic (wgmma_w_regs: the one-block kernels 7, 8 and 6
-# load their weight words from global memory into a register ring instead). The same A/B serves
-# any kernel patch there (decode_preload_half: the decode GEMM's preload, half a batch at two token
-# tiles), with WGMMA_DIAG_BENCH_ARGS added to the bench (e.g. "--option-ab decode_preload_max_m").
+# memory costs (session 39: 13-23 % of the GEMM). The same A/B serves candidate kernel patches
+# (wgmma_w_bulk: the weight words by bulk copy, TMA, instead of cp.async; sessions 38-39 ran a
+# weight register ring and the decode GEMM's half-batch preload this way), with
+# WGMMA_DIAG_BENCH_ARGS added to the bench (e.g. "--option-ab decode_preload_max_m").
 # Variants named in WGMMA_DIAG_TEST also run the GEMM GPU tests (correct builds only). The sources
 # are patched only while a variant builds; a variant is built only when it differs from the one
 # before (plain, plain needs no build), and the plain build is left behind at the end.
@@ -826,17 +827,6 @@ stage_wgmma_diag() {
       ${WGMMA_DIAG_BENCH_ARGS:-} --out "$OUT/diag${i}_${v//+/_and_}.json" || rc=1
   done
   if [ "$built" != plain ]; then build_ext_90a "$OUT/rebuild.log" || rc=1; fi  # leave the plain build behind
-  return $rc
-}
-# Kernel 9 (4 consumer warpgroups, kernel 5's 256 x 64 tile; prepared in session 38, forced by id
-# only): the wgmma GPU tests, which cover it, then every wgmma kernel x 1, 2, 4 splits against
-# the planner's pick at M = 64, 256, 1024 on the K = 4096 Llama shapes and the 70B up projection.
-stage_wgmma_k9() {
-  local rc=0
-  pytest_gpu pytest-gpu-wgmma 200 tests/kernels/test_cuda_gemm_wgmma.py || rc=1
-  run_bench bench_wgmma_k9 300 python3 scripts/bench_w4a8_cuda.py --no-marlin --auto-only --splits-sweep --group 128 \
-    --shapes ${WGMMA_K9_SHAPES:-4096x6144 4096x4096 14336x4096 8192x28672} --ms ${WGMMA_K9_MS:-64 256 1024} \
-    --out "$OUT/wgmma_k9.json" || rc=1
   return $rc
 }
 # Issue #4's bench_gemm table at M = 256 and 1024 (do_bench's L2 flush, every baseline)

@@ -37,7 +37,7 @@ struct W4A8GemmArgs {
   int32_t* workspace;           // plan.workspace_elems int32 (split-K or stream-K partials)
   int32_t* counters;            // plan.num_counters ints, zero at launch; the kernel leaves them zero
   int M, N, K, group_size;
-  // Decode kernels (0, 1) and wgmma kernels (4..9), on sm_90: launched as a programmatic
+  // Decode kernels (0, 1) and wgmma kernels (4..8), on sm_90: launched as a programmatic
   // dependent of the previous kernel on the stream, so their launch and set-up (for the wgmma
   // kernels also the first stages' weight copies) overlap its tail. Kernels 2, 3 ignore it.
   bool pdl = false;

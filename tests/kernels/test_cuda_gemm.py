@@ -82,12 +82,13 @@ def test_gemm_integer_exact_every_kernel(m, kernel, splits):
 @pytest.mark.parametrize("splits", [1, 3, 5])
 @pytest.mark.parametrize("k,g", [(1024, 64), (1728, 64), (3328, 128)])
 @pytest.mark.parametrize("u8,ctas,preload_max_m", [(1, 2, 0), (0, 3, 0), (1, 3, 0), (0, 2, 32), (0, 3, 32),
-                                                   (1, 2, 32), (0, 0, 8)])
+                                                   (1, 2, 32), (0, 0, 16), (1, 3, 16)])
 def test_decode_options_integer_exact(m, kernel, splits, k, g, u8, ctas, preload_max_m, launch_options):
     """The decode kernels' builds besides the default (s8, 2 CTAs per SM): decode_u8 (u8 x s8 MMA,
     128 * sum_k x subtracted per warp), decode_ctas_per_sm=3 (80 registers; M > 16 keeps the
     2-CTA build) and decode_preload_max_m (at M <= it, the first batch's weights read before the
-    PDL wait; warps with fewer chunks than a batch skip it): the int32 sums exactly, with warps
+    PDL wait, at M = 9-16 only in the 3-CTA build unless it is over 16, half a batch in that build's
+    32-channel kernel; warps with fewer chunks than a batch skip it): the int32 sums exactly, with warps
     whose chunk range is empty, one chunk, or a partial unroll batch (27 and 52 chunks), every token tile count
     (M = 1..32) and G = 128."""
     launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload_max_m=preload_max_m)
@@ -208,7 +209,8 @@ def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launc
                                    (1024, 6144, 4096)])
 def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
     """The decode kernels (M <= 32), s8 or u8 weights (decode_u8), the 2- or 3-CTA build or the
-    planner's, with the first weights preloaded at no M, M <= 8 (the default) or every M, and on
+    planner's, with the first weights preloaded at no M, M <= 8, M <= 16 (the default: M = 9-16 in
+    the 3-CTA build only) or every M, and on
     an H100/H200 the wgmma kernels (M >= 64), as programmatic dependent launches (sm_90) after
     either quantizer give the plain launch's bits;
     (2, 64, 4096), (64, 4096, 4096) and (200, 1024, 14336) split K. The linear op runs
@@ -220,7 +222,7 @@ def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
     for pdl, one_pass, u8, ctas, pre in ((0, 0, 0, 2, 0), (1, 0, 0, 2, 0), (1, 1, 0, 2, 0), (0, 1, 0, 2, 0),
                                          (1, 1, 1, 2, 0), (0, 0, 1, 2, 0), (1, 1, 0, 3, 0), (1, 1, 1, 3, 0),
                                          (1, 1, 0, 0, 0), (1, 1, 0, 0, 32), (0, 0, 0, 2, 32), (1, 1, 1, 3, 32),
-                                         (1, 1, 0, 0, 8)):
+                                         (1, 1, 0, 0, 8), (1, 1, 0, 0, 16), (1, 1, 1, 3, 16)):
         launch_options(gemm_pdl=pdl, act_quant_one_pass=one_pass, decode_u8=u8, decode_ctas_per_sm=ctas,
                        decode_preload_max_m=pre)
         for _ in range(3):  # back to back, so a dependent can start before its producer ends

@@ -1,4 +1,4 @@
-"""The sm_90a wgmma W4A8 kernels (csrc/gemm/sm90/w4a8_gemm_wgmma.cu, op kernel ids 4..9).
+"""The sm_90a wgmma W4A8 kernels (csrc/gemm/sm90/w4a8_gemm_wgmma.cu, op kernel ids 4..8).
 
 CPU: `emulate_wgmma_cta` replays one CTA of the kernel byte by byte (the producer's 4-byte
 cp.async transpose into the 128-byte-swizzled B tile, the descriptor addressing of each k32
@@ -18,8 +18,8 @@ from vllm_mixprec.kernels import cuda
 from cuda_gemm_helpers import (DEV, _gen, capture_after_warmup, check_close, poison, random_act,
                                random_lqq, replays_with_new_inputs, skip_without_csrc_ops)
 
-# kernel id -> (m64 blocks per consumer warpgroup, tokens per CTA, consumer warpgroups); mirrors Wg4..Wg9.
-CONFIGS = {4: (2, 128, 2), 5: (2, 64, 2), 6: (1, 256, 2), 7: (1, 64, 2), 8: (1, 128, 2), 9: (1, 64, 4)}
+# kernel id -> (m64 blocks per consumer warpgroup, tokens per CTA); mirrors Wg4..Wg8.
+CONFIGS = {4: (2, 128), 5: (2, 64), 6: (1, 256), 7: (1, 64), 8: (1, 128)}
 RASTER_GROUP = 8
 
 
@@ -52,8 +52,8 @@ def _tile_of(block, tok_tiles, ch_tiles):
 
 def emulate_wgmma_cta(kernel, xq, packed, gparams, tok_tile, ch_tile, rng):
     """int64 results {(tok, ch): acc} of one CTA, following the kernel's address arithmetic."""
-    blocks, ktok, wgs = CONFIGS[kernel]
-    R = wgs * blocks * 4  # row tiles per CTA
+    blocks, ktok = CONFIGS[kernel]
+    R = 2 * blocks * 4  # row tiles per CTA
     M, K = xq.shape
     chunks, num_rt = K // 64, packed.shape[0]
     groups = gparams.shape[1]
@@ -63,7 +63,7 @@ def emulate_wgmma_cta(kernel, xq, packed, gparams, tok_tile, ch_tile, rng):
     pw_all = gparams.view(torch.int32).numpy().reshape(-1).astype(np.int64) & 0xFFFFFFFF
     tok0, rt0 = tok_tile * ktok, ch_tile * R
     rows_valid, rt_valid = min(ktok, M - tok0), min(R, num_rt - rt0)
-    d = {(wgc, b): np.zeros((64, ktok), dtype=np.int64) for wgc in range(wgs) for b in range(blocks)}
+    d = {(wgc, b): np.zeros((64, ktok), dtype=np.int64) for wgc in range(2) for b in range(blocks)}
     for st in range((chunks + 1) // 2):
         c0 = 2 * st
         # stale bytes where the kernel copies nothing: must never reach a stored result
@@ -97,7 +97,7 @@ def emulate_wgmma_cta(kernel, xq, packed, gparams, tok_tile, ch_tile, rng):
                 src = (rt0 + p_rt) * groups * 8 + (pt & 1) * 4 + (((c if ok else c0) >> gshift) * 8)
                 words = pw_all[src:src + 4] if ok else np.zeros(4, dtype=np.int64)
                 ps[pt * 16:pt * 16 + 16] = np.array(words, dtype=np.uint32).view(np.uint8)
-        for wgc in range(wgs):  # consumer warpgroups
+        for wgc in range(2):  # consumer warpgroups
             for cl in range(2):
                 # B of each k32 step through the descriptor: start + (n // 8) * SBO + (n % 8) * 128 + k
                 bmat = []
@@ -126,7 +126,7 @@ def emulate_wgmma_cta(kernel, xq, packed, gparams, tok_tile, ch_tile, rng):
                     for step in range(2):
                         d[(wgc, b)] += amat[step] @ bmat[step].T
     out = {}
-    for wgc in range(wgs):  # epilogue mapping
+    for wgc in range(2):  # epilogue mapping
         for b in range(blocks):
             for warp in range(4):
                 rt = rt0 + (wgc * blocks + b) * 4 + warp
@@ -160,7 +160,6 @@ def _random_lqq_cpu(n, k, g, gen):
     (6, 9, 208, 192, 64),     # 256-token tile with 9 rows, partial channel tile (5 of 8), odd chunks
     (7, 100, 208, 320, 64),   # two 64-token tiles (36 rows in the second), 13 row tiles over 8-tile CTAs
     (8, 130, 144, 256, 128),  # 128-token tiles with 2 rows in the second, 9 row tiles, G = 128
-    (9, 70, 400, 320, 64),    # 4 warpgroups: 25 row tiles over 16-tile CTAs, 6 rows in the second token tile
 ])
 def test_emulated_cta_matches_integer_gemm(kernel, m, n, k, g):
     gen = torch.Generator().manual_seed(kernel * 1000 + m)
@@ -168,8 +167,8 @@ def test_emulated_cta_matches_integer_gemm(kernel, m, n, k, g):
     xq = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int32).to(torch.int8)
     packed, gparams = cuda.repack_w4a8_reference(qw, gs, go)
     expect = ref._int_gemm(xq, ref.dequantize_weight_w8(qw, gs, go)).to(torch.int64)  # [m, n]
-    blocks, ktok, wgs = CONFIGS[kernel]
-    tok_tiles, ch_tiles = -(-m // ktok), -(-(n // 16) // (wgs * blocks * 4))
+    blocks, ktok = CONFIGS[kernel]
+    tok_tiles, ch_tiles = -(-m // ktok), -(-(n // 16) // (2 * blocks * 4))
     rng = np.random.default_rng(0)
     got = torch.full((m, n), -(2 ** 40), dtype=torch.int64)
     seen = set()
@@ -341,7 +340,7 @@ def _exact(m, n, k, g, kernel, splits, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8])
 @pytest.mark.parametrize("m", [1, 8, 63, 64, 65, 127, 128, 129, 200, 257, 640])
 def test_integer_exact_tiles_and_tails(need_wgmma, kernel, m):
     """N = 208 (13 row tiles: every CTA overhangs N), K = 576 (9 chunks: half a last stage)."""
@@ -350,7 +349,7 @@ def test_integer_exact_tiles_and_tails(need_wgmma, kernel, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8])
 @pytest.mark.parametrize("n,k,g", [(256, 128, 64), (512, 1024, 128), (4096, 2048, 64), (272, 8192, 128)])
 @pytest.mark.parametrize("splits", [1, 2, 3, 0, -1])
 def test_integer_exact_shapes_and_splits(need_wgmma, kernel, n, k, g, splits):
@@ -359,7 +358,7 @@ def test_integer_exact_shapes_and_splits(need_wgmma, kernel, n, k, g, splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8])
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bias_dtype", [None, "same", torch.float32])
 @pytest.mark.parametrize("m", [64, 300])
@@ -380,7 +379,7 @@ def test_float_outputs_match_reference(need_wgmma, kernel, out_dtype, bias_dtype
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8])
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_bit_identical_to_mma_sync_kernel(need_wgmma, kernel, out_dtype):
     """Same int32 sums and the same epilogue float ops: identical outputs to tiled kernel 3."""

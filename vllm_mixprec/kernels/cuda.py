@@ -38,7 +38,7 @@ if _GEMM_KERNEL == -1 and os.environ.get("MIXPREC_W4A8_WGMMA", "1") == "0":
     _GEMM_KERNEL = -2
 _GEMM_SPLITS = int(os.environ.get("MIXPREC_W4A8_SPLITS", "0"))
 
-WGMMA_KERNELS = (4, 5, 6, 7, 8, 9)  # 9: 4 consumer warpgroups, forced by id only (not yet timed)
+WGMMA_KERNELS = (4, 5, 6, 7, 8)
 WGMMA_MIN_M = 64  # mirrors kWgmmaMinM in csrc/ops.cpp (documentation and tests only)
 
 CHUNK_K = 64  # k per packed chunk (two m16n8k32 steps)
@@ -126,8 +126,9 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
     with the kernel, fewest waves first; 2 or 3 forces one (MIXPREC_GEMM_DECODE_CTAS_PER_SM at
     load); M 17-32 always runs the 2-CTA build. decode_preload_max_m: at M <= this, each decode
     warp reads its first batch of weight words before the PDL wait, overlapping their DRAM latency
-    with quantize_act (8, the default: one token tile, where it was measured faster; 0 never, 32
-    every decode M; MIXPREC_GEMM_DECODE_PRELOAD_MAX_M at load). Defaults: csrc/gemm/NOTES.md,
+    with quantize_act; at M = 9-16 only in the 3-CTA build (half a batch in its 32-channel kernel)
+    unless the bound is over 16 (16, the default, where it was measured faster; 0 never, 32 every
+    decode M in every build; MIXPREC_GEMM_DECODE_PRELOAD_MAX_M at load). Defaults: csrc/gemm/NOTES.md,
     "PDL", "Stream-K", "Decode u8", "Decode occupancy" and "Decode preload".
     A CUDA graph keeps the options it was captured with."""
     got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8,
@@ -151,7 +152,7 @@ def supports_device(device: torch.device) -> bool:
 
 
 def has_wgmma(device: torch.device | int | None = None) -> bool:
-    """Whether the sm_90a wgmma W4A8 kernels (ids 4..9) run on `device` (default: current).
+    """Whether the sm_90a wgmma W4A8 kernels (ids 4..8) run on `device` (default: current).
 
     True only for an sm_90 GPU with a build that includes sm_90a; cached per device.
     """

@@ -290,11 +290,14 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(c
   // As a programmatic dependent (sm_90), the CTA got here while the previous grid
   // (quantize_act) may still run; nothing it writes is read or written before this wait.
   // (An L2 prefetch of the weight range before it cost 1-8 us: session 24, NOTES.md "PDL".)
-  uint4 wv0[kPreload ? kUnroll : 1][kRowTiles];
-  uint32_t pv0[kPreload ? kUnroll : 1][kRowTiles];
-  const bool preloaded = kPreload && c_lo + kUnroll <= c_hi;
+  // The 3-CTA build with two token tiles and 32 channels preloads half a batch: the whole one
+  // spilled at its 80 registers (NOTES.md "Decode preload").
+  constexpr int kPre = kMinCtas == 3 && kTokTiles >= 2 && kRowTiles >= 2 ? kUnroll / 2 : kUnroll;
+  uint4 wv0[kPreload ? kPre : 1][kRowTiles];
+  uint32_t pv0[kPreload ? kPre : 1][kRowTiles];
+  const bool preloaded = kPreload && c_lo + kPre <= c_hi;
   if constexpr (kPreload) {
-    if (preloaded) load_weights<kUnroll>(wptr, pptr, c_lo, p.group_shift, wv0, pv0);
+    if (preloaded) load_weights<kPre>(wptr, pptr, c_lo, p.group_shift, wv0, pv0);
   }
   wait_prior_grids();
 
@@ -317,8 +320,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(c
   int c = c_lo;
   if constexpr (kPreload) {
     if (preloaded) {
-      decode_loaded_batch<kUnroll, kUnsigned>(wv0, pv0, xptr, acc, xsum);
-      c += kUnroll;
+      decode_loaded_batch<kPre, kUnsigned>(wv0, pv0, xptr, acc, xsum);
+      c += kPre;
     }
   }
   for (; c + kUnroll <= c_hi; c += kUnroll)

@@ -49,6 +49,7 @@ namespace mixprec {
 namespace {
 
 constexpr int kStageK = 128;        // k per pipeline stage = one 128-byte swizzle row of x
+constexpr int kThreads = 384;       // producer warpgroup + 2 consumer warpgroups
 
 struct WParams : W4A8KernelParams {
   int tok_tiles, ch_tiles;
@@ -56,19 +57,10 @@ struct WParams : W4A8KernelParams {
   int sk_dp_tiles;  // stream-K: the first tiles, run data-parallel (a multiple of sk_ctas)
 };
 
-// kBlocks m64 blocks per consumer warpgroup, kTok tokens (= wgmma N), kStages ring slots,
-// kWGs consumer warpgroups (2, or 4 for kernel 9) beside the producer warpgroup.
-template <int kBlocks, int kTok, int kStages, int kWGs = 2>
+// kBlocks m64 blocks per consumer warpgroup, kTok tokens (= wgmma N), kStages ring slots.
+template <int kBlocks, int kTok, int kStages>
 struct WgShape {
-  static constexpr int kThreads = 128 * (kWGs + 1);
-  static constexpr int kConsumers = 128 * kWGs;
-  // setmaxnreg moves registers within the CTA's launch allocation (kThreads x kLaunchRegs, the
-  // __launch_bounds__(kThreads, 1) cap): the producer drops to 56 and the consumers take what that
-  // frees. 2 consumer warpgroups: 56 + 2 x 224 = 3 x 168; 4: 56 + 4 x 104 <= 5 x 96.
-  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
-  static constexpr int kProducerRegs = 56;
-  static constexpr int kConsumerRegs = kWGs == 2 ? 224 : 104;
-  static constexpr int kRowTiles = kWGs * kBlocks * 4;       // 16-channel tiles per CTA
+  static constexpr int kRowTiles = 2 * kBlocks * 4;          // 16-channel tiles per CTA
   static constexpr int kXBytes = kTok * kStageK;             // multiple of 1024: swizzle atoms stay aligned
   static constexpr int kWBytes = kRowTiles * 2 * kChunkBytes;
   static constexpr int kPBytes = kRowTiles * 2 * 32;
@@ -78,18 +70,17 @@ struct WgShape {
   static_assert(kTok == 64 || kTok == 128 || kTok == 256, "wgmma N");
   static_assert(kBlocks * kAcc <= 128, "accumulators must fit the consumer register budget");
   static_assert(kXBytes % 1024 == 0, "swizzle atom alignment");
-  static_assert(kWGs == 2 || (kWGs == 4 && kBlocks * kAcc <= 32), "4 warpgroups: 104 registers, one m64n64 block");
-  static_assert(kRowTiles <= 32, "the producer's group-word copy covers 4 x kRowTiles <= 128 threads");
-  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumers <= kThreads * kLaunchRegs,
-                "setmaxnreg.inc would wait forever for registers the CTA does not hold");
 };
 
 #ifdef MIXPREC_WGMMA_DEVICE
 
+constexpr int kConsumers = 256;
+constexpr int kProducerRegs = 56;   // 56 + 2 * 224 = 3 * 168 (the cap of __launch_bounds__(384, 1))
 // Copy address chains per producer thread: an LDGSTS reads its address register late (long
 // scoreboard), so bumping one pointer in place after every copy stalled each next copy on the
 // last (13-17 % slower GEMMs, csrc/gemm/NOTES.md "Stream-K"); round-robin over 4 pointers.
 constexpr int kCopyChains = 4;
+constexpr int kConsumerRegs = 224;
 constexpr int kRasterGroup = 8;     // token tiles swept together across all channel tiles (L2 reuse)
 
 // ---- PTX wrappers ----------------------------------------------------------------------------
@@ -111,7 +102,6 @@ __device__ __forceinline__ void fence_regs(int32_t (&r)[kN]) {
   for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
-template <int kConsumers>
 __device__ __forceinline__ void named_barrier_consumers() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory");
 }
@@ -279,11 +269,10 @@ __device__ __forceinline__ int2* workspace_at(const WParams& p, int split, int t
   return static_cast<int>((static_cast<long long>(u + 1) * ctas + units - 1) / units) - 1;
 }
 
-template <int kBlocks, int kTok, int kStages, int kWGs, typename OutT>
-__global__ void __launch_bounds__(WgShape<kBlocks, kTok, kStages, kWGs>::kThreads, 1) w4a8_wgmma_kernel(const WParams p) {
+template <int kBlocks, int kTok, int kStages, typename OutT>
+__global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p) {
 #ifdef MIXPREC_WGMMA_DEVICE
-  using S = WgShape<kBlocks, kTok, kStages, kWGs>;
-  constexpr int kConsumers = S::kConsumers;
+  using S = WgShape<kBlocks, kTok, kStages>;
   // Only this (sm_90a) body has static shared memory and the 168-register launch-bound
   // allocation; w4a8_wgmma_supported tells it from the stubs by those attributes.
   __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[s] then empty[s]
@@ -360,7 +349,7 @@ __global__ void __launch_bounds__(WgShape<kBlocks, kTok, kStages, kWGs>::kThread
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     // ================= producer warpgroup: global -> shared with cp.async =================
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(S::kProducerRegs));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     const int pt = threadIdx.x;
     const int pw = pt >> 5, lane = pt & 31;
     const int groups = chunks >> p.group_shift;
@@ -511,7 +500,7 @@ __global__ void __launch_bounds__(WgShape<kBlocks, kTok, kStages, kWGs>::kThread
     cp_async_wait_all();  // do not retire with copies in flight
   } else {
     // ================= consumer warpgroups: dequant + wgmma =================
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(S::kConsumerRegs));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
     const int ct = threadIdx.x - 128;
     const int wgc = ct >> 7;
     const int warp = (ct >> 5) & 3, lane = ct & 31;
@@ -628,7 +617,7 @@ __global__ void __launch_bounds__(WgShape<kBlocks, kTok, kStages, kWGs>::kThread
 #pragma unroll
               for (int i = 0; i < S::kAcc; ++i) __stcg(dst + (b * S::kAcc + i) * kConsumers, acc[b][i]);
             __threadfence();
-            named_barrier_consumers<kConsumers>();
+            named_barrier_consumers();
             if (ct == 0) atomicAdd(p.counters + tile, 1);
             continue;
           }
@@ -641,7 +630,7 @@ __global__ void __launch_bounds__(WgShape<kBlocks, kTok, kStages, kWGs>::kThread
             while (*count < pieces - 1) __nanosleep(64);
             *count = 0;  // reusable by the next launch
           }
-          named_barrier_consumers<kConsumers>();
+          named_barrier_consumers();
           __threadfence();
           for (int c = 1; c < pieces; ++c) {
             const int32_t* src = sk_partial(blockIdx.x + c);
@@ -676,13 +665,13 @@ __global__ void __launch_bounds__(WgShape<kBlocks, kTok, kStages, kWGs>::kThread
             if (ch_ok[b]) *workspace_at(p, blockIdx.y, tok, ch[b]) = make_int2(acc[b][4 * j + d], acc[b][4 * j + 2 + d]);
         }
       __threadfence();
-      named_barrier_consumers<kConsumers>();
+      named_barrier_consumers();
       if (ct == 0) {
         const int prev = atomicAdd(p.counters + tile, 1);
         s_is_last = prev == splits - 1;
         if (s_is_last) p.counters[tile] = 0;  // reusable by the next launch
       }
-      named_barrier_consumers<kConsumers>();
+      named_barrier_consumers();
       if (!s_is_last) continue;
       __threadfence();
       ChanPair cp[kBlocks];
@@ -731,7 +720,7 @@ __global__ void __launch_bounds__(WgShape<kBlocks, kTok, kStages, kWGs>::kThread
 
 // ---- host side -------------------------------------------------------------------------------
 
-// Kernel ids of the w4a8_gemm op (4..9) -> <kBlocks, kTok, kStages, consumer warpgroups>.
+// Kernel ids of the w4a8_gemm op (4..8) -> <kBlocks, kTok, kStages>.
 //   4: 256 channels x 128 tokens, 5 stages (165 KB): large M
 //   5: 256 channels x  64 tokens, 6 stages (150 KB): M <= 64 and the tail of larger M
 //   6: 128 channels x 256 tokens, 5 stages (203 KB): A/B alternative for large M
@@ -739,45 +728,38 @@ __global__ void __launch_bounds__(WgShape<kBlocks, kTok, kStages, kWGs>::kThread
 //      N / 256 x M / 64 leaves most SMs idle (4096 x 4096 at M = 256: 64 CTAs on 132 SMs;
 //      M = 64: 21.6 -> 14.2 us, H100, 2026-11-28)
 //   8: 128 channels x 128 tokens, 8 stages (197 KB): the same for kernel 4
-//   9: 256 channels x  64 tokens, 8 stages (201 KB), 4 consumer warpgroups of one m64n64 block
-//      each (104 registers): kernel 5's tile with twice the consumer warps to hide the dequant's latency
-//      (csrc/gemm/NOTES.md, "Where the wgmma kernels' time goes"). Prepared in session 38, not
-//      yet run on a GPU: forced by id only, never auto-picked
 using Wg4 = WgShape<2, 128, 5>;
 using Wg5 = WgShape<2, 64, 6>;
 using Wg6 = WgShape<1, 256, 5>;
 using Wg7 = WgShape<1, 64, 8>;
 using Wg8 = WgShape<1, 128, 8>;
-using Wg9 = WgShape<1, 64, 8, 4>;
 constexpr int kMaxSmem = 227 * 1024;
 static_assert(Wg4::kSmemBytes <= kMaxSmem && Wg5::kSmemBytes <= kMaxSmem && Wg6::kSmemBytes <= kMaxSmem &&
-                  Wg7::kSmemBytes <= kMaxSmem && Wg8::kSmemBytes <= kMaxSmem && Wg9::kSmemBytes <= kMaxSmem,
+                  Wg7::kSmemBytes <= kMaxSmem && Wg8::kSmemBytes <= kMaxSmem,
               "shared memory per CTA");
 
-// 16-channel row tiles and tokens per CTA, the measured microseconds of one 128-deep K stage
-// (wgmma_estimate_us), and a stream-K stage's cost against it (wgmma_sk_estimate_us)
+// m64 blocks per consumer warpgroup, tokens per CTA, the measured microseconds of one 128-deep
+// K stage (wgmma_estimate_us), and a stream-K stage's cost against it (wgmma_sk_estimate_us)
 struct Cfg {
-  int row_tiles, tok;
+  int blocks, tok;
   double stage_us, sk_stage_scale;
-  long long tile_elems() const { return 16LL * row_tiles * tok; }
 };
 Cfg cfg_of(int kernel) {
   switch (kernel) {
-    case 4: return {Wg4::kRowTiles, 128, 0.912, 1.087};
-    case 5: return {Wg5::kRowTiles, 64, 0.615, 1.011};
-    case 7: return {Wg7::kRowTiles, 64, 0.48, 0.952};
-    case 8: return {Wg8::kRowTiles, 128, 0.65, 0.985};
-    case 9: return {Wg9::kRowTiles, 64, 0.615, 1.011};  // not timed yet: kernel 5's, for its split choice
-    default: return {Wg6::kRowTiles, 256, 1.025, 1.1};  // kernel 6: not auto-picked, its stream-K not fitted
+    case 4: return {2, 128, 0.912, 1.087};
+    case 5: return {2, 64, 0.615, 1.011};
+    case 7: return {1, 64, 0.48, 0.952};
+    case 8: return {1, 128, 0.65, 0.985};
+    default: return {1, 256, 1.025, 1.1};  // kernel 6: not auto-picked, its stream-K not fitted
   }
 }
 
-template <int kBlocks, int kTok, int kStages, typename OutT, int kWGs = 2>
+template <int kBlocks, int kTok, int kStages, typename OutT>
 cudaError_t launch_one(const WParams& p, int splits, bool pdl, cudaStream_t stream) {
-  using S = WgShape<kBlocks, kTok, kStages, kWGs>;
+  using S = WgShape<kBlocks, kTok, kStages>;
   const dim3 grid = p.sk_ctas > 0 ? dim3(p.sk_ctas) : dim3(p.tok_tiles * p.ch_tiles, splits);
-  return launch_kernel<w4a8_wgmma_kernel<kBlocks, kTok, kStages, kWGs, OutT>>(grid, dim3(S::kThreads), S::kSmemBytes,
-                                                                               pdl, stream, p);
+  return launch_kernel<w4a8_wgmma_kernel<kBlocks, kTok, kStages, OutT>>(grid, dim3(kThreads), S::kSmemBytes, pdl,
+                                                                         stream, p);
 }
 
 template <typename OutT>
@@ -787,7 +769,6 @@ cudaError_t launch_typed(const WParams& p, const W4A8Plan& plan, bool pdl, cudaS
     case 5: return launch_one<2, 64, 6, OutT>(p, plan.splits, pdl, stream);
     case 7: return launch_one<1, 64, 8, OutT>(p, plan.splits, pdl, stream);
     case 8: return launch_one<1, 128, 8, OutT>(p, plan.splits, pdl, stream);
-    case 9: return launch_one<1, 64, 8, OutT, 4>(p, plan.splits, pdl, stream);
     default: return launch_one<1, 256, 5, OutT>(p, plan.splits, pdl, stream);
   }
 }
@@ -796,7 +777,7 @@ constexpr int kStagesMinPerSplit = 4;  // 512 k per split at least: pipeline fil
 
 long long ctas_of(int kernel, int M, int N) {
   const Cfg c = cfg_of(kernel);
-  return static_cast<long long>(ceil_div(M, c.tok)) * ceil_div(N / 16, c.row_tiles);
+  return static_cast<long long>(ceil_div(M, c.tok)) * ceil_div(N / 16, 2 * c.blocks * 4);
 }
 
 // Estimated microseconds of one wgmma launch on an H100 SXM. Filling the SMs (the old rule) is
@@ -817,7 +798,7 @@ double wgmma_estimate_us(int kernel, int splits, long long ctas, int n_stages, i
   const long long waves = (ctas * splits + sms - 1) / sms;
   double us = static_cast<double>(waves) * (ceil_div(n_stages, splits) * c.stage_us + kWaveUs);
   if (splits > 1) {
-    const double tile_kelems = c.tile_elems() / 1024.0;
+    const double tile_kelems = 2.0 * c.blocks * 64 * c.tok / 1024;
     us += kSplitUs + kSumUsPerKElem * splits * tile_kelems +
           2.0 * splits * static_cast<double>(M) * N * 4 / kPartialBytesPerUs;
   }
@@ -880,7 +861,7 @@ double wgmma_sk_estimate_us(int kernel, long long tiles, int n_stages, int ctas,
   double us = static_cast<double>(dp_waves) * (n_stages * c.stage_us + kWaveUs);
   us += c.sk_stage_scale * static_cast<double>(per_cta) * c.stage_us + kLaunchUs +
         static_cast<double>(segments - 1) * kSegmentUs;
-  if (slots > 0) us += kSumUsPerKElem * slots * (c.tile_elems() / 1024.0);
+  if (slots > 0) us += kSumUsPerKElem * slots * (2.0 * c.blocks * 64 * c.tok / 1024);
   return us;
 }
 
@@ -904,7 +885,7 @@ bool w4a8_wgmma_supported() {
               major == 9 && minor == 0;
     if (ok) {
       cudaFuncAttributes attr{};
-      ok = cudaFuncGetAttributes(&attr, w4a8_wgmma_kernel<2, 128, 5, 2, __half>) == cudaSuccess &&
+      ok = cudaFuncGetAttributes(&attr, w4a8_wgmma_kernel<2, 128, 5, __half>) == cudaSuccess &&
            attr.binaryVersion >= 90 && attr.numRegs >= 64 && attr.sharedSizeBytes > 0;
     }
     (void)cudaGetLastError();  // a missing image leaves a (non-sticky) error behind: clear it
@@ -922,7 +903,7 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
   if (group_size < kChunkK || group_size % kChunkK || ((group_size / kChunkK) & (group_size / kChunkK - 1)))
     return "w4a8_gemm: group size must be 64 times a power of two (64, 128, ...)";
   if (K % group_size) return "w4a8_gemm: K must be a multiple of the group size";
-  if (kernel != -1 && (kernel < 4 || kernel > 9)) return "w4a8_gemm: the wgmma kernels are 4 to 9";
+  if (kernel != -1 && (kernel < 4 || kernel > 8)) return "w4a8_gemm: the wgmma kernels are 4 to 8";
   if (splits < -1) return "w4a8_gemm: splits must be -1 (stream-K), 0 (choose) or a split count";
   const int n_stages = ceil_div(K / kChunkK, 2);
   const int sms = num_sms > 0 ? num_sms : 1;
@@ -983,7 +964,7 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
     plan->sk_ctas = static_cast<int>(std::min<long long>(sms, ctas * n_stages));
     plan->sk_slots = best_slots;  // the candidate's: same tiles and CTAs
     // A partial tile per CTA, when any tile is cut (sk_slots > 0).
-    plan->workspace_elems = plan->sk_slots > 0 ? plan->sk_ctas * c.tile_elems() : 0;
+    plan->workspace_elems = plan->sk_slots > 0 ? plan->sk_ctas * (2LL * c.blocks * 64 * c.tok) : 0;
     return nullptr;
   }
   if (splits > n_stages) splits = n_stages;
@@ -1001,7 +982,7 @@ cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaS
   static_cast<W4A8KernelParams&>(p) = w4a8_kernel_params(a);
   const Cfg c = cfg_of(static_cast<int>(plan.kernel));
   p.tok_tiles = ceil_div(a.M, c.tok);
-  p.ch_tiles = ceil_div(a.N / 16, c.row_tiles);
+  p.ch_tiles = ceil_div(a.N / 16, 2 * c.blocks * 4);
   p.sk_ctas = plan.splits == -1 ? plan.sk_ctas : 0;
   p.sk_dp_tiles = p.sk_ctas > 0 ? static_cast<int>(sk_dp_tiles_of(static_cast<long long>(p.tok_tiles) * p.ch_tiles, p.sk_ctas)) : 0;
   switch (a.out_kind) {
