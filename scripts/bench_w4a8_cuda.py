@@ -36,7 +36,8 @@ USE_GRAPHS = True
 DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # --splits-sweep, decode kernels 0 and 1
 # --option-ab: launch option -> (JSON key tag, values timed, largest M it acts on or None, what it
 # changes: "gemm" (timed: the plan, the GEMM, the linear) or "quant" (quantize_act, the linear))
-OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32, "gemm"), "decode_preload_max_m": ("pre", (0, 8, 16, 32), 32, "gemm"),
+OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32, "gemm"),
+             "decode_preload_max_m": ("pre", (0, 8, 16, 32), 32, "gemm"),
              "act_quant_one_pass": ("op", (0, 1), None, "quant")}
 
 
@@ -94,7 +95,8 @@ def main():
                          "whichever the option changes, under each value of these launch options, this run, at "
                          "the M each acts on: decode_ctas_per_sm 0 "
                          "(the planner's build) and 2 (the plan before session 36), M <= 32; decode_preload_max_m "
-                         "0 (never), 8, 16 (M = 9-16: the 3-CTA build only) and 32 (every M), M <= 32; act_quant_one_pass 0 (the two-pass loop) and 1")
+                         "0 (never), 8, 16 (M = 9-16: the 3-CTA build only) and 32 (every M), M <= 32; "
+                         "act_quant_one_pass 0 (the two-pass loop) and 1")
     ap.add_argument("--cublas-gemv", action="store_true",
                     help="M <= 32: also cuBLAS bf16 on the same shape (the weight's N x K bf16, >= 2x the L2), "
                          "the HBM bandwidth a GEMV reaches on this GPU (cublas_bf16_TBps)")

@@ -760,10 +760,9 @@ stage_decode_table_tested() {
   return $rc
 }
 # decode_preload_max_m (each decode warp reads its first weight batch before the PDL wait, at
-# M <= the option) after its GPU tests: 0 (never), 8, 16 (the default) and 32, in one run, on the Llama shapes
-# (DECODE_PRELOAD_SHAPES) at M = 1, 8, 16 (session 36 prepared it, session 37 ran it; DECODE_PRELOAD_ARGS
-# adds bench arguments, e.g. --auto-only --no-marlin); then issue
-# #4's bench_gemm table at M = 1, 16 with it at every M, and memcheck with the preload cases.
+# M <= the option) after its GPU tests: 0 (never), 8, 16 (the default) and 32, in one run, on the
+# Llama shapes (DECODE_PRELOAD_SHAPES) at M = 1, 8, 16 (DECODE_PRELOAD_MS; session 36 prepared it,
+# session 37 ran it). DECODE_PRELOAD_ARGS adds bench arguments, e.g. --auto-only --no-marlin.
 stage_decode_preload() {
   local rc=0
   pytest_gpu pytest-gpu-decode-preload 200 tests/kernels/test_cuda_gemm.py -k "options or graph" || rc=1
@@ -773,6 +772,7 @@ stage_decode_preload() {
     --out "$OUT/decode_preload.json" || rc=1
   return $rc
 }
+# Issue #4's bench_gemm table at M = 1, 16 with the preload at every M, and memcheck with the preload cases.
 stage_decode_preload_table() {
   local rc=0
   (export OUT=$OUT/preload-on MIXPREC_GEMM_DECODE_PRELOAD_MAX_M=32 && mkdir -p "$OUT" && stage_decode_table) || rc=1

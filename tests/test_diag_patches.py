@@ -12,9 +12,8 @@ PATCHES = sorted((ROOT / "scripts" / "diag").glob("*.patch"))
 GIT = shutil.which("git")
 
 
-def patched_files() -> set[str]:
-    """The repository paths the patches change (their "+++ b/..." lines)."""
-    return {line.split()[1][2:] for p in PATCHES for line in p.read_text().splitlines() if line.startswith("+++ ")}
+# The repository paths the patches change (their "+++ b/..." lines).
+PATCHED_FILES = {line.split()[1][2:] for p in PATCHES for line in p.read_text().splitlines() if line.startswith("+++ ")}
 
 
 def git_apply(patch_name: str, cwd, *flags: str):
@@ -24,8 +23,7 @@ def git_apply(patch_name: str, cwd, *flags: str):
 
 def test_there_are_patches():
     assert {p.stem for p in PATCHES} >= {"wgmma_feed_only", "wgmma_compute_only", "wgmma_x16", "wgmma_no_w_copy",
-                                         "wgmma_no_w_lds", "wgmma_w_bulk",
-                                         "wgmma_epi_prefetch"}
+                                         "wgmma_no_w_lds", "wgmma_w_bulk", "wgmma_epi_prefetch"}
 
 
 @pytest.mark.skipif(GIT is None, reason="needs git")
@@ -34,7 +32,7 @@ def test_there_are_patches():
                                                                     ("wgmma_w_bulk", "wgmma_epi_prefetch")],
                          ids=lambda names: "+".join(names))
 def test_diag_patches_apply(names, tmp_path):
-    for rel in patched_files():
+    for rel in PATCHED_FILES:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, tmp_path / rel)
     for name in names:  # applied in turn, as the stage does
@@ -43,5 +41,5 @@ def test_diag_patches_apply(names, tmp_path):
     for name in reversed(names):
         got = git_apply(name, tmp_path, "-R")
         assert got.returncode == 0, got.stderr
-    for rel in patched_files():
+    for rel in PATCHED_FILES:
         assert (tmp_path / rel).read_bytes() == (ROOT / rel).read_bytes(), f"{rel} not restored"
