@@ -793,10 +793,10 @@ stage_profile_mid() {
 # of the k-permuting 4-byte ones (x16); feed only with x16. Also in scripts/diag/, not in the
 # default set: no weight or group-word copies (wgmma_no_w_copy) and no weight LDS, the consumers
 # dequantising words made in registers (wgmma_no_w_lds): what the weights' trip through shared
-# memory costs (session 39: 13-23 % of the GEMM). The same A/B serves candidate kernel patches
-# (wgmma_w_bulk: the weight words by bulk copy, TMA, instead of cp.async; wgmma_epi_prefetch: the
-# epilogue's scales prefetched into L1 two stages ahead; sessions 38-39 ran a
-# weight register ring and the decode GEMM's half-batch preload this way), with
+# memory costs (session 39: 13-23 % of the GEMM; session 40: 7-13 % is the copies). The same A/B
+# serves kernel changes (wgmma_w_cpasync: the weights by cp.async again in every kernel, against
+# session 40's TMA; sessions 38-40 ran a weight register ring, the decode GEMM's half-batch
+# preload, per-row-tile bulk copies and an epilogue prefetch this way), with
 # WGMMA_DIAG_BENCH_ARGS added to the bench (e.g. "--option-ab decode_preload_max_m").
 # Variants named in WGMMA_DIAG_TEST also run the GEMM GPU tests (correct builds only). The sources
 # are patched only while a variant builds; a variant is built only when it differs from the one

@@ -14,12 +14,12 @@
 // 64 bytes of a token row. The producer warpgroup applies it with 4-byte cp.async (no register
 // staging, coalesced 128-byte warp reads, conflict-free swizzled writes).
 //
-// CTA = 1 producer warpgroup (cp.async into a kStages ring, mbarrier full/empty per stage) +
-// 2 consumer warpgroups (kBlocks x 64 channels x kTok tokens each; setmaxnreg moves the
-// producer's registers to them). A stage is 128 k: x as kTok rows of 128 bytes in the
-// 128-byte-swizzle K-major layout (one descriptor per k32 step), the packed weight words of
-// the CTA's row tiles copied as is (conflict-free LDS.128, as in the mma.sync tiled kernel),
-// and the group words. Consumers software-pipeline per 64-k chunk with two A register
+// CTA = 1 producer warpgroup (cp.async, plus one TMA a stage for the weights except in kernel
+// 7, into a kStages ring, mbarrier full/empty per stage) + 2 consumer warpgroups (kBlocks x
+// 64 channels x kTok tokens each; setmaxnreg moves the producer's registers to them). A stage
+// is 128 k: x as kTok rows of 128 bytes in the 128-byte-swizzle K-major layout (one descriptor
+// per k32 step), the packed weight words of the CTA's row tiles copied as is (conflict-free
+// LDS.128, as in the mma.sync tiled kernel), and the group words. Consumers software-pipeline per 64-k chunk with two A register
 // buffers: dequant chunk c+1 while the wgmmas of chunk c run. int32 accumulation over all K
 // (or the CTA's K split), epilogue in fp32 as in the mma.sync kernels. Launched as a programmatic
 // dependent (W4A8GemmArgs::pdl): the first stages' weight copies start before griddepcontrol.wait.
@@ -27,6 +27,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda.h>  // CUtensorMap (the weights' TMA descriptor)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -100,6 +101,19 @@ template <int kN>
 __device__ __forceinline__ void fence_regs(int32_t (&r)[kN]) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// The expected bytes of the current phase of a full barrier, before its TMA is issued.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// 2-D TMA load of one box at (x, y) of `map` (a __grid_constant__ parameter), completing on bar.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::
+          "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
 }
 
 __device__ __forceinline__ void named_barrier_consumers() {
@@ -270,9 +284,14 @@ __device__ __forceinline__ int2* workspace_at(const WParams& p, int split, int t
 }
 
 template <int kBlocks, int kTok, int kStages, typename OutT>
-__global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p) {
+__global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p,
+                                                                 const __grid_constant__ CUtensorMap w_map) {
 #ifdef MIXPREC_WGMMA_DEVICE
   using S = WgShape<kBlocks, kTok, kStages>;
+  // The weight words by TMA (one box a stage, thread 0) or by cp.async (16 B a thread, 64 a row
+  // tile): TMA was 2.5-5 % faster for kernels 4, 5 and 8 and 2.4-3 % slower for kernel 7, the
+  // 128 x 64 tile (H200, csrc/gemm/NOTES.md "Weights by TMA").
+  constexpr bool kTmaWeights = !(kBlocks == 1 && kTok == 64);
   // Only this (sm_90a) body has static shared memory and the 168-register launch-bound
   // allocation; w4a8_wgmma_supported tells it from the stubs by those attributes.
   __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[s] then empty[s]
@@ -353,6 +372,9 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
     const int pt = threadIdx.x;
     const int pw = pt >> 5, lane = pt & 31;
     const int groups = chunks >> p.group_shift;
+    // The descriptor is read from parameter memory on the first TMA: fetch it now, off that path.
+    if (kTmaWeights && pt == 0)
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&w_map)) : "memory");
     // x: warp pw copies rows r = pw + 4i, one 128-byte row (both chunks of the stage) per
     // warp instruction. Lane l holds actual 4-byte unit u = l & 15 = 4a + b of chunk h = l >> 4;
     // it goes to logical unit 4b + a (the packing's k permutation), i.e. 16-byte block
@@ -362,15 +384,15 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
     const uint32_t x_off0 = pw * kStageK + 16 * ((4 * xh + xb) ^ pw) + 4 * xa;
     const uint32_t x_off1 = pw * kStageK + 512 + 16 * ((4 * xh + xb) ^ (pw + 4)) + 4 * xa;
     const size_t x_step4 = static_cast<size_t>(4) * K;
-    // weights: 16-byte unit u = pt + 128 i of the stage = row tile (pt >> 6) + 2i, byte
-    // offset (pt & 63) * 16 of its two chunks (1 KB contiguous in global memory).
+    // weights (without kTmaWeights): 16-byte unit u = pt + 128 i of the stage = row tile
+    // (pt >> 6) + 2i, byte offset (pt & 63) * 16 of its two chunks (1 KB contiguous in global memory).
     const int w_rt = pt >> 6, w_cl = (pt >> 5) & 1;
     const size_t w_step2 = static_cast<size_t>(2) * chunks * kChunkBytes;
     // group words: unit pt < 4 * kRowTiles = (row tile pt >> 2, chunk (pt >> 1) & 1, half pt & 1).
     const int p_rt = pt >> 2, p_cl = (pt >> 1) & 1;
 
     // The segment being copied: tile `tile`, its stages from st_lo (set by begin_segment).
-    int st_lo, rt_valid, rows_valid;
+    int st_lo, rt_lo, rt_valid, rows_valid;
     const int8_t* x_src;
     const uint8_t* w_src;
     bool p_thread;
@@ -379,6 +401,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
       st_lo = first_stage;
       int tok0, rt0;
       tile_origin(tile, tok0, rt0);
+      rt_lo = rt0;
       rt_valid = min(S::kRowTiles, num_rt - rt0);
       rows_valid = min(kTok, M - tok0);
       x_src = p.xq + static_cast<size_t>(tok0 + pw) * K + static_cast<size_t>(st_lo) * kStageK + 4 * lane;
@@ -393,25 +416,36 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
     // of the stage loop (that needs 2 registers per row; the producer has 56).
     auto copy_weights = [&](int it, int slot) {  // the stage's weight words and group words
       const int c0 = 2 * (st_lo + it);
-      size_t w_step = w_step2;
-      asm volatile("" : "+l"(w_step));
-      const bool ok = c0 + w_cl < chunks;
-      const uint32_t dst = w_ring + slot * S::kWBytes + pt * 16;
-      const uint8_t* src[kCopyChains];
-      src[0] = w_src + static_cast<size_t>(it) * (2 * kChunkBytes) - (ok ? 0 : kChunkBytes);
-#pragma unroll
-      for (int c = 1; c < kCopyChains; ++c) src[c] = src[c - 1] + w_step;
-      if (rt_valid == S::kRowTiles) {
-#pragma unroll
-        for (int i = 0; i < S::kRowTiles / 2; ++i) {
-          cp_async16(dst + i * 128 * 16, src[i % kCopyChains], ok);
-          src[i % kCopyChains] += kCopyChains * w_step;
+      if constexpr (kTmaWeights) {
+        if (pt == 0) {
+          // Thread 0's own cp.async arrival on this barrier comes later, so the phase cannot
+          // complete before the bytes are expected. Row tiles past N and the chunk past an odd
+          // K / 64 arrive as zeros.
+          const uint32_t full = full0 + 8 * slot;
+          mbar_expect_tx(full, S::kWBytes);
+          tma_load_2d(w_ring + slot * S::kWBytes, &w_map, c0 * (kChunkBytes / 4), rt_lo, full);
         }
       } else {
+        size_t w_step = w_step2;
+        asm volatile("" : "+l"(w_step));
+        const bool ok = c0 + w_cl < chunks;
+        const uint32_t dst = w_ring + slot * S::kWBytes + pt * 16;
+        const uint8_t* src[kCopyChains];
+        src[0] = w_src + static_cast<size_t>(it) * (2 * kChunkBytes) - (ok ? 0 : kChunkBytes);
 #pragma unroll
-        for (int i = 0; i < S::kRowTiles / 2; ++i) {
-          if (w_rt + 2 * i < rt_valid) cp_async16(dst + i * 128 * 16, src[i % kCopyChains], ok);
-          src[i % kCopyChains] += kCopyChains * w_step;
+        for (int c = 1; c < kCopyChains; ++c) src[c] = src[c - 1] + w_step;
+        if (rt_valid == S::kRowTiles) {
+#pragma unroll
+          for (int i = 0; i < S::kRowTiles / 2; ++i) {
+            cp_async16(dst + i * 128 * 16, src[i % kCopyChains], ok);
+            src[i % kCopyChains] += kCopyChains * w_step;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < S::kRowTiles / 2; ++i) {
+            if (w_rt + 2 * i < rt_valid) cp_async16(dst + i * 128 * 16, src[i % kCopyChains], ok);
+            src[i % kCopyChains] += kCopyChains * w_step;
+          }
         }
       }
       if (p_thread) {
@@ -755,21 +789,22 @@ Cfg cfg_of(int kernel) {
 }
 
 template <int kBlocks, int kTok, int kStages, typename OutT>
-cudaError_t launch_one(const WParams& p, int splits, bool pdl, cudaStream_t stream) {
+cudaError_t launch_one(const WParams& p, const CUtensorMap& w_map, int splits, bool pdl, cudaStream_t stream) {
   using S = WgShape<kBlocks, kTok, kStages>;
   const dim3 grid = p.sk_ctas > 0 ? dim3(p.sk_ctas) : dim3(p.tok_tiles * p.ch_tiles, splits);
   return launch_kernel<w4a8_wgmma_kernel<kBlocks, kTok, kStages, OutT>>(grid, dim3(kThreads), S::kSmemBytes, pdl,
-                                                                         stream, p);
+                                                                         stream, p, w_map);
 }
 
 template <typename OutT>
-cudaError_t launch_typed(const WParams& p, const W4A8Plan& plan, bool pdl, cudaStream_t stream) {
+cudaError_t launch_typed(const WParams& p, const CUtensorMap& w_map, const W4A8Plan& plan, bool pdl,
+                         cudaStream_t stream) {
   switch (static_cast<int>(plan.kernel)) {
-    case 4: return launch_one<2, 128, 5, OutT>(p, plan.splits, pdl, stream);
-    case 5: return launch_one<2, 64, 6, OutT>(p, plan.splits, pdl, stream);
-    case 7: return launch_one<1, 64, 8, OutT>(p, plan.splits, pdl, stream);
-    case 8: return launch_one<1, 128, 8, OutT>(p, plan.splits, pdl, stream);
-    default: return launch_one<1, 256, 5, OutT>(p, plan.splits, pdl, stream);
+    case 4: return launch_one<2, 128, 5, OutT>(p, w_map, plan.splits, pdl, stream);
+    case 5: return launch_one<2, 64, 6, OutT>(p, w_map, plan.splits, pdl, stream);
+    case 7: return launch_one<1, 64, 8, OutT>(p, w_map, plan.splits, pdl, stream);
+    case 8: return launch_one<1, 128, 8, OutT>(p, w_map, plan.splits, pdl, stream);
+    default: return launch_one<1, 256, 5, OutT>(p, w_map, plan.splits, pdl, stream);
   }
 }
 
@@ -863,6 +898,36 @@ double wgmma_sk_estimate_us(int kernel, long long tiles, int n_stages, int ctas,
         static_cast<double>(segments - 1) * kSegmentUs;
   if (slots > 0) us += kSumUsPerKElem * slots * (2.0 * c.blocks * 64 * c.tok / 1024);
   return us;
+}
+
+// The weights' TMA descriptor: the packed weights as a 2-D tensor of 4-byte words, [N / 16 row
+// tiles][K / 64 chunks x 128], box [row tiles a CTA][256], so that one TMA copies a stage's
+// weight words (1 KB a row tile); row tiles past N and the chunk past an odd K / 64 arrive as
+// zeros. Encoded on the host for each launch (host work only, so also under graph capture). A
+// separate __grid_constant__ parameter: inside WParams it made all of p addressable, and ptxas
+// then compiled the consumers differently.
+cudaError_t encode_weight_map(CUtensorMap* map, const uint8_t* qweight, int N, int K, int row_tiles) {
+  using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static EncodeFn encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<EncodeFn>(fn);
+  }();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t row_words = static_cast<cuuint64_t>(K / kChunkK) * (kChunkBytes / 4);
+  const cuuint64_t dims[2] = {row_words, static_cast<cuuint64_t>(N / 16)};
+  const cuuint64_t strides[1] = {row_words * 4};  // bytes between row tiles
+  const cuuint32_t box[2] = {2 * kChunkBytes / 4, static_cast<cuuint32_t>(row_tiles)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, const_cast<uint8_t*>(qweight), dims, strides, box,
+                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
 }  // namespace
@@ -981,14 +1046,17 @@ cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaS
   WParams p;
   static_cast<W4A8KernelParams&>(p) = w4a8_kernel_params(a);
   const Cfg c = cfg_of(static_cast<int>(plan.kernel));
+  CUtensorMap w_map;
+  const cudaError_t e = encode_weight_map(&w_map, a.qweight, a.N, a.K, 2 * c.blocks * 4);
+  if (e != cudaSuccess) return e;
   p.tok_tiles = ceil_div(a.M, c.tok);
   p.ch_tiles = ceil_div(a.N / 16, 2 * c.blocks * 4);
   p.sk_ctas = plan.splits == -1 ? plan.sk_ctas : 0;
   p.sk_dp_tiles = p.sk_ctas > 0 ? static_cast<int>(sk_dp_tiles_of(static_cast<long long>(p.tok_tiles) * p.ch_tiles, p.sk_ctas)) : 0;
   switch (a.out_kind) {
-    case OutKind::kHalf: return launch_typed<__half>(p, plan, a.pdl, stream);
-    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, a.pdl, stream);
-    default: return launch_typed<float>(p, plan, a.pdl, stream);
+    case OutKind::kHalf: return launch_typed<__half>(p, w_map, plan, a.pdl, stream);
+    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, w_map, plan, a.pdl, stream);
+    default: return launch_typed<float>(p, w_map, plan, a.pdl, stream);
   }
 }
 
