@@ -795,8 +795,9 @@ stage_profile_mid() {
 # dequantising words made in registers (wgmma_no_w_lds): what the weights' trip through shared
 # memory costs (session 39: 13-23 % of the GEMM; session 40: 7-13 % is the copies). The same A/B
 # serves kernel changes (wgmma_w_cpasync: the weights by cp.async again in every kernel, against
-# session 40's TMA; sessions 38-40 ran a weight register ring, the decode GEMM's half-batch
-# preload, per-row-tile bulk copies and an epilogue prefetch this way), with
+# session 40's TMA; wgmma_w_tma_all: by TMA in kernel 7 too, where it lost 2.4-3 %; sessions
+# 38-40 ran a weight register ring, the decode GEMM's half-batch preload, per-row-tile bulk
+# copies and an epilogue prefetch this way), with
 # WGMMA_DIAG_BENCH_ARGS added to the bench (e.g. "--option-ab decode_preload_max_m").
 # Variants named in WGMMA_DIAG_TEST also run the GEMM GPU tests (correct builds only). The sources
 # are patched only while a variant builds; a variant is built only when it differs from the one
