@@ -19,10 +19,11 @@
 // 64 channels x kTok tokens each; setmaxnreg moves the producer's registers to them). A stage
 // is 128 k: x as kTok rows of 128 bytes in the 128-byte-swizzle K-major layout (one descriptor
 // per k32 step), the packed weight words of the CTA's row tiles copied as is (conflict-free
-// LDS.128, as in the mma.sync tiled kernel), and the group words. Consumers software-pipeline per 64-k chunk with two A register
-// buffers: dequant chunk c+1 while the wgmmas of chunk c run. int32 accumulation over all K
-// (or the CTA's K split), epilogue in fp32 as in the mma.sync kernels. Launched as a programmatic
-// dependent (W4A8GemmArgs::pdl): the first stages' weight copies start before griddepcontrol.wait.
+// LDS.128, as in the mma.sync tiled kernel), and the group words. Consumers software-pipeline
+// per 64-k chunk with two A register buffers: dequant chunk c+1 while the wgmmas of chunk c
+// run. int32 accumulation over all K (or the CTA's K split), epilogue in fp32 as in the
+// mma.sync kernels. Launched as a programmatic dependent (W4A8GemmArgs::pdl): the first stages'
+// weight copies start before griddepcontrol.wait.
 // See csrc/gemm/NOTES.md ("sm90 wgmma kernel", "PDL", "Stream-K").
 
 #include <cuda_bf16.h>
@@ -385,7 +386,8 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
     const uint32_t x_off1 = pw * kStageK + 512 + 16 * ((4 * xh + xb) ^ (pw + 4)) + 4 * xa;
     const size_t x_step4 = static_cast<size_t>(4) * K;
     // weights (without kTmaWeights): 16-byte unit u = pt + 128 i of the stage = row tile
-    // (pt >> 6) + 2i, byte offset (pt & 63) * 16 of its two chunks (1 KB contiguous in global memory).
+    // (pt >> 6) + 2i, byte offset (pt & 63) * 16 of its two chunks (1 KB contiguous in global
+    // memory).
     const int w_rt = pt >> 6, w_cl = (pt >> 5) & 1;
     const size_t w_step2 = static_cast<size_t>(2) * chunks * kChunkBytes;
     // group words: unit pt < 4 * kRowTiles = (row tile pt >> 2, chunk (pt >> 1) & 1, half pt & 1).
