@@ -59,6 +59,12 @@ struct WParams : W4A8KernelParams {
   int sk_dp_tiles;  // stream-K: the first tiles, run data-parallel (a multiple of sk_ctas)
 };
 
+// The weight words by TMA (one box a stage, thread 0) or by cp.async (16 B a thread, 64 a row
+// tile): TMA was 2.5-5 % faster for kernels 4, 5 and 8 and 2.4-3 % slower for kernel 7, the
+// 128 x 64 tile (H200, csrc/gemm/NOTES.md "Weights by TMA"). The host encodes a tensor map only
+// for the kernels that take one.
+__host__ __device__ constexpr bool weights_by_tma(int blocks, int tok) { return !(blocks == 1 && tok == 64); }
+
 // kBlocks m64 blocks per consumer warpgroup, kTok tokens (= wgmma N), kStages ring slots.
 template <int kBlocks, int kTok, int kStages>
 struct WgShape {
@@ -289,10 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
                                                                  const __grid_constant__ CUtensorMap w_map) {
 #ifdef MIXPREC_WGMMA_DEVICE
   using S = WgShape<kBlocks, kTok, kStages>;
-  // The weight words by TMA (one box a stage, thread 0) or by cp.async (16 B a thread, 64 a row
-  // tile): TMA was 2.5-5 % faster for kernels 4, 5 and 8 and 2.4-3 % slower for kernel 7, the
-  // 128 x 64 tile (H200, csrc/gemm/NOTES.md "Weights by TMA").
-  constexpr bool kTmaWeights = !(kBlocks == 1 && kTok == 64);
+  constexpr bool kTmaWeights = weights_by_tma(kBlocks, kTok);
   // Only this (sm_90a) body has static shared memory and the 168-register launch-bound
   // allocation; w4a8_wgmma_supported tells it from the stubs by those attributes.
   __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[s] then empty[s]
@@ -905,9 +908,9 @@ double wgmma_sk_estimate_us(int kernel, long long tiles, int n_stages, int ctas,
 // The weights' TMA descriptor: the packed weights as a 2-D tensor of 4-byte words, [N / 16 row
 // tiles][K / 64 chunks x 128], box [row tiles a CTA][256], so that one TMA copies a stage's
 // weight words (1 KB a row tile); row tiles past N and the chunk past an odd K / 64 arrive as
-// zeros. Encoded on the host for each launch (host work only, so also under graph capture). A
-// separate __grid_constant__ parameter: inside WParams it made all of p addressable, and ptxas
-// then compiled the consumers differently.
+// zeros. Encoded on the host for each launch that takes it (host work only, so also under graph
+// capture). A separate __grid_constant__ parameter: inside WParams it made all of p
+// addressable, and ptxas then compiled the consumers differently.
 cudaError_t encode_weight_map(CUtensorMap* map, const uint8_t* qweight, int N, int K, int row_tiles) {
   using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
@@ -1048,11 +1051,14 @@ cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaS
   WParams p;
   static_cast<W4A8KernelParams&>(p) = w4a8_kernel_params(a);
   const Cfg c = cfg_of(static_cast<int>(plan.kernel));
-  CUtensorMap w_map;
-  const cudaError_t e = encode_weight_map(&w_map, a.qweight, a.N, a.K, 2 * c.blocks * 4);
-  if (e != cudaSuccess) return e;
+  const int row_tiles = 2 * c.blocks * 4;  // 16-channel row tiles a CTA
+  CUtensorMap w_map{};  // zeros, unread, for the kernels that copy their weights with cp.async
+  if (weights_by_tma(c.blocks, c.tok)) {
+    const cudaError_t e = encode_weight_map(&w_map, a.qweight, a.N, a.K, row_tiles);
+    if (e != cudaSuccess) return e;
+  }
   p.tok_tiles = ceil_div(a.M, c.tok);
-  p.ch_tiles = ceil_div(a.N / 16, 2 * c.blocks * 4);
+  p.ch_tiles = ceil_div(a.N / 16, row_tiles);
   p.sk_ctas = plan.splits == -1 ? plan.sk_ctas : 0;
   p.sk_dp_tiles = p.sk_ctas > 0 ? static_cast<int>(sk_dp_tiles_of(static_cast<long long>(p.tok_tiles) * p.ch_tiles, p.sk_ctas)) : 0;
   switch (a.out_kind) {
