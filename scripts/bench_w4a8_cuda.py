@@ -112,7 +112,7 @@ def main():
                     help="--stream-k-sweep: the wgmma kernels to time one by one (none: the auto plans only)")
     ap.add_argument("--kernels", type=int, nargs="+", metavar="K",
                     help="time the auto pick and these kernel ids (the planner's splits) instead of the "
-                         "default forced variants, at every M, e.g. wgmma kernel 9 at M >= 64")
+                         "default forced variants, at every M, e.g. wgmma kernels 5 and 8 at M >= 64")
     ap.add_argument("--auto-only", action="store_true",
                     help="time only the auto-selected GEMM (no forced mma.sync variants) and the linear")
     ap.add_argument("--quant-only", action="store_true",

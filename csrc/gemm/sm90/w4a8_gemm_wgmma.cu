@@ -65,10 +65,13 @@ struct WParams : W4A8KernelParams {
 // for the kernels that take one.
 __host__ __device__ constexpr bool weights_by_tma(int blocks, int tok) { return !(blocks == 1 && tok == 64); }
 
+// 16-channel row tiles of a CTA: 2 consumer warpgroups x `blocks` m64 blocks x 4 warps.
+__host__ __device__ constexpr int row_tiles_of(int blocks) { return 2 * blocks * 4; }
+
 // kBlocks m64 blocks per consumer warpgroup, kTok tokens (= wgmma N), kStages ring slots.
 template <int kBlocks, int kTok, int kStages>
 struct WgShape {
-  static constexpr int kRowTiles = 2 * kBlocks * 4;          // 16-channel tiles per CTA
+  static constexpr int kRowTiles = row_tiles_of(kBlocks);    // 16-channel tiles per CTA
   static constexpr int kXBytes = kTok * kStageK;             // multiple of 1024: swizzle atoms stay aligned
   static constexpr int kWBytes = kRowTiles * 2 * kChunkBytes;
   static constexpr int kPBytes = kRowTiles * 2 * 32;
@@ -84,11 +87,11 @@ struct WgShape {
 
 constexpr int kConsumers = 256;
 constexpr int kProducerRegs = 56;   // 56 + 2 * 224 = 3 * 168 (the cap of __launch_bounds__(384, 1))
+constexpr int kConsumerRegs = 224;
 // Copy address chains per producer thread: an LDGSTS reads its address register late (long
 // scoreboard), so bumping one pointer in place after every copy stalled each next copy on the
 // last (13-17 % slower GEMMs, csrc/gemm/NOTES.md "Stream-K"); round-robin over 4 pointers.
 constexpr int kCopyChains = 4;
-constexpr int kConsumerRegs = 224;
 constexpr int kRasterGroup = 8;     // token tiles swept together across all channel tiles (L2 reuse)
 
 // ---- PTX wrappers ----------------------------------------------------------------------------
@@ -782,6 +785,8 @@ static_assert(Wg4::kSmemBytes <= kMaxSmem && Wg5::kSmemBytes <= kMaxSmem && Wg6:
 struct Cfg {
   int blocks, tok;
   double stage_us, sk_stage_scale;
+  int row_tiles() const { return row_tiles_of(blocks); }
+  long long tile_elems() const { return 16LL * row_tiles() * tok; }  // outputs a CTA tile holds
 };
 Cfg cfg_of(int kernel) {
   switch (kernel) {
@@ -817,7 +822,7 @@ constexpr int kStagesMinPerSplit = 4;  // 512 k per split at least: pipeline fil
 
 long long ctas_of(int kernel, int M, int N) {
   const Cfg c = cfg_of(kernel);
-  return static_cast<long long>(ceil_div(M, c.tok)) * ceil_div(N / 16, 2 * c.blocks * 4);
+  return static_cast<long long>(ceil_div(M, c.tok)) * ceil_div(N / 16, c.row_tiles());
 }
 
 // Estimated microseconds of one wgmma launch on an H100 SXM. Filling the SMs (the old rule) is
@@ -838,7 +843,7 @@ double wgmma_estimate_us(int kernel, int splits, long long ctas, int n_stages, i
   const long long waves = (ctas * splits + sms - 1) / sms;
   double us = static_cast<double>(waves) * (ceil_div(n_stages, splits) * c.stage_us + kWaveUs);
   if (splits > 1) {
-    const double tile_kelems = 2.0 * c.blocks * 64 * c.tok / 1024;
+    const double tile_kelems = c.tile_elems() / 1024.0;
     us += kSplitUs + kSumUsPerKElem * splits * tile_kelems +
           2.0 * splits * static_cast<double>(M) * N * 4 / kPartialBytesPerUs;
   }
@@ -901,7 +906,7 @@ double wgmma_sk_estimate_us(int kernel, long long tiles, int n_stages, int ctas,
   double us = static_cast<double>(dp_waves) * (n_stages * c.stage_us + kWaveUs);
   us += c.sk_stage_scale * static_cast<double>(per_cta) * c.stage_us + kLaunchUs +
         static_cast<double>(segments - 1) * kSegmentUs;
-  if (slots > 0) us += kSumUsPerKElem * slots * (2.0 * c.blocks * 64 * c.tok / 1024);
+  if (slots > 0) us += kSumUsPerKElem * slots * (c.tile_elems() / 1024.0);
   return us;
 }
 
@@ -1034,7 +1039,7 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
     plan->sk_ctas = static_cast<int>(std::min<long long>(sms, ctas * n_stages));
     plan->sk_slots = best_slots;  // the candidate's: same tiles and CTAs
     // A partial tile per CTA, when any tile is cut (sk_slots > 0).
-    plan->workspace_elems = plan->sk_slots > 0 ? plan->sk_ctas * (2LL * c.blocks * 64 * c.tok) : 0;
+    plan->workspace_elems = plan->sk_slots > 0 ? plan->sk_ctas * c.tile_elems() : 0;
     return nullptr;
   }
   if (splits > n_stages) splits = n_stages;
@@ -1051,7 +1056,7 @@ cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaS
   WParams p;
   static_cast<W4A8KernelParams&>(p) = w4a8_kernel_params(a);
   const Cfg c = cfg_of(static_cast<int>(plan.kernel));
-  const int row_tiles = 2 * c.blocks * 4;  // 16-channel row tiles a CTA
+  const int row_tiles = c.row_tiles();
   CUtensorMap w_map{};  // zeros, unread, for the kernels that copy their weights with cp.async
   if (weights_by_tma(c.blocks, c.tok)) {
     const cudaError_t e = encode_weight_map(&w_map, a.qweight, a.N, a.K, row_tiles);
