@@ -12,7 +12,7 @@
 # tp_real_exact_verdict wgmma_pdl_tests wgmma_pdl_bench wgmma_pdl_sanitize gemm_table
 # stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize decode_hbm
 # decode_options decode_options_splits decode_options_check decode_build decode_table decode_table_tested
-# decode_preload decode_preload_table mid_table profile_mid wgmma_diag
+# decode_preload decode_preload_table mid_table profile_mid wgmma_diag stream_k_oos
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -686,6 +686,20 @@ stage_stream_k_refit() {
     --ms 768 --group 128 --stream-k-sweep --sk-kernels --no-marlin --out "$OUT/stream_k_refit_70b.json" || rc=1
   return $rc
 }
+# Session 42's refit out of sample: each wgmma kernel classic and stream-K (and the auto plan, the
+# option off and on) at every shape x M whose pick the refit changed and no run timed
+# (scripts/fit_stream_k.py lists them), plus the 8192x8192 rows session 42's sweep did not reach.
+# One JSON per shape: sk_oos_KxN.json. About 6 minutes.
+stage_stream_k_oos() {
+  local rc=0 spec shape
+  for spec in 18944x3584:64,160 13824x5120:160,320,640 8192x1024:192 5120x27648:320,384 5120x5120:512 \
+              8192x8192:128,192,256; do
+    shape=${spec%%:*}
+    run_bench "sk_oos_$shape" 120 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 --stream-k-sweep \
+      --shapes "$shape" --ms $(echo "${spec#*:}" | tr ',' ' ') --out "$OUT/sk_oos_$shape.json" || rc=1
+  done
+  return $rc
+}
 # W4Ax at the shares the per-layer allocation gives (session 33's recipe on Qwen2.5-1.5B: qkv and
 # o all 8-bit, gate_up all 4-bit, down 32 of 70 blocks at 8 bits; 64-point rotation halves), on
 # Qwen2.5-1.5B's and Llama-3-8B's shapes, beside W4A8 (csrc and Triton) and Marlin
@@ -795,7 +809,8 @@ stage_profile_mid() {
 # dequantising words made in registers (wgmma_no_w_lds): what the weights' trip through shared
 # memory costs (session 39: 13-23 % of the GEMM; session 40: 7-13 % is the copies). The same A/B
 # serves kernel changes (wgmma_w_cpasync: the weights by cp.async again in every kernel, against
-# session 40's TMA; wgmma_w_tma_all: by TMA in kernel 7 too, where it lost 2.4-3 %; sessions
+# session 40's TMA; wgmma_w_tma_all: by TMA in kernel 7 too, where it lost 2.4-3 %;
+# wgmma_k7_deep: kernel 7 with 12 stages, 1.2-3.9 % slower in session 42; sessions
 # 38-40 ran a weight register ring, the decode GEMM's half-batch preload, per-row-tile bulk
 # copies and an epilogue prefetch this way), with
 # WGMMA_DIAG_BENCH_ARGS added to the bench (e.g. "--option-ab decode_preload_max_m").

@@ -790,10 +790,10 @@ struct Cfg {
 };
 Cfg cfg_of(int kernel) {
   switch (kernel) {
-    case 4: return {2, 128, 0.912, 1.087};
-    case 5: return {2, 64, 0.615, 1.011};
-    case 7: return {1, 64, 0.48, 0.952};
-    case 8: return {1, 128, 0.65, 0.985};
+    case 4: return {2, 128, 0.912, 1.11};
+    case 5: return {2, 64, 0.615, 1.066};
+    case 7: return {1, 64, 0.48, 1.036};
+    case 8: return {1, 128, 0.65, 1.032};
     default: return {1, 256, 1.025, 1.1};  // kernel 6: not auto-picked, its stream-K not fitted
   }
 }
@@ -888,22 +888,24 @@ int sk_slots_of(long long tiles, int n_stages, int ctas) {
   return most;
 }
 
-// Estimated microseconds of a stream-K launch: its data-parallel waves as classic ones, then
-// ceil(units / ctas) stream-K stages per CTA at the kernel's sk_stage_scale, one launch with its
-// pipeline fill and fix-up waits, an epilogue per further tile, and the finisher's sum of the
-// other pieces. Fitted (rms 4.0 %) to 76 stream-K times on one H200 (sessions 33 and 34: M = 64
-// to 1024, the 7 Llama shapes), each divided by its kernel's mean measured / wgmma_estimate_us
-// ratio there, so that the two estimates compare as the launches do (csrc/gemm/NOTES.md).
+// Estimated microseconds of a stream-K launch: its data-parallel waves as classic ones (times
+// kDpWaveScale), then ceil(units / ctas) stream-K stages per CTA at the kernel's sk_stage_scale,
+// one launch with its pipeline fill and fix-up waits, an epilogue per further tile, and the
+// finisher's sum of the other pieces. Fitted (rms 4.8 %) to 132 stream-K times on one H200
+// (sessions 33, 34 and 42: M = 64 to 1024, the Llama shapes), each divided by its kernel's mean
+// measured / wgmma_estimate_us ratio there, so that the two estimates compare as the launches do.
+// `python scripts/fit_stream_k.py` reproduces the fit (csrc/gemm/NOTES.md, "Stream-K").
 double wgmma_sk_estimate_us(int kernel, long long tiles, int n_stages, int ctas, int slots) {
   const Cfg c = cfg_of(kernel);
-  constexpr double kLaunchUs = 7.32;           // the stream-K part: fill, drain and fix-up waits
-  constexpr double kSegmentUs = 1.32;          // each further tile's epilogue (or partial store)
-  constexpr double kSumUsPerKElem = 0.049;     // the finisher's sum, per piece and 1024 tile elements
+  constexpr double kDpWaveScale = 0.98;        // a data-parallel wave against a classic one
+  constexpr double kLaunchUs = 5.91;           // the stream-K part: fill, drain and fix-up waits
+  constexpr double kSegmentUs = 1.82;          // each further tile's epilogue (or partial store)
+  constexpr double kSumUsPerKElem = 0.055;     // the finisher's sum, per piece and 1024 tile elements
   const long long dp_waves = sk_dp_tiles_of(tiles, ctas) / ctas;
   const long long units = (tiles - dp_waves * ctas) * n_stages;
   const long long per_cta = (units + ctas - 1) / ctas;
   const long long segments = (per_cta + n_stages - 1) / n_stages + (slots > 0 ? 1 : 0);
-  double us = static_cast<double>(dp_waves) * (n_stages * c.stage_us + kWaveUs);
+  double us = kDpWaveScale * static_cast<double>(dp_waves) * (n_stages * c.stage_us + kWaveUs);
   us += c.sk_stage_scale * static_cast<double>(per_cta) * c.stage_us + kLaunchUs +
         static_cast<double>(segments - 1) * kSegmentUs;
   if (slots > 0) us += kSumUsPerKElem * slots * (c.tile_elems() / 1024.0);
@@ -1011,10 +1013,11 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
     }
     if (try_sk && tiles * n_stages <= 0x7FFFFFFFLL) {
       const int ctas = static_cast<int>(std::min<long long>(sms, tiles * n_stages));
-      // Stream-K must be estimated 8 % faster to be chosen (its estimate is 4 % rms off, 12 % at
-      // worst): with this edge no pick of the 42 timed rows loses 2 % to the classic planner's;
-      // session 33's fit and 5 % edge lost 11.5 % on 4096 x 6144 at M = 128 (NOTES.md "Stream-K").
-      constexpr double kStreamKEdge = 0.92;
+      // Stream-K must be estimated 7 % faster to be chosen (its estimate is 4.8 % rms off, 12.5 %
+      // at worst): with edges of 0.92-0.94 no pick of the 56 timed rows loses 2 % to the classic
+      // planner's; session 33's fit and 5 % edge lost 11.5 % on 4096 x 6144 at M = 128 (NOTES.md
+      // "Stream-K"). scripts/fit_stream_k.py scans the edge.
+      constexpr double kStreamKEdge = 0.93;
       const int slots = sk_slots_of(tiles, n_stages, ctas);
       const double us = wgmma_sk_estimate_us(k, tiles, n_stages, ctas, slots) / kStreamKEdge;
       if (!have || us < best_us) {
