@@ -67,10 +67,11 @@ SMOL_ITEMS := $(if $(filter only,$(QWEN)),,--item models/smollm2-135m=$(CACHE)/m
   --gguf models/smollm2-135m=$(CACHE)/gguf/smollm2-135m.gguf --item demo-smollm2-w4a8-kv8=$(CACHE)/demo-smollm2-w4a8-kv8)
 gpu-models: $(STAMP)
 	@test "$(QWEN)" = only || test -f $(CACHE)/demo-smollm2-w4a8-kv8/config.json || { echo "no demo checkpoint in $(CACHE): run make demo first"; exit 1; }
-	$(PY) -c "from vllm_mixprec.quantize import models as m; $(if $(filter only,$(QWEN)),,m.fetch_gguf('smollm2-135m');) [m.fetch_text(t) for t in m.EVAL_TEXTS]"
+	$(PY) -c "from vllm_mixprec.quantize import models as m; $(if $(filter only,$(QWEN)),,m.fetch_gguf('smollm2-135m');) [m.fetch_text(t) for t in (*m.EVAL_TEXTS, 'alice29')]"
 	$(if $(filter 1 only,$(QWEN)),$(PY) -c "from vllm_mixprec.quantize import models as m; m.fetch_model('qwen2.5-coder-1.5b')")
 	$(PY) -m vllm_mixprec.eval.modelpack pack --out .gpu/models --part-mib 44 \
 	  --item text/lcet10.txt=$(CACHE)/text/lcet10.txt --item text/botchan.txt=$(CACHE)/text/botchan.txt \
+	  --item text/alice29.txt=$(CACHE)/text/alice29.txt \
 	  $(SMOL_ITEMS) $(QWEN_ITEMS)
 
 clean:

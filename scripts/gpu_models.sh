@@ -17,7 +17,9 @@
 #        every arm not yet done on this host (bf16-kv4; w4a8-kv8, w4a8: perplexity, eager); repeat it while
 #        real_model_check.json says arms are missing (exit status 3)
 # With `make gpu-models QWEN=1` the pack also holds the real Qwen2.5-Coder-1.5B (~25 more parts,
-# one stash call each, before call 5); its arms: `bash scripts/gpu_models.sh check qwen-bf16,qwen-kv8`
+# one stash call each, before call 5); its arms: `bash scripts/gpu_models.sh check qwen-bf16,qwen-kv8`,
+# then qwen-w4a8-kv4 and qwen-sakc-kv8 (both made on the host from the bf16 folder; the second
+# calibrates on the pack's alice29, ~1-3 min)
 # (`rest` includes them when the Qwen folder is there). `make gpu-models QWEN=only` packs the texts and Qwen alone
 # (~25 parts of 44 MiB): then only the qwen-* arms can run.
 # Each call with timeout_s 600. The verdict is $OUT/real_model_check.json (status of the call, and

@@ -442,14 +442,15 @@ def host(tmp_path, monkeypatch):
         (models / "text" / f"{t}.txt").write_text("x")
     ref = tmp_path / "ref.json"
     ref.write_text(json.dumps(_reference({"bf16": 30.0, "w4a8-kv8": 45.0, "w4a8": 44.0, "qwen-bf16": 15.0,
-                                          "qwen-kv8": 15.3, "qwen-w4a8-kv4": 17.0})))
+                                          "qwen-kv8": 15.3, "qwen-w4a8-kv4": 17.0, "qwen-sakc-kv8": 15.02})))
     monkeypatch.setattr(RC, "token_windows", lambda folder, text: [[1, 2]])
     monkeypatch.setattr(RC, "ids_sha256", lambda ws: "h")
     canned = {"bf16": _arm_result("bf16", list(range(64)), 30.0), "bf16-kv8": _arm_result("bf16-kv8", list(range(64))),
               "bf16-kv4": _arm_result("bf16-kv4", list(range(64))), "w4a8-kv8": _arm_result("w4a8-kv8", ppl=45.2),
               "bf16-triton": _arm_result("bf16-triton", list(range(64))),
               "qwen-bf16": _arm_result("qwen-bf16", list(range(64)), 15.0), "qwen-kv8": _arm_result("qwen-kv8", ppl=15.2),
-              "qwen-w4a8-kv4": _arm_result("qwen-w4a8-kv4", ppl=17.1), "w4a8": _arm_result("w4a8", ppl=44.1)}
+              "qwen-w4a8-kv4": _arm_result("qwen-w4a8-kv4", ppl=17.1), "w4a8": _arm_result("w4a8", ppl=44.1),
+              "qwen-sakc-kv8": _arm_result("qwen-sakc-kv8", ppl=15.03)}
     started = []
 
     def fake_run_arm(arm, folder, out, windows, deadline, log=print):
@@ -468,7 +469,8 @@ def test_main_split_over_calls(host):
     assert RC.main([*base, "--out", str(tmp / "o1"), "--arms", "bf16,bf16-triton,bf16-kv8,bf16-kv4"]) == 0
     s = json.loads((tmp / "o1" / "real_model_check.json").read_text())
     assert s["status"] == "PASS" and s["all_arms_on_this_host"]["missing"] == ["w4a8-kv8", "w4a8", "qwen-bf16",
-                                                                               "qwen-kv8", "qwen-w4a8-kv4"]
+                                                                               "qwen-kv8", "qwen-w4a8-kv4",
+                                                                               "qwen-sakc-kv8"]
     assert RC.main([*base, "--out", str(tmp / "o2"), "--arms", "rest"]) == 0
     assert started == list(RC.ARMS)
     s = json.loads((tmp / "o2" / "real_model_check.json").read_text())
@@ -572,20 +574,88 @@ def test_derived_model_is_built_from_its_source_once(tmp_path, monkeypatch):
     RC.ensure_derived(tmp_path, "smollm2-135m")  # not derived: untouched
 
 
+def test_sakc_kv8_arm_serves_the_quantizers_kv8_recipe_for_qwen(tmp_path, monkeypatch):
+    """Issue #3's KV8 recipe for Qwen (K centering + SmoothAttention folded into the bf16 weights)
+    through vLLM's run-time KV8, every key from the cache as the CPU reference quantizes them; the
+    folder is made on the host by the quantizer's own CLI from the bf16 folder, once."""
+    from vllm_mixprec import cli
+    from vllm_mixprec.attention_backend import residual as R
+    from vllm_mixprec.attention_backend.impl import ENV_PREFILL_EXACT
+
+    arm = RC.ARMS["qwen-sakc-kv8"]
+    assert arm.model == RC.QWEN_SAKC and RC.PPL_RUNS[arm.ppl].kv == "kv8" and not RC.PPL_RUNS[arm.ppl].bias_aware
+    assert arm.flags == RC.KV8 and "--quantization" not in arm.flags and "--enforce-eager" in arm.cmd_flags()
+    assert dict(arm.env) == {R.ENV_TOKENS: "0", ENV_PREFILL_EXACT: "0"}
+    src_name, recipe = RC.DERIVED[RC.QWEN_SAKC]
+    args = cli.build_parser().parse_args(["quantize", "src", "dst", *recipe])
+    assert (args.scheme, args.kv, args.k_centering, args.smooth_attention) == ("none", "none", True, True)
+    calls = []
+
+    def fake_cli(argv):
+        calls.append(argv)
+        dst = Path(argv[2])
+        dst.mkdir(parents=True)
+        (dst / "config.json").write_text("{}")
+        return 0
+    monkeypatch.setattr(cli, "main", fake_cli)
+    src = tmp_path / RC.MODELS[src_name]
+    src.mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="alice29.txt is missing"):  # the calibration text
+        RC.ensure_derived(tmp_path, RC.QWEN_SAKC, log=lambda m: None)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "alice29.txt").write_text("x")
+    RC.ensure_derived(tmp_path, RC.QWEN_SAKC, log=lambda m: None)
+    RC.ensure_derived(tmp_path, RC.QWEN_SAKC, log=lambda m: None)
+    assert calls == [["quantize", str(src), str(tmp_path / RC.MODELS[RC.QWEN_SAKC]), *recipe]]
+    monkeypatch.setattr(cli, "main", lambda argv: 1)
+    shutil.rmtree(tmp_path / RC.MODELS[RC.QWEN_SAKC])
+    with pytest.raises(RuntimeError, match="failed"):
+        RC.ensure_derived(tmp_path, RC.QWEN_SAKC, log=lambda m: None)
+
+
+def test_model_files_pin_every_safetensors_shard(tmp_path):
+    """A quantizer export may be sharded: every shard and the index are pinned, not a fixed name."""
+    folder = tmp_path / RC.MODELS[RC.QWEN_SAKC]
+    folder.mkdir(parents=True)
+    for f in ("config.json", "tokenizer.json", "model-00001-of-00002.safetensors",
+              "model-00002-of-00002.safetensors", "model.safetensors.index.json", "notes.txt"):
+        (folder / f).write_text(f)
+    assert sorted(RC.model_files(tmp_path, RC.QWEN_SAKC)) == sorted(
+        ["config.json", "tokenizer.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+         "model.safetensors.index.json"])
+
+
 def test_rest_runs_only_the_models_on_this_host(host):
     """Qwen's parts are optional: without its folder, `rest` leaves its arms out and says so."""
     models, ref, canned, started, tmp = host
     shutil.rmtree(models / RC.MODELS["qwen2.5-coder-1.5b"])
-    shutil.rmtree(models / RC.MODELS[RC.QWEN_RTN])  # made from the bf16 folder: not without it
+    for derived in (RC.QWEN_RTN, RC.QWEN_SAKC):  # made from the bf16 folder: not without it
+        shutil.rmtree(models / RC.MODELS[derived])
     base = ["--models-dir", str(models), "--reference", str(ref), "--fresh", "--out", str(tmp / "o")]
     assert RC.main([*base, "--arms", "rest"]) == 0
     assert started == [n for n in RC.ARMS if not n.startswith("qwen")]
     log = (tmp / "o" / "real_model_check.log").read_text()
     assert "(no qwen2.5-coder-1.5b here)" in log
     s = json.loads((tmp / "o" / "real_model_check.json").read_text())
-    assert s["status"] == "PASS" and s["all_arms_on_this_host"]["missing"] == ["qwen-bf16", "qwen-kv8", "qwen-w4a8-kv4"]
+    assert s["status"] == "PASS" and s["all_arms_on_this_host"]["missing"] == ["qwen-bf16", "qwen-kv8", "qwen-w4a8-kv4",
+                                                                               "qwen-sakc-kv8"]
     assert RC.main([*base, "--arms", "qwen-kv8"]) == 1  # asked for by name: refused, naming the folder
     assert "qwen2.5-coder-1.5b is not a model folder" in (tmp / "o" / "real_model_check.log").read_text()
+
+
+def test_a_derived_model_that_cannot_be_made_leaves_the_other_arms_running(host, monkeypatch):
+    """A pack without the calibration text (made before session 42): `rest` says why the folded
+    Qwen is missing and runs every other arm; asked for by name, its arm is refused."""
+    models, ref, canned, started, tmp = host
+    shutil.rmtree(models / RC.MODELS[RC.QWEN_SAKC])
+    base = ["--models-dir", str(models), "--reference", str(ref), "--fresh", "--out", str(tmp / "o")]
+    assert RC.main([*base, "--arms", "rest"]) == 0
+    assert started == [n for n in RC.ARMS if n != "qwen-sakc-kv8"]
+    log = (tmp / "o" / "real_model_check.log").read_text()
+    assert "FAIL: qwen2.5-coder-1.5b-sa-kc could not be made" in log and "alice29.txt is missing" in log
+    assert RC.main([*base, "--arms", "qwen-sakc-kv8"]) == 1
+    assert "qwen2.5-coder-1.5b-sa-kc is not a model folder" in (tmp / "o" / "real_model_check.log").read_text()
 
 
 def test_greedy_is_compared_with_the_reference_of_its_own_model():

@@ -30,6 +30,12 @@ text/*.txt). Servers ("arms"), each one `vllm serve` on 127.0.0.1, one after the
             from the bf16 folder, ~20 s, the same bytes as here) with KV4, bias-aware K (the
             served default for its biases), compiled with CUDA graphs, every key quantized:
             perplexity `qwen-w4a8-kv4`
+  qwen-sakc-kv8  KV8 alone as issue #3 recommends it for Qwen: the bf16 folder with K centering
+            and SmoothAttention folded into q/k_proj (DERIVED: `vllm-mixprec quantize --scheme
+            none --k-centering --smooth-attention`, 8 x 512 calibration tokens of alice29, made
+            on the host, ~3 min on 2 cores) served with vLLM's run-time KV8 flags (eager, every
+            key quantized): perplexity `qwen-sakc-kv8`, against `qwen-bf16` for issue #3's
+            KV8 <= 0.3 % target
 
 A greedy arm is compared with the reference arm of its own model. `rest` runs the arms not yet
 run on this host whose model folder is there (the Qwen parts are optional: docs/GPU_HOST.md).
@@ -71,11 +77,17 @@ TEXTS = ("lcet10", "botchan")
 N_TOKENS = 4096
 WINDOW = 1024
 QWEN_RTN = "qwen2.5-coder-1.5b-w4a8-rtn-kv4"
+QWEN_SAKC = "qwen2.5-coder-1.5b-sa-kc"
 MODELS = {"smollm2-135m": "models/smollm2-135m", "demo-smollm2-w4a8-kv8": "demo-smollm2-w4a8-kv8",
-          "qwen2.5-coder-1.5b": "models/qwen2.5-coder-1.5b", QWEN_RTN: f"derived/{QWEN_RTN}"}
-# Made where they are needed from another MODELS entry (name -> (source, kv scheme)), by the
-# deterministic RTN W4A8 export (quantize/rtn.py): the Qwen parts carry the bf16 folder only.
-DERIVED = {QWEN_RTN: ("qwen2.5-coder-1.5b", "kv4")}
+          "qwen2.5-coder-1.5b": "models/qwen2.5-coder-1.5b", QWEN_RTN: f"derived/{QWEN_RTN}",
+          QWEN_SAKC: f"derived/{QWEN_SAKC}"}
+# Made where they are needed from another MODELS entry (name -> (source, recipe)), so that the
+# Qwen parts carry the bf16 folder only: the RTN W4A8 export (quantize/rtn.py, with this KV
+# scheme), or the quantizer's CLI arguments (the calibration text must be in the models dir). The
+# CPU reference pins the bytes made here; check_inputs refuses a host whose build differs.
+DERIVED = {QWEN_RTN: ("qwen2.5-coder-1.5b", "kv4"),
+           QWEN_SAKC: ("qwen2.5-coder-1.5b", ("--scheme", "none", "--k-centering", "--smooth-attention",
+                                              "--calib-samples", "8", "--calib-seqlen", "512"))}
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "import numpy as np\n\n", "Water boils at",
            "The best way to learn a new language is", "In 1969, Neil Armstrong")
@@ -109,7 +121,8 @@ PPL_RUNS = {r.name: r for r in (PplRun("bf16", "smollm2-135m", "none"),
                                   PplRun("w4a8", "demo-smollm2-w4a8-kv8", "none"),
                                   PplRun("qwen-bf16", "qwen2.5-coder-1.5b", "none"),
                                   PplRun("qwen-kv8", "qwen2.5-coder-1.5b", "kv8"),
-                                  PplRun("qwen-w4a8-kv4", QWEN_RTN, "kv4", bias_aware=True))}
+                                  PplRun("qwen-w4a8-kv4", QWEN_RTN, "kv4", bias_aware=True),
+                                  PplRun("qwen-sakc-kv8", QWEN_SAKC, "kv8"))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +156,8 @@ ARMS = {a.name: a for a in (
     # compiled with CUDA graphs: the path of session 22's padding-row NaN (docs/RELIABILITY.md)
     Arm("qwen-w4a8-kv4", QWEN_RTN, ("--quantization", "mixprec", *KV4), env=ALL_KEYS_QUANTIZED,
         ppl="qwen-w4a8-kv4", est_s=240.0),
+    Arm("qwen-sakc-kv8", QWEN_SAKC, KV8, eager=True, env=ALL_KEYS_QUANTIZED, ppl="qwen-sakc-kv8",
+        est_s=150.0),
 )}
 
 
@@ -172,19 +187,34 @@ def ensure_derived(models_dir: Path, model: str, log=print) -> None:
     """Build a DERIVED model from its source folder unless it is there (or its source is not)."""
     if model not in DERIVED or (models_dir / MODELS[model] / "config.json").is_file():
         return
-    src, kv = DERIVED[model]
+    src, recipe = DERIVED[model]
     if not (models_dir / MODELS[src] / "config.json").is_file():
         return
-    from ..quantize.rtn import export_rtn_folder
-
     t0 = time.time()
-    export_rtn_folder(models_dir / MODELS[src], models_dir / MODELS[model], kv)
-    log(f"{model}: RTN W4A8 export of {src} (kv_scheme {kv}) in {time.time() - t0:.0f} s")
+    if isinstance(recipe, str):
+        from ..quantize.rtn import export_rtn_folder
+
+        export_rtn_folder(models_dir / MODELS[src], models_dir / MODELS[model], recipe)
+        log(f"{model}: RTN W4A8 export of {src} (kv_scheme {recipe}) in {time.time() - t0:.0f} s")
+        return
+    from ..cli import main as cli_main
+
+    if not (models_dir / "text" / "alice29.txt").is_file():  # the quantizer's calibration text
+        raise RuntimeError(f"{model}: {models_dir / 'text' / 'alice29.txt'} is missing (packs made before "
+                           "session 42 lack it: make gpu-models QWEN=only)")
+    argv = ["quantize", str(models_dir / MODELS[src]), str(models_dir / MODELS[model]), *recipe]
+    if cli_main(argv) != 0:
+        raise RuntimeError(f"{model}: `vllm-mixprec {' '.join(argv)}` failed (its output is above)")
+    log(f"{model}: `vllm-mixprec {' '.join(argv)}` in {time.time() - t0:.0f} s")
 
 
 def model_files(models_dir: Path, model: str) -> dict[str, str]:
+    """sha256 of the files a run reads: config, tokenizer and every safetensors file (a
+    quantizer export may be sharded, with its index)."""
     folder = models_dir / MODELS[model]
-    return {f: sha256_file(folder / f) for f in ("config.json", "model.safetensors", "tokenizer.json")}
+    names = ["config.json", "tokenizer.json", *sorted(p.name for p in folder.glob("*.safetensors")),
+             *sorted(p.name for p in folder.glob("*.safetensors.index.json"))]
+    return {f: sha256_file(folder / f) for f in names}
 
 
 def cpu_reference(models_dir: Path, out: Path, runs: list[str], command: str) -> dict:
@@ -582,7 +612,10 @@ def _run(args, argv: list[str] | None, models_dir: Path) -> int:
     merged = {} if args.fresh or not store.is_file() else json.loads(store.read_text()).get("arms", {})
     for m in sorted({ARMS[n].model for n in ARMS} if args.arm_list == ["rest"]
                     else {ARMS[n].model for n in args.arm_list}):
-        ensure_derived(models_dir, m, log)
+        try:
+            ensure_derived(models_dir, m, log)
+        except Exception as e:  # noqa: BLE001 - the other arms still run; this one is refused below
+            log(f"FAIL: {m} could not be made: {type(e).__name__}: {e}")
     if args.arm_list == ["rest"]:
         here = {m for m, rel in MODELS.items() if (models_dir / rel / "config.json").is_file()}
         args.arm_list = [n for n in ARMS if n not in merged and ARMS[n].model in here]
