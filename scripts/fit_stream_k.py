@@ -198,13 +198,15 @@ def main():
     print("fit: stage scales " + ", ".join(f"k{k} {v:.3f}" for k, v in sk["stage_scale"].items())
           + f"; launch {sk['launch_us']:.2f} µs, segment {sk['segment_us']:.2f} µs, sum {sk['sum_us_per_kelem']:.3f}"
           f" µs/piece/1024 elems, data-parallel waves x{sk['dp_wave_scale']:.3f}")
-    print(f"     rms {np.sqrt(np.mean(rel ** 2)) * 100:.1f} %, worst {rel.max() * 100:+.1f} % / {rel.min() * 100:+.1f} %")
+    print(f"     rms {np.sqrt(np.mean(rel ** 2)) * 100:.1f} %, "
+          f"worst {rel.max() * 100:+.1f} % / {rel.min() * 100:+.1f} %")
     print("edge | rows whose pick is > 2 % slower than the classic planner's | > 2 % slower than the best timed"
           " | picks >= 6 % faster than the classic planner's | untimed picks")
     for e in args.edges:
         res = pick_losses(rows, SK, e)
         vs_classic = [(r["K"], r["N"], r["M"], p) for r, p, c, b in res if c is not None and c > 1.02]
-        vs_best = [(r["K"], r["N"], r["M"], p, round((b - 1) * 100, 1)) for r, p, c, b in res if b is not None and b > 1.02]
+        vs_best = [(r["K"], r["N"], r["M"], p, round((b - 1) * 100, 1))
+                   for r, p, c, b in res if b is not None and b > 1.02]
         gains = sum(c is not None and c <= 1 / 1.06 for _, _, c, _ in res)
         untimed = sum(c is None for _, _, c, _ in res)
         print(f"{e:.3f} | {vs_classic} | {vs_best} | {gains} | {untimed}")

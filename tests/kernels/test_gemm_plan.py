@@ -415,11 +415,11 @@ def test_stream_k_picks_never_lose_on_the_measured_rows(stream_k_option, fit_str
     H200, group 128; sessions 33, 34 and 42, fit_stream_k.SOURCES), the pick is one the row timed
     (or, for one session-34 row, that session 42's row of the same shape and M timed), within 2 %
     of the classic planner's pick, and 6 % faster or more on at least 17 rows (8192 x 10240 at
-    M = 256: 1.21x in session 33, 1.15x in session 42; 4096 x 6144 at M = 768: 1.41x). Three rows that the session-34 fit lost are
-    held: 28672 x 8192 at M = 192 (its (5, -1) took 144.8 us, the classic (4, 2) 129.7) and
-    8192 x 57344 at M = 160 and 192 (kernel 4's stream-K 6-10 % slower than kernel 5's). The
-    estimate was refitted on all of these rows, so this test checks the fit, not an out-of-sample
-    prediction."""
+    M = 256: 1.21x in session 33, 1.15x in session 42; 4096 x 6144 at M = 768: 1.41x). Three
+    rows that the session-34 fit lost are held: 28672 x 8192 at M = 192 (its (5, -1) took 144.8
+    us, the classic (4, 2) 129.7) and 8192 x 57344 at M = 160 and 192 (kernel 4's stream-K 6-10 %
+    slower than kernel 5's). The estimate was refitted on all of these rows, so this test checks
+    the fit, not an out-of-sample prediction."""
     stream_k_option(1)
     rows = fit_stream_k.load_rows()
     assert len(rows) == 56

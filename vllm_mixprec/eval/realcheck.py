@@ -197,12 +197,14 @@ def ensure_derived(models_dir: Path, model: str, log=print) -> None:
         export_rtn_folder(models_dir / MODELS[src], models_dir / MODELS[model], recipe)
         log(f"{model}: RTN W4A8 export of {src} (kv_scheme {recipe}) in {time.time() - t0:.0f} s")
         return
-    from ..cli import main as cli_main
+    from ..cli import build_parser, main as cli_main
 
-    if not (models_dir / "text" / "alice29.txt").is_file():  # the quantizer's calibration text
-        raise RuntimeError(f"{model}: {models_dir / 'text' / 'alice29.txt'} is missing (packs made before "
-                           "session 42 lack it: make gpu-models QWEN=only)")
     argv = ["quantize", str(models_dir / MODELS[src]), str(models_dir / MODELS[model]), *recipe]
+    # the calibration text the CLI will read; missing, load_text would try to download it
+    calib = models_dir / "text" / f"{build_parser().parse_args(argv).calib_text}.txt"
+    if not calib.is_file():
+        raise RuntimeError(f"{model}: {calib} is missing (packs made before session 42 lack it: "
+                           "make gpu-models QWEN=only)")
     if cli_main(argv) != 0:
         raise RuntimeError(f"{model}: `vllm-mixprec {' '.join(argv)}` failed (its output is above)")
     log(f"{model}: `vllm-mixprec {' '.join(argv)}` in {time.time() - t0:.0f} s")
