@@ -30,6 +30,8 @@
 #   bash scripts/gpu_models.sh assemble          rebuild the folders from every part; fails naming missing parts
 #   bash scripts/gpu_models.sh check [ARMS]      bundle + plugin + assemble, then real_model_check.py --arms ARMS
 #                                                (default rest) within CHECK_BUDGET s (default: what is left of 570)
+#   bash scripts/gpu_models.sh check-host-ref ARMS [RUNS]   the same against a CPU reference of RUNS (default:
+#                                                ARMS) computed on this host first (a DERIVED folder built here)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -67,5 +69,22 @@ case "$step" in
     exec timeout $((budget + 25)) python3 scripts/real_model_check.py --models-dir "$MODELS" --out "$OUT" \
       --arms "${2:-rest}" --budget "$budget"
     ;;
-  *) echo "usage: gpu_models.sh stash PARTDIR | assemble | check [ARMS]" >&2; exit 2 ;;
+  check-host-ref)
+    # For a DERIVED model calibrated on the host (qwen-sakc-kv8), whose bytes the host's CPU may
+    # round differently from the committed reference's: compute the CPU reference of RUNS on this
+    # host's cores ($OUT/host-ref.json, pinning the bytes built here), then check ARMS against it.
+    # docs/GPU_HOST.md, "qwen-sakc-kv8 on a host whose CPU builds other bytes".
+    mkdir -p "$OUT"
+    vllm_ready || exit 1
+    pack assemble || exit 1
+    runs=${3:-${2:?usage: gpu_models.sh check-host-ref ARMS [RUNS]}}
+    log "CPU reference of $runs on this host -> $OUT/host-ref.json"
+    python3 scripts/real_model_check.py --models-dir "$MODELS" --cpu-reference "$OUT/host-ref.json" \
+      --runs "$runs" || { log "host CPU reference FAILED"; exit 1; }
+    budget=${CHECK_BUDGET:-$((570 - SECONDS))}
+    log "real_model_check.py --arms $2 --reference $OUT/host-ref.json --budget $budget"
+    exec timeout $((budget + 25)) python3 scripts/real_model_check.py --models-dir "$MODELS" --out "$OUT" \
+      --arms "$2" --reference "$OUT/host-ref.json" --budget "$budget"
+    ;;
+  *) echo "usage: gpu_models.sh stash PARTDIR | assemble | check [ARMS] | check-host-ref ARMS [RUNS]" >&2; exit 2 ;;
 esac

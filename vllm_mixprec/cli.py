@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="W4Ax: uniform = that share in every linear; layer = each decoder layer's total of "
                         "them spread over its input groups by the error a block saves on calibration data "
                         "(the share is then of the layer's GEMM MACs; with --act-rotation hadamard64, the "
-                        "most accurate W4Ax measured on Qwen2.5-1.5B: docs/BENCHMARKS.md, session 33)")
+                        "most accurate W4Ax measured on Qwen2.5-1.5B: docs/BENCHMARKS.md, session 33); "
+                        "layer-blocks = the same spread with the share counted in blocks")
     q.add_argument("--a8-select", default="blocks", choices=list(A8_SELECTIONS),
                    help="W4Ax: how the 8-bit blocks are chosen: blocks (default) = the original "
                         "128-channel blocks with the largest calibration max |x|, channels kept in place; "

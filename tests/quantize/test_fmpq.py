@@ -145,9 +145,11 @@ def test_allocate_a8_blocks_is_greedy_over_prefixes_by_gain_per_cost():
     assert fmpq.allocate_a8_blocks(gains, wide, 6.5) == {"a": 0, "b": 4}  # a does not fit after b's 3
 
 
-def test_layer_allocation_keeps_each_layers_total(tmp_path):
-    """--a8-allocation layer: per decoder layer the 8-bit MACs stay within the uniform ones,
-    the count is shared by the linears of an input group, recorded, and the checkpoint evaluates."""
+@pytest.mark.parametrize("allocation", ["layer", "layer-blocks"])
+def test_layer_allocation_keeps_each_layers_total(tmp_path, allocation):
+    """--a8-allocation layer (layer-blocks): per decoder layer the 8-bit MACs (blocks) stay within
+    the uniform ones, the count is shared by the linears of an input group, recorded, and the
+    checkpoint evaluates."""
     from vllm_mixprec.eval.perplexity import evaluate
     from vllm_mixprec.quantize.pipeline import QuantOptions, quantize_model
     from vllm_mixprec.quantize.testing import calib_text_file, save_tiny
@@ -157,7 +159,7 @@ def test_layer_allocation_keeps_each_layers_total(tmp_path):
     src = save_tiny(tmp_path / "src", "qwen2", hidden_size=256, intermediate_size=512,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     text = calib_text_file(tmp_path / "calib.txt")
-    opts = QuantOptions(weight_scheme="w4ax", a8_fraction=0.5, a8_allocation="layer", act_rotation="hadamard",
+    opts = QuantOptions(weight_scheme="w4ax", a8_fraction=0.5, a8_allocation=allocation, act_rotation="hadamard",
                         calib_text=str(text), calib_samples=4, calib_seqlen=64, progress=False)
     summary = quantize_model(src, tmp_path / "out", opts)
     t = load_file(str(tmp_path / "out" / "model.safetensors"))
@@ -165,12 +167,13 @@ def test_layer_allocation_keeps_each_layers_total(tmp_path):
         i, blocks = info["layer"], info["a8_blocks"]
         n_out = {"qkv": 256 + 2 * 128, "o": 256, "gate_up": 2 * 512, "down": 256}
         uniform = {"qkv": 1, "o": 1, "gate_up": 1, "down": 2}  # round(0.5 * K/128): of 2, 2, 2, 4
-        assert sum(blocks[g] * n_out[g] for g in n_out) <= sum(uniform[g] * n_out[g] for g in n_out)
+        cost = n_out if allocation == "layer" else dict.fromkeys(n_out, 1)
+        assert sum(blocks[g] * cost[g] for g in n_out) <= sum(uniform[g] * cost[g] for g in n_out)
         for name, want in (("self_attn.q_proj", "qkv"), ("self_attn.v_proj", "qkv"), ("mlp.up_proj", "gate_up"),
                            ("mlp.down_proj", "down")):
             assert int(t[f"model.layers.{i}.{name}.a8_blocks"][0]) == blocks[want]
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
-    assert cfg["a8_fraction"] == 0.5 and cfg["calibration"]["a8_allocation"] == "layer"
+    assert cfg["a8_fraction"] == 0.5 and cfg["calibration"]["a8_allocation"] == allocation
     ppl = next(iter(evaluate(tmp_path / "out", [str(text)], n_tokens=128, window=64).values()))["ppl"]
     assert ppl == ppl and ppl < 1e4
     with pytest.raises(ValueError, match="a8 allocation 'global' is not one of"):

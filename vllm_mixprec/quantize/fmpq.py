@@ -29,7 +29,12 @@ def num_a8_blocks(in_features: int, a8_fraction: float) -> int:
     return n
 
 
-A8_ALLOCATIONS = ("uniform", "layer")
+# How a decoder layer's 8-bit blocks are spread (QuantOptions.a8_allocation, `quantize --a8-allocation`):
+# "uniform": round(a8_fraction * K/128) in every linear; "layer": the layer's total spread over its
+# input groups by block_gains, the budget in GEMM MACs (a block of a group costs its N);
+# "layer-blocks": the same with the budget in blocks (each costs 1), so a8_fraction is the share
+# of the layer's blocks by count, as issue #3 words its W4Ax target.
+A8_ALLOCATIONS = ("uniform", "layer", "layer-blocks")
 
 
 def block_gains(x: torch.Tensor, w: torch.Tensor, perm: torch.Tensor,

@@ -246,7 +246,8 @@ def a8_blocks_per_group(layer, stats: dict[str, C.LinearStats], opts: QuantOptio
     the input, so one count). "uniform": round(a8_fraction * K/128) each; "layer": the same total
     spread by fmpq.block_gains on the calibration sample (COMET keeps the blocks that hold
     outliers at 8 bits, so its share varies by layer too). The budget is in MACs (a block of a
-    group costs its N), so the layer's 8-bit share of the GEMM work stays uniform's."""
+    group costs its N), so the layer's 8-bit share of the GEMM work stays uniform's;
+    "layer-blocks": in blocks, so the layer's 8-bit share of its blocks by count stays uniform's."""
     first = {g: d["linears"][0] for g, d in C.LINEAR_GROUPS.items()}
     uniform = {g: fmpq.num_a8_blocks(stats[n].absmax.numel(), opts.a8_fraction) for g, n in first.items()}
     if opts.a8_allocation == "uniform":
@@ -257,7 +258,7 @@ def a8_blocks_per_group(layer, stats: dict[str, C.LinearStats], opts: QuantOptio
         st = stats[first[g]]
         w = torch.cat([layer.get_submodule(n).weight.detach() for n in d["linears"]])
         gains[g] = fmpq.block_gains(st.sample, w, fmpq.act_permutation(st.absmax, opts.a8_select), rot)
-        cost[g] = float(w.shape[0])
+        cost[g] = float(w.shape[0]) if opts.a8_allocation == "layer" else 1.0
     return fmpq.allocate_a8_blocks(gains, cost, sum(uniform[g] * cost[g] for g in uniform))
 
 
