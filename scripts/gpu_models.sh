@@ -56,35 +56,41 @@ vllm_ready() {
   tail -3 "$OUT/gpu_check_env.log"
 }
 
+# Bundle, plugin and models ready on this host (the start of every check).
+prepare_check() {
+  mkdir -p "$OUT"
+  vllm_ready || exit 1
+  pack assemble || exit 1
+}
+# real_model_check.py on ARMS (then any extra arguments) within CHECK_BUDGET s (default: what is
+# left of 570).
+check_arms() {
+  local arms=$1 budget=${CHECK_BUDGET:-$((570 - SECONDS))}
+  shift
+  log "real_model_check.py --arms $arms${*:+ $*} --budget $budget"
+  exec timeout $((budget + 25)) python3 scripts/real_model_check.py --models-dir "$MODELS" --out "$OUT" \
+    --arms "$arms" "$@" --budget "$budget"
+}
+
 step=${1:-}
 case "$step" in
   stash) pack stash "${2:?usage: gpu_models.sh stash PARTDIR}" ;;
   assemble) pack assemble ;;
   check)
-    mkdir -p "$OUT"
-    vllm_ready || exit 1
-    pack assemble || exit 1
-    budget=${CHECK_BUDGET:-$((570 - SECONDS))}
-    log "real_model_check.py --arms ${2:-rest} --budget $budget"
-    exec timeout $((budget + 25)) python3 scripts/real_model_check.py --models-dir "$MODELS" --out "$OUT" \
-      --arms "${2:-rest}" --budget "$budget"
+    prepare_check
+    check_arms "${2:-rest}"
     ;;
   check-host-ref)
     # For a DERIVED model calibrated on the host (qwen-sakc-kv8), whose bytes the host's CPU may
     # round differently from the committed reference's: compute the CPU reference of RUNS on this
     # host's cores ($OUT/host-ref.json, pinning the bytes built here), then check ARMS against it.
     # docs/GPU_HOST.md, "qwen-sakc-kv8 on a host whose CPU builds other bytes".
-    mkdir -p "$OUT"
-    vllm_ready || exit 1
-    pack assemble || exit 1
     runs=${3:-${2:?usage: gpu_models.sh check-host-ref ARMS [RUNS]}}
+    prepare_check
     log "CPU reference of $runs on this host -> $OUT/host-ref.json"
     python3 scripts/real_model_check.py --models-dir "$MODELS" --cpu-reference "$OUT/host-ref.json" \
       --runs "$runs" || { log "host CPU reference FAILED"; exit 1; }
-    budget=${CHECK_BUDGET:-$((570 - SECONDS))}
-    log "real_model_check.py --arms $2 --reference $OUT/host-ref.json --budget $budget"
-    exec timeout $((budget + 25)) python3 scripts/real_model_check.py --models-dir "$MODELS" --out "$OUT" \
-      --arms "$2" --reference "$OUT/host-ref.json" --budget "$budget"
+    check_arms "$2" --reference "$OUT/host-ref.json"
     ;;
   *) echo "usage: gpu_models.sh stash PARTDIR | assemble | check [ARMS] | check-host-ref ARMS [RUNS]" >&2; exit 2 ;;
 esac

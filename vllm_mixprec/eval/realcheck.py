@@ -84,7 +84,8 @@ MODELS = {"smollm2-135m": "models/smollm2-135m", "demo-smollm2-w4a8-kv8": "demo-
 # Made where they are needed from another MODELS entry (name -> (source, recipe)), so that the
 # Qwen parts carry the bf16 folder only: the RTN W4A8 export (quantize/rtn.py, with this KV
 # scheme), or the quantizer's CLI arguments (the calibration text must be in the models dir). The
-# CPU reference pins the bytes made here; check_inputs refuses a host whose build differs.
+# CPU reference pins the bytes made here; check_inputs refuses a host whose build differs
+# (`gpu_models.sh check-host-ref` then checks against a reference computed on that host).
 DERIVED = {QWEN_RTN: ("qwen2.5-coder-1.5b", "kv4"),
            QWEN_SAKC: ("qwen2.5-coder-1.5b", ("--scheme", "none", "--k-centering", "--smooth-attention",
                                               "--calib-samples", "8", "--calib-seqlen", "512"))}
