@@ -12,8 +12,8 @@ Measured in the same run, on the same random data sizes:
   ours_w4ax_triton_q Triton quantize_act_w4ax + w4ax_gemm, 25% of the 128-channel blocks at 8 bits
                      (W4Ax, COMET's FMPQ; Hopper widens the int4 blocks to int8 in registers;
                      --w4ax-a8-share sets the share)
-  ours_w4ax_rot_triton_q  the same with act_rotation "hadamard" (the quantizer's W4Ax default;
-                     --w4ax-rotation): w4ax_act_input's kernel rotates each 4-bit block, then
+  ours_w4ax_rot_triton_q  the same with act_rotation "hadamard" (--w4ax-rotation; the quantizer's
+                     W4Ax default is "hadamard64"): w4ax_act_input's kernel rotates each 4-bit block, then
                      the quantize kernel runs
   ours_w4ax_rot_torch_triton_q  the same with the rotation as session 33 ran it: torch ops
                      (float32 gather, divide, matmul, concatenate) before the quantize kernel
@@ -78,13 +78,16 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS), help="subset of " + ",".join(METHODS))
     p.add_argument("--sweep", action="store_true",
                    help="also time a grid of Triton tile configs per point and report the best")
+    p.add_argument("--sweep-method", choices=("ours_triton", "ours_w4ax_triton_q"), default="ours_triton",
+                   help="the Triton GEMM the sweep times: W4A8 alone, or W4Ax with its quantization "
+                        "(at --w4ax-a8-share; the configs change the GEMM only)")
     p.add_argument("--group-size", type=int, default=128, choices=(64, 128),
                    help="LiquidQuant group size of ours (Marlin and Machete use 128)")
     p.add_argument("--rep-ms", type=int, default=60, help="do_bench rep time per measurement")
     p.add_argument("--w4ax-a8-share", type=float, default=0.25,
                    help="W4Ax methods: share of K's 128-channel blocks at 8 bits, rounded to whole "
-                        "blocks (0: all 4-bit, 1: all 8-bit; the quantizer's --a8-allocation layer "
-                        "gives each linear its own)")
+                        "blocks (0: all 4-bit, 1: all 8-bit; the quantizer's --a8-allocation layer-blocks "
+                        "and layer give each linear its own)")
     p.add_argument("--w4ax-rotation", choices=("hadamard", "hadamard64"), default="hadamard",
                    help="ours_w4ax_rot_triton_q's act_rotation (formats.ACT_ROTATIONS)")
     p.add_argument("--flush", choices=("write", "read"), default="write",
@@ -431,6 +434,23 @@ def check_ours(meth: Methods, M: int, config=None) -> float:
     return float((y[rows].double() - r).norm() / r.norm())
 
 
+def check_ours_w4ax(meth: Methods, M: int, config=None) -> float:
+    """The same for the Triton W4Ax GEMM at the run's 8-bit share (identity permutation)."""
+    import torch
+    from vllm_mixprec import reference as ref
+    from vllm_mixprec.kernels.triton import gemm as tg
+    t = meth.setups["ours"][1][0]
+    x = torch.randn(M, meth.K, device="cuda", dtype=torch.bfloat16)
+    ident = torch.arange(meth.K, device="cuda", dtype=torch.int32)
+    x8, s8, x4, s4 = tg.quantize_act_w4ax(x, ident, meth.w4ax_k8, None, None)
+    w = (t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"], None)
+    y = tg.w4ax_gemm(x8, s8, x4, s4, *w, torch.bfloat16, config=config)
+    rows = torch.unique(torch.tensor([0, M // 2, M - 1] + list(range(min(M, 61))), device="cuda"))
+    r = ref.w4ax_gemm(x8[rows], s8[rows], x4[rows], s4[rows], *w, torch.float64)
+    assert torch.isfinite(y).all(), "non-finite output"
+    return float((y[rows].double() - r).norm() / r.norm())
+
+
 def sweep_configs(M: int):
     from vllm_mixprec.kernels.triton.gemm import GemmConfig as C
     if M <= 64:
@@ -442,7 +462,10 @@ def sweep_configs(M: int):
             C(128, 128, 128, 0, swap_ab=False, num_warps=8, num_stages=3),
             C(128, 128, 64, 0, num_warps=4, num_stages=4), C(256, 128, 128, 0, num_warps=8, num_stages=3),
             C(256, 64, 128, 0, num_warps=4, num_stages=2), C(128, 256, 64, 0, num_warps=8, num_stages=3),
-            C(64, 128, 128, 0, num_warps=4, num_stages=4), C(128, 64, 128, 0, swap_ab=False)]
+            C(64, 128, 128, 0, num_warps=4, num_stages=4), C(128, 64, 128, 0, swap_ab=False),
+            # fewer accumulator registers a thread: W4Ax keeps an fp32 sum beside each block's int32 dot
+            C(64, 128, 128, 0, num_warps=4, num_stages=3), C(64, 256, 128, 0, num_warps=8, num_stages=3),
+            C(128, 128, 128, 0, num_warps=8, num_stages=4), C(64, 64, 128, 0, num_warps=4, num_stages=4)]
 
 
 # --- main ----------------------------------------------------------------------------------
@@ -512,7 +535,7 @@ def main(argv=None) -> int:
                 if base_ms and "ms" in v:
                     v["speedup_vs_marlin_w4a16"] = base_ms / v["ms"]
             if args.sweep and "ours" in meth.setups:
-                report["sweep"].append(run_sweep(meth, K, N, M, args.rep_ms, base_ms))
+                report["sweep"].append(run_sweep(meth, K, N, M, args.rep_ms, base_ms, args.sweep_method))
             report["results"].append(row)
             print(format_row(row), flush=True)
         del meth
@@ -527,14 +550,15 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms):
+def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms, method="ours_triton"):
     from vllm_mixprec.kernels.triton import gemm as tg
     import torch
-    out = {"K": K, "N": N, "M": M, "configs": []}
+    w4ax = method != "ours_triton"
+    out = {"K": K, "N": N, "M": M, "method": method, "configs": []}
     iters_cfgs = []
     for c in sweep_configs(M):
-        bk = min(c.block_k, K)
-        while K % bk:
+        bk = min(c.block_k, 128 if w4ax else K)  # W4Ax: one activation block's scale a k-step
+        while K % bk or (w4ax and meth.w4ax_k8 % bk):
             bk //= 2
         c = dataclasses.replace(c, block_k=bk)
         if c.split_k == 0:  # 0: the default rule's split for this tile shape
@@ -544,8 +568,8 @@ def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms):
     for c in dict.fromkeys(iters_cfgs):
         rec = {"config": dataclasses.asdict(c)}
         try:
-            rec["rel_err"] = check_ours(meth, M, c)
-            rec["ms"] = time_calls(meth.calls("ours_triton", M, c), rep_ms)
+            rec["rel_err"] = (check_ours_w4ax if w4ax else check_ours)(meth, M, c)
+            rec["ms"] = time_calls(meth.calls(method, M, c), rep_ms)
             if marlin_ms:
                 rec["speedup_vs_marlin_w4a16"] = marlin_ms / rec["ms"]
         except Exception as e:

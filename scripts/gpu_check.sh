@@ -12,7 +12,7 @@
 # tp_real_exact_verdict wgmma_pdl_tests wgmma_pdl_bench wgmma_pdl_sanitize gemm_table
 # stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize decode_hbm
 # decode_options decode_options_splits decode_options_check decode_build decode_table decode_table_tested
-# decode_preload decode_preload_table mid_table profile_mid wgmma_diag stream_k_oos
+# decode_preload decode_preload_table mid_table profile_mid wgmma_diag stream_k_oos w4ax_alloc w4ax_sweep
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -702,10 +702,12 @@ stage_stream_k_oos() {
 }
 # W4Ax at the shares the per-layer allocation gives (session 33's recipe on Qwen2.5-1.5B: qkv and
 # o all 8-bit, gate_up all 4-bit, down 32 of 70 blocks at 8 bits; 64-point rotation halves), on
-# Qwen2.5-1.5B's and Llama-3-8B's shapes, beside W4A8 (csrc and Triton) and Marlin
+# Qwen2.5-1.5B's and Llama-3-8B's shapes, beside W4A8 (csrc and Triton) and Marlin.
+# W4AX_ALLOC_SPECS "share:shapes ..." sets other shares (session 45: layer-blocks, the CLI default),
+# W4AX_ALLOC_METHODS the bench's methods.
 stage_w4ax_alloc() {
   local rc=0 share shapes
-  local methods=ours_cuda,ours_triton_q,ours_w4ax_triton_q,ours_w4ax_rot_triton_q,ours_w4ax_rot_torch_triton_q,marlin_w4a16
+  local methods=${W4AX_ALLOC_METHODS:-ours_cuda,ours_triton_q,ours_w4ax_triton_q,ours_w4ax_rot_triton_q,ours_w4ax_rot_torch_triton_q,marlin_w4a16}
   local specs=${W4AX_ALLOC_SPECS:-"1.0:1536x2048,1536x1536,4096x6144,4096x4096 0.0:1536x17920,4096x28672 0.457:8960x1536,14336x4096"}
   for spec in $specs; do
     share=${spec%%:*}; shapes=${spec#*:}
@@ -713,6 +715,19 @@ stage_w4ax_alloc() {
     run_bench "bench_gemm_w4ax_$share" 240 python3 benchmarks/bench_gemm.py --shapes "$shapes" \
       --ms 1,16,256,1024 --methods $methods --w4ax-a8-share "$share" --w4ax-rotation hadamard64 \
       --out "$OUT/w4ax-alloc-$share" || rc=1
+  done
+  return $rc
+}
+# The Triton W4Ax GEMM's tile configs at M = 256 and 1024 (bench_gemm.py --sweep over
+# --sweep-method ours_w4ax_triton_q), all-8-bit and at 25 % 8-bit blocks (session 45)
+stage_w4ax_sweep() {
+  local rc=0 share
+  for share in ${W4AX_SWEEP_SHARES:-1.0 0.25}; do
+    mkdir -p "$OUT/w4ax-sweep-$share"
+    run_bench "bench_gemm_w4ax_sweep_$share" 280 python3 benchmarks/bench_gemm.py \
+      --shapes "${W4AX_SWEEP_SHAPES:-4096x4096,4096x28672,14336x4096}" --ms "${W4AX_SWEEP_MS:-256,1024}" \
+      --methods ours_w4ax_triton_q,ours_triton_q --sweep --sweep-method ours_w4ax_triton_q \
+      --w4ax-a8-share "$share" --rep-ms 30 --out "$OUT/w4ax-sweep-$share" || rc=1
   done
   return $rc
 }

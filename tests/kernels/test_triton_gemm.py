@@ -376,6 +376,21 @@ def test_w4ax_gemm_matches_reference(k8, cfg, bias, seeded):
     assert_close_to_f64(y, _ref_w4ax(x8, s8, x4, s4, t, b), torch.float16)
 
 
+def test_w4ax_gemm_default_tile_above_64_tokens(seeded):
+    """M > 64 takes W4Ax's own default tile (128 tokens x 64 channels, not swapped): partial
+    tiles on both sides, an 8-bit and two 4-bit blocks."""
+    m, n, k, k8, g = 130, 72, 384, 128, 64
+    assert tg.default_config(m, n, k, 128, num_sms=132, block_scales=True).swap_ab is False
+    t = _weights(n, k, g, seeded)
+    perm = torch.randperm(k, generator=seeded)
+    x8, s8, x4, s4 = ref.quantize_act_w4ax(_act(m, k, seeded).cpu(), perm, k8)
+    out = _poisoned(m, n, torch.float16)
+    y = tg.w4ax_gemm(x8.to(DEV), s8.to(DEV), x4.to(DEV), s4.to(DEV), t["qweight"],
+                     t["group_scale"], t["group_offset"], t["channel_scale"], None, torch.float16,
+                     out=out)
+    assert_close_to_f64(y, _ref_w4ax(x8, s8, x4, s4, t, None), torch.float16)
+
+
 @pytest.mark.parametrize("cfg", ["default", "swap_split3", "noswap_split2"])
 def test_w4ax_block_scales_keep_small_blocks(cfg, seeded):
     """Quantize + GEMM on 4-bit blocks 10^4 apart in magnitude, weights zero on the large one:
@@ -459,8 +474,11 @@ H100_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 
 
 @pytest.mark.parametrize("k,n", H100_SHAPES)
 @pytest.mark.parametrize("m", [1, 16, 64, 128, 256, 1024, 4096, 8192])
-def test_default_config_is_valid(k, n, m):
-    c = tg.default_config(m, n, k, k, num_sms=132)
+@pytest.mark.parametrize("block_scales", [False, True], ids=["w4a8", "w4ax"])
+def test_default_config_is_valid(k, n, m, block_scales):
+    c = tg.default_config(m, n, k, 128 if block_scales else k, num_sms=132, block_scales=block_scales)
+    if block_scales:
+        assert 128 % c.block_k == 0  # one activation block's scale a k-step
     iters = k // c.block_k
     assert k % c.block_k == 0 and c.block_k % 64 == 0
     assert 1 <= c.split_k <= iters

@@ -98,14 +98,19 @@ def test_quantize_then_eval_end_to_end(tiny, tmp_path, capsys):
     assert rows and "%" in rows[0]
 
 
-def test_w4ax_rotates_by_default_and_the_rotation_needs_w4ax(tiny, tmp_path, capsys):
+def test_w4ax_defaults_are_the_measured_recipe_and_need_w4ax(tiny, tmp_path, capsys):
+    """--scheme w4ax defaults to 64-point halves and the layer-blocks allocation (the recipe that
+    met issue #3's target); both options are refused on w4a8."""
     src, text = tiny
-    rc = cli.main(["quantize", str(src), str(tmp_path / "bad"), "--act-rotation", "hadamard", *small(text)])
-    assert rc == 2 and "--act-rotation hadamard applies to the w4ax scheme only" in capsys.readouterr().err
-    assert not (tmp_path / "bad").exists()
-    for flags, want in (([], "hadamard"), (["--act-rotation", "none"], None),
-                        (["--act-rotation", "hadamard64"], "hadamard64")):
-        out = tmp_path / f"w4ax-{want}"
+    for flag in (["--act-rotation", "hadamard"], ["--a8-allocation", "layer"]):
+        rc = cli.main(["quantize", str(src), str(tmp_path / "bad"), *flag, *small(text)])
+        assert rc == 2 and f"{flag[0]} {flag[1]} applies to the w4ax scheme only" in capsys.readouterr().err
+        assert not (tmp_path / "bad").exists()
+    for flags, want, alloc in (([], "hadamard64", "layer-blocks"),
+                               (["--act-rotation", "none"], None, "layer-blocks"),
+                               (["--act-rotation", "hadamard", "--a8-allocation", "uniform"], "hadamard", "uniform")):
+        out = tmp_path / f"w4ax-{want}-{alloc}"
         assert cli.main(["quantize", str(src), str(out), "--scheme", "w4ax", *flags, *small(text)]) == 0
         qc = json.loads((out / "config.json").read_text())["quantization_config"]
         assert qc.get("act_rotation") == want
+        assert qc["calibration"]["a8_allocation"] == alloc

@@ -121,14 +121,14 @@ def test_summary_reports_time(exported):
     assert summary["seconds_quantize"] > 0 and len(summary["layers"]) == 2
 
 
-def test_summary_warns_when_gptq_calibration_is_short(exported):
-    """The tiny models get 4 x 64 calibration tokens: GPTQ's exports carry the warning, the
-    others none."""
+def test_summary_warns_when_calibration_is_short(exported):
+    """The tiny models get 4 x 64 calibration tokens: GPTQ's and W4Ax's exports carry a warning
+    each, the others none."""
     _, _, summary, kw = exported
-    if kw.get("gptq"):
-        assert len(summary["warnings"]) == 1 and "--calib-samples" in summary["warnings"][0]
-    else:
-        assert summary["warnings"] == []
+    want = [w for w, on in (("GPTQ with 256", kw.get("gptq")),
+                            ("W4Ax with 256", kw["weight_scheme"] == "w4ax")) if on]
+    assert [w[:13] for w in summary["warnings"]] == want
+    assert all("--calib-samples" in w for w in summary["warnings"])
 
 
 @pytest.mark.parametrize("scheme,gptq_flag,tokens,warns", [
@@ -144,6 +144,16 @@ def test_gptq_calibration_warning(scheme, gptq_flag, tokens, warns):
     if warns:  # names the count, the widest input and the fix
         assert f"{tokens} calibration tokens" in msg and "8960 input channels" in msg
         assert "--calib-samples to at least 140" in msg
+
+
+@pytest.mark.parametrize("scheme,tokens,warns", [
+    ("w4ax", 8 * 512, True), ("w4ax", 16 * 512, True), ("w4ax", 32 * 512, False), ("w4a8", 4096, False)])
+def test_w4ax_calibration_warning(scheme, tokens, warns):
+    msg = QuantOptions(weight_scheme=scheme, calib_seqlen=512).w4ax_calibration_warning(tokens)
+    assert (msg is not None) == warns
+    if warns:  # names the count, the measured misses and the fix
+        assert f"{tokens} calibration tokens" in msg and "1.59x" in msg
+        assert "--calib-samples to at least 32" in msg
 
 
 @pytest.mark.parametrize("percdamp", [0.0, -0.01, float("nan"), float("inf")])

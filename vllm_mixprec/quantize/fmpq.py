@@ -35,6 +35,12 @@ def num_a8_blocks(in_features: int, a8_fraction: float) -> int:
 # "layer-blocks": the same with the budget in blocks (each costs 1), so a8_fraction is the share
 # of the layer's blocks by count, as issue #3 words its W4Ax target.
 A8_ALLOCATIONS = ("uniform", "layer", "layer-blocks")
+# `vllm-mixprec quantize --scheme w4ax`'s defaults: the recipe that met issue #3's W4Ax target
+# (<= 1.25x W4A8's dppl with 25 % of the blocks at 8 bits) on Qwen2.5-1.5B at 32 and 64 x 512
+# calibration tokens (docs/BENCHMARKS.md, sessions 44-45); uniform with the 128-point rotation
+# missed it (1.14x / 1.88x).
+W4AX_DEFAULT_ALLOCATION = "layer-blocks"
+W4AX_DEFAULT_ROTATION = "hadamard64"
 
 
 def block_gains(x: torch.Tensor, w: torch.Tensor, perm: torch.Tensor,

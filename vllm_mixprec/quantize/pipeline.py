@@ -109,6 +109,10 @@ def check_finite(tensors, what: str, fix: str = "repair or re-download the sourc
 # QuantOptions.gptq_calibration_warning): 4,096 tokens overfit at K = 1,536 and 8,960 on Qwen,
 # 16,384 (10.7 per channel) did not at K = 1,536
 GPTQ_TOKENS_PER_INPUT = 8
+# W4Ax calibration tokens below which quantize_model warns (QuantOptions.w4ax_calibration_warning):
+# the default recipe met 1.25x W4A8's dppl on Qwen2.5-1.5B with 32 and 64 x 512 tokens and missed
+# it on botchan with 8 and 16 x 512 (docs/BENCHMARKS.md, session 45)
+W4AX_MIN_CALIB_TOKENS = 32 * 512
 
 
 @dataclasses.dataclass
@@ -124,10 +128,11 @@ class QuantOptions:
     clip: bool = False  # w4a8/w4ax: per-channel clip ratio + per-group range search
     a8_fraction: float = 0.25  # w4ax
     # w4ax: "uniform", every linear keeps round(a8_fraction * K/128) blocks at 8 bits; "layer",
-    # a decoder layer's 8-bit MACs under uniform go to the input groups where they save most error
+    # a decoder layer's 8-bit MACs under uniform go to the input groups where they save most error;
+    # "layer-blocks", the same with its 8-bit blocks counted (the CLI's default for w4ax)
     a8_allocation: str = "uniform"
     a8_select: str = "blocks"  # w4ax: fmpq.A8_SELECTIONS, how the 8-bit blocks are chosen
-    act_rotation: str = "none"  # w4ax: formats.ACT_ROTATIONS, on each 4-bit block (the CLI's default: hadamard)
+    act_rotation: str = "none"  # w4ax: formats.ACT_ROTATIONS, on each 4-bit block (the CLI's default: hadamard64)
     calib_text: str = "alice29"
     calib_samples: int = 64
     calib_seqlen: int = 512
@@ -157,6 +162,16 @@ class QuantOptions:
                 f"to at least {-(-need // self.calib_seqlen)} (x {self.calib_seqlen} tokens), or leave "
                 "GPTQ out")
 
+    def w4ax_calibration_warning(self, n_tokens: int) -> str | None:
+        """A warning when W4Ax gets fewer calibration tokens than it was measured to need."""
+        if self.weight_scheme != "w4ax" or n_tokens >= W4AX_MIN_CALIB_TOKENS:
+            return None
+        return (f"W4Ax with {n_tokens} calibration tokens: on Qwen2.5-Coder-1.5B its 8-bit block "
+                "allocation and smoothing met 1.25x W4A8's perplexity increase with 32 and 64 x 512 "
+                "tokens, but missed it on botchan with 8 and 16 x 512 (1.35x and 1.59x; "
+                "docs/BENCHMARKS.md, session 45). Raise --calib-samples to at least "
+                f"{-(-W4AX_MIN_CALIB_TOKENS // self.calib_seqlen)} (x {self.calib_seqlen} tokens)")
+
     def needs_hessian(self) -> bool:
         return self.weight_scheme == "gptq-w4a16" or (self.gptq and self.weight_scheme in ("w4a8", "w4ax"))
 
@@ -185,6 +200,8 @@ class QuantOptions:
             raise ValueError(f"act rotation {self.act_rotation!r} is not one of {F.ACT_ROTATIONS}")
         if self.a8_select not in fmpq.A8_SELECTIONS:
             raise ValueError(f"a8 selection {self.a8_select!r} is not one of {fmpq.A8_SELECTIONS}")
+        if self.a8_allocation != QuantOptions.a8_allocation and self.weight_scheme != "w4ax":
+            raise ValueError(f"--a8-allocation {self.a8_allocation} applies to the w4ax scheme only")
         if self.a8_select != QuantOptions.a8_select and self.weight_scheme != "w4ax":
             raise ValueError(f"--a8-select {self.a8_select} applies to the w4ax scheme only")
         if not (0 < self.percdamp < float("inf")):
@@ -436,8 +453,9 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, opts: QuantOption
     check_finite(model.state_dict().items(), f"the source checkpoint {model_dir}")
     model.eval().requires_grad_(False)
     tokens = C.calibration_batches(tok, load_text(opts.calib_text), opts.calib_samples, opts.calib_seqlen)
-    warning = opts.gptq_calibration_warning(config, tokens.numel())
-    if warning:
+    warnings = [w for w in (opts.gptq_calibration_warning(config, tokens.numel()),
+                            opts.w4ax_calibration_warning(tokens.numel())) if w]
+    for warning in warnings:
         print(f"vllm-mixprec quantize: warning: {warning}", file=sys.stderr, flush=True)
     kwargs = C.decoder_kwargs(model, tokens.shape[1])
     with torch.no_grad():
@@ -469,6 +487,6 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, opts: QuantOption
     src_cfg = _read_json(model_dir / "config.json")
     path = write_checkpoint(out_dir, tensors, src_cfg, model_dir, quantization_config(opts), overwrite)
     return {"output": str(path), "layers": infos, "calibration_tokens": int(tokens.numel()),
-            "warnings": [warning] if warning else [],
+            "warnings": warnings,
             "seconds_load": t_load, "seconds_quantize": t_quant,
             "seconds_total": time.time() - t_start, "options": dataclasses.asdict(opts)}

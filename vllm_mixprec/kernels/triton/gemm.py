@@ -625,13 +625,17 @@ def _largest_block_k(k_align: int, want: int) -> int:
     return bk
 
 
-def default_config(M: int, N: int, K: int, k_align: int, num_sms: int) -> GemmConfig:
+def default_config(M: int, N: int, K: int, k_align: int, num_sms: int,
+                   block_scales: bool = False) -> GemmConfig:
     """Shape-based tile choice (no autotuning: CUDA-graph capture never compiles twice).
 
     * M <= 64 is weight-bandwidth bound: narrow token tiles, deep K tiles, and split-K
       until there are ~2 CTAs per SM, so that every SM keeps weight loads in flight.
     * larger M is tensor-core bound: 128x128 tiles on one warpgroup, so that two CTAs fit
       per SM and one dequantizes while the other's wgmma runs (Triton waits on each wgmma).
+    * W4Ax (block_scales) at larger M: 128 tokens x 64 channels, tokens on the MMA's M side.
+      Its fp32 sum beside each k-step's int32 dot doubles the accumulator registers, and this
+      tile was 2.0-2.7x faster than the 128x128 one on an H200 (docs/BENCHMARKS.md, session 45).
     benchmarks/NOTES-gemm.md has the reasoning and the numbers to expect.
     """
     if M <= 64:
@@ -639,6 +643,9 @@ def default_config(M: int, N: int, K: int, k_align: int, num_sms: int) -> GemmCo
         cfg = GemmConfig(block_m=bm, block_n=64 if bm <= 32 else 128,
                          block_k=_largest_block_k(k_align, 256 if bm <= 32 else 128),
                          num_warps=4, num_stages=4)
+    elif block_scales:
+        cfg = GemmConfig(block_m=128, block_n=64, block_k=_largest_block_k(k_align, 128),
+                         swap_ab=False, num_warps=4, num_stages=4)
     else:
         cfg = GemmConfig(block_m=128, block_n=128, block_k=_largest_block_k(k_align, 128),
                          num_warps=4, num_stages=3)
@@ -741,7 +748,8 @@ def _launch_gemm(x8, s8, x4, s4, qweight, group_scale, group_offset, channel_sca
     x4w = _int32_words(x4) if has_a4 else qw32
     s4 = s4 if has_a4 else s8
     if config is None:
-        config = default_config(M, N, K, F.ACT_BLOCK if block_scales else K, _num_sms(out.device))
+        config = default_config(M, N, K, F.ACT_BLOCK if block_scales else K, _num_sms(out.device),
+                                block_scales)
     bk = config.block_k
     if K % bk or K8 % bk or bk % 64:
         raise ValueError(f"config.block_k={bk} must be a multiple of 64 dividing K={K} and k8={K8}")
