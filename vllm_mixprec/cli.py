@@ -208,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "blocks at 8 bits, spread over its input groups by the error a block saves on "
                         "calibration data; layer = the same spread with the share counted in GEMM MACs; "
                         "uniform = that share in every linear. With the default rotation and 64 x 512 "
-                        "calibration tokens, layer-blocks met issue #3's 1.25x-of-W4A8 target on Qwen2.5-1.5B "
-                        "and uniform did not (docs/BENCHMARKS.md, sessions 44-45)")
+                        "calibration tokens, layer-blocks kept Qwen2.5-1.5B's perplexity increase within "
+                        "1.25x W4A8's and uniform did not (docs/BENCHMARKS.md, sessions 44-45)")
     q.add_argument("--a8-select", default="blocks", choices=list(A8_SELECTIONS),
                    help="W4Ax: how the 8-bit blocks are chosen: blocks (default) = the original "
                         "128-channel blocks with the largest calibration max |x|, channels kept in place; "
