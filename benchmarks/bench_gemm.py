@@ -417,36 +417,25 @@ class Methods:
 
 # --- checks ------------------------------------------------------------------------------
 
-def check_ours(meth: Methods, M: int, config=None) -> float:
-    """Relative error of the Triton GEMM against reference.py on up to 64 rows."""
+def check_ours(meth: Methods, M: int, config=None, w4ax: bool = False) -> float:
+    """Relative error of the Triton GEMM (W4A8, or W4Ax at the run's 8-bit share with the
+    identity permutation) against reference.py in float64 on up to 64 rows."""
     import torch
     from vllm_mixprec import reference as ref
     from vllm_mixprec.kernels.triton import gemm as tg
     t = meth.setups["ours"][1][0]
-    x = torch.randn(M, meth.K, device="cuda", dtype=torch.bfloat16)
-    xq, xs = tg.quantize_act(x)
-    y = tg.w4a8_gemm(xq, xs, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"],
-                     None, torch.bfloat16, config=config)
-    rows = torch.unique(torch.tensor([0, M // 2, M - 1] + list(range(min(M, 61))), device="cuda"))
-    r = ref.w4a8_gemm(xq[rows], xs[rows], t["qweight"], t["group_scale"], t["group_offset"],
-                      t["channel_scale"], None, torch.float64)
-    assert torch.isfinite(y).all(), "non-finite output"
-    return float((y[rows].double() - r).norm() / r.norm())
-
-
-def check_ours_w4ax(meth: Methods, M: int, config=None) -> float:
-    """The same for the Triton W4Ax GEMM at the run's 8-bit share (identity permutation)."""
-    import torch
-    from vllm_mixprec import reference as ref
-    from vllm_mixprec.kernels.triton import gemm as tg
-    t = meth.setups["ours"][1][0]
-    x = torch.randn(M, meth.K, device="cuda", dtype=torch.bfloat16)
-    ident = torch.arange(meth.K, device="cuda", dtype=torch.int32)
-    x8, s8, x4, s4 = tg.quantize_act_w4ax(x, ident, meth.w4ax_k8, None, None)
     w = (t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"], None)
-    y = tg.w4ax_gemm(x8, s8, x4, s4, *w, torch.bfloat16, config=config)
+    x = torch.randn(M, meth.K, device="cuda", dtype=torch.bfloat16)
+    if w4ax:
+        ident = torch.arange(meth.K, device="cuda", dtype=torch.int32)
+        acts = tg.quantize_act_w4ax(x, ident, meth.w4ax_k8, None, None)
+        gemm, ref_gemm = tg.w4ax_gemm, ref.w4ax_gemm
+    else:
+        acts = tg.quantize_act(x)
+        gemm, ref_gemm = tg.w4a8_gemm, ref.w4a8_gemm
+    y = gemm(*acts, *w, torch.bfloat16, config=config)
     rows = torch.unique(torch.tensor([0, M // 2, M - 1] + list(range(min(M, 61))), device="cuda"))
-    r = ref.w4ax_gemm(x8[rows], s8[rows], x4[rows], s4[rows], *w, torch.float64)
+    r = ref_gemm(*(a[rows] for a in acts), *w, torch.float64)
     assert torch.isfinite(y).all(), "non-finite output"
     return float((y[rows].double() - r).norm() / r.norm())
 
@@ -568,7 +557,7 @@ def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms, method="ours_triton"):
     for c in dict.fromkeys(iters_cfgs):
         rec = {"config": dataclasses.asdict(c)}
         try:
-            rec["rel_err"] = (check_ours_w4ax if w4ax else check_ours)(meth, M, c)
+            rec["rel_err"] = check_ours(meth, M, c, w4ax)
             rec["ms"] = time_calls(meth.calls(method, M, c), rep_ms)
             if marlin_ms:
                 rec["speedup_vs_marlin_w4a16"] = marlin_ms / rec["ms"]
