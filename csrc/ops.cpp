@@ -74,6 +74,9 @@ int num_sms(int device) { return device_attribute<cudaDevAttrMultiProcessorCount
 struct LaunchOptions {
   std::atomic<bool> gemm_pdl{true};  // GEMMs (decode and wgmma) as programmatic dependent launches
   std::atomic<bool> act_quant_one_pass{true};
+  // The one-pass quantizer's lean arithmetic (csrc/quant/quantize_act_int8.cu, pack_codes8_lean):
+  // the same codes from 1 / scale; false keeps its per-element IEEE division (A/B timing, session 46).
+  std::atomic<bool> act_quant_lean{true};
   // The wgmma planner may choose a stream-K launch (persistent grid: data-parallel waves, then the
   // rest of the tiles x K stages split evenly over the SMs). On since session 33; with session
   // 34's refit no pick of the 42 measured Llama rows loses 2 % to the classic grid
@@ -182,7 +185,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in, const st
   C10_CUDA_CHECK(quantize_act_int8_launch(x.data_ptr(), x_kind, x.stride(0),
                                           smooth.defined() ? smooth.data_ptr() : nullptr, smooth_kind,
                                           q.data_ptr<int8_t>(), scale.data_ptr<float>(), static_cast<int>(M),
-                                          static_cast<int>(K), launch_options().act_quant_one_pass.load(), stream));
+                                          static_cast<int>(K), launch_options().act_quant_one_pass.load(),
+                                          launch_options().act_quant_lean.load(), stream));
   return {q, scale};
 }
 
@@ -449,11 +453,13 @@ void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Te
 }
 
 // Sets the launch options (a negative value keeps one) and returns them all:
-// [gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8, decode_ctas_per_sm, decode_preload_max_m].
+// [gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8, decode_ctas_per_sm, decode_preload_max_m,
+//  act_quant_lean].
 // For A/B timing and tests; the defaults are the measured best (csrc/gemm/NOTES.md, "PDL", "Stream-K",
-// "Decode u8", "Decode occupancy", "Decode preload").
+// "Decode u8", "Decode occupancy", "Decode preload", "quantize_act").
 std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_pass, int64_t gemm_stream_k,
-                                        int64_t decode_u8, int64_t decode_ctas_per_sm, int64_t decode_preload_max_m) {
+                                        int64_t decode_u8, int64_t decode_ctas_per_sm, int64_t decode_preload_max_m,
+                                        int64_t act_quant_lean) {
   TORCH_CHECK(gemm_pdl <= 1 && act_quant_one_pass <= 1 && gemm_stream_k <= 1 && decode_u8 <= 1,
               "mixprec_C::set_launch_options: gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_u8 take 0, 1 or "
               "-1 (keep); got ", gemm_pdl, ", ", act_quant_one_pass, ", ", gemm_stream_k, ", ", decode_u8);
@@ -463,6 +469,8 @@ std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_
   TORCH_CHECK(decode_preload_max_m <= 32,
               "mixprec_C::set_launch_options: decode_preload_max_m takes 0 (never) to 32 (every decode M) or -1 "
               "(keep); got ", decode_preload_max_m);
+  TORCH_CHECK(act_quant_lean <= 1, "mixprec_C::set_launch_options: act_quant_lean takes 0, 1 or -1 (keep); got ",
+              act_quant_lean);
   LaunchOptions& o = launch_options();
   if (gemm_pdl >= 0) o.gemm_pdl.store(gemm_pdl == 1);
   if (act_quant_one_pass >= 0) o.act_quant_one_pass.store(act_quant_one_pass == 1);
@@ -470,8 +478,10 @@ std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_
   if (decode_u8 >= 0) o.decode_u8.store(decode_u8 == 1);
   if (decode_ctas_per_sm >= 0) o.decode_ctas_per_sm.store(static_cast<int>(decode_ctas_per_sm));
   if (decode_preload_max_m >= 0) o.decode_preload_max_m.store(static_cast<int>(decode_preload_max_m));
+  if (act_quant_lean >= 0) o.act_quant_lean.store(act_quant_lean == 1);
   return {o.gemm_pdl.load() ? 1 : 0, o.act_quant_one_pass.load() ? 1 : 0, o.gemm_stream_k.load() ? 1 : 0,
-          o.decode_u8.load() ? 1 : 0, o.decode_ctas_per_sm.load(), o.decode_preload_max_m.load()};
+          o.decode_u8.load() ? 1 : 0, o.decode_ctas_per_sm.load(), o.decode_preload_max_m.load(),
+          o.act_quant_lean.load() ? 1 : 0};
 }
 
 }  // namespace
@@ -493,7 +503,7 @@ TORCH_LIBRARY(mixprec_C, m) {
       "int num_splits, int slots, int res_tokens, int tile_tokens, int min_tiles, int prefetch_pages=0) -> ()");
   m.def(
       "set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1, int gemm_stream_k=-1, int decode_u8=-1, "
-      "int decode_ctas_per_sm=-1, int decode_preload_max_m=-1) -> int[]",
+      "int decode_ctas_per_sm=-1, int decode_preload_max_m=-1, int act_quant_lean=-1) -> int[]",
       &mixprec::set_launch_options);
 }
 

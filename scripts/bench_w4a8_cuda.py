@@ -38,7 +38,8 @@ DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # --splits-sweep, decode kernels 0 a
 # changes: "gemm" (timed: the plan, the GEMM, the linear) or "quant" (quantize_act, the linear))
 OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32, "gemm"),
              "decode_preload_max_m": ("pre", (0, 8, 16, 32), 32, "gemm"),
-             "act_quant_one_pass": ("op", (0, 1), None, "quant")}
+             "act_quant_one_pass": ("op", (0, 1), None, "quant"),
+             "act_quant_lean": ("ql", (0, 1), None, "quant")}
 
 
 def bench(fn):
@@ -96,7 +97,8 @@ def main():
                          "the M each acts on: decode_ctas_per_sm 0 "
                          "(the planner's build) and 2 (the plan before session 36), M <= 32; decode_preload_max_m "
                          "0 (never), 8, 16 (M = 9-16: the 3-CTA build only) and 32 (every M), M <= 32; "
-                         "act_quant_one_pass 0 (the two-pass loop) and 1")
+                         "act_quant_one_pass 0 (the two-pass loop) and 1; act_quant_lean 0 (the one-pass "
+                         "kernel's per-element division) and 1")
     ap.add_argument("--cublas-gemv", action="store_true",
                     help="M <= 32: also cuBLAS bf16 on the same shape (the weight's N x K bf16, >= 2x the L2), "
                          "the HBM bandwidth a GEMV reaches on this GPU (cublas_bf16_TBps)")

@@ -13,6 +13,7 @@
 # stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize decode_hbm
 # decode_options decode_options_splits decode_options_check decode_build decode_table decode_table_tested
 # decode_preload decode_preload_table mid_table profile_mid wgmma_diag stream_k_oos w4ax_alloc w4ax_sweep
+# quant_lean
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -729,6 +730,21 @@ stage_w4ax_sweep() {
       --methods ours_w4ax_triton_q,ours_triton_q --sweep --sweep-method ours_w4ax_triton_q \
       --w4ax-a8-share "$share" --rep-ms 30 --out "$OUT/w4ax-sweep-$share" || rc=1
   done
+  return $rc
+}
+# Session 46: the one-pass quantizer's lean arithmetic (act_quant_lean, on by default: 1 / scale,
+# the division only near half-integers; the same codes) against its per-element division: the
+# quantizer's GPU tests, the quantizer alone and the linear, then issue #4's M = 256 / 1024 rows.
+stage_quant_lean() {
+  local rc=0
+  pytest_gpu pytest-gpu-quant-lean 240 tests/kernels/test_cuda_gemm.py -k "quantize or launch_options" || rc=1
+  run_bench bench_quant_lean 150 python3 scripts/bench_w4a8_cuda.py --quant-only \
+    --shapes 4096x6144 8192x10240 14336x4096 --ms 1 16 64 256 1024 4096 \
+    --option-ab act_quant_lean --out "$OUT/quant_lean.json" || rc=1
+  run_bench bench_quant_lean_linear 200 python3 scripts/bench_w4a8_cuda.py --auto-only \
+    --shapes 4096x6144 4096x4096 14336x4096 --ms 64 256 1024 --group 128 \
+    --option-ab act_quant_lean --out "$OUT/quant_lean_linear.json" || rc=1
+  stage_mid_table || rc=1
   return $rc
 }
 # The decode GEMM (M <= 32) on every Llama layer shape beside cuBLAS bf16 on the same shape (the

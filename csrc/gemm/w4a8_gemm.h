@@ -109,10 +109,13 @@ cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cud
 // Per-token symmetric int8 quantisation (csrc/quant/quantize_act_int8.cu).
 // x [M, K] (row stride x_row_stride elements) of x_kind; smooth [K] of smooth_kind or nullptr.
 // one_pass: rows of up to 32768 elements are read once, into registers (rows over 8192 only
-// when M <= 128); false: always the two-pass loop, for A/B timing. Both paths give the same
-// codes and scales.
+// when M <= 128); false: always the two-pass loop, for A/B timing. lean: the one-pass kernel takes
+// the codes from v * (1 / scale), dividing only near half-integers, and the amax in one FMNMX.NAN
+// an element (session 46); false: its per-element division, for A/B timing. Every path gives the
+// same codes and scales.
 cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_row_stride,
                                      const void* smooth, OutKind smooth_kind, int8_t* q,
-                                     float* scale, int M, int K, bool one_pass, cudaStream_t stream);
+                                     float* scale, int M, int K, bool one_pass, bool lean,
+                                     cudaStream_t stream);
 
 }  // namespace mixprec

@@ -1,6 +1,7 @@
 // Per-token symmetric int8 activations for the W4A8 GEMM (reference.quantize_act):
 //   v = x / smooth (float32, IEEE division), scale = max(amax|v|, 1e-8) / 127,
-//   q = clamp(rint_half_even(v / scale), -127, 127).
+//   q = clamp(rint_half_even(v / scale), -127, 127). The one-pass kernel gets the same q from
+//   v * (1 / scale), dividing only near half-integers (pack_codes8_lean).
 //   A row holding NaN or +-Inf gets scale NaN and zero codes (reference._poison_nonfinite).
 // One CTA per token row, 16-byte loads. Rows of up to 32768 elements are read once into
 // registers (one memory latency, then the reduction, then the stores): at M = 1 the kernel is
@@ -121,6 +122,34 @@ __device__ __forceinline__ uint2 pack_codes8(const float (&v)[8], float sc) {
   return make_uint2(packed[0], packed[1]);
 }
 
+// The one-pass kernel's codes, lean (session 46): q = rint(v * (1 / scale)) gives rint(v / scale) (the
+// reference's IEEE division) wherever t = v * (1 / scale) lies more than 2^-14 from a half-integer:
+// |t| <= 127 (+ rounding), so t is within 2^-16 + 2^-18 of fl(v / scale) and on the same side of
+// every half-integer. Nearer (ties included), the division decides. No clamp: |rint| <= 127 since
+// scale = amax / 127. A NaN scale (non-finite row) gives zero codes, as quantize_one. Why: the
+// quantizer issues ~34 instructions an element (ncu, M = 1024), the division ~10 of them.
+__device__ __forceinline__ uint2 pack_codes8_lean(const float (&v)[8], float sc, float inv_sc) {
+  uint32_t packed[2] = {0u, 0u};
+  if (sc == sc) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float t = v[j] * inv_sc;
+      if (fabsf(t - rintf(t)) > 0.5f - 6.103515625e-05f) t = __fdiv_rn(v[j], sc);
+      packed[j >> 2] |= static_cast<uint32_t>(static_cast<uint8_t>(__float2int_rn(t))) << (8 * (j & 3));
+    }
+  }
+  return make_uint2(packed[0], packed[1]);
+}
+
+// max(a, |b|) with NaN propagated (one FMNMX.NAN): the lean amax; a NaN is mapped to +inf once a
+// thread's vectors are done (finite_or_inf), since the block reduction's fmaxf drops NaN.
+__device__ __forceinline__ float max_abs_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(fabsf(b)));
+  return d;
+}
+__device__ __forceinline__ float finite_or_inf(float a) { return a == a ? a : __int_as_float(0x7f800000); }
+
 __device__ __forceinline__ float block_max(float v, float* s_red) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -216,28 +245,23 @@ __global__ void quantize_act_int8_kernel(const T* __restrict__ x, int64_t x_row_
   }
 }
 
-// One pass: thread t holds vectors t, t + blockDim.x, ... of its row (coalesced).
-template <typename T, typename S, int kVecs>
-__global__ void __launch_bounds__(kRegsThreads) quantize_act_int8_regs_kernel(
-    const T* __restrict__ x, int64_t x_row_stride, const S* __restrict__ smooth, int8_t* __restrict__ q,
-    float* __restrict__ scale, int K) {
-  __shared__ float s_red[32];
-  const QuantRow<T> r = begin_row(x, x_row_stride, q, K);
-  const T* xr = r.x;
-  int8_t* qr = r.q;
+// One pass over one row: thread t of the row's nthreads holds vectors t, t + nthreads, ... of it
+// (coalesced). max_of(v) reduces over those threads.
+template <typename T, typename S, int kVecs, bool kLean, typename MaxOf>
+__device__ __forceinline__ void quantize_row_regs(const T* xr, const S* smooth, int8_t* qr, float* scale,
+                                                  int64_t row, int K, int t, int nthreads, MaxOf&& max_of) {
   const int vecs = K / 8;
-
   Raw8<T> raw[kVecs];
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
-    const int vi = threadIdx.x + j * blockDim.x;
+    const int vi = t + j * nthreads;
     if (vi < vecs) raw[j] = load_raw8(xr + vi * 8);
   }
   // f(vector index, its 8 inputs) over this thread's vectors, converted again for each use
   auto each_vec = [&](auto&& f) {
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
-      const int vi = threadIdx.x + j * blockDim.x;
+      const int vi = t + j * nthreads;
       if (vi < vecs) {
         float v[8];
         unpack_input8(raw[j], smooth, vi * 8, v);
@@ -246,37 +270,76 @@ __global__ void __launch_bounds__(kRegsThreads) quantize_act_int8_regs_kernel(
     }
   };
   float amax = 0.f;
-  each_vec([&](int, const float (&v)[8]) {
+  if constexpr (kLean) {
+    each_vec([&](int, const float (&v)[8]) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, abs_or_inf(v[e]));
-  });
-  const float sc = row_scale(amax, s_red, scale, r.row);
-  each_vec([&](int vi, const float (&v)[8]) { *reinterpret_cast<uint2*>(qr + vi * 8) = pack_codes8(v, sc); });
+      for (int e = 0; e < 8; ++e) amax = max_abs_nan(amax, v[e]);
+    });
+    amax = finite_or_inf(amax);
+  } else {
+    each_vec([&](int, const float (&v)[8]) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) amax = fmaxf(amax, abs_or_inf(v[e]));
+    });
+  }
+  const float sc = scale_of_amax(max_of(amax));
+  if (t == 0) scale[row] = sc;
+  if constexpr (kLean) {
+    const float inv_sc = 1.0f / sc;
+    each_vec([&](int vi, const float (&v)[8]) {
+      *reinterpret_cast<uint2*>(qr + vi * 8) = pack_codes8_lean(v, sc, inv_sc);
+    });
+  } else {
+    each_vec([&](int vi, const float (&v)[8]) { *reinterpret_cast<uint2*>(qr + vi * 8) = pack_codes8(v, sc); });
+  }
+}
+
+// One pass, one CTA a row. One vector a thread stays at 32 registers (K = 4096: 4 CTAs of 512
+// threads an SM), as it compiled before the lean arithmetic.
+template <typename T, typename S, int kVecs, bool kLean>
+__global__ void __launch_bounds__(kRegsThreads, kVecs == 1 ? 2 : 1) quantize_act_int8_regs_kernel(
+    const T* __restrict__ x, int64_t x_row_stride, const S* __restrict__ smooth, int8_t* __restrict__ q,
+    float* __restrict__ scale, int K) {
+  __shared__ float s_red[32];
+  const QuantRow<T> r = begin_row(x, x_row_stride, q, K);
+  quantize_row_regs<T, S, kVecs, kLean>(r.x, smooth, r.q, scale, r.row, K, threadIdx.x, blockDim.x,
+                                        [&](float v) { return block_max(v, s_red); });
 }
 
 // The kernels a call may take: vec (K % 8 == 0 and aligned rows: 8 elements per access),
-// one_pass (act_quant_one_pass).
+// one_pass (act_quant_one_pass), lean (act_quant_lean).
 struct QuantPaths {
-  bool vec, one_pass;
+  bool vec, one_pass, lean;
 };
+
+template <typename T, typename S, bool kLean>
+cudaError_t launch_regs_kernel(const T* x, int64_t stride, const S* smooth, int8_t* q, float* scale, int M, int K,
+                               cudaStream_t stream) {
+  const int vecs = K / 8;
+  int p = 1;  // vectors a thread: the fewest that hold the row
+  while (p * kRegsThreads < vecs) p *= 2;
+  const int threads = ((ceil_div(vecs, p) + 31) / 32) * 32;
+  switch (p) {
+    case 1:
+      quantize_act_int8_regs_kernel<T, S, 1, kLean><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K);
+      break;
+    case 2:
+      quantize_act_int8_regs_kernel<T, S, 2, kLean><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K);
+      break;
+    default:
+      quantize_act_int8_regs_kernel<T, S, kRegsMaxVecs, kLean><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K);
+  }
+  return cudaGetLastError();
+}
 
 template <typename T, typename S>
 cudaError_t launch_row_kernel(const T* x, int64_t stride, const S* smooth, int8_t* q, float* scale, int M, int K,
                               QuantPaths paths, cudaStream_t stream) {
   const int vecs = K / 8;
   const bool vec = paths.vec, one_pass = paths.one_pass;
-  if (one_pass && vec && vecs <= kRegsThreads * kRegsMaxVecs && (vecs <= kRegsThreads || M <= kRegsMaxRowsMultiVec)) {
-    int per_thread = 1;
-    while (per_thread * kRegsThreads < vecs) per_thread *= 2;
-    const int threads = ((ceil_div(vecs, per_thread) + 31) / 32) * 32;
-    switch (per_thread) {
-      case 1: quantize_act_int8_regs_kernel<T, S, 1><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K); break;
-      case 2: quantize_act_int8_regs_kernel<T, S, 2><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K); break;
-      default:
-        quantize_act_int8_regs_kernel<T, S, kRegsMaxVecs><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K);
-    }
-    return cudaGetLastError();
-  }
+  if (one_pass && vec && vecs <= kRegsThreads * kRegsMaxVecs && (vecs <= kRegsThreads || M <= kRegsMaxRowsMultiVec))
+    return paths.lean ? launch_regs_kernel<T, S, true>(x, stride, smooth, q, scale, M, K, stream)
+                      : launch_regs_kernel<T, S, false>(x, stride, smooth, q, scale, M, K, stream);
   const int work = vec ? (K + 7) / 8 : K;
   int threads = ((work + 31) / 32) * 32;
   threads = threads < 32 ? 32 : (threads > 512 ? 512 : threads);
@@ -303,13 +366,13 @@ cudaError_t launch_for_x(const void* x, int64_t stride, const void* smooth, OutK
 
 cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_row_stride, const void* smooth,
                                      OutKind smooth_kind, int8_t* q, float* scale, int M, int K,
-                                     bool one_pass, cudaStream_t stream) {
+                                     bool one_pass, bool lean, cudaStream_t stream) {
   if (M == 0) return cudaSuccess;
   // 8 elements per access: rows must start on 16-byte boundaries (x) and 8-byte ones (q).
   const bool vec = K % 8 == 0 && (x_row_stride % 8) == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    (smooth == nullptr || reinterpret_cast<uintptr_t>(smooth) % 16 == 0) &&
                    reinterpret_cast<uintptr_t>(q) % 8 == 0;
-  const QuantPaths paths{vec, one_pass};
+  const QuantPaths paths{vec, one_pass, lean};
   switch (x_kind) {
     case OutKind::kHalf:
       return launch_for_x<__half>(x, x_row_stride, smooth, smooth_kind, q, scale, M, K, paths, stream);

@@ -177,24 +177,25 @@ def test_quantize_act_matches_reference(dtype, m, k, smooth_dtype):
 @pytest.mark.parametrize("k", [64, 4096, 8192, 14336, 28672, 32768, 32776, 1001])
 @pytest.mark.parametrize("dtype,smooth_dtype", [(torch.bfloat16, None), (torch.float16, torch.float32),
                                                 (torch.float32, "same")])
-@pytest.mark.parametrize("m", [3, 200])
+@pytest.mark.parametrize("m", [3, 200, 1100])
 def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launch_options):
     """The register-resident kernel computes what the two-pass loop does, bit for bit, with a
-    non-finite row (NaN scale, zero codes) among finite ones. At m = 200 rows over 8192
-    elements take the two-pass loop even with one_pass on (more rows than SMs)."""
-    gen = _gen(k)
+    non-finite row (NaN scale, zero codes) among finite ones, with its lean arithmetic
+    (act_quant_lean, the default: 1 / scale, the division near half-integers) and without. At
+    m = 200 and 1100 rows over 8192 elements take the two-pass loop (more rows than SMs)."""
+    gen = _gen(k + m)
     x = (torch.randn(m, k, generator=gen, device=DEV) * 10).to(dtype)
     x[1, k // 3] = float("nan")
     smooth = None
     if smooth_dtype is not None:
         smooth = (torch.rand(k, generator=gen, device=DEV) + 0.25).to(dtype if smooth_dtype == "same" else smooth_dtype)
     got = {}
-    for one_pass in (0, 1):
-        launch_options(act_quant_one_pass=one_pass)
+    for one_pass, lean in ((0, 1), (1, 0), (1, 1)):
+        launch_options(act_quant_one_pass=one_pass, act_quant_lean=lean)
         poison(m * k, torch.int8)
-        got[one_pass] = cuda.quantize_act(x, smooth)
+        got[one_pass, lean] = cuda.quantize_act(x, smooth)
     torch.cuda.synchronize()
-    q0, s0 = got[0]
+    q0, s0 = got[0, 1]
     finite = torch.arange(m, device=DEV) != 1
     for mode, (q, s) in got.items():
         assert torch.equal(q, q0), mode

@@ -322,12 +322,12 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
     """set_launch_options (host state, no GPU needed): -1 keeps a value; a bad value names the fields."""
     assert _classic_planner == {"gemm_pdl": 1, "act_quant_one_pass": 1, "gemm_stream_k": STREAM_K_DEFAULT,
                                 "decode_u8": DECODE_U8_DEFAULT, "decode_ctas_per_sm": DECODE_CTAS_PER_SM_DEFAULT,
-                                "decode_preload_max_m": DECODE_PRELOAD_MAX_M_DEFAULT}
+                                "decode_preload_max_m": DECODE_PRELOAD_MAX_M_DEFAULT, "act_quant_lean": 1}
     saved = cuda.set_launch_options()
     try:
         assert set(saved) == set(cuda.LAUNCH_OPTIONS)
         want = dict(saved)
-        for option in ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "gemm_pdl"):
+        for option in ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "act_quant_lean", "gemm_pdl"):
             want[option] = 1 - want[option]
             assert cuda.set_launch_options(**{option: want[option]}) == want, option
         for ctas in (3, 2, 0, 3):
@@ -350,6 +350,8 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
             with pytest.raises(RuntimeError, match=r"decode_ctas_per_sm takes 0 \(the planner picks\), 2, 3 or -1 "
                                                    rf"\(keep\); got {bad}"):
                 cuda.set_launch_options(decode_ctas_per_sm=bad)
+        with pytest.raises(RuntimeError, match=r"act_quant_lean takes 0, 1 or -1 \(keep\); got 2"):
+            cuda.set_launch_options(act_quant_lean=2)
         assert cuda.set_launch_options() == want  # a refused call changes nothing
     finally:
         cuda.set_launch_options(**saved)

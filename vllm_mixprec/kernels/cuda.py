@@ -104,18 +104,20 @@ def launch_options_from_env(environ) -> dict[str, int]:
 
 
 LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "decode_ctas_per_sm",
-                  "decode_preload_max_m")
+                  "decode_preload_max_m", "act_quant_lean")
 
 
 def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_stream_k: int = -1,
                        decode_u8: int = -1, decode_ctas_per_sm: int = -1,
-                       decode_preload_max_m: int = -1) -> dict[str, int]:
+                       decode_preload_max_m: int = -1, act_quant_lean: int = -1) -> dict[str, int]:
     """Set the csrc launch options (-1 keeps one) and return them all.
 
     gemm_pdl: on sm_90 the decode GEMM (M <= 32) and the wgmma GEMMs are programmatic dependent
     launches, which quantize_act lets start at once (on; MIXPREC_GEMM_PDL=0 turns it off at load).
     act_quant_one_pass: quantize_act reads rows of up to 32K elements once, into registers (rows
-    over 8192 only at M <= 128; on). gemm_stream_k: the wgmma planner may pick a stream-K launch,
+    over 8192 only at M <= 128; on). act_quant_lean: that one-pass kernel multiplies by 1 / scale,
+    dividing only near half-integers, for the same codes (on; 0: the per-element division, for A/B
+    timing). gemm_stream_k: the wgmma planner may pick a stream-K launch,
     a persistent grid of one CTA per SM (data-parallel waves, then the rest of the tiles x K
     stages split evenly), when it estimates it 8 % faster (on; MIXPREC_GEMM_STREAM_K=0 turns it
     off at load). decode_u8: the decode GEMM (M <= 32) multiplies the unsigned weight bytes
@@ -129,10 +131,10 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
     with quantize_act; at M = 9-16 only in the 3-CTA build (half a batch in its 32-channel kernel)
     unless the bound is over 16 (16, the default, where it was measured faster; 0 never, 32 every
     decode M in every build; MIXPREC_GEMM_DECODE_PRELOAD_MAX_M at load). Defaults: csrc/gemm/NOTES.md,
-    "PDL", "Stream-K", "Decode u8", "Decode occupancy" and "Decode preload".
+    "PDL", "Stream-K", "Decode u8", "Decode occupancy", "Decode preload" and "quantize_act".
     A CUDA graph keeps the options it was captured with."""
     got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8,
-                                                 decode_ctas_per_sm, decode_preload_max_m)
+                                                 decode_ctas_per_sm, decode_preload_max_m, act_quant_lean)
     return dict(zip(LAUNCH_OPTIONS, got))
 
 
