@@ -142,13 +142,13 @@ __device__ __forceinline__ uint2 pack_codes8_lean(const float (&v)[8], float sc,
 }
 
 // max(a, |b|) with NaN propagated (one FMNMX.NAN): the lean amax; a NaN is mapped to +inf once a
-// thread's vectors are done (finite_or_inf), since the block reduction's fmaxf drops NaN.
+// thread's vectors are done (nan_to_inf), since the block reduction's fmaxf drops NaN.
 __device__ __forceinline__ float max_abs_nan(float a, float b) {
   float d;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(fabsf(b)));
   return d;
 }
-__device__ __forceinline__ float finite_or_inf(float a) { return a == a ? a : __int_as_float(0x7f800000); }
+__device__ __forceinline__ float nan_to_inf(float a) { return a == a ? a : __int_as_float(0x7f800000); }
 
 __device__ __forceinline__ float block_max(float v, float* s_red) {
 #pragma unroll
@@ -245,23 +245,30 @@ __global__ void quantize_act_int8_kernel(const T* __restrict__ x, int64_t x_row_
   }
 }
 
-// One pass over one row: thread t of the row's nthreads holds vectors t, t + nthreads, ... of it
-// (coalesced). max_of(v) reduces over those threads.
-template <typename T, typename S, int kVecs, bool kLean, typename MaxOf>
-__device__ __forceinline__ void quantize_row_regs(const T* xr, const S* smooth, int8_t* qr, float* scale,
-                                                  int64_t row, int K, int t, int nthreads, MaxOf&& max_of) {
+// One pass: thread t holds vectors t, t + blockDim.x, ... of its row (coalesced). One vector a
+// thread stays at 32 registers (K = 4096: 4 CTAs of 512 threads an SM), as it compiled before the
+// lean arithmetic.
+template <typename T, typename S, int kVecs, bool kLean>
+__global__ void __launch_bounds__(kRegsThreads, kVecs == 1 ? 2 : 1) quantize_act_int8_regs_kernel(
+    const T* __restrict__ x, int64_t x_row_stride, const S* __restrict__ smooth, int8_t* __restrict__ q,
+    float* __restrict__ scale, int K) {
+  __shared__ float s_red[32];
+  const QuantRow<T> r = begin_row(x, x_row_stride, q, K);
+  const T* xr = r.x;
+  int8_t* qr = r.q;
   const int vecs = K / 8;
+
   Raw8<T> raw[kVecs];
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
-    const int vi = t + j * nthreads;
+    const int vi = threadIdx.x + j * blockDim.x;
     if (vi < vecs) raw[j] = load_raw8(xr + vi * 8);
   }
   // f(vector index, its 8 inputs) over this thread's vectors, converted again for each use
   auto each_vec = [&](auto&& f) {
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
-      const int vi = t + j * nthreads;
+      const int vi = threadIdx.x + j * blockDim.x;
       if (vi < vecs) {
         float v[8];
         unpack_input8(raw[j], smooth, vi * 8, v);
@@ -270,20 +277,11 @@ __device__ __forceinline__ void quantize_row_regs(const T* xr, const S* smooth, 
     }
   };
   float amax = 0.f;
-  if constexpr (kLean) {
-    each_vec([&](int, const float (&v)[8]) {
+  each_vec([&](int, const float (&v)[8]) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) amax = max_abs_nan(amax, v[e]);
-    });
-    amax = finite_or_inf(amax);
-  } else {
-    each_vec([&](int, const float (&v)[8]) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) amax = fmaxf(amax, abs_or_inf(v[e]));
-    });
-  }
-  const float sc = scale_of_amax(max_of(amax));
-  if (t == 0) scale[row] = sc;
+    for (int e = 0; e < 8; ++e) amax = kLean ? max_abs_nan(amax, v[e]) : fmaxf(amax, abs_or_inf(v[e]));
+  });
+  const float sc = row_scale(kLean ? nan_to_inf(amax) : amax, s_red, scale, r.row);
   if constexpr (kLean) {
     const float inv_sc = 1.0f / sc;
     each_vec([&](int vi, const float (&v)[8]) {
@@ -292,18 +290,6 @@ __device__ __forceinline__ void quantize_row_regs(const T* xr, const S* smooth, 
   } else {
     each_vec([&](int vi, const float (&v)[8]) { *reinterpret_cast<uint2*>(qr + vi * 8) = pack_codes8(v, sc); });
   }
-}
-
-// One pass, one CTA a row. One vector a thread stays at 32 registers (K = 4096: 4 CTAs of 512
-// threads an SM), as it compiled before the lean arithmetic.
-template <typename T, typename S, int kVecs, bool kLean>
-__global__ void __launch_bounds__(kRegsThreads, kVecs == 1 ? 2 : 1) quantize_act_int8_regs_kernel(
-    const T* __restrict__ x, int64_t x_row_stride, const S* __restrict__ smooth, int8_t* __restrict__ q,
-    float* __restrict__ scale, int K) {
-  __shared__ float s_red[32];
-  const QuantRow<T> r = begin_row(x, x_row_stride, q, K);
-  quantize_row_regs<T, S, kVecs, kLean>(r.x, smooth, r.q, scale, r.row, K, threadIdx.x, blockDim.x,
-                                        [&](float v) { return block_max(v, s_red); });
 }
 
 // The kernels a call may take: vec (K % 8 == 0 and aligned rows: 8 elements per access),
