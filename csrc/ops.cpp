@@ -29,9 +29,10 @@ namespace mixprec {
 // same arguments and plan struct as the mma.sync kernels. Supported iff the current device is
 // sm_90 and the build holds the sm_90a image.
 bool w4a8_wgmma_supported();
-// splits: -1 stream-K, 0 choose (stream-K among the candidates iff stream_k_auto), > 0 forced.
+// splits: -1 stream-K, -2 a cluster pair (a kernel id required), 0 choose (stream-K among the
+// candidates iff stream_k_auto, a cluster pair iff pair_auto), > 0 forced.
 const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel, int splits,
-                                 bool stream_k_auto, W4A8Plan* plan);
+                                 bool stream_k_auto, bool pair_auto, W4A8Plan* plan);
 cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cudaStream_t stream);
 
 namespace {
@@ -82,6 +83,9 @@ struct LaunchOptions {
   // 34's refit no pick of the 42 measured Llama rows loses 2 % to the classic grid
   // (csrc/gemm/NOTES.md "Stream-K").
   std::atomic<bool> gemm_stream_k{true};
+  // The wgmma planner may choose a cluster pair (two K halves a tile in a cluster of 2 CTAs,
+  // summed in shared memory) where the doubled grid is one wave (csrc/gemm/NOTES.md "Session 47").
+  std::atomic<bool> gemm_cluster_pair{true};
   // The decode kernels (M <= 32) keep the weight bytes unsigned (u8 x s8 MMA, no XOR per byte)
   // and subtract 128 * sum_k x; the same int32 sums. Off until timed (csrc/gemm/NOTES.md "Decode u8").
   std::atomic<bool> decode_u8{false};
@@ -259,10 +263,11 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   TORCH_CHECK(kernel >= -2 && kernel <= 8, op, "kernel must be -2, -1 (auto) or 0..8, got ", kernel);
   const bool wants_wgmma = kernel >= 4 || (kernel == -1 && M >= kWgmmaMinM);
   const bool use_wgmma = wants_wgmma && w4a8_wgmma_supported();
-  TORCH_CHECK(splits >= -1, op, "splits must be -1 (stream-K), 0 (choose) or a split count, got ", splits);
-  TORCH_CHECK(splits != -1 || use_wgmma, op,
-              "splits=-1 (stream-K) runs on the wgmma kernels only: kernel 4..8, or -1 with M >= ", kWgmmaMinM,
-              ", on an sm_90 GPU with an sm_90a build (M=", M, ", kernel=", kernel, ")");
+  TORCH_CHECK(splits >= -2, op,
+              "splits must be -2 (a cluster pair), -1 (stream-K), 0 (choose) or a split count, got ", splits);
+  TORCH_CHECK(splits >= 0 || use_wgmma, op, "splits=", splits,
+              " (-1: stream-K, -2: a cluster pair) runs on the wgmma kernels only: kernel 4..8, or -1 with M >= ",
+              kWgmmaMinM, ", on an sm_90 GPU with an sm_90a build (M=", M, ", kernel=", kernel, ")");
   TORCH_CHECK(use_wgmma || kernel < 4, op, "kernel ", kernel,
               " is a wgmma kernel: it needs an sm_90 GPU (H100/H200) and a build with sm_90a in "
               "MIXPREC_CUDA_ARCHS; this device or build has no wgmma kernel (use -1 or 0..3)");
@@ -271,7 +276,8 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   const char* err =
       use_wgmma ? w4a8_wgmma_make_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
                                        static_cast<int>(group_size), num_sm, static_cast<int>(kernel),
-                                       static_cast<int>(splits), launch_options().gemm_stream_k.load(), &plan)
+                                       static_cast<int>(splits), launch_options().gemm_stream_k.load(),
+                                       launch_options().gemm_cluster_pair.load(), &plan)
                 : w4a8_make_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
                                  static_cast<int>(group_size), num_sm, kernel == -2 ? -1 : static_cast<int>(kernel),
                                  static_cast<int>(splits), launch_options().decode_ctas_per_sm.load(), &plan);
@@ -327,13 +333,14 @@ bool w4a8_wgmma_available(int64_t device) {
 // tests check the planner on the CPU and benchmarks record it. wgmma picks between the wgmma
 // kernels (ids 4..8), otherwise the mma.sync ones (0..3); kernel/splits as in w4a8_gemm (-1 and 0
 // choose), the launch options as set. A returned split count of -1 is a stream-K launch (one CTA
-// per SM over all tiles x K stages); the decode build is 2 or 3 CTAs per SM for kernels 0 and 1,
+// per SM over all tiles x K stages), -2 a cluster pair (two K halves a tile); the decode build is 2 or 3 CTAs per SM for kernels 0 and 1,
 // else 0.
 std::vector<int64_t> w4a8_plan(int64_t M, int64_t N, int64_t K, int64_t group_size, int64_t num_sms,
                                int64_t kernel, int64_t splits, bool wgmma) {
   W4A8Plan plan{};
   const char* err = wgmma ? w4a8_wgmma_make_plan(M, N, K, group_size, num_sms, kernel, splits,
-                                                 launch_options().gemm_stream_k.load(), &plan)
+                                                 launch_options().gemm_stream_k.load(),
+                                       launch_options().gemm_cluster_pair.load(), &plan)
                           : w4a8_make_plan(M, N, K, group_size, num_sms, kernel, splits,
                                            launch_options().decode_ctas_per_sm.load(), &plan);
   TORCH_CHECK(err == nullptr, "mixprec_C::w4a8_plan: ", err ? err : "");
@@ -454,12 +461,12 @@ void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Te
 
 // Sets the launch options (a negative value keeps one) and returns them all:
 // [gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8, decode_ctas_per_sm, decode_preload_max_m,
-//  act_quant_lean].
+//  act_quant_lean, gemm_cluster_pair].
 // For A/B timing and tests; the defaults are the measured best (csrc/gemm/NOTES.md, "PDL", "Stream-K",
 // "Decode u8", "Decode occupancy", "Decode preload", "quantize_act").
 std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_pass, int64_t gemm_stream_k,
                                         int64_t decode_u8, int64_t decode_ctas_per_sm, int64_t decode_preload_max_m,
-                                        int64_t act_quant_lean) {
+                                        int64_t act_quant_lean, int64_t gemm_cluster_pair) {
   TORCH_CHECK(gemm_pdl <= 1 && act_quant_one_pass <= 1 && gemm_stream_k <= 1 && decode_u8 <= 1,
               "mixprec_C::set_launch_options: gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_u8 take 0, 1 or "
               "-1 (keep); got ", gemm_pdl, ", ", act_quant_one_pass, ", ", gemm_stream_k, ", ", decode_u8);
@@ -471,6 +478,8 @@ std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_
               "(keep); got ", decode_preload_max_m);
   TORCH_CHECK(act_quant_lean <= 1, "mixprec_C::set_launch_options: act_quant_lean takes 0, 1 or -1 (keep); got ",
               act_quant_lean);
+  TORCH_CHECK(gemm_cluster_pair <= 1,
+              "mixprec_C::set_launch_options: gemm_cluster_pair takes 0, 1 or -1 (keep); got ", gemm_cluster_pair);
   LaunchOptions& o = launch_options();
   if (gemm_pdl >= 0) o.gemm_pdl.store(gemm_pdl == 1);
   if (act_quant_one_pass >= 0) o.act_quant_one_pass.store(act_quant_one_pass == 1);
@@ -479,9 +488,10 @@ std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_
   if (decode_ctas_per_sm >= 0) o.decode_ctas_per_sm.store(static_cast<int>(decode_ctas_per_sm));
   if (decode_preload_max_m >= 0) o.decode_preload_max_m.store(static_cast<int>(decode_preload_max_m));
   if (act_quant_lean >= 0) o.act_quant_lean.store(act_quant_lean == 1);
+  if (gemm_cluster_pair >= 0) o.gemm_cluster_pair.store(gemm_cluster_pair == 1);
   return {o.gemm_pdl.load() ? 1 : 0, o.act_quant_one_pass.load() ? 1 : 0, o.gemm_stream_k.load() ? 1 : 0,
           o.decode_u8.load() ? 1 : 0, o.decode_ctas_per_sm.load(), o.decode_preload_max_m.load(),
-          o.act_quant_lean.load() ? 1 : 0};
+          o.act_quant_lean.load() ? 1 : 0, o.gemm_cluster_pair.load() ? 1 : 0};
 }
 
 }  // namespace
@@ -503,7 +513,8 @@ TORCH_LIBRARY(mixprec_C, m) {
       "int num_splits, int slots, int res_tokens, int tile_tokens, int min_tiles, int prefetch_pages=0) -> ()");
   m.def(
       "set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1, int gemm_stream_k=-1, int decode_u8=-1, "
-      "int decode_ctas_per_sm=-1, int decode_preload_max_m=-1, int act_quant_lean=-1) -> int[]",
+      "int decode_ctas_per_sm=-1, int decode_preload_max_m=-1, int act_quant_lean=-1, int gemm_cluster_pair=-1) "
+      "-> int[]",
       &mixprec::set_launch_options);
 }
 

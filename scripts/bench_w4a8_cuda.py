@@ -39,7 +39,8 @@ DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # --splits-sweep, decode kernels 0 a
 OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32, "gemm"),
              "decode_preload_max_m": ("pre", (0, 8, 16, 32), 32, "gemm"),
              "act_quant_one_pass": ("op", (0, 1), None, "quant"),
-             "act_quant_lean": ("ql", (0, 1), None, "quant")}
+             "act_quant_lean": ("ql", (0, 1), None, "quant"),
+             "gemm_cluster_pair": ("cp", (0, 1), None, "gemm")}
 
 
 def bench(fn):
@@ -115,6 +116,9 @@ def main():
     ap.add_argument("--kernels", type=int, nargs="+", metavar="K",
                     help="time the auto pick and these kernel ids (the planner's splits) instead of the "
                          "default forced variants, at every M, e.g. wgmma kernels 5 and 8 at M >= 64")
+    ap.add_argument("--pair", action="store_true",
+                    help="at M >= 64 also time each wgmma kernel (--kernels, or 4, 5, 7, 8) as a cluster pair "
+                         "(splits=-2: two K halves a tile, summed in shared memory)")
     ap.add_argument("--auto-only", action="store_true",
                     help="time only the auto-selected GEMM (no forced mma.sync variants) and the linear")
     ap.add_argument("--quant-only", action="store_true",
@@ -190,6 +194,9 @@ def main():
             row["plan_auto"] = plan(-1, m >= 64 and cuda.has_wgmma())  # what gemm_k-1 times
             for kernel in variants:
                 row[f"gemm_k{kernel}_us"] = bench(lambda: gemm(kernel))
+            if args.pair and m >= 64 and cuda.has_wgmma():  # two K halves a tile in a cluster of 2
+                for kernel in args.kernels or (4, 5, 7, 8):
+                    row[f"gemm_k{kernel}_pair_us"] = bench(lambda: gemm(kernel, -2))
             if args.splits_sweep and m <= 32 and not args.decode_options_sweep:  # the decode kernels' range
                 for kernel in (0, 1):
                     for splits in DECODE_SPLITS:

@@ -13,7 +13,7 @@
 # stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize decode_hbm
 # decode_options decode_options_splits decode_options_check decode_build decode_table decode_table_tested
 # decode_preload decode_preload_table mid_table profile_mid wgmma_diag stream_k_oos w4ax_alloc w4ax_sweep
-# quant_lean
+# quant_lean cluster_pair cluster_pair_sanitize
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -745,6 +745,29 @@ stage_quant_lean() {
     --shapes 4096x6144 4096x4096 14336x4096 --ms 64 256 1024 --group 128 \
     --option-ab act_quant_lean --out "$OUT/quant_lean_linear.json" || rc=1
   stage_mid_table || rc=1
+  return $rc
+}
+# Session 47: the cluster pair (splits=-2: two K halves a tile in a cluster of 2 CTAs, summed in
+# shared memory): the GPU tests, then the auto plan and linear with the planner's pair option off
+# and on, in one run.
+stage_cluster_pair() {
+  local rc=0
+  pytest_gpu pytest-gpu-pair 300 tests/kernels/test_cuda_gemm_wgmma.py tests/kernels/test_cuda_gemm.py || rc=1
+  run_bench bench_pair 300 python3 scripts/bench_w4a8_cuda.py --no-marlin --auto-only --group 128 \
+    --option-ab gemm_cluster_pair --shapes ${PAIR_SHAPES:-4096x6144 4096x4096 14336x4096 8192x10240 28672x8192} \
+    --ms ${PAIR_MS:-128 192 256 512} --out "$OUT/pair.json" || rc=1
+  return $rc
+}
+# compute-sanitizer on cluster-pair launches (the shared::cluster exchange included)
+stage_cluster_pair_sanitize() {
+  local rc=0 tool
+  for tool in memcheck racecheck; do
+    log "compute-sanitizer --tool $tool: cluster pair"
+    timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/kernels/test_cuda_gemm_wgmma.py -k "cluster_pair_integer_exact and (65-208-576 or 192-272-8192)" \
+      > "$OUT/sanitize-pair-$tool.log" 2>&1 || rc=1
+    tail -3 "$OUT/sanitize-pair-$tool.log"
+  done
   return $rc
 }
 # The decode GEMM (M <= 32) on every Llama layer shape beside cuBLAS bf16 on the same shape (the

@@ -8,10 +8,12 @@
 namespace mixprec {
 
 // Launches kKernel with `smem` bytes of dynamic shared memory, as a programmatic dependent launch
-// when pdl (sm_90; the caller checks). Over 48 KB the kernel is opted in once per device (not a
-// stream operation, so it is safe while a CUDA graph is being captured).
+// when pdl (sm_90; the caller checks), in thread block clusters of `cluster` CTAs when that is not
+// 1 x 1 x 1 (sm_90). Over 48 KB the kernel is opted in once per device (not a stream operation, so
+// it is safe while a CUDA graph is being captured).
 template <auto kKernel, typename... Args>
-cudaError_t launch_kernel(dim3 grid, dim3 block, int smem, bool pdl, cudaStream_t stream, const Args&... args) {
+cudaError_t launch_kernel_clustered(dim3 grid, dim3 block, int smem, bool pdl, dim3 cluster, cudaStream_t stream,
+                                    const Args&... args) {
   if (smem > 48 * 1024) {
     static std::atomic<unsigned long long> configured{0};
     int dev = 0;
@@ -24,17 +26,30 @@ cudaError_t launch_kernel(dim3 grid, dim3 block, int smem, bool pdl, cudaStream_
       configured.fetch_or(bit, std::memory_order_relaxed);
     }
   }
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attrs[2];
+  unsigned n = 0;
+  if (pdl) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster.x * cluster.y * cluster.z > 1) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = cluster.x;
+    attrs[n].val.clusterDim.y = cluster.y;
+    attrs[n++].val.clusterDim.z = cluster.z;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kKernel, args...);
+}
+template <auto kKernel, typename... Args>
+cudaError_t launch_kernel(dim3 grid, dim3 block, int smem, bool pdl, cudaStream_t stream, const Args&... args) {
+  return launch_kernel_clustered<kKernel>(grid, block, smem, pdl, dim3(1, 1, 1), stream, args...);
 }
 
 }  // namespace mixprec

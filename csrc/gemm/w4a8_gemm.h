@@ -88,7 +88,7 @@ inline W4A8KernelParams w4a8_kernel_params(const W4A8GemmArgs& a) {
 
 struct W4A8Plan {
   W4A8Kernel kernel;
-  int splits;          // K split across CTAs (1: no workspace); -1: stream-K (wgmma kernels)
+  int splits;          // K split across CTAs (1: no workspace); -1: stream-K, -2: a cluster pair (wgmma)
   // Decode kernels (0, 1): the build's registers are capped for 2 CTAs per SM (<= 128) or 3
   // (<= 80, M <= 16; csrc/gemm/NOTES.md "Decode occupancy"); 0 for the other kernels.
   int decode_ctas = 0;

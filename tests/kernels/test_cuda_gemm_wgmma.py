@@ -468,36 +468,47 @@ def test_stream_k_integer_exact_tails(need_wgmma, kernel, m):
 def test_stream_k_bit_identical_to_one_split(need_wgmma, m, k, n, kernel, out_dtype):
     """int32 sums are exact in any order: stream-K, one split and the auto plan agree bit for bit,
     bias included, on the Llama shapes where stream-K is meant to win."""
-    gen = _gen(m + n + kernel)
-    qw, gs, go, cs = random_lqq(n, k, 64, gen)
+    _check_same_as_one_split(m, k, n, kernel, -1, out_dtype, group=64, seed=m + n + kernel)
+
+
+def _check_same_as_one_split(m, k, n, kernel, splits, out_dtype, group, seed):
+    """The launch of `splits` (-1 stream-K, -2 a cluster pair) against one split: bit for bit,
+    bias included, and close to the float64 reference."""
+    gen = _gen(seed)
+    qw, gs, go, cs = random_lqq(n, k, group, gen)
     xq, xs = random_act(m, k, gen)
     pq, gp = cuda.repack_w4a8(qw, gs, go)
     bias = torch.randn(n, generator=gen, device=DEV).to(out_dtype)
     poison(m * n, out_dtype)
-    sk = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, bias, out_dtype, kernel, -1)
+    y = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, bias, out_dtype, kernel, splits)
     one = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, bias, out_dtype, kernel, 1)
-    assert torch.equal(sk, one)
-    check_close(sk, ref.w4a8_gemm(xq, xs, qw, gs, go, cs, bias, torch.float64), out_dtype, check_rel=False)
+    assert torch.equal(y, one)
+    check_close(y, ref.w4a8_gemm(xq, xs, qw, gs, go, cs, bias, torch.float64), out_dtype, check_rel=False)
 
 
-@pytest.mark.gpu
-def test_stream_k_cuda_graph_replays_reset_the_counters(need_wgmma):
-    """The finisher zeroes its tile's counter: replays (and eager calls between them) stay exact."""
-    m, n, k = 1024, 6144, 4096
-    gen = _gen(77)
-    qw, gs, go, cs = random_lqq(n, k, 64, gen)
+def _check_graph_replays_match_one_split(m, n, k, kernel, splits, group, seed, replays):
+    """quantize_act + the launch of `splits`, captured (the GEMM as the quantizer's programmatic
+    dependent) and replayed on new inputs: each replay equals an eager one-split launch."""
+    gen = _gen(seed)
+    qw, gs, go, cs = random_lqq(n, k, group, gen)
     pq, gp = cuda.repack_w4a8(qw, gs, go)
     x_static = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
 
     def f(x):
         xq, xs = cuda.quantize_act(x)
-        return torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.bfloat16, 4, -1)
+        return torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.bfloat16, kernel, splits)
 
     graph, y_static, _ = capture_after_warmup(f, x_static)
-    for x_new in replays_with_new_inputs(graph, x_static, 200):
+    for x_new in replays_with_new_inputs(graph, x_static, replays):
         xq, xs = cuda.quantize_act(x_new)
-        one = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.bfloat16, 4, 1)
+        one = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.bfloat16, kernel, 1)
         assert torch.equal(y_static, one)
+
+
+@pytest.mark.gpu
+def test_stream_k_cuda_graph_replays_reset_the_counters(need_wgmma):
+    """The finisher zeroes its tile's counter: replays (and eager calls between them) stay exact."""
+    _check_graph_replays_match_one_split(1024, 6144, 4096, 4, -1, group=64, seed=77, replays=200)
 
 
 @pytest.mark.gpu
@@ -510,29 +521,37 @@ def test_stream_k_refused_off_the_wgmma_kernels(need_wgmma):
         torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, 3, -1)
     with pytest.raises(RuntimeError, match="stream-K"):  # auto at M < 64 is an mma.sync kernel
         torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, -1)
+    with pytest.raises(RuntimeError, match="cluster pair"):
+        torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, 3, -2)
     with pytest.raises(RuntimeError, match="splits must be"):
-        torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, 4, -2)
+        torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, 4, -3)
+    with pytest.raises(RuntimeError, match=r"a cluster pair\) runs on the wgmma kernels only"):  # M < 64: mma.sync
+        torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, -2)
+    xq64, xs64 = random_act(64, 512, gen)
+    with pytest.raises(RuntimeError, match="needs a kernel id"):
+        torch.ops.mixprec_C.w4a8_gemm(xq64, xs64, pq, gp, cs, None, torch.float16, -1, -2)
 
 
 @pytest.mark.gpu
-def test_deterministic_split_k(need_wgmma):
-    a, _ = _exact(128, 512, 8192, 64, 4, 7, seed=5)
-    b, _ = _exact(128, 512, 8192, 64, 4, 7, seed=5)
-    assert torch.equal(a, b)
+@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8])
+@pytest.mark.parametrize("m,n,k", [(1, 208, 576), (65, 208, 576), (200, 208, 576), (640, 208, 256),
+                                   (192, 272, 8192), (130, 4096, 2048)])
+def test_cluster_pair_integer_exact(need_wgmma, kernel, m, n, k):
+    """Two K halves a tile, summed in the cluster's shared memory: ragged M and N, odd chunk
+    counts (K = 576: the second CTA's last stage is half a stage) and one stage a CTA (K = 256)."""
+    y, acc = _exact(m, n, k, 64, kernel, -2, seed=13 * m + n + kernel)
+    assert torch.equal(y.double(), acc)
 
 
 @pytest.mark.gpu
-def test_wgmma_kernel_refused_where_unavailable():
-    if not torch.cuda.is_available() or not cuda.available():
-        pytest.skip("needs a CUDA GPU and the csrc ops")
-    if cuda.has_wgmma(torch.device(DEV)):
-        pytest.skip("wgmma available here")
-    gen = _gen(1)
-    qw, gs, go, cs = random_lqq(64, 128, 64, gen)
-    pq, gp = cuda.repack_w4a8(qw, gs, go)
-    xq, xs = random_act(80, 128, gen)
-    with pytest.raises(RuntimeError, match="wgmma kernel"):
-        torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, 4, 0)
-    # auto still works (mma.sync fallback)
-    y = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, 0)
-    check_close(y, ref.w4a8_gemm(xq, xs, qw, gs, go, cs, None, torch.float64), torch.float16, check_rel=False)
+@pytest.mark.parametrize("m,k,n,kernel", [(256, 4096, 4096, 8), (256, 4096, 6144, 4), (256, 4096, 4096, 7),
+                                          (64, 14336, 4096, 5), (1024, 4096, 6144, 4)])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_cluster_pair_bit_identical_to_one_split(need_wgmma, m, k, n, kernel, out_dtype):
+    _check_same_as_one_split(m, k, n, kernel, -2, out_dtype, group=128, seed=m + n + kernel + 1)
+
+
+@pytest.mark.gpu
+def test_cluster_pair_cuda_graph_after_the_quantizer(need_wgmma):
+    """A cluster launch with PDL, captured after the quantizer and replayed."""
+    _check_graph_replays_match_one_split(256, 4096, 4096, 8, -2, group=128, seed=78, replays=50)

@@ -30,6 +30,7 @@ H100_SMS = 132
 LLAMA_SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192, 10240), (28672, 8192),
                 (8192, 28672))  # K x N
 STREAM_K_DEFAULT = 1  # set_launch_options' gemm_stream_k: on since session 33
+CLUSTER_PAIR_DEFAULT = 1  # set_launch_options' gemm_cluster_pair: on since session 47
 DECODE_U8_DEFAULT = 0  # set_launch_options' decode_u8: off until timed on a GPU (session 35)
 DECODE_CTAS_PER_SM_DEFAULT = 0  # set_launch_options' decode_ctas_per_sm: the planner picks (session 36)
 DECODE_PRELOAD_MAX_M_DEFAULT = 16  # set_launch_options' decode_preload_max_m (M = 9-16: 3-CTA build only; session 39)
@@ -49,9 +50,10 @@ def _need_ops():
 
 @pytest.fixture(autouse=True)
 def _classic_planner(_need_ops):
-    """The sweeps below timed the tiles x splits grid only: check that choice with stream-K off."""
+    """The sweeps below timed the tiles x splits grid only: check that choice with stream-K and the
+    cluster pair off."""
     saved = cuda.set_launch_options()
-    cuda.set_launch_options(gemm_stream_k=0)
+    cuda.set_launch_options(gemm_stream_k=0, gemm_cluster_pair=0)
     yield saved
     cuda.set_launch_options(**saved)
 
@@ -322,12 +324,14 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
     """set_launch_options (host state, no GPU needed): -1 keeps a value; a bad value names the fields."""
     assert _classic_planner == {"gemm_pdl": 1, "act_quant_one_pass": 1, "gemm_stream_k": STREAM_K_DEFAULT,
                                 "decode_u8": DECODE_U8_DEFAULT, "decode_ctas_per_sm": DECODE_CTAS_PER_SM_DEFAULT,
-                                "decode_preload_max_m": DECODE_PRELOAD_MAX_M_DEFAULT, "act_quant_lean": 1}
+                                "decode_preload_max_m": DECODE_PRELOAD_MAX_M_DEFAULT, "act_quant_lean": 1,
+                                "gemm_cluster_pair": CLUSTER_PAIR_DEFAULT}
     saved = cuda.set_launch_options()
     try:
         assert set(saved) == set(cuda.LAUNCH_OPTIONS)
         want = dict(saved)
-        for option in ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "act_quant_lean", "gemm_pdl"):
+        for option in ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "act_quant_lean",
+                       "gemm_cluster_pair", "gemm_pdl"):
             want[option] = 1 - want[option]
             assert cuda.set_launch_options(**{option: want[option]}) == want, option
         for ctas in (3, 2, 0, 3):
@@ -352,6 +356,8 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
                 cuda.set_launch_options(decode_ctas_per_sm=bad)
         with pytest.raises(RuntimeError, match=r"act_quant_lean takes 0, 1 or -1 \(keep\); got 2"):
             cuda.set_launch_options(act_quant_lean=2)
+        with pytest.raises(RuntimeError, match=r"gemm_cluster_pair takes 0, 1 or -1 \(keep\); got 3"):
+            cuda.set_launch_options(gemm_cluster_pair=3)
         assert cuda.set_launch_options() == want  # a refused call changes nothing
     finally:
         cuda.set_launch_options(**saved)
@@ -361,9 +367,9 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
 def test_launch_options_from_env():
     """The MIXPREC_GEMM_* variables read at load: each names its option; a bad value names the variable."""
     env = {"MIXPREC_GEMM_PDL": "0", "MIXPREC_GEMM_DECODE_U8": " 1", "MIXPREC_GEMM_DECODE_CTAS_PER_SM": "3",
-           "MIXPREC_GEMM_DECODE_PRELOAD_MAX_M": "16", "UNRELATED": "x"}
+           "MIXPREC_GEMM_DECODE_PRELOAD_MAX_M": "16", "MIXPREC_GEMM_CLUSTER_PAIR": "0", "UNRELATED": "x"}
     assert cuda.launch_options_from_env(env) == {"gemm_pdl": 0, "decode_u8": 1, "decode_ctas_per_sm": 3,
-                                                 "decode_preload_max_m": 16}
+                                                 "decode_preload_max_m": 16, "gemm_cluster_pair": 0}
     assert cuda.launch_options_from_env({}) == {}
     assert {option for _, option, _ in cuda.ENV_LAUNCH_OPTIONS} <= set(cuda.LAUNCH_OPTIONS)
     with pytest.raises(ValueError, match=r"MIXPREC_GEMM_DECODE_CTAS_PER_SM='1': expected 0, 2 or 3"):
@@ -390,8 +396,22 @@ def test_stream_k_forced_and_refused():
     assert plan(256, 4096, 4096, splits=-1)[1] == -1, "auto kernel, stream-K launch"
     with pytest.raises(RuntimeError, match="stream-K"):
         plan(1, 4096, 4096, splits=-1, wgmma=False)
-    with pytest.raises(RuntimeError, match="splits must be -1"):
+    with pytest.raises(RuntimeError, match="splits must be -2"):
+        plan(256, 4096, 4096, splits=-3)
+
+
+def test_cluster_pair_only_when_asked_for():
+    """splits=-2 (two K halves a tile in a cluster of 2 CTAs) is kept as asked; with the launch
+    option off (this file's fixture) it is never chosen."""
+    for kernel in (4, 5, 6, 7, 8):
+        assert plan(256, 4096, 4096, kernel=kernel, splits=-2) == (kernel, -2)
+    assert all(plan(m, n, k)[1] != -2 for m in (64, 256, 1024, 4096) for k, n in LLAMA_SHAPES)  # option off
+    with pytest.raises(RuntimeError, match="needs a kernel id"):
         plan(256, 4096, 4096, splits=-2)
+    with pytest.raises(RuntimeError, match=r"needs K >= 256"):
+        plan(256, 4096, 128, kernel=8, splits=-2)
+    with pytest.raises(RuntimeError, match="cluster pair"):
+        plan(1, 4096, 4096, splits=-2, wgmma=False)
 
 
 def test_stream_k_only_chosen_when_allowed(stream_k_option):

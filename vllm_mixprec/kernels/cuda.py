@@ -84,6 +84,7 @@ def _load() -> None:
 # Environment variables that set a launch option when the library loads, and their values.
 ENV_LAUNCH_OPTIONS = (("MIXPREC_GEMM_PDL", "gemm_pdl", range(2)),
                       ("MIXPREC_GEMM_STREAM_K", "gemm_stream_k", range(2)),
+                      ("MIXPREC_GEMM_CLUSTER_PAIR", "gemm_cluster_pair", range(2)),
                       ("MIXPREC_GEMM_DECODE_U8", "decode_u8", range(2)),
                       ("MIXPREC_GEMM_DECODE_CTAS_PER_SM", "decode_ctas_per_sm", (0, 2, 3)),
                       ("MIXPREC_GEMM_DECODE_PRELOAD_MAX_M", "decode_preload_max_m", range(33)))
@@ -104,12 +105,13 @@ def launch_options_from_env(environ) -> dict[str, int]:
 
 
 LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "decode_ctas_per_sm",
-                  "decode_preload_max_m", "act_quant_lean")
+                  "decode_preload_max_m", "act_quant_lean", "gemm_cluster_pair")
 
 
 def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_stream_k: int = -1,
                        decode_u8: int = -1, decode_ctas_per_sm: int = -1,
-                       decode_preload_max_m: int = -1, act_quant_lean: int = -1) -> dict[str, int]:
+                       decode_preload_max_m: int = -1, act_quant_lean: int = -1,
+                       gemm_cluster_pair: int = -1) -> dict[str, int]:
     """Set the csrc launch options (-1 keeps one) and return them all.
 
     gemm_pdl: on sm_90 the decode GEMM (M <= 32) and the wgmma GEMMs are programmatic dependent
@@ -130,11 +132,15 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
     warp reads its first batch of weight words before the PDL wait, overlapping their DRAM latency
     with quantize_act; at M = 9-16 only in the 3-CTA build (half a batch in its 32-channel kernel)
     unless the bound is over 16 (16, the default, where it was measured faster; 0 never, 32 every
-    decode M in every build; MIXPREC_GEMM_DECODE_PRELOAD_MAX_M at load). Defaults: csrc/gemm/NOTES.md,
-    "PDL", "Stream-K", "Decode u8", "Decode occupancy", "Decode preload" and "quantize_act".
+    decode M in every build; MIXPREC_GEMM_DECODE_PRELOAD_MAX_M at load). gemm_cluster_pair: the
+    wgmma planner may run a tile's two K halves in a cluster of 2 CTAs, summed in shared memory,
+    where the doubled grid is one wave (on; MIXPREC_GEMM_CLUSTER_PAIR=0 turns it off at load).
+    Defaults: csrc/gemm/NOTES.md, "PDL", "Stream-K", "Decode u8", "Decode occupancy", "Decode
+    preload", "quantize_act" and "Session 47".
     A CUDA graph keeps the options it was captured with."""
     got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8,
-                                                 decode_ctas_per_sm, decode_preload_max_m, act_quant_lean)
+                                                 decode_ctas_per_sm, decode_preload_max_m, act_quant_lean,
+                                                 gemm_cluster_pair)
     return dict(zip(LAUNCH_OPTIONS, got))
 
 
@@ -203,7 +209,7 @@ def describe_plans(n: int, k: int, group_size: int, device: torch.device | int |
         kernel = _GEMM_KERNEL if _GEMM_KERNEL >= 0 else -1
         kid, splits, decode_ctas = torch.ops.mixprec_C.w4a8_plan(m, n, k, group_size, num_sms, kernel,
                                                                  _GEMM_SPLITS, family == "wgmma")
-        how = "stream-K" if splits == -1 else f"{splits} split{'s' if splits > 1 else ''}"
+        how = {-1: "stream-K", -2: "cluster pair"}.get(splits, f"{splits} split{'s' if splits > 1 else ''}")
         build = f" ({decode_ctas} CTAs/SM)" if decode_ctas else ""
         out.append(f"M={m} {family} k{kid}{build} {how}")
     return ", ".join(out)

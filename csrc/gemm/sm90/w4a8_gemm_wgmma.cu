@@ -22,9 +22,10 @@
 // LDS.128, as in the mma.sync tiled kernel), and the group words. Consumers software-pipeline
 // per 64-k chunk with two A register buffers: dequant chunk c+1 while the wgmmas of chunk c
 // run. int32 accumulation over all K (or the CTA's K split), epilogue in fp32 as in the
-// mma.sync kernels. Launched as a programmatic dependent (W4A8GemmArgs::pdl): the first stages'
-// weight copies start before griddepcontrol.wait.
-// See csrc/gemm/NOTES.md ("sm90 wgmma kernel", "PDL", "Stream-K").
+// mma.sync kernels. K splits sum through global partials (split-K, stream-K) or, for a cluster
+// pair (splits = -2), through the two CTAs' shared memory. Launched as a programmatic dependent
+// (W4A8GemmArgs::pdl): the first stages' weight copies start before griddepcontrol.wait.
+// See csrc/gemm/NOTES.md ("sm90 wgmma kernel", "PDL", "Stream-K", "Session 47").
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -34,6 +35,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>  // integral_constant: the cluster pair's static register indices
 
 #include "common/device.h"
 #include "common/launch.h"
@@ -57,6 +59,7 @@ struct WParams : W4A8KernelParams {
   int tok_tiles, ch_tiles;
   int sk_ctas;      // stream-K: CTAs sharing the tiles x stages units (0: tiles x splits grid)
   int sk_dp_tiles;  // stream-K: the first tiles, run data-parallel (a multiple of sk_ctas)
+  int pair;         // 1: two K halves per tile in a cluster of 2 CTAs, summed in shared memory
 };
 
 // The weight words by TMA (one box a stage, thread 0) or by cp.async (16 B a thread, 64 a row
@@ -123,6 +126,18 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3}], [%4];\n" ::
           "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+// Every thread of both CTAs of a cluster; release/acquire orders the shared::cluster stores.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// 4-byte store to this CTA's shared address `saddr` as mapped in cluster CTA `rank`.
+__device__ __forceinline__ void st_peer_u32(uint32_t saddr, uint32_t rank, int32_t v) {
+  asm volatile(
+      "{\n.reg .b32 a;\nmapa.shared::cluster.u32 a, %0, %1;\nst.shared::cluster.u32 [a], %2;\n}\n" ::"r"(saddr),
+      "r"(rank), "r"(v)
       : "memory");
 }
 
@@ -299,6 +314,8 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
 #ifdef MIXPREC_WGMMA_DEVICE
   using S = WgShape<kBlocks, kTok, kStages>;
   constexpr bool kTmaWeights = weights_by_tma(kBlocks, kTok);
+  static_assert(kBlocks * (kTok / 16) * 4 * kConsumers * 4 <= kStages * S::kStageBytes,
+                "a cluster pair exchanges half a tile's sums through the ring");
   // Only this (sm_90a) body has static shared memory and the 168-register launch-bound
   // allocation; w4a8_wgmma_supported tells it from the stubs by those attributes.
   __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[s] then empty[s]
@@ -540,6 +557,11 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
       }
     }
     cp_async_wait_all();  // do not retire with copies in flight
+    if (p.pair) {  // the consumers' CTA barrier and two cluster barriers (their partial-sum exchange)
+      __syncthreads();
+      cluster_sync();
+      cluster_sync();
+    }
   } else {
     // ================= consumer warpgroups: dequant + wgmma =================
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
@@ -585,7 +607,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
     auto sk_partial = [&](int cta) { return p.workspace + static_cast<size_t>(cta) * (kTileRegs * kConsumers) + ct; };
     // One block at a time, so that only its channel pair's scales and bias are live (the
     // accumulators fill the consumers' registers; caching every block's spilled them).
-    auto store_tile = [&](int tok0, int rt0) {
+    auto store_tile = [&](int tok0, int rt0, int j_lo, int j_hi) {  // token groups j_lo <= j < j_hi
 #pragma unroll
       for (int b = 0; b < kBlocks; ++b) {
         const int rt = rt0 + (wgc * kBlocks + b) * 4 + warp;
@@ -597,7 +619,8 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
 #pragma unroll
           for (int d = 0; d < 2; ++d) {
             const int tok = tok0 + 8 * j + 2 * t + d;
-            if (tok < M) write_pair<OutT>(p, cp, p.x_scale[tok], tok, ch, acc[b][4 * j + d], acc[b][4 * j + 2 + d]);
+            if (j >= j_lo && j < j_hi && tok < M)
+              write_pair<OutT>(p, cp, p.x_scale[tok], tok, ch, acc[b][4 * j + d], acc[b][4 * j + 2 + d]);
           }
         }
       }
@@ -684,7 +707,48 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
         }
       }
       if (splits == 1) {
-        store_tile(tok0, rt0);
+        store_tile(tok0, rt0, 0, kTok / 8);
+        continue;
+      }
+      if (p.pair) {
+        // The two K halves of the tile are this CTA and its cluster peer (rank = blockIdx.y).
+        // Each finishes half the tokens: it stores the other half of its sums into the peer's
+        // shared memory (the ring, idle once both main loops are done: first barrier), then adds
+        // the peer's (second barrier) and writes its half. No global partials, no counters.
+        const uint32_t rank = blockIdx.y;
+        constexpr int kHalf = kTok / 16;  // token groups of 8 a CTA finishes
+        const int j_own = static_cast<int>(rank) * kHalf;
+        // One instance per rank, so that the register indices of each half are constants.
+        auto exchange = [&](auto own_c) {
+          constexpr int kOwn = decltype(own_c)::value * kHalf, kPeer = kHalf - kOwn;
+          // The producer has waited for its copies (cp.async.wait_all), and this CTA barrier
+          // orders them and the consumers' reads of the ring before the cluster barrier's release.
+          // (compute-sanitizer racecheck reports the peer's stores against those copies with or
+          // without it; csrc/gemm/NOTES.md "Session 47".)
+          __syncthreads();
+          cluster_sync();
+#pragma unroll
+          for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+            for (int jh = 0; jh < kHalf; ++jh)
+#pragma unroll
+              for (int r = 0; r < 4; ++r)
+                st_peer_u32(smem_base + 4 * (((b * kHalf + jh) * 4 + r) * kConsumers + ct), rank ^ 1u,
+                            acc[b][4 * (kPeer + jh) + r]);
+          cluster_sync();
+          const int32_t* mine = reinterpret_cast<const int32_t*>(smem);
+#pragma unroll
+          for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+            for (int jh = 0; jh < kHalf; ++jh)
+#pragma unroll
+              for (int r = 0; r < 4; ++r) acc[b][4 * (kOwn + jh) + r] += mine[((b * kHalf + jh) * 4 + r) * kConsumers + ct];
+        };
+        if (rank == 0)
+          exchange(std::integral_constant<int, 0>{});
+        else
+          exchange(std::integral_constant<int, 1>{});
+        store_tile(tok0, rt0, j_own, j_own + kHalf);
         continue;
       }
       // Split-K: int32 partials; the last CTA of the tile to arrive sums them (exact in any order).
@@ -801,9 +865,9 @@ Cfg cfg_of(int kernel) {
 template <int kBlocks, int kTok, int kStages, typename OutT>
 cudaError_t launch_one(const WParams& p, const CUtensorMap& w_map, int splits, bool pdl, cudaStream_t stream) {
   using S = WgShape<kBlocks, kTok, kStages>;
-  const dim3 grid = p.sk_ctas > 0 ? dim3(p.sk_ctas) : dim3(p.tok_tiles * p.ch_tiles, splits);
-  return launch_kernel<w4a8_wgmma_kernel<kBlocks, kTok, kStages, OutT>>(grid, dim3(kThreads), S::kSmemBytes, pdl,
-                                                                         stream, p, w_map);
+  const dim3 grid = p.sk_ctas > 0 ? dim3(p.sk_ctas) : dim3(p.tok_tiles * p.ch_tiles, p.pair ? 2 : splits);
+  return launch_kernel_clustered<w4a8_wgmma_kernel<kBlocks, kTok, kStages, OutT>>(
+      grid, dim3(kThreads), S::kSmemBytes, pdl, p.pair ? dim3(1, 2, 1) : dim3(1, 1, 1), stream, p, w_map);
 }
 
 template <typename OutT>
@@ -973,7 +1037,7 @@ bool w4a8_wgmma_supported() {
 }
 
 const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel, int splits,
-                                 bool stream_k_auto, W4A8Plan* plan) {
+                                 bool stream_k_auto, bool pair_auto, W4A8Plan* plan) {
   if (M <= 0 || N <= 0 || K <= 0) return "w4a8_gemm: M, N and K must be positive";
   if (N % 16) return "w4a8_gemm: N must be a multiple of 16";
   if (K % kChunkK) return "w4a8_gemm: K must be a multiple of 64";
@@ -981,7 +1045,8 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
     return "w4a8_gemm: group size must be 64 times a power of two (64, 128, ...)";
   if (K % group_size) return "w4a8_gemm: K must be a multiple of the group size";
   if (kernel != -1 && (kernel < 4 || kernel > 8)) return "w4a8_gemm: the wgmma kernels are 4 to 8";
-  if (splits < -1) return "w4a8_gemm: splits must be -1 (stream-K), 0 (choose) or a split count";
+  if (splits < -2)
+    return "w4a8_gemm: splits must be -2 (a cluster pair), -1 (stream-K), 0 (choose) or a split count";
   const int n_stages = ceil_div(K / kChunkK, 2);
   const int sms = num_sms > 0 ? num_sms : 1;
   int most = n_stages / kStagesMinPerSplit;  // splits to try when choosing
@@ -993,6 +1058,19 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
   static constexpr int kAutoKernels[] = {4, 5, 7, 8};
   const int* k_list = kernel == -1 ? kAutoKernels : &kernel;
   const int k_count = kernel == -1 ? static_cast<int>(sizeof(kAutoKernels) / sizeof(int)) : 1;
+  if (splits == -2) {  // two K halves a tile, in a cluster of 2 CTAs (summed in shared memory)
+    if (kernel == -1) return "w4a8_gemm: splits=-2 (a cluster pair) needs a kernel id (4..8)";
+    if (n_stages < 2) return "w4a8_gemm: splits=-2 (a cluster pair) needs K >= 256";
+    const long long ctas = ctas_of(kernel, M, N);
+    if (ctas > 65535) return "w4a8_gemm: problem too large for the grid";
+    plan->kernel = static_cast<W4A8Kernel>(kernel);
+    plan->splits = -2;
+    plan->num_counters = 0;
+    plan->sk_ctas = 0;
+    plan->sk_slots = 0;
+    plan->workspace_elems = 0;
+    return nullptr;
+  }
   const bool try_classic = splits >= 0;
   const bool try_sk = splits == -1 || (splits == 0 && stream_k_auto);
   const int s_lo = splits > 0 ? splits : 1, s_hi = splits > 0 ? splits : most;
@@ -1009,6 +1087,19 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
         best_us = us;
         best_kernel = k;
         best_splits = s;
+      }
+    }
+    // A cluster pair (two K halves a tile, summed in shared memory): where the doubled grid is
+    // still one wave. Its estimate is a one-split launch of half the stages on twice the CTAs
+    // plus kPairUs; kernel 7 never won as a pair (H200, session 47: csrc/gemm/NOTES.md).
+    if (pair_auto && splits == 0 && k != 7 && n_stages >= 2 * kStagesMinPerSplit && 2 * tiles <= sms) {
+      constexpr double kPairUs = 5.0;
+      const double us = wgmma_estimate_us(k, 1, 2 * tiles, ceil_div(n_stages, 2), M, N, num_sms) + kPairUs;
+      if (!have || us < best_us) {
+        have = true;
+        best_us = us;
+        best_kernel = k;
+        best_splits = -2;
       }
     }
     if (try_sk && tiles * n_stages <= 0x7FFFFFFFLL) {
@@ -1031,6 +1122,7 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
   }
   kernel = best_kernel;
   splits = best_splits;
+  if (splits == -2) return w4a8_wgmma_make_plan(M, N, K, group_size, num_sms, kernel, -2, false, false, plan);
   const long long ctas = ctas_of(kernel, M, N);
   const Cfg c = cfg_of(kernel);
   plan->kernel = static_cast<W4A8Kernel>(kernel);
@@ -1068,6 +1160,7 @@ cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaS
   p.tok_tiles = ceil_div(a.M, c.tok);
   p.ch_tiles = ceil_div(a.N / 16, row_tiles);
   p.sk_ctas = plan.splits == -1 ? plan.sk_ctas : 0;
+  p.pair = plan.splits == -2 ? 1 : 0;
   p.sk_dp_tiles = p.sk_ctas > 0 ? static_cast<int>(sk_dp_tiles_of(static_cast<long long>(p.tok_tiles) * p.ch_tiles, p.sk_ctas)) : 0;
   switch (a.out_kind) {
     case OutKind::kHalf: return launch_typed<__half>(p, w_map, plan, a.pdl, stream);
