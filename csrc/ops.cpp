@@ -333,14 +333,14 @@ bool w4a8_wgmma_available(int64_t device) {
 // tests check the planner on the CPU and benchmarks record it. wgmma picks between the wgmma
 // kernels (ids 4..8), otherwise the mma.sync ones (0..3); kernel/splits as in w4a8_gemm (-1 and 0
 // choose), the launch options as set. A returned split count of -1 is a stream-K launch (one CTA
-// per SM over all tiles x K stages), -2 a cluster pair (two K halves a tile); the decode build is 2 or 3 CTAs per SM for kernels 0 and 1,
-// else 0.
+// per SM over all tiles x K stages), -2 a cluster pair (two K halves a tile); the decode build is
+// 2 or 3 CTAs per SM for kernels 0 and 1, else 0.
 std::vector<int64_t> w4a8_plan(int64_t M, int64_t N, int64_t K, int64_t group_size, int64_t num_sms,
                                int64_t kernel, int64_t splits, bool wgmma) {
   W4A8Plan plan{};
   const char* err = wgmma ? w4a8_wgmma_make_plan(M, N, K, group_size, num_sms, kernel, splits,
                                                  launch_options().gemm_stream_k.load(),
-                                       launch_options().gemm_cluster_pair.load(), &plan)
+                                                 launch_options().gemm_cluster_pair.load(), &plan)
                           : w4a8_make_plan(M, N, K, group_size, num_sms, kernel, splits,
                                            launch_options().decode_ctas_per_sm.load(), &plan);
   TORCH_CHECK(err == nullptr, "mixprec_C::w4a8_plan: ", err ? err : "");

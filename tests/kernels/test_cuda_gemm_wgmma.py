@@ -555,3 +555,27 @@ def test_cluster_pair_bit_identical_to_one_split(need_wgmma, m, k, n, kernel, ou
 def test_cluster_pair_cuda_graph_after_the_quantizer(need_wgmma):
     """A cluster launch with PDL, captured after the quantizer and replayed."""
     _check_graph_replays_match_one_split(256, 4096, 4096, 8, -2, group=128, seed=78, replays=50)
+
+
+@pytest.mark.gpu
+def test_deterministic_split_k(need_wgmma):
+    a, _ = _exact(128, 512, 8192, 64, 4, 7, seed=5)
+    b, _ = _exact(128, 512, 8192, 64, 4, 7, seed=5)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_wgmma_kernel_refused_where_unavailable():
+    if not torch.cuda.is_available() or not cuda.available():
+        pytest.skip("needs a CUDA GPU and the csrc ops")
+    if cuda.has_wgmma(torch.device(DEV)):
+        pytest.skip("wgmma available here")
+    gen = _gen(1)
+    qw, gs, go, cs = random_lqq(64, 128, 64, gen)
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    xq, xs = random_act(80, 128, gen)
+    with pytest.raises(RuntimeError, match="wgmma kernel"):
+        torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, 4, 0)
+    # auto still works (mma.sync fallback)
+    y = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, 0)
+    check_close(y, ref.w4a8_gemm(xq, xs, qw, gs, go, cs, None, torch.float64), torch.float16, check_rel=False)

@@ -621,7 +621,8 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
     return "w4a8_gemm: group size must be 64 times a power of two (64, 128, ...)";
   if (K % group_size) return "w4a8_gemm: K must be a multiple of the group size";
   if (kernel < -1 || kernel > 3) return "w4a8_gemm: kernel must be -1 (auto) or 0..3";
-  if (splits < 0) return "w4a8_gemm: splits = -1 (stream-K) and -2 (a cluster pair) run on the wgmma kernels (4..8) only";
+  if (splits < 0)
+    return "w4a8_gemm: splits = -1 (stream-K) and -2 (a cluster pair) run on the wgmma kernels (4..8) only";
   if (decode_ctas_per_sm != 0 && decode_ctas_per_sm != 2 && decode_ctas_per_sm != 3)
     return "w4a8_gemm: decode_ctas_per_sm must be 0 (choose), 2 or 3";
   const int chunks = K / kChunkK;

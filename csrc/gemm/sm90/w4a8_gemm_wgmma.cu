@@ -889,6 +889,20 @@ long long ctas_of(int kernel, int M, int N) {
   return static_cast<long long>(ceil_div(M, c.tok)) * ceil_div(N / 16, c.row_tiles());
 }
 
+// The plan of `kernel` as a cluster pair: two K halves a tile in a cluster of 2 CTAs, summed in
+// shared memory (no workspace, no counters).
+const char* pair_plan(int M, int N, int kernel, int n_stages, W4A8Plan* plan) {
+  if (n_stages < 2) return "w4a8_gemm: splits=-2 (a cluster pair) needs K >= 256";
+  if (ctas_of(kernel, M, N) > 65535) return "w4a8_gemm: problem too large for the grid";
+  plan->kernel = static_cast<W4A8Kernel>(kernel);
+  plan->splits = -2;
+  plan->num_counters = 0;
+  plan->sk_ctas = 0;
+  plan->sk_slots = 0;
+  plan->workspace_elems = 0;
+  return nullptr;
+}
+
 // Estimated microseconds of one wgmma launch on an H100 SXM. Filling the SMs (the old rule) is
 // not enough: a partial last wave costs a whole wave, and every split writes and reads back an
 // int32 M x N partial sum, which at M >= 256 costs more than the wave it saves; the tile's last
@@ -1058,18 +1072,9 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
   static constexpr int kAutoKernels[] = {4, 5, 7, 8};
   const int* k_list = kernel == -1 ? kAutoKernels : &kernel;
   const int k_count = kernel == -1 ? static_cast<int>(sizeof(kAutoKernels) / sizeof(int)) : 1;
-  if (splits == -2) {  // two K halves a tile, in a cluster of 2 CTAs (summed in shared memory)
+  if (splits == -2) {
     if (kernel == -1) return "w4a8_gemm: splits=-2 (a cluster pair) needs a kernel id (4..8)";
-    if (n_stages < 2) return "w4a8_gemm: splits=-2 (a cluster pair) needs K >= 256";
-    const long long ctas = ctas_of(kernel, M, N);
-    if (ctas > 65535) return "w4a8_gemm: problem too large for the grid";
-    plan->kernel = static_cast<W4A8Kernel>(kernel);
-    plan->splits = -2;
-    plan->num_counters = 0;
-    plan->sk_ctas = 0;
-    plan->sk_slots = 0;
-    plan->workspace_elems = 0;
-    return nullptr;
+    return pair_plan(M, N, kernel, n_stages, plan);
   }
   const bool try_classic = splits >= 0;
   const bool try_sk = splits == -1 || (splits == 0 && stream_k_auto);
@@ -1122,7 +1127,7 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
   }
   kernel = best_kernel;
   splits = best_splits;
-  if (splits == -2) return w4a8_wgmma_make_plan(M, N, K, group_size, num_sms, kernel, -2, false, false, plan);
+  if (splits == -2) return pair_plan(M, N, kernel, n_stages, plan);
   const long long ctas = ctas_of(kernel, M, N);
   const Cfg c = cfg_of(kernel);
   plan->kernel = static_cast<W4A8Kernel>(kernel);
