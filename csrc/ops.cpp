@@ -84,7 +84,8 @@ struct LaunchOptions {
   // (csrc/gemm/NOTES.md "Stream-K").
   std::atomic<bool> gemm_stream_k{true};
   // The wgmma planner may choose a cluster pair (two K halves a tile in a cluster of 2 CTAs,
-  // summed in shared memory) where the doubled grid is one wave (csrc/gemm/NOTES.md "Session 47").
+  // summed in shared memory) where the doubled grid is one wave, or for K >= 8192 after a wave of
+  // whole tiles (csrc/gemm/NOTES.md "Session 47", "Session 48").
   std::atomic<bool> gemm_cluster_pair{true};
   // The decode kernels (M <= 32) keep the weight bytes unsigned (u8 x s8 MMA, no XOR per byte)
   // and subtract 128 * sum_k x; the same int32 sums. Off until timed (csrc/gemm/NOTES.md "Decode u8").

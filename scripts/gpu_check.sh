@@ -13,7 +13,7 @@
 # stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize decode_hbm
 # decode_options decode_options_splits decode_options_check decode_build decode_table decode_table_tested
 # decode_preload decode_preload_table mid_table profile_mid wgmma_diag stream_k_oos w4ax_alloc w4ax_sweep
-# quant_lean cluster_pair cluster_pair_sanitize
+# quant_lean cluster_pair cluster_pair_sanitize racecheck_probe pair_tail pair_racecheck_split
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -758,16 +758,58 @@ stage_cluster_pair() {
     --ms ${PAIR_MS:-128 192 256 512} --out "$OUT/pair.json" || rc=1
   return $rc
 }
+# Session 48: kernel 4 where a pair launch runs whole tiles first (more tiles than half the SMs):
+# as planned without the pair, as stream-K, as a pair, and the auto plans, in one run.
+stage_pair_tail() {
+  run_bench bench_pair_tail 300 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 --kernels 4 --pair \
+    --stream-k-sweep --sk-kernels 4 --shapes ${PAIR_SHAPES:-4096x6144 4096x4096 14336x4096 28672x8192} \
+    --ms ${PAIR_MS:-768 1024 1536} --out "$OUT/pair_tail.json"
+}
 # compute-sanitizer on cluster-pair launches (the shared::cluster exchange included)
 stage_cluster_pair_sanitize() {
   local rc=0 tool
   for tool in memcheck racecheck; do
     log "compute-sanitizer --tool $tool: cluster pair"
     timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/kernels/test_cuda_gemm_wgmma.py -k "cluster_pair_integer_exact and (65-208-576 or 192-272-8192)" \
+      tests/kernels/test_cuda_gemm_wgmma.py -k "cluster_pair_integer_exact and (65-208-576 or 192-272-8192 or 1100-1040-576)" \
       > "$OUT/sanitize-pair-$tool.log" 2>&1 || rc=1
     tail -3 "$OUT/sanitize-pair-$tool.log"
   done
+  return $rc
+}
+# Session 48's open question: racecheck flags the pair's exchange in the kernel but not in the
+# probe below. One kernel at a time, with the programmatic dependent launch on and off (the
+# probe has none), on one pair test each: the hazard counts per (kernel, PDL).
+stage_pair_racecheck_split() {
+  local kernel pdl
+  : > "$OUT/pair-racecheck-split.txt"
+  for pdl in 1 0; do
+    for kernel in 4 5 6 7 8; do
+      MIXPREC_GEMM_PDL=$pdl timeout 120 compute-sanitizer --tool racecheck python3 -m pytest -q -m gpu \
+        -p no:cacheprovider tests/kernels/test_cuda_gemm_wgmma.py -k "cluster_pair_integer_exact and 65-208-576-$kernel" \
+        > "$OUT/pair-racecheck-k$kernel-pdl$pdl.log" 2>&1
+      echo "kernel $kernel pdl $pdl: $(grep -h -E 'RACECHECK SUMMARY|passed|failed' "$OUT/pair-racecheck-k$kernel-pdl$pdl.log" | tr '\n' ' ')" \
+        >> "$OUT/pair-racecheck-split.txt"
+    done
+  done
+  cat "$OUT/pair-racecheck-split.txt"
+}
+# Does racecheck follow barrier.cluster? scripts/diag/racecheck_cluster_probe.cu's variants of the
+# pair's exchange, each run plain (it checks its sums) and under racecheck (hazard counts).
+stage_racecheck_probe() {
+  local rc=0 v nvcc_bin
+  nvcc_bin=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
+  "$nvcc_bin" -O2 -lineinfo -gencode=arch=compute_90a,code=sm_90a scripts/diag/racecheck_cluster_probe.cu \
+    -o /tmp/racecheck_probe > "$OUT/racecheck-probe-build.log" 2>&1 || { log "probe build failed"; return 1; }
+  { compute-sanitizer --version; compute-sanitizer --help | grep -i -A2 racecheck; } > "$OUT/racecheck-probe-tool.txt" 2>&1
+  for v in push_cp push_st push_cg pull_cp racy mbar mbar_zero push_cp_y dyn4; do
+    /tmp/racecheck_probe "$v" >> "$OUT/racecheck-probe.log" 2>&1 || { [ "$v" = racy ] || rc=1; }
+    timeout 60 compute-sanitizer --tool racecheck /tmp/racecheck_probe "$v" \
+      > "$OUT/racecheck-probe-$v.log" 2>&1
+    echo "$v: $(grep -h 'RACECHECK SUMMARY' "$OUT/racecheck-probe-$v.log" || echo 'no summary')" >> "$OUT/racecheck-probe.log"
+  done
+  /tmp/racecheck_probe clusters > "$OUT/cluster-occupancy.txt" 2>&1 || rc=1
+  cat "$OUT/racecheck-probe.log" "$OUT/cluster-occupancy.txt"
   return $rc
 }
 # The decode GEMM (M <= 32) on every Llama layer shape beside cuBLAS bf16 on the same shape (the

@@ -95,6 +95,7 @@ struct W4A8Plan {
   int num_counters;    // output tiles (one arrival counter each)
   int sk_ctas = 0;     // stream-K: CTAs of the persistent grid (0: a CTA per tile and split)
   int sk_slots = 0;    // stream-K: pieces of the most-cut tile - 1 (0: no tile is cut)
+  int pair_dp_tiles = 0;  // cluster pair: the first tiles, run whole (one a CTA) before the pairs
   long long workspace_elems = 0;  // int32 partials to allocate (0: none, nor counters)
 };
 

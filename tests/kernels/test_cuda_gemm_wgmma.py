@@ -535,17 +535,19 @@ def test_stream_k_refused_off_the_wgmma_kernels(need_wgmma):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8])
 @pytest.mark.parametrize("m,n,k", [(1, 208, 576), (65, 208, 576), (200, 208, 576), (640, 208, 256),
-                                   (192, 272, 8192), (130, 4096, 2048)])
+                                   (192, 272, 8192), (130, 4096, 2048), (1100, 1040, 576)])
 def test_cluster_pair_integer_exact(need_wgmma, kernel, m, n, k):
     """Two K halves a tile, summed in the cluster's shared memory: ragged M and N, odd chunk
-    counts (K = 576: the second CTA's last stage is half a stage) and one stage a CTA (K = 256)."""
+    counts (K = 576: the second CTA's last stage is half a stage) and one stage a CTA (K = 256).
+    With more tiles than half the SMs (1100 x 1040 on 132 SMs: kernels 5, 7, 8) the first tiles
+    run whole, two a cluster, and the rest as pairs (kernel 8: 81 tiles, 14 whole, 67 pairs)."""
     y, acc = _exact(m, n, k, 64, kernel, -2, seed=13 * m + n + kernel)
     assert torch.equal(y.double(), acc)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n,kernel", [(256, 4096, 4096, 8), (256, 4096, 6144, 4), (256, 4096, 4096, 7),
-                                          (64, 14336, 4096, 5), (1024, 4096, 6144, 4)])
+                                          (64, 14336, 4096, 5), (1024, 4096, 6144, 4), (1024, 4096, 6144, 8)])
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
 def test_cluster_pair_bit_identical_to_one_split(need_wgmma, m, k, n, kernel, out_dtype):
     _check_same_as_one_split(m, k, n, kernel, -2, out_dtype, group=128, seed=m + n + kernel + 1)
@@ -555,6 +557,8 @@ def test_cluster_pair_bit_identical_to_one_split(need_wgmma, m, k, n, kernel, ou
 def test_cluster_pair_cuda_graph_after_the_quantizer(need_wgmma):
     """A cluster launch with PDL, captured after the quantizer and replayed."""
     _check_graph_replays_match_one_split(256, 4096, 4096, 8, -2, group=128, seed=78, replays=50)
+    # one wave of whole tiles, then the pairs (192 tiles of kernel 4)
+    _check_graph_replays_match_one_split(1024, 6144, 4096, 4, -2, group=128, seed=79, replays=20)
 
 
 @pytest.mark.gpu

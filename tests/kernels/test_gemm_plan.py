@@ -414,6 +414,27 @@ def test_cluster_pair_only_when_asked_for():
         plan(1, 4096, 4096, splits=-2, wgmma=False)
 
 
+# (M, K, N) -> the plan the planner's default options (stream-K and the cluster pair on) timed
+# fastest on one H200, group 128: session 47's pair-ab/ (the 11 rows where it picks a pair) and
+# session 48's pair-tail/ (whole tiles, then pairs: 28672 x 8192 at M = 768 -8.3 % against split
+# 2, 14336 x 4096 at M = 1536 -1.7 % against stream-K; at K = 4096 they tied or lost to stream-K,
+# so none is picked there).
+PAIR_PICKS = {
+    (128, 4096, 6144): (5, -2), (192, 4096, 6144): (4, -2), (256, 4096, 6144): (4, -2),
+    (192, 4096, 4096): (5, -2), (256, 4096, 4096): (5, -2), (512, 4096, 4096): (4, -2),
+    (256, 14336, 4096): (5, -2), (512, 14336, 4096): (4, -2), (128, 8192, 10240): (4, -2),
+    (192, 28672, 8192): (4, -2), (256, 28672, 8192): (4, -2),
+    (768, 28672, 8192): (4, -2), (1536, 14336, 4096): (4, -2),
+    (1024, 4096, 6144): (4, -1), (1536, 4096, 4096): (4, -1), (1536, 4096, 6144): (4, -1),
+}
+
+
+def test_cluster_pair_picks_where_it_was_timed_fastest(launch_options):
+    launch_options(gemm_stream_k=1, gemm_cluster_pair=1)
+    got = {key: plan(m, n, k, g=128) for key in PAIR_PICKS for m, k, n in [key]}
+    assert got == PAIR_PICKS
+
+
 def test_stream_k_only_chosen_when_allowed(stream_k_option):
     """With the option off the planner never picks stream-K; on, it may, and a forced split
     count still wins over it."""

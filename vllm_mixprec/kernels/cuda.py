@@ -134,9 +134,10 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
     unless the bound is over 16 (16, the default, where it was measured faster; 0 never, 32 every
     decode M in every build; MIXPREC_GEMM_DECODE_PRELOAD_MAX_M at load). gemm_cluster_pair: the
     wgmma planner may run a tile's two K halves in a cluster of 2 CTAs, summed in shared memory,
-    where the doubled grid is one wave (on; MIXPREC_GEMM_CLUSTER_PAIR=0 turns it off at load).
-    Defaults: csrc/gemm/NOTES.md, "PDL", "Stream-K", "Decode u8", "Decode occupancy", "Decode
-    preload", "quantize_act" and "Session 47".
+    where the doubled grid is one wave, or, for K >= 8192, after a wave of whole tiles (on;
+    MIXPREC_GEMM_CLUSTER_PAIR=0 turns it off at load). Defaults: csrc/gemm/NOTES.md, "PDL",
+    "Stream-K", "Decode u8", "Decode occupancy", "Decode preload", "quantize_act", "Session 47"
+    and "Session 48".
     A CUDA graph keeps the options it was captured with."""
     got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8,
                                                  decode_ctas_per_sm, decode_preload_max_m, act_quant_lean,

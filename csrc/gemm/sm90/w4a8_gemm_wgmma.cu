@@ -25,7 +25,7 @@
 // mma.sync kernels. K splits sum through global partials (split-K, stream-K) or, for a cluster
 // pair (splits = -2), through the two CTAs' shared memory. Launched as a programmatic dependent
 // (W4A8GemmArgs::pdl): the first stages' weight copies start before griddepcontrol.wait.
-// See csrc/gemm/NOTES.md ("sm90 wgmma kernel", "PDL", "Stream-K", "Session 47").
+// See csrc/gemm/NOTES.md ("sm90 wgmma kernel", "PDL", "Stream-K", "Session 47", "Session 48").
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -60,6 +60,7 @@ struct WParams : W4A8KernelParams {
   int sk_ctas;      // stream-K: CTAs sharing the tiles x stages units (0: tiles x splits grid)
   int sk_dp_tiles;  // stream-K: the first tiles, run data-parallel (a multiple of sk_ctas)
   int pair;         // 1: two K halves per tile in a cluster of 2 CTAs, summed in shared memory
+  int pair_dp_tiles;  // pair: the first tiles, run whole (one a CTA, two a cluster); even
 };
 
 // The weight words by TMA (one box a stage, thread 0) or by cp.async (16 B a thread, 64 a row
@@ -297,6 +298,8 @@ __device__ __forceinline__ int2* workspace_at(const WParams& p, int split, int t
 // their loads share the L2 as a classic wave's do), then the remaining tiles x stages units are
 // split evenly over the CTAs, so the last partial wave of a classic launch disappears; a tile
 // cut between CTAs is summed by the CTA holding its first stages, which reaches it last.
+// Cluster pair launches (p.pair, 1-D, clusters of 2) run whole tiles first (p.pair_dp_tiles,
+// one a CTA), then one K half of a tile a CTA.
 // Python mirror: tests/kernels/test_cuda_gemm_wgmma.py, _stream_k_segments.
 // Units are ints (the planner refuses problems of 2^31 units or more); products are 64-bit.
 // (maybe_unused: the sm_80 pass compiles no kernel body that calls them.)
@@ -346,7 +349,16 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
   const int num_rt = p.N >> 4;
   const int n_stage_all = ceil_div(chunks, 2);
   const bool stream_k = p.sk_ctas > 0;
-  const int splits = stream_k ? 1 : gridDim.y;  // classic split-K
+  // Classic launch: tile blockIdx.x, split blockIdx.y. A cluster pair launch is 1-D, clusters of
+  // CTAs (2c, 2c + 1), rank blockIdx.x & 1. Its first pair_dp_tiles / 2 clusters run two whole
+  // tiles (one a CTA); the others one tile's two K halves, which they sum in shared memory
+  // (`paired`).
+  const int cluster = static_cast<int>(blockIdx.x) >> 1, pair_rank = static_cast<int>(blockIdx.x) & 1;
+  const bool paired = p.pair && cluster >= (p.pair_dp_tiles >> 1);
+  const bool pair_dp = p.pair && !paired;
+  const int cl_tile = paired ? p.pair_dp_tiles + cluster - (p.pair_dp_tiles >> 1) : static_cast<int>(blockIdx.x);
+  const int cl_split = paired ? pair_rank : p.pair ? 0 : static_cast<int>(blockIdx.y);
+  const int splits = stream_k || pair_dp ? 1 : paired ? 2 : gridDim.y;  // classic split-K (2: a pair)
   const int dp_tiles = stream_k ? p.sk_dp_tiles : 0;
   const int dp_units = stream_k ? dp_tiles / p.sk_ctas * n_stage_all : 0;  // this CTA's data-parallel units
   const int units = (p.tok_tiles * p.ch_tiles - dp_tiles) * n_stage_all;  // the rest: tile dp_tiles + u / n_stage_all
@@ -356,8 +368,8 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
     u_end = sk_range_begin(blockIdx.x + 1, units, p.sk_ctas);
   } else {
     const int per_split = ceil_div(n_stage_all, splits);
-    const int st_lo = min(n_stage_all, static_cast<int>(blockIdx.y) * per_split);
-    u_begin = static_cast<int>(blockIdx.x) * n_stage_all + st_lo;
+    const int st_lo = min(n_stage_all, cl_split * per_split);
+    u_begin = cl_tile * n_stage_all + st_lo;
     u_end = u_begin + min(n_stage_all, st_lo + per_split) - st_lo;
   }
   // The CTA's segments, by position v in its work (0 <= v < v_end): tile, first stage, stages.
@@ -520,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
     if (!stream_k) {
       // Classic launch, one segment. Its own loop: as the stream-K loop below (more live state),
       // it ran up to 5 % slower (kernel 5, 14336 x 4096 at M = 256; csrc/gemm/NOTES.md).
-      begin_segment(blockIdx.x, u_begin - static_cast<int>(blockIdx.x) * n_stage_all);
+      begin_segment(cl_tile, u_begin - cl_tile * n_stage_all);
       const int n_it = u_end - u_begin;
       const int n_pre = min(kStages, n_it);
       for (int it = 0; it < n_pre; ++it) copy_weights(it, it);
@@ -557,7 +569,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
       }
     }
     cp_async_wait_all();  // do not retire with copies in flight
-    if (p.pair) {  // the consumers' CTA barrier and two cluster barriers (their partial-sum exchange)
+    if (paired) {  // the consumers' CTA barrier and two cluster barriers (their partial-sum exchange)
       __syncthreads();
       cluster_sync();
       cluster_sync();
@@ -710,12 +722,12 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
         store_tile(tok0, rt0, 0, kTok / 8);
         continue;
       }
-      if (p.pair) {
-        // The two K halves of the tile are this CTA and its cluster peer (rank = blockIdx.y).
+      if (paired) {
+        // The two K halves of the tile are this CTA and its cluster peer (rank = blockIdx.x & 1).
         // Each finishes half the tokens: it stores the other half of its sums into the peer's
         // shared memory (the ring, idle once both main loops are done: first barrier), then adds
         // the peer's (second barrier) and writes its half. No global partials, no counters.
-        const uint32_t rank = blockIdx.y;
+        const uint32_t rank = pair_rank;
         constexpr int kHalf = kTok / 16;  // token groups of 8 a CTA finishes
         const int j_own = static_cast<int>(rank) * kHalf;
         // One instance per rank, so that the register indices of each half are constants.
@@ -724,7 +736,8 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
           // The producer has waited for its copies (cp.async.wait_all), and this CTA barrier
           // orders them and the consumers' reads of the ring before the cluster barrier's release.
           // (compute-sanitizer racecheck reports the peer's stores against those copies with or
-          // without it; csrc/gemm/NOTES.md "Session 47".)
+          // without it, unexplained: a stripped-down copy of this exchange is clean;
+          // csrc/gemm/NOTES.md "Session 48".)
           __syncthreads();
           cluster_sync();
 #pragma unroll
@@ -865,9 +878,12 @@ Cfg cfg_of(int kernel) {
 template <int kBlocks, int kTok, int kStages, typename OutT>
 cudaError_t launch_one(const WParams& p, const CUtensorMap& w_map, int splits, bool pdl, cudaStream_t stream) {
   using S = WgShape<kBlocks, kTok, kStages>;
-  const dim3 grid = p.sk_ctas > 0 ? dim3(p.sk_ctas) : dim3(p.tok_tiles * p.ch_tiles, p.pair ? 2 : splits);
+  const int tiles = p.tok_tiles * p.ch_tiles;
+  const dim3 grid = p.sk_ctas > 0 ? dim3(p.sk_ctas)
+                    : p.pair      ? dim3(p.pair_dp_tiles + 2 * (tiles - p.pair_dp_tiles))
+                                  : dim3(tiles, splits);
   return launch_kernel_clustered<w4a8_wgmma_kernel<kBlocks, kTok, kStages, OutT>>(
-      grid, dim3(kThreads), S::kSmemBytes, pdl, p.pair ? dim3(1, 2, 1) : dim3(1, 1, 1), stream, p, w_map);
+      grid, dim3(kThreads), S::kSmemBytes, pdl, p.pair ? dim3(2, 1, 1) : dim3(1, 1, 1), stream, p, w_map);
 }
 
 template <typename OutT>
@@ -883,19 +899,39 @@ cudaError_t launch_typed(const WParams& p, const CUtensorMap& w_map, const W4A8P
 }
 
 constexpr int kStagesMinPerSplit = 4;  // 512 k per split at least: pipeline fill stays amortised
+// Whole tiles before the pairs paid off at K = 14336 and 28672 (-2 to -8 %, H200, session 48)
+// and not at K = 4096 (+1.4 % against stream-K at 4096 x 6144, M = 1024).
+constexpr int kPairTailMinStages = 64;
 
 long long ctas_of(int kernel, int M, int N) {
   const Cfg c = cfg_of(kernel);
   return static_cast<long long>(ceil_div(M, c.tok)) * ceil_div(N / 16, c.row_tiles());
 }
 
+// A cluster pair launch runs at most half an SM count of tiles as pairs (one wave of CTAs), the
+// rest whole, first, two a cluster: with 1.45 SM counts of tiles (192 on 132 SMs) that is one
+// wave of whole tiles and half a wave's time of pairs, where the classic grid takes two waves.
+// An even count, so that no cluster mixes the two.
+long long pair_dp_tiles_of(long long tiles, int num_sms) {
+  const long long paired = std::min<long long>(tiles, std::max(num_sms, 2) / 2);
+  return (tiles - paired) & ~1LL;
+}
+
+// Half-waves of a cluster pair launch: its whole tiles take two, its K halves one each.
+long long pair_half_waves(long long tiles, int num_sms) {
+  const long long sms = std::max(num_sms, 1);
+  return (2 * tiles + sms - 1) / sms;
+}
+
 // The plan of `kernel` as a cluster pair: two K halves a tile in a cluster of 2 CTAs, summed in
-// shared memory (no workspace, no counters).
-const char* pair_plan(int M, int N, int kernel, int n_stages, W4A8Plan* plan) {
+// shared memory (no workspace, no counters), past one wave of CTAs after pair_dp_tiles_of whole ones.
+const char* pair_plan(int M, int N, int kernel, int n_stages, int num_sms, W4A8Plan* plan) {
   if (n_stages < 2) return "w4a8_gemm: splits=-2 (a cluster pair) needs K >= 256";
-  if (ctas_of(kernel, M, N) > 65535) return "w4a8_gemm: problem too large for the grid";
+  const long long tiles = ctas_of(kernel, M, N);
+  if (tiles > 65535) return "w4a8_gemm: problem too large for the grid";
   plan->kernel = static_cast<W4A8Kernel>(kernel);
   plan->splits = -2;
+  plan->pair_dp_tiles = static_cast<int>(pair_dp_tiles_of(tiles, num_sms));
   plan->num_counters = 0;
   plan->sk_ctas = 0;
   plan->sk_slots = 0;
@@ -1074,7 +1110,7 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
   const int k_count = kernel == -1 ? static_cast<int>(sizeof(kAutoKernels) / sizeof(int)) : 1;
   if (splits == -2) {
     if (kernel == -1) return "w4a8_gemm: splits=-2 (a cluster pair) needs a kernel id (4..8)";
-    return pair_plan(M, N, kernel, n_stages, plan);
+    return pair_plan(M, N, kernel, n_stages, sms, plan);
   }
   const bool try_classic = splits >= 0;
   const bool try_sk = splits == -1 || (splits == 0 && stream_k_auto);
@@ -1094,12 +1130,17 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
         best_splits = s;
       }
     }
-    // A cluster pair (two K halves a tile, summed in shared memory): where the doubled grid is
-    // still one wave. Its estimate is a one-split launch of half the stages on twice the CTAs
-    // plus kPairUs; kernel 7 never won as a pair (H200, session 47: csrc/gemm/NOTES.md).
-    if (pair_auto && splits == 0 && k != 7 && n_stages >= 2 * kStagesMinPerSplit && 2 * tiles <= sms) {
+    // A cluster pair (two K halves a tile, summed in shared memory): one wave of pairs, or,
+    // where K has kPairTailMinStages, three half-waves (pair_dp_tiles_of: a wave of whole tiles,
+    // then the pairs). Its estimate is a half-wave's one-split time on half the stages per
+    // half-wave plus kPairUs (fitted to session 47's one-wave pairs); kernel 7 never won as a
+    // pair (H200, sessions 47-48: csrc/gemm/NOTES.md).
+    const bool pair_fits = 2 * tiles <= sms || (2 * tiles <= 3LL * sms && n_stages >= kPairTailMinStages);
+    if (pair_auto && splits == 0 && k != 7 && n_stages >= 2 * kStagesMinPerSplit && pair_fits) {
       constexpr double kPairUs = 5.0;
-      const double us = wgmma_estimate_us(k, 1, 2 * tiles, ceil_div(n_stages, 2), M, N, num_sms) + kPairUs;
+      const double us = static_cast<double>(pair_half_waves(tiles, sms)) *
+                            wgmma_estimate_us(k, 1, 1, ceil_div(n_stages, 2), M, N, num_sms) +
+                        kPairUs;
       if (!have || us < best_us) {
         have = true;
         best_us = us;
@@ -1127,7 +1168,7 @@ const char* w4a8_wgmma_make_plan(int M, int N, int K, int group_size, int num_sm
   }
   kernel = best_kernel;
   splits = best_splits;
-  if (splits == -2) return pair_plan(M, N, kernel, n_stages, plan);
+  if (splits == -2) return pair_plan(M, N, kernel, n_stages, sms, plan);
   const long long ctas = ctas_of(kernel, M, N);
   const Cfg c = cfg_of(kernel);
   plan->kernel = static_cast<W4A8Kernel>(kernel);
@@ -1166,6 +1207,7 @@ cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaS
   p.ch_tiles = ceil_div(a.N / 16, row_tiles);
   p.sk_ctas = plan.splits == -1 ? plan.sk_ctas : 0;
   p.pair = plan.splits == -2 ? 1 : 0;
+  p.pair_dp_tiles = p.pair ? plan.pair_dp_tiles : 0;
   p.sk_dp_tiles = p.sk_ctas > 0 ? static_cast<int>(sk_dp_tiles_of(static_cast<long long>(p.tok_tiles) * p.ch_tiles, p.sk_ctas)) : 0;
   switch (a.out_kind) {
     case OutKind::kHalf: return launch_typed<__half>(p, w_map, plan, a.pdl, stream);
