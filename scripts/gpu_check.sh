@@ -779,20 +779,33 @@ stage_cluster_pair_sanitize() {
 }
 # Session 48's open question: racecheck flags the pair's exchange in the kernel but not in the
 # probe below. One kernel at a time, with the programmatic dependent launch on and off (the
-# probe has none), on one pair test each: the hazard counts per (kernel, PDL).
+# probe has none), on one pair test each, for the plain build and each diag patch of
+# PAIR_RACECHECK_VARIANTS (wgmma_pair_producer_zero: the producer overwrites the exchange's bytes
+# itself first): the hazard counts per (variant, kernel, PDL) in pair-racecheck-split.txt.
 stage_pair_racecheck_split() {
-  local kernel pdl
+  local v kernel pdl rc=0 tag
   : > "$OUT/pair-racecheck-split.txt"
-  for pdl in 1 0; do
-    for kernel in 4 5 6 7 8; do
-      MIXPREC_GEMM_PDL=$pdl timeout 120 compute-sanitizer --tool racecheck python3 -m pytest -q -m gpu \
-        -p no:cacheprovider tests/kernels/test_cuda_gemm_wgmma.py -k "cluster_pair_integer_exact and 65-208-576-$kernel" \
-        > "$OUT/pair-racecheck-k$kernel-pdl$pdl.log" 2>&1
-      echo "kernel $kernel pdl $pdl: $(grep -h -E 'RACECHECK SUMMARY|passed|failed' "$OUT/pair-racecheck-k$kernel-pdl$pdl.log" | tr '\n' ' ')" \
-        >> "$OUT/pair-racecheck-split.txt"
+  for v in ${PAIR_RACECHECK_VARIANTS:-plain wgmma_pair_producer_zero}; do
+    if [ "$v" != plain ]; then
+      apply_patch "scripts/diag/$v.patch" || { log "patch $v failed"; return 1; }
+      build_ext_90a "$OUT/rebuild.log" || rc=1
+      apply_patch -R "scripts/diag/$v.patch" || return 1
+      [ $rc -eq 0 ] || { build_ext_90a "$OUT/rebuild.log"; return 1; }
+    fi
+    for pdl in 1 0; do
+      for kernel in 4 5 6 7 8; do
+        tag="$v-k$kernel-pdl$pdl"
+        MIXPREC_GEMM_PDL=$pdl timeout 120 compute-sanitizer --tool racecheck python3 -m pytest -q -m gpu \
+          -p no:cacheprovider tests/kernels/test_cuda_gemm_wgmma.py \
+          -k "cluster_pair_integer_exact and 65-208-576-$kernel" > "$OUT/pair-racecheck-$tag.log" 2>&1
+        echo "$tag: $(grep -h -E 'RACECHECK SUMMARY|passed|failed' "$OUT/pair-racecheck-$tag.log" | tr '\n' ' ')" \
+          >> "$OUT/pair-racecheck-split.txt"
+      done
     done
+    if [ "$v" != plain ]; then build_ext_90a "$OUT/rebuild.log" || rc=1; fi  # back to the plain build
   done
   cat "$OUT/pair-racecheck-split.txt"
+  return $rc
 }
 # Does racecheck follow barrier.cluster? scripts/diag/racecheck_cluster_probe.cu's variants of the
 # pair's exchange, each run plain (it checks its sums) and under racecheck (hazard counts).
