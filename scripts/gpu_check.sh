@@ -786,12 +786,7 @@ stage_pair_racecheck_split() {
   local v kernel pdl rc=0 tag
   : > "$OUT/pair-racecheck-split.txt"
   for v in ${PAIR_RACECHECK_VARIANTS:-plain wgmma_pair_producer_zero}; do
-    if [ "$v" != plain ]; then
-      apply_patch "scripts/diag/$v.patch" || { log "patch $v failed"; return 1; }
-      build_ext_90a "$OUT/rebuild.log" || rc=1
-      apply_patch -R "scripts/diag/$v.patch" || return 1
-      [ $rc -eq 0 ] || { build_ext_90a "$OUT/rebuild.log"; return 1; }
-    fi
+    if [ "$v" != plain ]; then build_variant "$v" "$OUT/rebuild.log" || return 1; fi
     for pdl in 1 0; do
       for kernel in 4 5 6 7 8; do
         tag="$v-k$kernel-pdl$pdl"
@@ -926,23 +921,29 @@ stage_profile_mid() {
 # Variants named in WGMMA_DIAG_TEST also run the GEMM GPU tests (correct builds only). The sources
 # are patched only while a variant builds; a variant is built only when it differs from the one
 # before (plain, plain needs no build), and the plain build is left behind at the end.
+# Builds csrc/ for sm_90a with the scripts/diag patches of VARIANT ('+'-joined; plain: none)
+# applied, then puts the sources back; a failed build rebuilds the plain sources and returns 1.
+build_variant() {  # VARIANT LOG
+  local v=$1 log=$2 p patches rc=0
+  patches=$(echo "$v" | tr '+' ' ')
+  if [ "$v" != plain ]; then
+    for p in $patches; do apply_patch "scripts/diag/$p.patch" || { log "patch $p failed"; return 1; }; done
+  fi
+  build_ext_90a "$log" || rc=1
+  if [ "$v" != plain ]; then
+    for p in $(echo "$patches" | tr ' ' '\n' | tac); do apply_patch -R "scripts/diag/$p.patch" || return 1; done
+  fi
+  [ $rc -eq 0 ] || { build_ext_90a "$log"; return 1; }
+}
 apply_patch() {  # [-R] FILE: patch(1), or git apply where the host lacks it
   if command -v patch > /dev/null; then patch -p1 -s "${@:1:$#-1}" < "${@: -1}"; else git apply "${@:1:$#-1}" "${@: -1}"; fi
 }
 stage_wgmma_diag() {
-  local rc=0 v p i=0 patches built=plain
+  local rc=0 v i=0 built=plain
   for v in ${WGMMA_DIAG_VARIANTS:-plain wgmma_feed_only wgmma_compute_only wgmma_x16 wgmma_feed_only+wgmma_x16}; do
     i=$((i + 1))
-    patches=$(echo "$v" | tr '+' ' ')
     if [ "$v" != "$built" ]; then  # the sources stay plain between variants; only the build follows them
-      if [ "$v" != plain ]; then
-        for p in $patches; do apply_patch "scripts/diag/$p.patch" || { log "patch $p failed"; return 1; }; done
-      fi
-      build_ext_90a "$OUT/rebuild.log" || rc=1
-      if [ "$v" != plain ]; then
-        for p in $(echo "$patches" | tr ' ' '\n' | tac); do apply_patch -R "scripts/diag/$p.patch" || return 1; done
-      fi
-      [ $rc -eq 0 ] || { build_ext_90a "$OUT/rebuild.log"; return 1; }
+      build_variant "$v" "$OUT/rebuild.log" || return 1
       built=$v
     fi
     case " ${WGMMA_DIAG_TEST:-} " in

@@ -416,7 +416,7 @@ def test_cluster_pair_only_when_asked_for():
 
 # (M, K, N) -> the plan the planner's default options (stream-K and the cluster pair on) timed
 # fastest on one H200, group 128: session 47's pair-ab/ (the 11 rows where it picks a pair) and
-# session 48's pair-tail/ (whole tiles, then pairs: 28672 x 8192 at M = 768 -8.3 % against split
+# session 48's final/ and tail-forced/ (whole tiles, then pairs: 28672 x 8192 at M = 768 -8.3 % against split
 # 2, 14336 x 4096 at M = 1536 -1.7 % against stream-K; at K = 4096 they tied or lost to stream-K,
 # so none is picked there).
 PAIR_PICKS = {
@@ -431,7 +431,7 @@ PAIR_PICKS = {
 
 def test_cluster_pair_picks_where_it_was_timed_fastest(launch_options):
     launch_options(gemm_stream_k=1, gemm_cluster_pair=1)
-    got = {key: plan(m, n, k, g=128) for key in PAIR_PICKS for m, k, n in [key]}
+    got = {(m, k, n): plan(m, n, k, g=128) for m, k, n in PAIR_PICKS}
     assert got == PAIR_PICKS
 
 
