@@ -765,6 +765,23 @@ stage_pair_tail() {
     --stream-k-sweep --sk-kernels 4 --shapes ${PAIR_SHAPES:-4096x6144 4096x4096 14336x4096 28672x8192} \
     --ms ${PAIR_MS:-768 1024 1536} --out "$OUT/pair_tail.json"
 }
+# Session 49: the pair's partial sums pulled from the peer (plain) against pushed into it
+# (wgmma_pair_push, sessions 47-48). pair_pull: the GPU tests, memcheck and racecheck on 15 pair
+# tests, and the plain build's auto plans with the pair option off and on; pair_pull_ab (next
+# call, same host): the same bench for the push build, then the plain one again (A-B-A).
+pair_pull_bench() {  # VARIANTS
+  WGMMA_DIAG_VARIANTS="$1" WGMMA_DIAG_BENCH_ARGS="--option-ab gemm_cluster_pair" \
+    WGMMA_DIAG_SHAPES="${PAIR_SHAPES:-4096x4096 14336x4096 28672x8192}" \
+    WGMMA_DIAG_MS="${PAIR_MS:-256 768}" stage_wgmma_diag
+}
+stage_pair_pull() {
+  local rc=0
+  pytest_gpu pytest-gpu-pair 300 tests/kernels/test_cuda_gemm_wgmma.py tests/kernels/test_cuda_gemm.py || rc=1
+  stage_cluster_pair_sanitize || rc=1
+  pair_pull_bench plain || rc=1
+  return $rc
+}
+stage_pair_pull_ab() { pair_pull_bench "wgmma_pair_push plain"; }
 # compute-sanitizer on cluster-pair launches (the shared::cluster exchange included)
 stage_cluster_pair_sanitize() {
   local rc=0 tool
@@ -777,15 +794,15 @@ stage_cluster_pair_sanitize() {
   done
   return $rc
 }
-# Session 48's open question: racecheck flags the pair's exchange in the kernel but not in the
-# probe below. One kernel at a time, with the programmatic dependent launch on and off (the
-# probe has none), on one pair test each, for the plain build and each diag patch of
-# PAIR_RACECHECK_VARIANTS (wgmma_pair_producer_zero: the producer overwrites the exchange's bytes
-# itself first): the hazard counts per (variant, kernel, PDL) in pair-racecheck-split.txt.
+# Sessions 48-49: racecheck on one pair test per kernel, with the programmatic dependent launch on
+# and off, for the plain build (session 49: the partial sums pulled from the peer) and each diag
+# patch of PAIR_RACECHECK_VARIANTS (wgmma_pair_push: the sums pushed into the peer, as in sessions
+# 47-48, which racecheck reported): the hazard counts per (variant, kernel, PDL) in
+# pair-racecheck-split.txt.
 stage_pair_racecheck_split() {
   local v kernel pdl rc=0 tag
   : > "$OUT/pair-racecheck-split.txt"
-  for v in ${PAIR_RACECHECK_VARIANTS:-plain wgmma_pair_producer_zero}; do
+  for v in ${PAIR_RACECHECK_VARIANTS:-plain wgmma_pair_push}; do
     if [ "$v" != plain ]; then build_variant "$v" "$OUT/rebuild.log" || return 1; fi
     for pdl in 1 0; do
       for kernel in 4 5 6 7 8; do

@@ -134,14 +134,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
-// 4-byte store to this CTA's shared address `saddr` as mapped in cluster CTA `rank`.
-__device__ __forceinline__ void st_peer_u32(uint32_t saddr, uint32_t rank, int32_t v) {
-  asm volatile(
-      "{\n.reg .b32 a;\nmapa.shared::cluster.u32 a, %0, %1;\nst.shared::cluster.u32 [a], %2;\n}\n" ::"r"(saddr),
-      "r"(rank), "r"(v)
-      : "memory");
-}
-
 __device__ __forceinline__ void named_barrier_consumers() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory");
 }
@@ -724,38 +716,48 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
       }
       if (paired) {
         // The two K halves of the tile are this CTA and its cluster peer (rank = blockIdx.x & 1).
-        // Each finishes half the tokens: it stores the other half of its sums into the peer's
-        // shared memory (the ring, idle once both main loops are done: first barrier), then adds
-        // the peer's (second barrier) and writes its half. No global partials, no counters.
+        // Each finishes half the tokens: it stores the other half of its sums into its own shared
+        // memory (the ring, idle once this CTA's copies and wgmmas are done: the CTA barrier),
+        // loads the peer's from the peer's (after the first cluster barrier) and writes its half.
+        // No global partials, no counters. The sums are pulled, not pushed into the peer: a push
+        // made compute-sanitizer racecheck report the peer's stores against this CTA's cp.async
+        // writes of the ring (sessions 47-49, csrc/gemm/NOTES.md); each CTA writing only its own
+        // shared memory, behind its own barrier, is clean and as fast.
         const uint32_t rank = pair_rank;
         constexpr int kHalf = kTok / 16;  // token groups of 8 a CTA finishes
         const int j_own = static_cast<int>(rank) * kHalf;
         // One instance per rank, so that the register indices of each half are constants.
         auto exchange = [&](auto own_c) {
           constexpr int kOwn = decltype(own_c)::value * kHalf, kPeer = kHalf - kOwn;
-          // The producer has waited for its copies (cp.async.wait_all), and this CTA barrier
-          // orders them and the consumers' reads of the ring before the cluster barrier's release.
-          // (compute-sanitizer racecheck reports the peer's stores against those copies with or
-          // without it, unexplained: a stripped-down copy of this exchange is clean;
-          // csrc/gemm/NOTES.md "Session 48".)
+          // A thread's 4 sums of a token group are one 16-byte word (conflict-free: a quarter-warp
+          // covers 128 contiguous bytes).
+          int4* mine = reinterpret_cast<int4*>(smem);
+          // The producer has waited for its copies (cp.async.wait_all); this barrier orders them
+          // and the consumers' reads of the ring before the stores below.
           __syncthreads();
-          cluster_sync();
 #pragma unroll
           for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
-            for (int jh = 0; jh < kHalf; ++jh)
-#pragma unroll
-              for (int r = 0; r < 4; ++r)
-                st_peer_u32(smem_base + 4 * (((b * kHalf + jh) * 4 + r) * kConsumers + ct), rank ^ 1u,
-                            acc[b][4 * (kPeer + jh) + r]);
-          cluster_sync();
-          const int32_t* mine = reinterpret_cast<const int32_t*>(smem);
+            for (int jh = 0; jh < kHalf; ++jh) {
+              const int32_t* c = &acc[b][4 * (kPeer + jh)];
+              mine[(b * kHalf + jh) * kConsumers + ct] = make_int4(c[0], c[1], c[2], c[3]);
+            }
+          cluster_sync();  // release: the peer's loads below see these stores
+          // Plain loads through the generic address of the peer's copy, so that the compiler
+          // schedules them against the registers.
+          const int4* peer = static_cast<const int4*>(__cluster_map_shared_rank(mine, rank ^ 1u));
 #pragma unroll
           for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
-            for (int jh = 0; jh < kHalf; ++jh)
-#pragma unroll
-              for (int r = 0; r < 4; ++r) acc[b][4 * (kOwn + jh) + r] += mine[((b * kHalf + jh) * 4 + r) * kConsumers + ct];
+            for (int jh = 0; jh < kHalf; ++jh) {
+              const int4 v = peer[(b * kHalf + jh) * kConsumers + ct];
+              int32_t* c = &acc[b][4 * (kOwn + jh)];
+              c[0] += v.x;
+              c[1] += v.y;
+              c[2] += v.z;
+              c[3] += v.w;
+            }
+          cluster_sync();  // neither CTA exits while the peer still loads from it
         };
         if (rank == 0)
           exchange(std::integral_constant<int, 0>{});
