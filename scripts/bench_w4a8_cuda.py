@@ -40,7 +40,8 @@ OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32, "gemm"),
              "decode_preload_max_m": ("pre", (0, 8, 16, 32), 32, "gemm"),
              "act_quant_one_pass": ("op", (0, 1), None, "quant"),
              "act_quant_lean": ("ql", (0, 1), None, "quant"),
-             "gemm_cluster_pair": ("cp", (0, 1), None, "gemm")}
+             "gemm_cluster_pair": ("cp", (0, 1), None, "gemm"),
+             "gemm_pdl": ("pdl", (0, 1), None, "gemm")}
 
 
 def bench(fn):

@@ -482,6 +482,7 @@ stage_tune_attn() { run_bench bench_attention_tune 500 python3 benchmarks/bench_
 stage_tune_prefill() { run_bench bench_attention_tune_prefill 500 python3 benchmarks/bench_attention.py --tune-prefill --out "$OUT"; }
 stage_diag() { timeout 300 bash scripts/diag_cxx_throw.sh 2>&1 | tee "$OUT/diag_cxx_throw.log" | tail -30; }
 stage_profile() { OUT=$OUT timeout 400 bash scripts/profile_ncu.sh gemm attn 2>&1 | tail -20; }
+stage_profile_decode_cold() { OUT=$OUT timeout 400 bash scripts/profile_ncu.sh decode-cold 2>&1 | tail -20; }
 stage_sanitize() { OUT=$OUT timeout 540 bash scripts/sanitize.sh cuda triton 2>&1 | tail -30; }
 
 stage_e2e() {
@@ -764,6 +765,21 @@ stage_pair_tail() {
   run_bench bench_pair_tail 300 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 --kernels 4 --pair \
     --stream-k-sweep --sk-kernels 4 --shapes ${PAIR_SHAPES:-4096x6144 4096x4096 14336x4096 28672x8192} \
     --ms ${PAIR_MS:-768 1024 1536} --out "$OUT/pair_tail.json"
+}
+# Session 49: does the decode GEMM's no-flush time owe its lead to the programmatic dependent
+# launch overlapping back-to-back GEMMs of the bench's graph? (H100: a read flush slowed ours
+# +14 %, Marlin +5 %.) gemm_pdl off and on without a flush, then bench_gemm's read flush with
+# the option off and on at load, one host.
+stage_decode_pdl() {
+  local rc=0 pdl shapes="4096x4096 14336x4096 8192x10240 8192x28672 28672x8192"
+  run_bench bench_w4a8_cuda_decode_pdl 200 python3 scripts/bench_w4a8_cuda.py --shapes $shapes --ms 1 16 \
+    --group 128 --auto-only --no-marlin --option-ab gemm_pdl --out "$OUT/decode_pdl.json" || rc=1
+  for pdl in 0 1; do
+    run_bench "bench_gemm_read_pdl$pdl" 150 env MIXPREC_GEMM_PDL=$pdl python3 benchmarks/bench_gemm.py --ms 1,16 \
+      --flush read --shapes "${shapes// /,}" --methods ours_cuda,ours_cuda_gemm,marlin_w4a16 \
+      --out "$OUT/bench_gemm_read_pdl$pdl" || rc=1
+  done
+  return $rc
 }
 # Session 49: the pair's partial sums pulled from the peer (plain) against pushed into it
 # (wgmma_pair_push, sessions 47-48). pair_pull: the GPU tests, memcheck and racecheck on 15 pair

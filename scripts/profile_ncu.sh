@@ -8,6 +8,10 @@
 #   wgmma-m1024: the same at M = 1024, K x N = 4096 x 6144 (issue #4's cuBLAS 1.2x miss)
 #   quant-m1024: quantize_act at M = 1024, K = 4096 (bf16); WarpStateStats' "No Instruction" stalls
 #     tell instruction fetch apart from memory (csrc/gemm/NOTES.md "quantize_act: three experiments")
+#   decode-cold: our decode GEMM and Marlin W4A16 at M = 1, K x N = 8192 x 28672, group 128, each
+#     with ncu's default cache control (caches flushed before the kernel: cold, as under a read
+#     flush) and with --cache-control none (warm): on the H100 a read flush slowed ours 14 % and
+#     Marlin 5 % (csrc/gemm/NOTES.md "Session 49"); prepared in session 49, not run yet
 # Usage (GPU host, extension built): OUT=... bash scripts/profile_ncu.sh [gemm] [gemm-u8] [gemm-c3] [gemm-u8-c3] [attn]
 #   [wgmma-m256] [wgmma-m1024] [quant-m1024]
 set -u
@@ -77,7 +81,17 @@ for _ in range(8):
 torch.cuda.synchronize()
 PY
       ;;
-    *) echo "unknown target $t (gemm, gemm-u8, gemm-c3, gemm-u8-c3, attn, wgmma-m256, wgmma-m1024, quant-m1024)"
+    decode-cold)
+      for method in ours_cuda_gemm marlin_w4a16; do
+        if [ $method = marlin_w4a16 ]; then kern=regex:Marlin; else kern=regex:w4a8_decode_kernel; fi
+        for cache in all none; do
+          "$NCU" "${SECTIONS[@]}" --cache-control $cache -k $kern --launch-skip 20 --launch-count 1 \
+            python3 benchmarks/bench_gemm.py --ms 1 --shapes 8192x28672 --flush read --methods $method \
+            --out "$OUT_DIR/$t-$method-$cache" > "$OUT_DIR/$t-m1-$method-cache-$cache.txt" 2>&1
+        done
+      done
+      ;;
+    *) echo "unknown target $t (gemm, gemm-u8, gemm-c3, gemm-u8-c3, attn, wgmma-m256, wgmma-m1024, quant-m1024, decode-cold)"
        exit 2 ;;
   esac
   echo "== $t: $(grep -E 'Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy' "$OUT_DIR/$t"-[mk]*.txt | head -6 | tr -s ' ')"
