@@ -13,7 +13,8 @@
 # stream_k_tests stream_k_sweep stream_k_auto stream_k_verify stream_k_sanitize decode_hbm
 # decode_options decode_options_splits decode_options_check decode_build decode_table decode_table_tested
 # decode_preload decode_preload_table mid_table profile_mid wgmma_diag stream_k_oos w4ax_alloc w4ax_sweep
-# quant_lean cluster_pair cluster_pair_sanitize racecheck_probe pair_tail pair_racecheck_split
+# quant_lean cluster_pair cluster_pair_sanitize racecheck_probe pair_tail pair_racecheck_split pair_pull
+# pair_pull_ab decode_pdl profile_decode_cold w4ax_tests property_cuda_gemm issue_table stream_k_refit
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.

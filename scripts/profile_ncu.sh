@@ -13,7 +13,7 @@
 #     flush) and with --cache-control none (warm): on the H100 a read flush slowed ours 14 % and
 #     Marlin 5 % (csrc/gemm/NOTES.md "Session 49"); prepared in session 49, not run yet
 # Usage (GPU host, extension built): OUT=... bash scripts/profile_ncu.sh [gemm] [gemm-u8] [gemm-c3] [gemm-u8-c3] [attn]
-#   [wgmma-m256] [wgmma-m1024] [quant-m1024]
+#   [wgmma-m256] [wgmma-m1024] [quant-m1024] [decode-cold]
 set -u
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
