@@ -34,14 +34,16 @@ def lqq(n, k, g, gen):
 
 USE_GRAPHS = True
 DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)  # --splits-sweep, decode kernels 0 and 1
-# --option-ab: launch option -> (JSON key tag, values timed, largest M it acts on or None, what it
-# changes: "gemm" (timed: the plan, the GEMM, the linear) or "quant" (quantize_act, the linear))
+# --option-ab: launch option -> (JSON key tag, values timed in this order, largest M it acts on or
+# None, what it changes: "gemm" (timed: the plan, the GEMM, the linear) or "quant" (quantize_act,
+# the linear)). A value timed again (A-B-A) gets keys ending in "_again".
 OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32, "gemm"),
              "decode_preload_max_m": ("pre", (0, 8, 16, 32), 32, "gemm"),
              "act_quant_one_pass": ("op", (0, 1), None, "quant"),
              "act_quant_lean": ("ql", (0, 1), None, "quant"),
              "gemm_cluster_pair": ("cp", (0, 1), None, "gemm"),
-             "gemm_pdl": ("pdl", (0, 1), None, "gemm")}
+             "gemm_pdl": ("pdl", (0, 1), None, "gemm"),
+             "decode_l2_prefetch": ("l2pf", (0, 1, 2, 4, 0), 32, "gemm")}
 
 
 def bench(fn):
@@ -245,13 +247,14 @@ def main():
                 tag, values, max_m, changes = OPTION_AB[option]
                 if max_m is not None and m > max_m:
                     continue
-                for value in each_option(option, values):
+                for i, value in enumerate(each_option(option, values)):
+                    key = f"{tag}{value}" + ("_again" if value in values[:i] else "")  # A-B-A: the repeat's own key
                     if changes == "quant":
-                        row[f"quantize_act_{tag}{value}_us"] = bench(lambda: cuda.quantize_act(x))
+                        row[f"quantize_act_{key}_us"] = bench(lambda: cuda.quantize_act(x))
                     else:
-                        row[f"plan_{tag}{value}"] = plan(-1, m >= 64 and cuda.has_wgmma())
-                        row[f"gemm_auto_{tag}{value}_us"] = bench(lambda: gemm(-1))
-                    row[f"linear_{tag}{value}_us"] = bench(linear)
+                        row[f"plan_{key}"] = plan(-1, m >= 64 and cuda.has_wgmma())
+                        row[f"gemm_auto_{key}_us"] = bench(lambda: gemm(-1))
+                    row[f"linear_{key}_us"] = bench(linear)
             if bf16_weight is not None and m <= 32:  # cuBLAS streaming the bf16 weight: the HBM a GEMV reaches here
                 xb = x.to(torch.bfloat16)
                 row["cublas_bf16_us"] = bench(lambda: xb @ bf16_weight.t())

@@ -82,12 +82,19 @@ torch.cuda.synchronize()
 PY
       ;;
     decode-cold)
-      for method in ours_cuda_gemm marlin_w4a16; do
+      BYTE_METRICS=dram__bytes_read.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct
+      # DECODE_COLD_L2PF: also ours with decode_l2_prefetch at that many batches (session 50)
+      for variant in ours_cuda_gemm ${DECODE_COLD_L2PF:+ours_cuda_gemm:$DECODE_COLD_L2PF} marlin_w4a16; do
+        method=${variant%%:*} pf=0 tag=$variant
+        case $variant in *:*) pf=${variant#*:} tag=$method-l2pf$pf ;; esac
         if [ $method = marlin_w4a16 ]; then kern=regex:Marlin; else kern=regex:w4a8_decode_kernel; fi
         for cache in all none; do
-          "$NCU" "${SECTIONS[@]}" --cache-control $cache -k $kern --launch-skip 20 --launch-count 1 \
+          # the DRAM and L2 byte counts say whether a prefetch fetched bytes the loads never used
+          MIXPREC_GEMM_DECODE_L2_PREFETCH=$pf "$NCU" "${SECTIONS[@]}" --metrics "$BYTE_METRICS" \
+            --cache-control $cache -k $kern \
+            --launch-skip 20 --launch-count 1 \
             python3 benchmarks/bench_gemm.py --ms 1 --shapes 8192x28672 --flush read --methods $method \
-            --out "$OUT_DIR/$t-$method-$cache" > "$OUT_DIR/$t-m1-$method-cache-$cache.txt" 2>&1
+            --out "$OUT_DIR/$t-$tag-$cache" > "$OUT_DIR/$t-m1-$tag-cache-$cache.txt" 2>&1
         done
       done
       ;;
