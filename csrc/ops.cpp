@@ -99,9 +99,6 @@ struct LaunchOptions {
   // in the 3-CTA build (half a batch where a whole one spilled; session 39) but not in the 2-CTA
   // one (csrc/gemm/NOTES.md "Decode preload").
   std::atomic<int> decode_preload_max_m{16};
-  // The decode kernels (sm_90) prefetch each warp's weight words into L2 this many batches ahead
-  // (0: off), by the bulk-copy unit. Off until timed (csrc/gemm/NOTES.md "Session 50").
-  std::atomic<int> decode_l2_prefetch{0};
 };
 LaunchOptions& launch_options() {
   static LaunchOptions opts;
@@ -316,7 +313,6 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   // was -3 to +4 % (NOTES.md "Decode preload"), so there only a bound above 16 asks for it.
   const int preload_max_m = launch_options().decode_preload_max_m.load();
   args.decode_preload = M <= preload_max_m && (M <= 8 || preload_max_m > 16 || plan.decode_ctas == 3);
-  args.decode_l2_prefetch = is_sm90(xq.device().index()) ? launch_options().decode_l2_prefetch.load() : 0;
   const cudaStream_t stream = cuda_stream.stream();
   C10_CUDA_CHECK(use_wgmma ? w4a8_wgmma_launch(args, plan, stream) : w4a8_gemm_launch(args, plan, stream));
   return out;
@@ -464,17 +460,14 @@ void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Te
   C10_CUDA_CHECK(decode_kv4_pages_launch(a, stream));
 }
 
-constexpr int64_t kMaxDecodeL2Prefetch = 8;  // batches ahead: 8 x 4 chunks x 512 B = 16 KB a warp and row tile
-
 // Sets the launch options (a negative value keeps one) and returns them all:
 // [gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8, decode_ctas_per_sm, decode_preload_max_m,
-//  act_quant_lean, gemm_cluster_pair, decode_l2_prefetch].
+//  act_quant_lean, gemm_cluster_pair].
 // For A/B timing and tests; the defaults are the measured best (csrc/gemm/NOTES.md, "PDL", "Stream-K",
 // "Decode u8", "Decode occupancy", "Decode preload", "quantize_act").
 std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_pass, int64_t gemm_stream_k,
                                         int64_t decode_u8, int64_t decode_ctas_per_sm, int64_t decode_preload_max_m,
-                                        int64_t act_quant_lean, int64_t gemm_cluster_pair,
-                                        int64_t decode_l2_prefetch) {
+                                        int64_t act_quant_lean, int64_t gemm_cluster_pair) {
   TORCH_CHECK(gemm_pdl <= 1 && act_quant_one_pass <= 1 && gemm_stream_k <= 1 && decode_u8 <= 1,
               "mixprec_C::set_launch_options: gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_u8 take 0, 1 or "
               "-1 (keep); got ", gemm_pdl, ", ", act_quant_one_pass, ", ", gemm_stream_k, ", ", decode_u8);
@@ -488,9 +481,6 @@ std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_
               act_quant_lean);
   TORCH_CHECK(gemm_cluster_pair <= 1,
               "mixprec_C::set_launch_options: gemm_cluster_pair takes 0, 1 or -1 (keep); got ", gemm_cluster_pair);
-  TORCH_CHECK(decode_l2_prefetch <= kMaxDecodeL2Prefetch,
-              "mixprec_C::set_launch_options: decode_l2_prefetch takes 0 (off) to ", kMaxDecodeL2Prefetch,
-              " (batches ahead) or -1 (keep); got ", decode_l2_prefetch);
   LaunchOptions& o = launch_options();
   if (gemm_pdl >= 0) o.gemm_pdl.store(gemm_pdl == 1);
   if (act_quant_one_pass >= 0) o.act_quant_one_pass.store(act_quant_one_pass == 1);
@@ -500,10 +490,9 @@ std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_
   if (decode_preload_max_m >= 0) o.decode_preload_max_m.store(static_cast<int>(decode_preload_max_m));
   if (act_quant_lean >= 0) o.act_quant_lean.store(act_quant_lean == 1);
   if (gemm_cluster_pair >= 0) o.gemm_cluster_pair.store(gemm_cluster_pair == 1);
-  if (decode_l2_prefetch >= 0) o.decode_l2_prefetch.store(static_cast<int>(decode_l2_prefetch));
   return {o.gemm_pdl.load() ? 1 : 0, o.act_quant_one_pass.load() ? 1 : 0, o.gemm_stream_k.load() ? 1 : 0,
           o.decode_u8.load() ? 1 : 0, o.decode_ctas_per_sm.load(), o.decode_preload_max_m.load(),
-          o.act_quant_lean.load() ? 1 : 0, o.gemm_cluster_pair.load() ? 1 : 0, o.decode_l2_prefetch.load()};
+          o.act_quant_lean.load() ? 1 : 0, o.gemm_cluster_pair.load() ? 1 : 0};
 }
 
 }  // namespace
@@ -525,8 +514,7 @@ TORCH_LIBRARY(mixprec_C, m) {
       "int num_splits, int slots, int res_tokens, int tile_tokens, int min_tiles, int prefetch_pages=0) -> ()");
   m.def(
       "set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1, int gemm_stream_k=-1, int decode_u8=-1, "
-      "int decode_ctas_per_sm=-1, int decode_preload_max_m=-1, int act_quant_lean=-1, int gemm_cluster_pair=-1, "
-      "int decode_l2_prefetch=-1) "
+      "int decode_ctas_per_sm=-1, int decode_preload_max_m=-1, int act_quant_lean=-1, int gemm_cluster_pair=-1) "
       "-> int[]",
       &mixprec::set_launch_options);
 }

@@ -42,8 +42,7 @@ OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32, "gemm"),
              "act_quant_one_pass": ("op", (0, 1), None, "quant"),
              "act_quant_lean": ("ql", (0, 1), None, "quant"),
              "gemm_cluster_pair": ("cp", (0, 1), None, "gemm"),
-             "gemm_pdl": ("pdl", (0, 1), None, "gemm"),
-             "decode_l2_prefetch": ("l2pf", (0, 1, 2, 4, 0), 32, "gemm")}
+             "gemm_pdl": ("pdl", (0, 1), None, "gemm")}
 
 
 def bench(fn):

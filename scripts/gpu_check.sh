@@ -15,7 +15,7 @@
 # decode_preload decode_preload_table mid_table profile_mid wgmma_diag stream_k_oos w4ax_alloc w4ax_sweep
 # quant_lean cluster_pair cluster_pair_sanitize racecheck_probe pair_tail pair_racecheck_split pair_pull
 # pair_pull_ab decode_pdl profile_decode_cold w4ax_tests property_cuda_gemm issue_table stream_k_refit
-# decode_l2pf decode_l2pf_read decode_l2pf_memcheck
+# profile_decode_stalls profile_decode_ceiling
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -484,30 +484,9 @@ stage_tune_attn() { run_bench bench_attention_tune 500 python3 benchmarks/bench_
 stage_tune_prefill() { run_bench bench_attention_tune_prefill 500 python3 benchmarks/bench_attention.py --tune-prefill --out "$OUT"; }
 stage_diag() { timeout 300 bash scripts/diag_cxx_throw.sh 2>&1 | tee "$OUT/diag_cxx_throw.log" | tail -30; }
 stage_profile() { OUT=$OUT timeout 400 bash scripts/profile_ncu.sh gemm attn 2>&1 | tail -20; }
-# Session 50: the decode kernels with the weights prefetched into L2 (decode_l2_prefetch, batches
-# ahead): their exactness tests; the auto GEMM and linear at every value in one run
-# (bench_w4a8_cuda: CUDA graphs of back-to-back calls over weight copies rotated past the L2);
-# bench_gemm under a read flush (a clean, cold L2) for each value of L2PF_VALUES, with Marlin;
-# memcheck over the decode launches the sanitize driver makes (1 and 8 batches ahead among them).
-stage_decode_l2pf() {
-  local rc=0
-  pytest_gpu pytest-gpu-l2pf 200 tests/kernels/test_cuda_gemm.py -k "decode_options_integer_exact" || rc=1
-  run_bench bench_w4a8_cuda_l2pf 300 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 4096x28672 \
-    14336x4096 8192x10240 28672x8192 8192x28672 --ms 1 16 --group 128 --auto-only --no-marlin \
-    --option-ab decode_l2_prefetch --out "$OUT/decode_l2pf.json" || rc=1
-  return $rc
-}
-stage_decode_l2pf_read() {
-  local rc=0 pf
-  for pf in ${L2PF_VALUES:-0 2}; do
-    run_bench "bench_gemm_read_l2pf$pf" 150 env MIXPREC_GEMM_DECODE_L2_PREFETCH=$pf python3 benchmarks/bench_gemm.py \
-      --ms 1,16 --flush read --shapes 4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672 \
-      --methods ours_cuda,ours_cuda_gemm,marlin_w4a16 --out "$OUT/bench_gemm_read_l2pf$pf" || rc=1
-  done
-  return $rc
-}
-stage_decode_l2pf_memcheck() { SANITIZE_TOOLS=memcheck OUT=$OUT timeout 300 bash scripts/sanitize.sh cuda 2>&1 | tail -8; }
 stage_profile_decode_cold() { OUT=$OUT timeout 400 bash scripts/profile_ncu.sh decode-cold 2>&1 | tail -20; }
+stage_profile_decode_stalls() { OUT=$OUT timeout 400 bash scripts/profile_ncu.sh decode-stalls 2>&1 | tail -20; }
+stage_profile_decode_ceiling() { OUT=$OUT timeout 300 bash scripts/profile_ncu.sh decode-ceiling 2>&1 | tail -20; }
 stage_sanitize() { OUT=$OUT timeout 540 bash scripts/sanitize.sh cuda triton 2>&1 | tail -30; }
 
 stage_e2e() {

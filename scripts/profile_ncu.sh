@@ -11,9 +11,13 @@
 #   decode-cold: our decode GEMM and Marlin W4A16 at M = 1, K x N = 8192 x 28672, group 128, each
 #     with ncu's default cache control (caches flushed before the kernel: cold, as under a read
 #     flush) and with --cache-control none (warm): on the H100 a read flush slowed ours 14 % and
-#     Marlin 5 % (csrc/gemm/NOTES.md "Session 49"); prepared in session 49, not run yet
+#     Marlin 5 % (csrc/gemm/NOTES.md "Session 49"); run on the H200 in session 52
+#   decode-stalls: the same two kernels, cold, at application clocks, with the stall reasons per
+#     SASS instruction (reports kept)
+#   decode-ceiling: the bandwidth a plain stream reaches, as decode-stalls measures: cuBLAS's
+#     bf16 GEMV of the same shape and torch's max over 1 GiB
 # Usage (GPU host, extension built): OUT=... bash scripts/profile_ncu.sh [gemm] [gemm-u8] [gemm-c3] [gemm-u8-c3] [attn]
-#   [wgmma-m256] [wgmma-m1024] [quant-m1024] [decode-cold]
+#   [wgmma-m256] [wgmma-m1024] [quant-m1024] [decode-cold] [decode-stalls] [decode-ceiling]
 set -u
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -82,23 +86,51 @@ torch.cuda.synchronize()
 PY
       ;;
     decode-cold)
+      # the DRAM and L2 byte counts: bytes fetched against bytes the kernel needs
       BYTE_METRICS=dram__bytes_read.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct
-      # DECODE_COLD_L2PF: also ours with decode_l2_prefetch at that many batches (session 50)
-      for variant in ours_cuda_gemm ${DECODE_COLD_L2PF:+ours_cuda_gemm:$DECODE_COLD_L2PF} marlin_w4a16; do
-        method=${variant%%:*} pf=0 tag=$variant
-        case $variant in *:*) pf=${variant#*:} tag=$method-l2pf$pf ;; esac
+      for method in ours_cuda_gemm marlin_w4a16; do
         if [ $method = marlin_w4a16 ]; then kern=regex:Marlin; else kern=regex:w4a8_decode_kernel; fi
         for cache in all none; do
-          # the DRAM and L2 byte counts say whether a prefetch fetched bytes the loads never used
-          MIXPREC_GEMM_DECODE_L2_PREFETCH=$pf "$NCU" "${SECTIONS[@]}" --metrics "$BYTE_METRICS" \
-            --cache-control $cache -k $kern \
+          "$NCU" "${SECTIONS[@]}" --metrics "$BYTE_METRICS" --cache-control $cache -k $kern \
             --launch-skip 20 --launch-count 1 \
             python3 benchmarks/bench_gemm.py --ms 1 --shapes 8192x28672 --flush read --methods $method \
-            --out "$OUT_DIR/$t-$tag-$cache" > "$OUT_DIR/$t-m1-$tag-cache-$cache.txt" 2>&1
+            --out "$OUT_DIR/$t-$method-$cache" > "$OUT_DIR/$t-m1-$method-cache-$cache.txt" 2>&1
         done
       done
       ;;
-    *) echo "unknown target $t (gemm, gemm-u8, gemm-c3, gemm-u8-c3, attn, wgmma-m256, wgmma-m1024, quant-m1024, decode-cold)"
+    decode-stalls)
+      # As decode-cold (cold L2), but at the clocks the benchmarks run at (--clock-control none;
+      # ncu's default locks the SMs at base, 1.36 GHz on the H200), saved as reports and printed
+      # with the stall reasons, every metric, and the SASS with each instruction's sampled stalls.
+      for method in ours_cuda_gemm marlin_w4a16; do
+        if [ $method = marlin_w4a16 ]; then kern=regex:Marlin; else kern=regex:w4a8_decode_kernel; fi
+        rep="$OUT_DIR/$t-m1-$method"
+        "$NCU" "${SECTIONS[@]}" --section InstructionStats --section SourceCounters --clock-control none \
+          -k $kern --launch-skip 20 --launch-count 1 -f -o "$rep" \
+          python3 benchmarks/bench_gemm.py --ms 1 --shapes 8192x28672 --flush read --methods $method \
+          --out "$OUT_DIR/$t-$method" > "$rep-run.txt" 2>&1
+        "$NCU" --import "$rep.ncu-rep" --print-details all > "$rep.txt" 2>&1
+        "$NCU" --import "$rep.ncu-rep" --page raw --csv > "$rep-raw.csv" 2>&1
+        "$NCU" --import "$rep.ncu-rep" --page source --print-source sass --csv > "$rep-sass.csv" 2>&1
+      done
+      ;;
+    decode-ceiling)
+      # What a plain stream reaches on this GPU, on the same footing as decode-stalls (cold L2,
+      # application clocks): cuBLAS's bf16 GEMV at M = 1, 8192 x 28672 (470 MB of weights; nvjet
+      # kernels in CUDA 13), and a reduction over 1 GiB of int32 (torch's max).
+      "$NCU" --section SpeedOfLight --section LaunchStats --metrics dram__bytes_read.sum --clock-control none \
+        -k regex:nvjet --launch-skip 2 --launch-count 2 \
+        python3 benchmarks/bench_gemm.py --ms 1 --shapes 8192x28672 --flush read --methods cublas_bf16 \
+        --out "$OUT_DIR/$t-cublas_bf16" > "$OUT_DIR/$t-m1-cublas_bf16.txt" 2>&1
+      "$NCU" --section SpeedOfLight --metrics dram__bytes_read.sum --clock-control none \
+        -k regex:reduce --launch-skip 2 --launch-count 1 python3 -c "
+import torch
+b = torch.empty(2 ** 28, dtype=torch.int32, device='cuda').random_()
+for _ in range(4):
+    b.max()
+torch.cuda.synchronize()" > "$OUT_DIR/$t-max-1GiB.txt" 2>&1
+      ;;
+    *) echo "unknown target $t (gemm, gemm-u8, gemm-c3, gemm-u8-c3, attn, wgmma-m256, wgmma-m1024, quant-m1024, decode-cold, decode-stalls, decode-ceiling)"
        exit 2 ;;
   esac
   echo "== $t: $(grep -E 'Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy' "$OUT_DIR/$t"-[mk]*.txt | head -6 | tr -s ' ')"

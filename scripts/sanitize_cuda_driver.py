@@ -50,15 +50,12 @@ def main() -> int:
                   (2100, 6144, 256, 128, 4, -1)]
     # The decode kernels again with unsigned weight bytes (decode_u8), with the 3-CTA build
     # (decode_ctas_per_sm=3, M <= 16) and with the first weight batch read before the PDL wait
-    # at every decode M (decode_preload_max_m=32), and with the weights prefetched into L2 1 and 8
-    # batches ahead (decode_l2_prefetch: bulk prefetches whose ranges end at each warp's last chunk)
-    builds = ((1, 2, 0, 0), (0, 3, 0, 0), (1, 3, 0, 0), (0, 2, 32, 0), (0, 3, 32, 0), (0, 2, 32, 1),
-              (0, 3, 0, 8))  # (u8, CTAs per SM, preload max M, L2 prefetch)
+    # at every decode M (decode_preload_max_m=32)
+    builds = ((1, 2, 0), (0, 3, 0), (1, 3, 0), (0, 2, 32), (0, 3, 32))  # (u8, CTAs per SM, preload max M)
     option_cases = [c + b for b in builds for c in cases if c[4] in (0, 1) and (b[1] == 2 or c[0] <= 16)]
     defaults = cuda.set_launch_options()
-    for m, n, k, g, kernel, splits, u8, ctas, pre, l2pf in [c + (0, 2, 0, 0) for c in cases] + option_cases:
-        cuda.set_launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload_max_m=pre,
-                                decode_l2_prefetch=l2pf)
+    for m, n, k, g, kernel, splits, u8, ctas, pre in [c + (0, 2, 0) for c in cases] + option_cases:
+        cuda.set_launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload_max_m=pre)
         qw, gs, go = lqq(n, k, g, gen)
         cs = torch.rand(n, generator=gen, device=DEV) * 1e-3 + 1e-4
         x = torch.randn(m, k, generator=gen, device=DEV, dtype=torch.float16)
@@ -71,7 +68,7 @@ def main() -> int:
         ok = rel < 2e-3 and bool(torch.isfinite(y).all())
         failures += not ok
         print(f"M={m:4d} N={n:4d} K={k:5d} G={g:3d} kernel={kernel} splits={splits} u8={u8} ctas={ctas} "
-              f"preload_max_m={pre} l2_prefetch={l2pf}: rel={rel:.2e} {'ok' if ok else 'FAIL'}")
+              f"preload_max_m={pre}: rel={rel:.2e} {'ok' if ok else 'FAIL'}")
     cuda.set_launch_options(**defaults)
     for dtype, k in ((torch.bfloat16, 1000), (torch.float32, 4096), (torch.float16, 8192)):
         x = torch.randn(9, k, generator=gen, device=DEV).to(dtype)

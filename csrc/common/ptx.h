@@ -60,14 +60,6 @@ __device__ __forceinline__ void wait_prior_grids() {
 #endif
 }
 
-// An L2 prefetch of [p, p + bytes) by the bulk-copy (TMA) unit, no registers or shared memory
-// (sm_90; a no-op below). p 16-byte aligned, bytes a multiple of 16.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 // Generic-proxy shared-memory writes (cp.async) before async-proxy reads of them (wgmma operands).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_mbarrier_init() {

@@ -48,10 +48,6 @@ struct W4A8GemmArgs {
   // previous kernel (PDL), so that batch's DRAM latency overlaps the quantizer (csrc/gemm/NOTES.md
   // "Decode preload"). The same sums.
   bool decode_preload = false;
-  // Decode kernels (0, 1), sm_90: each warp has the bulk-copy unit prefetch into L2 the weight words
-  // this many batches ahead of its loads (0: off), and its group words at the start
-  // (csrc/gemm/NOTES.md "Session 50"). The same sums.
-  int decode_l2_prefetch = 0;
 };
 
 // What every W4A8 kernel reads: W4A8GemmArgs in device form (the kernels take it by value).
@@ -68,7 +64,6 @@ struct W4A8KernelParams {
   int bias_kind;
   int M, N, K;
   int group_shift;  // log2(group_size / 64): 64-k chunk c uses group c >> group_shift
-  int decode_l2_prefetch;  // W4A8GemmArgs::decode_l2_prefetch
 };
 
 inline W4A8KernelParams w4a8_kernel_params(const W4A8GemmArgs& a) {
@@ -88,7 +83,6 @@ inline W4A8KernelParams w4a8_kernel_params(const W4A8GemmArgs& a) {
   p.K = a.K;
   p.group_shift = 0;
   while ((64 << p.group_shift) < a.group_size) ++p.group_shift;
-  p.decode_l2_prefetch = a.decode_l2_prefetch;
   return p;
 }
 

@@ -10,7 +10,9 @@ of the case that crashed, instead of a dead test session.
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the helpers beside it, and the checkout: a child of pytest or a host without the package installed
+sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]
 
 import torch  # noqa: E402
 

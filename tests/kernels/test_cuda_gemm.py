@@ -81,21 +81,17 @@ def test_gemm_integer_exact_every_kernel(m, kernel, splits):
 @pytest.mark.parametrize("kernel", [0, 1])
 @pytest.mark.parametrize("splits", [1, 3, 5])
 @pytest.mark.parametrize("k,g", [(1024, 64), (1728, 64), (3328, 128)])
-@pytest.mark.parametrize("u8,ctas,preload_max_m,l2_prefetch", [
-    (1, 2, 0, 0), (0, 3, 0, 0), (1, 3, 0, 0), (0, 2, 32, 0), (0, 3, 32, 0), (1, 2, 32, 0), (0, 0, 16, 0),
-    (1, 3, 16, 0), (0, 0, 16, 1), (0, 2, 0, 2), (0, 3, 32, 8), (1, 0, 16, 3)])
-def test_decode_options_integer_exact(m, kernel, splits, k, g, u8, ctas, preload_max_m, l2_prefetch, launch_options):
+@pytest.mark.parametrize("u8,ctas,preload_max_m", [(1, 2, 0), (0, 3, 0), (1, 3, 0), (0, 2, 32), (0, 3, 32),
+                                                   (1, 2, 32), (0, 0, 16), (1, 3, 16)])
+def test_decode_options_integer_exact(m, kernel, splits, k, g, u8, ctas, preload_max_m, launch_options):
     """The decode kernels' builds besides the default (s8, 2 CTAs per SM): decode_u8 (u8 x s8 MMA,
     128 * sum_k x subtracted per warp), decode_ctas_per_sm=3 (80 registers; M > 16 keeps the
     2-CTA build) and decode_preload_max_m (at M <= it, the first batch's weights read before the
     PDL wait, at M = 9-16 only in the 3-CTA build unless it is over 16, half a batch in that build's
-    32-channel kernel; warps with fewer chunks than a batch skip it) and decode_l2_prefetch (sm_90: the
-    weights prefetched into L2 that many batches ahead, up to each warp's last chunk; a hint, which
-    must change no sum and, under scripts/sanitize.sh, fault on no address): the int32 sums exactly, with warps
+    32-channel kernel; warps with fewer chunks than a batch skip it): the int32 sums exactly, with warps
     whose chunk range is empty, one chunk, or a partial unroll batch (27 and 52 chunks), every token tile count
     (M = 1..32) and G = 128."""
-    launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload_max_m=preload_max_m,
-                   decode_l2_prefetch=l2_prefetch)
+    launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload_max_m=preload_max_m)
     assert_integer_sums_exact(m, 208, k, g, kernel, splits, seed=2000 + 17 * m + kernel + 101 * splits + k)
 
 

@@ -34,7 +34,6 @@ CLUSTER_PAIR_DEFAULT = 1  # set_launch_options' gemm_cluster_pair: on since sess
 DECODE_U8_DEFAULT = 0  # set_launch_options' decode_u8: off until timed on a GPU (session 35)
 DECODE_CTAS_PER_SM_DEFAULT = 0  # set_launch_options' decode_ctas_per_sm: the planner picks (session 36)
 DECODE_PRELOAD_MAX_M_DEFAULT = 16  # set_launch_options' decode_preload_max_m (M = 9-16: 3-CTA build only; session 39)
-DECODE_L2_PREFETCH_DEFAULT = 0  # set_launch_options' decode_l2_prefetch: off until timed (session 50)
 # Session 36 (H200): the decode kernels x builds (2 or 3 CTAs per SM) x splits
 S36 = os.path.join(RESULTS, "2026-11-29-s36", "decode-options")
 DECODE_OPTIONS = os.path.join(S36, "decode_options.json")
@@ -326,8 +325,7 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
     assert _classic_planner == {"gemm_pdl": 1, "act_quant_one_pass": 1, "gemm_stream_k": STREAM_K_DEFAULT,
                                 "decode_u8": DECODE_U8_DEFAULT, "decode_ctas_per_sm": DECODE_CTAS_PER_SM_DEFAULT,
                                 "decode_preload_max_m": DECODE_PRELOAD_MAX_M_DEFAULT, "act_quant_lean": 1,
-                                "gemm_cluster_pair": CLUSTER_PAIR_DEFAULT,
-                                "decode_l2_prefetch": DECODE_L2_PREFETCH_DEFAULT}
+                                "gemm_cluster_pair": CLUSTER_PAIR_DEFAULT}
     saved = cuda.set_launch_options()
     try:
         assert set(saved) == set(cuda.LAUNCH_OPTIONS)
@@ -342,9 +340,6 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
         for max_m in (32, 0, 1, 16, 8):
             want["decode_preload_max_m"] = max_m
             assert cuda.set_launch_options(decode_preload_max_m=max_m) == want, max_m
-        for ahead in (8, 0, 1, 2):
-            want["decode_l2_prefetch"] = ahead
-            assert cuda.set_launch_options(decode_l2_prefetch=ahead) == want, ahead
         with pytest.raises(RuntimeError, match="gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_u8 take 0, "
                                                "1 or -1"):
             cuda.set_launch_options(gemm_pdl=2)
@@ -363,9 +358,6 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
             cuda.set_launch_options(act_quant_lean=2)
         with pytest.raises(RuntimeError, match=r"gemm_cluster_pair takes 0, 1 or -1 \(keep\); got 3"):
             cuda.set_launch_options(gemm_cluster_pair=3)
-        with pytest.raises(RuntimeError, match=r"decode_l2_prefetch takes 0 \(off\) to 8 \(batches ahead\) or -1 "
-                                               r"\(keep\); got 9"):
-            cuda.set_launch_options(decode_l2_prefetch=9)
         assert cuda.set_launch_options() == want  # a refused call changes nothing
     finally:
         cuda.set_launch_options(**saved)
@@ -375,19 +367,15 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
 def test_launch_options_from_env():
     """The MIXPREC_GEMM_* variables read at load: each names its option; a bad value names the variable."""
     env = {"MIXPREC_GEMM_PDL": "0", "MIXPREC_GEMM_DECODE_U8": " 1", "MIXPREC_GEMM_DECODE_CTAS_PER_SM": "3",
-           "MIXPREC_GEMM_DECODE_PRELOAD_MAX_M": "16", "MIXPREC_GEMM_CLUSTER_PAIR": "0",
-           "MIXPREC_GEMM_DECODE_L2_PREFETCH": "2", "UNRELATED": "x"}
+           "MIXPREC_GEMM_DECODE_PRELOAD_MAX_M": "16", "MIXPREC_GEMM_CLUSTER_PAIR": "0", "UNRELATED": "x"}
     assert cuda.launch_options_from_env(env) == {"gemm_pdl": 0, "decode_u8": 1, "decode_ctas_per_sm": 3,
-                                                 "decode_preload_max_m": 16, "gemm_cluster_pair": 0,
-                                                 "decode_l2_prefetch": 2}
+                                                 "decode_preload_max_m": 16, "gemm_cluster_pair": 0}
     assert cuda.launch_options_from_env({}) == {}
     assert {option for _, option, _ in cuda.ENV_LAUNCH_OPTIONS} <= set(cuda.LAUNCH_OPTIONS)
     with pytest.raises(ValueError, match=r"MIXPREC_GEMM_DECODE_CTAS_PER_SM='1': expected 0, 2 or 3"):
         cuda.launch_options_from_env({"MIXPREC_GEMM_DECODE_CTAS_PER_SM": "1"})
     with pytest.raises(ValueError, match=r"MIXPREC_GEMM_STREAM_K='on': expected 0 or 1"):
         cuda.launch_options_from_env({"MIXPREC_GEMM_STREAM_K": "on"})
-    with pytest.raises(ValueError, match=r"MIXPREC_GEMM_DECODE_L2_PREFETCH='9': expected an integer from 0 to 8"):
-        cuda.launch_options_from_env({"MIXPREC_GEMM_DECODE_L2_PREFETCH": "9"})
     for bad in ("33", "-1", "8.0"):
         with pytest.raises(ValueError, match=rf"MIXPREC_GEMM_DECODE_PRELOAD_MAX_M='{bad}': expected an integer from "
                                              r"0 to 32"):

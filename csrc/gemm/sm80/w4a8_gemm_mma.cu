@@ -195,29 +195,6 @@ __device__ __forceinline__ void load_weights(const uint8_t* (&wptr)[kRowTiles], 
   for (int r = 0; r < kRowTiles; ++r) wptr[r] += kBatch * kChunkBytes;
 }
 
-// decode_l2_prefetch (sm_90): lane r < kRowTiles has the bulk-copy unit fetch chunks [from, to) of
-// row tile r into L2, so that a batch's loads find their lines in flight or in L2 rather than
-// each warp waiting a full DRAM latency a batch. wptr[r] is lane r's pointer at chunk `at`.
-template <int kRowTiles>
-__device__ __forceinline__ void prefetch_weight_chunks(const uint8_t* const (&wptr)[kRowTiles], int lane, int at,
-                                                       int from, int to) {
-  if (to <= from) return;
-#pragma unroll
-  for (int r = 0; r < kRowTiles; ++r)
-    if (lane == r) prefetch_l2_bulk(wptr[r] - r * 16 + (from - at) * kChunkBytes, (to - from) * kChunkBytes);
-}
-// The group words of chunks [c_lo, c_hi) of each row tile, by lanes kRowTiles.. (whose g is 0).
-template <int kRowTiles>
-__device__ __forceinline__ void prefetch_group_words(const uint32_t* const (&pptr)[kRowTiles], int lane, int c_lo,
-                                                     int c_hi, int group_shift) {
-  static_assert(kRowTiles <= 2, "lanes 0..3 (g = 0) issue the prefetches");
-  if (c_hi <= c_lo) return;
-  const int g_lo = c_lo >> group_shift, g_hi = ((c_hi - 1) >> group_shift) + 1;
-#pragma unroll
-  for (int r = 0; r < kRowTiles; ++r)
-    if (lane == kRowTiles + r) prefetch_l2_bulk(pptr[r] + g_lo * 8, (g_hi - g_lo) * 32);
-}
-
 // kBatch chunks of one warp: all loads first (kBatch * (kRowTiles + kTokTiles) independent
 // 16-byte requests plus the group words), then dequant + MMA; pointers advance by kBatch chunks.
 template <int kBatch, bool kUnsigned, int kRowTiles, int kTokTiles>
@@ -322,15 +299,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(c
   if constexpr (kPreload) {
     if (preloaded) load_weights<kPre>(wptr, pptr, c_lo, p.group_shift, wv0, pv0);
   }
-  // decode_l2_prefetch: the next pf batches' weight words (the first loop batch's too when the
-  // preload took the first), and all the warp's group words, before the wait; then, each batch,
-  // the batch pf ahead.
-  const int pf = p.decode_l2_prefetch;
-  if (pf > 0) {
-    const int c0 = preloaded ? c_lo + kPre : c_lo;
-    prefetch_group_words(pptr, lane, c_lo, c_hi, p.group_shift);
-    prefetch_weight_chunks(wptr, lane, c0, preloaded ? c0 : c0 + kUnroll, min(c_hi, c0 + pf * kUnroll));
-  }
   wait_prior_grids();
 
   const int8_t* xptr[kTokTiles];
@@ -356,10 +324,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(c
       c += kPre;
     }
   }
-  for (; c + kUnroll <= c_hi; c += kUnroll) {
-    if (pf > 0) prefetch_weight_chunks(wptr, lane, c, c + pf * kUnroll, min(c_hi, c + (pf + 1) * kUnroll));
+  for (; c + kUnroll <= c_hi; c += kUnroll)
     decode_batch<kUnroll, kUnsigned>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
-  }
   for (; c < c_hi; ++c) decode_batch<1, kUnsigned>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
   if constexpr (kUnsigned) subtract_unsigned_offset(acc, xsum, t);
 
