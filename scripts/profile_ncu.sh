@@ -49,6 +49,9 @@ for _ in range(8):
 torch.cuda.synchronize()
 PY
 )
+# The decode modes' process (M = 1, 8192 x 28672, group 128, read flush) and each method's kernel
+DECODE_M1=(python3 benchmarks/bench_gemm.py --ms 1 --shapes 8192x28672 --flush read)
+decode_kernel() { if [ "$1" = marlin_w4a16 ]; then echo regex:Marlin; else echo regex:w4a8_decode_kernel; fi; }
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=(gemm attn)
 for t in "${targets[@]}"; do
@@ -89,11 +92,10 @@ PY
       # the DRAM and L2 byte counts: bytes fetched against bytes the kernel needs
       BYTE_METRICS=dram__bytes_read.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct
       for method in ours_cuda_gemm marlin_w4a16; do
-        if [ $method = marlin_w4a16 ]; then kern=regex:Marlin; else kern=regex:w4a8_decode_kernel; fi
         for cache in all none; do
-          "$NCU" "${SECTIONS[@]}" --metrics "$BYTE_METRICS" --cache-control $cache -k $kern \
+          "$NCU" "${SECTIONS[@]}" --metrics "$BYTE_METRICS" --cache-control $cache -k "$(decode_kernel $method)" \
             --launch-skip 20 --launch-count 1 \
-            python3 benchmarks/bench_gemm.py --ms 1 --shapes 8192x28672 --flush read --methods $method \
+            "${DECODE_M1[@]}" --methods $method \
             --out "$OUT_DIR/$t-$method-$cache" > "$OUT_DIR/$t-m1-$method-cache-$cache.txt" 2>&1
         done
       done
@@ -103,11 +105,10 @@ PY
       # ncu's default locks the SMs at base, 1.36 GHz on the H200), saved as reports and printed
       # with the stall reasons, every metric, and the SASS with each instruction's sampled stalls.
       for method in ours_cuda_gemm marlin_w4a16; do
-        if [ $method = marlin_w4a16 ]; then kern=regex:Marlin; else kern=regex:w4a8_decode_kernel; fi
         rep="$OUT_DIR/$t-m1-$method"
         "$NCU" "${SECTIONS[@]}" --section InstructionStats --section SourceCounters --clock-control none \
-          -k $kern --launch-skip 20 --launch-count 1 -f -o "$rep" \
-          python3 benchmarks/bench_gemm.py --ms 1 --shapes 8192x28672 --flush read --methods $method \
+          -k "$(decode_kernel $method)" --launch-skip 20 --launch-count 1 -f -o "$rep" \
+          "${DECODE_M1[@]}" --methods $method \
           --out "$OUT_DIR/$t-$method" > "$rep-run.txt" 2>&1
         "$NCU" --import "$rep.ncu-rep" --print-details all > "$rep.txt" 2>&1
         "$NCU" --import "$rep.ncu-rep" --page raw --csv > "$rep-raw.csv" 2>&1
@@ -120,7 +121,7 @@ PY
       # kernels in CUDA 13), and a reduction over 1 GiB of int32 (torch's max).
       "$NCU" --section SpeedOfLight --section LaunchStats --metrics dram__bytes_read.sum --clock-control none \
         -k regex:nvjet --launch-skip 2 --launch-count 2 \
-        python3 benchmarks/bench_gemm.py --ms 1 --shapes 8192x28672 --flush read --methods cublas_bf16 \
+        "${DECODE_M1[@]}" --methods cublas_bf16 \
         --out "$OUT_DIR/$t-cublas_bf16" > "$OUT_DIR/$t-m1-cublas_bf16.txt" 2>&1
       "$NCU" --section SpeedOfLight --metrics dram__bytes_read.sum --clock-control none \
         -k regex:reduce --launch-skip 2 --launch-count 1 python3 -c "
