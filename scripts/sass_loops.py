@@ -1,7 +1,8 @@
 """The loops of one kernel in `cuobjdump -sass` output, each as one line of its memory and MMA
 instructions in issue order: where a kernel's loads sit against the MMAs that use them.
 
-    cuobjdump -sass build.o > k.sass      # on the GPU host: this machine has no cuobjdump
+    cuobjdump -sass build.o > k.sass      # the GPU host's, or the Triton wheel's: .venv/lib/python3*/
+                                          # site-packages/triton/backends/nvidia/bin/cuobjdump
     python3 scripts/sass_loops.py k.sass 'decode_kernelILi1ELi2ELi4ELb0ELi3ELb1E13__nv_bfloat16'
 
 Per loop (a backward branch and its target): instruction count, LDG.128, all LDG, IMMA/HMMA, local

@@ -24,7 +24,10 @@ def git_apply(patch_name: str, cwd, *flags: str):
 def test_there_are_patches():
     assert {p.stem for p in PATCHES} >= {"wgmma_feed_only", "wgmma_compute_only", "wgmma_x16", "wgmma_no_w_copy",
                                          "wgmma_no_w_lds", "wgmma_w_cpasync", "wgmma_w_tma_all", "wgmma_k7_deep",
-                                         "wgmma_no_wait", "decode_feed_only", "decode_double_buffer_x"}
+                                         "wgmma_no_wait", "decode_feed_only", "decode_double_buffer_x",
+                                         "decode_split_tail", "decode_no_mma", "decode_no_dequant",
+                                         "decode_feed_only_full_x", "decode_warp_interleave",
+                                         "decode_dp4a_m1"}
 
 
 @pytest.mark.skipif(GIT is None, reason="needs git")
