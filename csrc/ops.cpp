@@ -90,6 +90,10 @@ struct LaunchOptions {
   // The decode kernels (M <= 32) keep the weight bytes unsigned (u8 x s8 MMA, no XOR per byte)
   // and subtract 128 * sum_k x; the same int32 sums. Off until timed (csrc/gemm/NOTES.md "Decode u8").
   std::atomic<bool> decode_u8{false};
+  // At M = 1 the decode kernels run IDP.4A on the 4-bit codes (no dequant, no MMA); the same int32
+  // sums. Off until its GPU tests have run (written in session 55 from a diagnostic build that was
+  // 3.5-7 % faster on 5 of 7 Llama rows; csrc/gemm/NOTES.md "Session 55").
+  std::atomic<bool> decode_dp4a{false};
   // The decode kernels' build at M <= 16: 0, the planner picks the 2-CTA (<= 128 registers) or the
   // 3-CTA (<= 80) build with the kernel (csrc/gemm/NOTES.md "Decode occupancy"); 2 or 3 forces one.
   std::atomic<int> decode_ctas_per_sm{0};
@@ -309,6 +313,7 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   args.group_size = static_cast<int>(group_size);
   args.pdl = launch_options().gemm_pdl.load() && is_sm90(xq.device().index());
   args.decode_u8 = launch_options().decode_u8.load();
+  args.decode_dp4a = launch_options().decode_dp4a.load();  // the launcher applies it at M = 1 only
   // Two token tiles (M = 9-16) gained from the preload only in the 3-CTA build; in the 2-CTA one it
   // was -3 to +4 % (NOTES.md "Decode preload"), so there only a bound above 16 asks for it.
   const int preload_max_m = launch_options().decode_preload_max_m.load();
@@ -462,12 +467,12 @@ void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Te
 
 // Sets the launch options (a negative value keeps one) and returns them all:
 // [gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8, decode_ctas_per_sm, decode_preload_max_m,
-//  act_quant_lean, gemm_cluster_pair].
+//  act_quant_lean, gemm_cluster_pair, decode_dp4a].
 // For A/B timing and tests; the defaults are the measured best (csrc/gemm/NOTES.md, "PDL", "Stream-K",
 // "Decode u8", "Decode occupancy", "Decode preload", "quantize_act").
 std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_pass, int64_t gemm_stream_k,
                                         int64_t decode_u8, int64_t decode_ctas_per_sm, int64_t decode_preload_max_m,
-                                        int64_t act_quant_lean, int64_t gemm_cluster_pair) {
+                                        int64_t act_quant_lean, int64_t gemm_cluster_pair, int64_t decode_dp4a) {
   TORCH_CHECK(gemm_pdl <= 1 && act_quant_one_pass <= 1 && gemm_stream_k <= 1 && decode_u8 <= 1,
               "mixprec_C::set_launch_options: gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_u8 take 0, 1 or "
               "-1 (keep); got ", gemm_pdl, ", ", act_quant_one_pass, ", ", gemm_stream_k, ", ", decode_u8);
@@ -481,6 +486,8 @@ std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_
               act_quant_lean);
   TORCH_CHECK(gemm_cluster_pair <= 1,
               "mixprec_C::set_launch_options: gemm_cluster_pair takes 0, 1 or -1 (keep); got ", gemm_cluster_pair);
+  TORCH_CHECK(decode_dp4a <= 1, "mixprec_C::set_launch_options: decode_dp4a takes 0, 1 or -1 (keep); got ",
+              decode_dp4a);
   LaunchOptions& o = launch_options();
   if (gemm_pdl >= 0) o.gemm_pdl.store(gemm_pdl == 1);
   if (act_quant_one_pass >= 0) o.act_quant_one_pass.store(act_quant_one_pass == 1);
@@ -490,9 +497,10 @@ std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_
   if (decode_preload_max_m >= 0) o.decode_preload_max_m.store(static_cast<int>(decode_preload_max_m));
   if (act_quant_lean >= 0) o.act_quant_lean.store(act_quant_lean == 1);
   if (gemm_cluster_pair >= 0) o.gemm_cluster_pair.store(gemm_cluster_pair == 1);
+  if (decode_dp4a >= 0) o.decode_dp4a.store(decode_dp4a == 1);
   return {o.gemm_pdl.load() ? 1 : 0, o.act_quant_one_pass.load() ? 1 : 0, o.gemm_stream_k.load() ? 1 : 0,
           o.decode_u8.load() ? 1 : 0, o.decode_ctas_per_sm.load(), o.decode_preload_max_m.load(),
-          o.act_quant_lean.load() ? 1 : 0, o.gemm_cluster_pair.load() ? 1 : 0};
+          o.act_quant_lean.load() ? 1 : 0, o.gemm_cluster_pair.load() ? 1 : 0, o.decode_dp4a.load() ? 1 : 0};
 }
 
 }  // namespace
@@ -514,7 +522,8 @@ TORCH_LIBRARY(mixprec_C, m) {
       "int num_splits, int slots, int res_tokens, int tile_tokens, int min_tiles, int prefetch_pages=0) -> ()");
   m.def(
       "set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1, int gemm_stream_k=-1, int decode_u8=-1, "
-      "int decode_ctas_per_sm=-1, int decode_preload_max_m=-1, int act_quant_lean=-1, int gemm_cluster_pair=-1) "
+      "int decode_ctas_per_sm=-1, int decode_preload_max_m=-1, int act_quant_lean=-1, int gemm_cluster_pair=-1, "
+      "int decode_dp4a=-1) "
       "-> int[]",
       &mixprec::set_launch_options);
 }

@@ -42,7 +42,8 @@ OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32, "gemm"),
              "act_quant_one_pass": ("op", (0, 1), None, "quant"),
              "act_quant_lean": ("ql", (0, 1), None, "quant"),
              "gemm_cluster_pair": ("cp", (0, 1), None, "gemm"),
-             "gemm_pdl": ("pdl", (0, 1), None, "gemm")}
+             "gemm_pdl": ("pdl", (0, 1), None, "gemm"),
+             "decode_dp4a": ("d4", (0, 1, 0), 1, "gemm")}
 
 
 def bench(fn):
@@ -101,7 +102,8 @@ def main():
                          "(the planner's build) and 2 (the plan before session 36), M <= 32; decode_preload_max_m "
                          "0 (never), 8, 16 (M = 9-16: the 3-CTA build only) and 32 (every M), M <= 32; "
                          "act_quant_one_pass 0 (the two-pass loop) and 1; act_quant_lean 0 (the one-pass "
-                         "kernel's per-element division) and 1")
+                         "kernel's per-element division) and 1; decode_dp4a 0, 1, 0 again (IDP.4A on the codes), "
+                         "M = 1")
     ap.add_argument("--cublas-gemv", action="store_true",
                     help="M <= 32: also cuBLAS bf16 on the same shape (the weight's N x K bf16, >= 2x the L2), "
                          "the HBM bandwidth a GEMV reaches on this GPU (cublas_bf16_TBps)")

@@ -15,7 +15,7 @@
 # decode_preload decode_preload_table mid_table profile_mid wgmma_diag stream_k_oos w4ax_alloc w4ax_sweep
 # quant_lean cluster_pair cluster_pair_sanitize racecheck_probe pair_tail pair_racecheck_split pair_pull
 # pair_pull_ab decode_pdl profile_decode_cold w4ax_tests property_cuda_gemm issue_table stream_k_refit
-# profile_decode_stalls profile_decode_ceiling
+# profile_decode_stalls profile_decode_ceiling decode_dp4a
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -877,6 +877,21 @@ stage_decode_options() {
   run_bench bench_w4a8_cuda_decode_options 400 python3 scripts/bench_w4a8_cuda.py --shapes 4096x6144 4096x4096 \
     4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 --ms ${DECODE_OPTIONS_MS:-1 16} --group 128 \
     --decode-options-sweep --cublas-gemv --out "$OUT/decode_options.json" || rc=1
+  return $rc
+}
+# Session 55: decode_dp4a (M = 1: IDP.4A on the 4-bit codes, no dequant, no MMA) after its GPU tests,
+# off-on-off in one run on the 7 Llama rows under the planner's build, then again with the 2-CTA
+# build forced (the diagnostic form was 3-5 % slower on the 3-CTA multi-wave rows, faster at 2 CTAs).
+stage_decode_dp4a() {
+  local rc=0
+  pytest_gpu pytest-gpu-decode-dp4a 200 tests/kernels/test_cuda_gemm.py \
+    -k "dp4a or launch_options_bit_identical or llama70b or graph" || rc=1
+  local shapes="4096x6144 4096x4096 4096x28672 14336x4096 8192x10240 28672x8192 8192x28672"
+  run_bench bench_w4a8_cuda_decode_dp4a 200 python3 scripts/bench_w4a8_cuda.py --no-marlin --shapes $shapes \
+    --ms 1 --group 128 --option-ab decode_dp4a --cublas-gemv --out "$OUT/decode_dp4a.json" || rc=1
+  MIXPREC_GEMM_DECODE_CTAS_PER_SM=2 run_bench bench_w4a8_cuda_decode_dp4a_c2 200 python3 \
+    scripts/bench_w4a8_cuda.py --no-marlin --shapes $shapes --ms 1 --group 128 --option-ab decode_dp4a \
+    --out "$OUT/decode_dp4a_c2.json" || rc=1
   return $rc
 }
 # The same builds x K splits (kernels 0 and 1) on the one shape that misses 1.2x Marlin at M <= 16

@@ -33,7 +33,7 @@ def main() -> int:
     # (M, N, K, G, kernel, splits): decode and tiled, with and without split-K, N not a
     # multiple of the CTA tile, K ranges that leave warps a partial unroll batch or none.
     cases = [
-        (1, 48, 320, 64, 0, 1), (1, 48, 320, 64, 1, 1), (3, 208, 1024, 128, 1, 3),
+        (1, 48, 320, 64, 0, 1), (1, 48, 320, 64, 1, 1), (1, 208, 1024, 128, 1, 3), (3, 208, 1024, 128, 1, 3),
         (16, 64, 4096, 64, 0, 0), (17, 80, 512, 64, 1, 2), (32, 16, 192, 64, 0, 5),
         (33, 208, 512, 64, 2, 1), (64, 144, 640, 128, 2, 3), (65, 208, 512, 64, 3, 1),
         (200, 80, 384, 128, 3, 2), (5, 32, 128, 64, 3, 1),
@@ -50,12 +50,14 @@ def main() -> int:
                   (2100, 6144, 256, 128, 4, -1)]
     # The decode kernels again with unsigned weight bytes (decode_u8), with the 3-CTA build
     # (decode_ctas_per_sm=3, M <= 16) and with the first weight batch read before the PDL wait
-    # at every decode M (decode_preload_max_m=32)
-    builds = ((1, 2, 0), (0, 3, 0), (1, 3, 0), (0, 2, 32), (0, 3, 32))  # (u8, CTAs per SM, preload max M)
-    option_cases = [c + b for b in builds for c in cases if c[4] in (0, 1) and (b[1] == 2 or c[0] <= 16)]
+    # at every decode M (decode_preload_max_m=32); at M = 1 also the IDP.4A form (decode_dp4a)
+    builds = ((1, 2, 0, 0), (0, 3, 0, 0), (1, 3, 0, 0), (0, 2, 32, 0), (0, 3, 32, 0),
+              (0, 2, 0, 1), (0, 3, 16, 1))  # (u8, CTAs per SM, preload max M, dp4a)
+    option_cases = [c + b for b in builds for c in cases
+                    if c[4] in (0, 1) and (b[1] == 2 or c[0] <= 16) and (not b[3] or c[0] == 1)]
     defaults = cuda.set_launch_options()
-    for m, n, k, g, kernel, splits, u8, ctas, pre in [c + (0, 2, 0) for c in cases] + option_cases:
-        cuda.set_launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload_max_m=pre)
+    for m, n, k, g, kernel, splits, u8, ctas, pre, dp4a in [c + (0, 2, 0, 0) for c in cases] + option_cases:
+        cuda.set_launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload_max_m=pre, decode_dp4a=dp4a)
         qw, gs, go = lqq(n, k, g, gen)
         cs = torch.rand(n, generator=gen, device=DEV) * 1e-3 + 1e-4
         x = torch.randn(m, k, generator=gen, device=DEV, dtype=torch.float16)
@@ -68,7 +70,7 @@ def main() -> int:
         ok = rel < 2e-3 and bool(torch.isfinite(y).all())
         failures += not ok
         print(f"M={m:4d} N={n:4d} K={k:5d} G={g:3d} kernel={kernel} splits={splits} u8={u8} ctas={ctas} "
-              f"preload_max_m={pre}: rel={rel:.2e} {'ok' if ok else 'FAIL'}")
+              f"preload_max_m={pre} dp4a={dp4a}: rel={rel:.2e} {'ok' if ok else 'FAIL'}")
     cuda.set_launch_options(**defaults)
     for dtype, k in ((torch.bfloat16, 1000), (torch.float32, 4096), (torch.float16, 8192)):
         x = torch.randn(9, k, generator=gen, device=DEV).to(dtype)

@@ -44,6 +44,9 @@ struct W4A8GemmArgs {
   // Decode kernels (0, 1): u8 x s8 MMA on u = w8 + 128 (no XOR per weight byte), 128 * sum_k x
   // subtracted per warp; the same int32 sums (csrc/gemm/NOTES.md "Decode u8").
   bool decode_u8 = false;
+  // Decode kernels (0, 1) at M = 1: IDP.4A on the 4-bit codes, no dequant, no MMA; the group
+  // scale and offset applied per chunk. The same int32 sums (csrc/gemm/NOTES.md "Session 55").
+  bool decode_dp4a = false;
   // Decode kernels (0, 1): each warp reads its first batch of weight words before waiting on the
   // previous kernel (PDL), so that batch's DRAM latency overlaps the quantizer (csrc/gemm/NOTES.md
   // "Decode preload"). The same sums.

@@ -95,6 +95,20 @@ def test_decode_options_integer_exact(m, kernel, splits, k, g, u8, ctas, preload
     assert_integer_sums_exact(m, 208, k, g, kernel, splits, seed=2000 + 17 * m + kernel + 101 * splits + k)
 
 
+@pytest.mark.parametrize("m", [1, 2, 8, 9])
+@pytest.mark.parametrize("kernel", [0, 1])
+@pytest.mark.parametrize("splits", [1, 3, 5])
+@pytest.mark.parametrize("k,g", [(1024, 64), (1728, 64), (3328, 128)])
+@pytest.mark.parametrize("u8,ctas,preload_max_m", [(0, 2, 0), (0, 3, 0), (0, 0, 16), (1, 2, 32), (1, 3, 16)])
+def test_decode_dp4a_integer_exact(m, kernel, splits, k, g, u8, ctas, preload_max_m, launch_options):
+    """decode_dp4a: at M = 1 the decode kernels' IDP.4A form (the 4-bit codes times x, no dequant,
+    no MMA; the t-lanes' k-slices summed after the loop) in every build, with decode_u8 on or off
+    (M = 1 ignores it); at M = 2..9 the option leaves the MMA forms: the int32 sums exactly, with
+    empty, one-chunk and partial-batch warp ranges as test_decode_options_integer_exact has them."""
+    launch_options(decode_dp4a=1, decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload_max_m=preload_max_m)
+    assert_integer_sums_exact(m, 208, k, g, kernel, splits, seed=3000 + 17 * m + kernel + 101 * splits + k)
+
+
 @pytest.mark.parametrize("kernel,splits,m", [(0, 1, 16), (1, 2, 16), (2, 1, 200), (3, 1, 200), (3, 3, 200)])
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
 def test_epilogue_of_the_integer_sums_is_the_kernels(kernel, splits, m, out_dtype):
@@ -209,7 +223,8 @@ def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launc
                                    (2, 64, 4096), (64, 4096, 4096), (256, 4096, 4096), (200, 1024, 14336),
                                    (1024, 6144, 4096)])
 def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
-    """The decode kernels (M <= 32), s8 or u8 weights (decode_u8), the 2- or 3-CTA build or the
+    """The decode kernels (M <= 32), s8 or u8 weights (decode_u8) or IDP.4A at M = 1 (decode_dp4a),
+    the 2- or 3-CTA build or the
     planner's, with the first weights preloaded at no M, M <= 8, M <= 16 (the default: M = 9-16 in
     the 3-CTA build only) or every M, and on
     an H100/H200 the wgmma kernels (M >= 64), as programmatic dependent launches (sm_90) after
@@ -220,17 +235,18 @@ def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
     layer, _ = _prepared_layer(n, k, 64, gen)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
     outs = []
-    for pdl, one_pass, u8, ctas, pre in ((0, 0, 0, 2, 0), (1, 0, 0, 2, 0), (1, 1, 0, 2, 0), (0, 1, 0, 2, 0),
-                                         (1, 1, 1, 2, 0), (0, 0, 1, 2, 0), (1, 1, 0, 3, 0), (1, 1, 1, 3, 0),
-                                         (1, 1, 0, 0, 0), (1, 1, 0, 0, 32), (0, 0, 0, 2, 32), (1, 1, 1, 3, 32),
-                                         (1, 1, 0, 0, 8), (1, 1, 0, 0, 16), (1, 1, 1, 3, 16)):
+    for pdl, one_pass, u8, ctas, pre, dp4a in (
+            (0, 0, 0, 2, 0, 0), (1, 0, 0, 2, 0, 0), (1, 1, 0, 2, 0, 0), (0, 1, 0, 2, 0, 0), (1, 1, 1, 2, 0, 0),
+            (0, 0, 1, 2, 0, 0), (1, 1, 0, 3, 0, 0), (1, 1, 1, 3, 0, 0), (1, 1, 0, 0, 0, 0), (1, 1, 0, 0, 32, 0),
+            (0, 0, 0, 2, 32, 0), (1, 1, 1, 3, 32, 0), (1, 1, 0, 0, 8, 0), (1, 1, 0, 0, 16, 0), (1, 1, 1, 3, 16, 0),
+            (0, 0, 0, 2, 0, 1), (1, 1, 0, 0, 16, 1), (1, 1, 0, 3, 0, 1), (1, 1, 1, 3, 32, 1)):
         launch_options(gemm_pdl=pdl, act_quant_one_pass=one_pass, decode_u8=u8, decode_ctas_per_sm=ctas,
-                       decode_preload_max_m=pre)
+                       decode_preload_max_m=pre, decode_dp4a=dp4a)
         for _ in range(3):  # back to back, so a dependent can start before its producer ends
             poison(m * n, torch.bfloat16)
             y = torch.ops.mixprec.w4a8_linear(x, layer.qweight, layer.group_scale, layer.group_offset,
                                               layer.channel_scale, None, None, "cuda")
-            outs.append(((pdl, one_pass, u8, ctas, pre), y))
+            outs.append(((pdl, one_pass, u8, ctas, pre, dp4a), y))
     torch.cuda.synchronize()
     for opts, y in outs[1:]:
         assert torch.equal(y, outs[0][1]), opts

@@ -32,6 +32,7 @@ LLAMA_SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192,
 STREAM_K_DEFAULT = 1  # set_launch_options' gemm_stream_k: on since session 33
 CLUSTER_PAIR_DEFAULT = 1  # set_launch_options' gemm_cluster_pair: on since session 47
 DECODE_U8_DEFAULT = 0  # set_launch_options' decode_u8: off until timed on a GPU (session 35)
+DECODE_DP4A_DEFAULT = 0  # set_launch_options' decode_dp4a: off until its GPU tests have run (session 55)
 DECODE_CTAS_PER_SM_DEFAULT = 0  # set_launch_options' decode_ctas_per_sm: the planner picks (session 36)
 DECODE_PRELOAD_MAX_M_DEFAULT = 16  # set_launch_options' decode_preload_max_m (M = 9-16: 3-CTA build only; session 39)
 # Session 36 (H200): the decode kernels x builds (2 or 3 CTAs per SM) x splits
@@ -325,13 +326,13 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
     assert _classic_planner == {"gemm_pdl": 1, "act_quant_one_pass": 1, "gemm_stream_k": STREAM_K_DEFAULT,
                                 "decode_u8": DECODE_U8_DEFAULT, "decode_ctas_per_sm": DECODE_CTAS_PER_SM_DEFAULT,
                                 "decode_preload_max_m": DECODE_PRELOAD_MAX_M_DEFAULT, "act_quant_lean": 1,
-                                "gemm_cluster_pair": CLUSTER_PAIR_DEFAULT}
+                                "gemm_cluster_pair": CLUSTER_PAIR_DEFAULT, "decode_dp4a": DECODE_DP4A_DEFAULT}
     saved = cuda.set_launch_options()
     try:
         assert set(saved) == set(cuda.LAUNCH_OPTIONS)
         want = dict(saved)
         for option in ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "act_quant_lean",
-                       "gemm_cluster_pair", "gemm_pdl"):
+                       "gemm_cluster_pair", "decode_dp4a", "gemm_pdl"):
             want[option] = 1 - want[option]
             assert cuda.set_launch_options(**{option: want[option]}) == want, option
         for ctas in (3, 2, 0, 3):
@@ -358,6 +359,8 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
             cuda.set_launch_options(act_quant_lean=2)
         with pytest.raises(RuntimeError, match=r"gemm_cluster_pair takes 0, 1 or -1 \(keep\); got 3"):
             cuda.set_launch_options(gemm_cluster_pair=3)
+        with pytest.raises(RuntimeError, match=r"decode_dp4a takes 0, 1 or -1 \(keep\); got 2"):
+            cuda.set_launch_options(decode_dp4a=2)
         assert cuda.set_launch_options() == want  # a refused call changes nothing
     finally:
         cuda.set_launch_options(**saved)
@@ -367,9 +370,11 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
 def test_launch_options_from_env():
     """The MIXPREC_GEMM_* variables read at load: each names its option; a bad value names the variable."""
     env = {"MIXPREC_GEMM_PDL": "0", "MIXPREC_GEMM_DECODE_U8": " 1", "MIXPREC_GEMM_DECODE_CTAS_PER_SM": "3",
-           "MIXPREC_GEMM_DECODE_PRELOAD_MAX_M": "16", "MIXPREC_GEMM_CLUSTER_PAIR": "0", "UNRELATED": "x"}
+           "MIXPREC_GEMM_DECODE_PRELOAD_MAX_M": "16", "MIXPREC_GEMM_CLUSTER_PAIR": "0",
+           "MIXPREC_GEMM_DECODE_DP4A": "1", "UNRELATED": "x"}
     assert cuda.launch_options_from_env(env) == {"gemm_pdl": 0, "decode_u8": 1, "decode_ctas_per_sm": 3,
-                                                 "decode_preload_max_m": 16, "gemm_cluster_pair": 0}
+                                                 "decode_preload_max_m": 16, "gemm_cluster_pair": 0,
+                                                 "decode_dp4a": 1}
     assert cuda.launch_options_from_env({}) == {}
     assert {option for _, option, _ in cuda.ENV_LAUNCH_OPTIONS} <= set(cuda.LAUNCH_OPTIONS)
     with pytest.raises(ValueError, match=r"MIXPREC_GEMM_DECODE_CTAS_PER_SM='1': expected 0, 2 or 3"):

@@ -87,7 +87,8 @@ ENV_LAUNCH_OPTIONS = (("MIXPREC_GEMM_PDL", "gemm_pdl", range(2)),
                       ("MIXPREC_GEMM_CLUSTER_PAIR", "gemm_cluster_pair", range(2)),
                       ("MIXPREC_GEMM_DECODE_U8", "decode_u8", range(2)),
                       ("MIXPREC_GEMM_DECODE_CTAS_PER_SM", "decode_ctas_per_sm", (0, 2, 3)),
-                      ("MIXPREC_GEMM_DECODE_PRELOAD_MAX_M", "decode_preload_max_m", range(33)))
+                      ("MIXPREC_GEMM_DECODE_PRELOAD_MAX_M", "decode_preload_max_m", range(33)),
+                      ("MIXPREC_GEMM_DECODE_DP4A", "decode_dp4a", range(2)))
 
 
 def launch_options_from_env(environ) -> dict[str, int]:
@@ -105,13 +106,13 @@ def launch_options_from_env(environ) -> dict[str, int]:
 
 
 LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "decode_ctas_per_sm",
-                  "decode_preload_max_m", "act_quant_lean", "gemm_cluster_pair")
+                  "decode_preload_max_m", "act_quant_lean", "gemm_cluster_pair", "decode_dp4a")
 
 
 def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_stream_k: int = -1,
                        decode_u8: int = -1, decode_ctas_per_sm: int = -1,
                        decode_preload_max_m: int = -1, act_quant_lean: int = -1,
-                       gemm_cluster_pair: int = -1) -> dict[str, int]:
+                       gemm_cluster_pair: int = -1, decode_dp4a: int = -1) -> dict[str, int]:
     """Set the csrc launch options (-1 keeps one) and return them all.
 
     gemm_pdl: on sm_90 the decode GEMM (M <= 32) and the wgmma GEMMs are programmatic dependent
@@ -135,13 +136,16 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
     decode M in every build; MIXPREC_GEMM_DECODE_PRELOAD_MAX_M at load). gemm_cluster_pair: the
     wgmma planner may run a tile's two K halves in a cluster of 2 CTAs, summed in shared memory,
     where the doubled grid is one wave, or, for K >= 8192, after a wave of whole tiles (on;
-    MIXPREC_GEMM_CLUSTER_PAIR=0 turns it off at load). Defaults: csrc/gemm/NOTES.md, "PDL",
-    "Stream-K", "Decode u8", "Decode occupancy", "Decode preload", "quantize_act", "Session 47"
-    and "Session 48".
+    MIXPREC_GEMM_CLUSTER_PAIR=0 turns it off at load). decode_dp4a: at M = 1 the decode kernels
+    multiply the 4-bit codes by IDP.4A, with no dequant and no MMA, and apply each group's scale
+    and offset per chunk; the same int32 sums (off until its GPU tests have run;
+    MIXPREC_GEMM_DECODE_DP4A=1 turns it on at load). Defaults: csrc/gemm/NOTES.md, "PDL",
+    "Stream-K", "Decode u8", "Decode occupancy", "Decode preload", "quantize_act", "Session 47",
+    "Session 48" and "Session 55".
     A CUDA graph keeps the options it was captured with."""
     got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8,
                                                  decode_ctas_per_sm, decode_preload_max_m, act_quant_lean,
-                                                 gemm_cluster_pair)
+                                                 gemm_cluster_pair, decode_dp4a)
     return dict(zip(LAUNCH_OPTIONS, got))
 
 

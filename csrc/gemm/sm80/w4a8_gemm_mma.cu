@@ -72,6 +72,47 @@ __device__ __forceinline__ void mma_chunk(int32_t (&c)[4], const uint32_t (&a)[2
   mma_16x8x32<kUnsigned>(c, a[1], x.z, x.w);
 }
 
+// How a decode warp turns weight words and activations into int32 sums (all exact, all equal).
+enum class DecodeMath {
+  kS8Mma,         // dequant to s8, mma.sync s8 x s8
+  kU8Mma,         // dequant to u8 (no XOR), mma.sync u8 x s8, minus 128 * sum_k x (decode_u8)
+  kDp4aOneToken,  // M = 1 only: the 4-bit codes straight into IDP.4A, no dequant (decode_dp4a)
+};
+
+// The 16 signed bytes of x, plus c.
+__device__ __forceinline__ int32_t sum_s8x16(const uint4 x, int32_t c) {
+  c = __dp4a(static_cast<int>(x.x), 0x01010101, c);
+  c = __dp4a(static_cast<int>(x.y), 0x01010101, c);
+  c = __dp4a(static_cast<int>(x.z), 0x01010101, c);
+  return __dp4a(static_cast<int>(x.w), 0x01010101, c);
+}
+
+// u8 x s8 dot product of 4 bytes, plus c.
+__device__ __forceinline__ int32_t dp4a_u8s8(uint32_t a, uint32_t b, int32_t c) {
+  int32_t d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// One chunk of one row tile at M = 1, without dequant: a weight byte is (q*s + a) ^ 0x80, i.e.
+// q*s + (a - 128), so a row's sum is s * sum(q x) + (a - 128) * sum(x) over the lane's 16 k.
+// The codes go into IDP.4A as they lie (high nibbles times 16, divided out after). Lane (g, t)
+// adds rows g / g + 8 (channels 2g / 2g + 1) into C registers 0 / 2 for its k-slice, pairing
+// words and activations as mma_chunk does; x_sum is the sum of x's 16 bytes.
+__device__ __forceinline__ void dp4a_chunk_one_token(int32_t (&c)[4], const uint4 w, const uint32_t params,
+                                                     const uint4 x, int32_t x_sum) {
+  constexpr uint32_t kLo = 0x0F0F0F0Fu, kHi = 0xF0F0F0F0u;
+  const int32_t lo_even = dp4a_u8s8(w.z & kLo, x.z, dp4a_u8s8(w.x & kLo, x.x, 0));
+  const int32_t hi_even = dp4a_u8s8(w.z & kHi, x.w, dp4a_u8s8(w.x & kHi, x.y, 0));
+  const int32_t lo_odd = dp4a_u8s8(w.w & kLo, x.z, dp4a_u8s8(w.y & kLo, x.x, 0));
+  const int32_t hi_odd = dp4a_u8s8(w.w & kHi, x.w, dp4a_u8s8(w.y & kHi, x.y, 0));
+  const int32_t s_even = params & 0xFFu, s_odd = (params >> 16) & 0xFFu;  // gparams bytes 0, 2
+  const int32_t a_even = static_cast<int8_t>((params >> 8) ^ 0x80u);     // bytes 1, 3, minus 128
+  const int32_t a_odd = static_cast<int8_t>((params >> 24) ^ 0x80u);
+  c[0] += s_even * (lo_even + (hi_even >> 4)) + a_even * x_sum;
+  c[2] += s_odd * (lo_odd + (hi_odd >> 4)) + a_odd * x_sum;
+}
+
 // ---- epilogue ------------------------------------------------------------------------------
 
 // Output channels ch, ch+1 (ch even) of token tok from their int32 sums.
@@ -125,36 +166,38 @@ __device__ __forceinline__ int2 sum_splits(const Params& p, int splits, int tok,
   return acc;
 }
 
-// Dequant + MMA of kBatch loaded chunks; kUnsigned (u8 x s8 MMA) also sums the lane's
-// activations per token tile into xsum.
-template <int kBatch, bool kUnsigned, int kRowTiles, int kTokTiles>
-__device__ __forceinline__ void mma_batch(const uint4 (&wv)[kBatch][kRowTiles], const uint32_t (&pv)[kBatch][kRowTiles],
-                                          const uint4 (&xv)[kBatch][kTokTiles],
-                                          int32_t (&acc)[kRowTiles][kTokTiles][4], int32_t (&xsum)[kTokTiles]) {
+// The sums of kBatch loaded chunks: dequant + MMA, or at M = 1 IDP.4A on the codes; kU8Mma
+// also sums the lane's activations per token tile into xsum.
+template <int kBatch, DecodeMath kMath, int kRowTiles, int kTokTiles>
+__device__ __forceinline__ void accumulate_batch(const uint4 (&wv)[kBatch][kRowTiles],
+                                                 const uint32_t (&pv)[kBatch][kRowTiles],
+                                                 const uint4 (&xv)[kBatch][kTokTiles],
+                                                 int32_t (&acc)[kRowTiles][kTokTiles][4], int32_t (&xsum)[kTokTiles]) {
+  constexpr bool kUnsigned = kMath == DecodeMath::kU8Mma;
 #pragma unroll
   for (int u = 0; u < kBatch; ++u) {
+    if constexpr (kMath == DecodeMath::kDp4aOneToken) {
+      const int32_t x_sum = sum_s8x16(xv[u][0], 0);
 #pragma unroll
-    for (int r = 0; r < kRowTiles; ++r) {
-      uint32_t a[2][4];
-      dequant_chunk<kUnsigned>(wv[u][r], pv[u][r], a);
+      for (int r = 0; r < kRowTiles; ++r) dp4a_chunk_one_token(acc[r][0], wv[u][r], pv[u][r], xv[u][0], x_sum);
+    } else {
 #pragma unroll
-      for (int tt = 0; tt < kTokTiles; ++tt) mma_chunk<kUnsigned>(acc[r][tt], a, xv[u][tt]);
+      for (int r = 0; r < kRowTiles; ++r) {
+        uint32_t a[2][4];
+        dequant_chunk<kUnsigned>(wv[u][r], pv[u][r], a);
+#pragma unroll
+        for (int tt = 0; tt < kTokTiles; ++tt) mma_chunk<kUnsigned>(acc[r][tt], a, xv[u][tt]);
+      }
     }
     if constexpr (kUnsigned) {
 #pragma unroll
-      for (int tt = 0; tt < kTokTiles; ++tt) {
-        const uint4 x = xv[u][tt];
-        xsum[tt] = __dp4a(static_cast<int>(x.x), 0x01010101, xsum[tt]);
-        xsum[tt] = __dp4a(static_cast<int>(x.y), 0x01010101, xsum[tt]);
-        xsum[tt] = __dp4a(static_cast<int>(x.z), 0x01010101, xsum[tt]);
-        xsum[tt] = __dp4a(static_cast<int>(x.w), 0x01010101, xsum[tt]);
-      }
+      for (int tt = 0; tt < kTokTiles; ++tt) xsum[tt] = sum_s8x16(xv[u][tt], xsum[tt]);
     }
   }
 }
 
-// A batch whose weight words are loaded: its activations, then dequant + MMA.
-template <int kBatch, bool kUnsigned, int kRowTiles, int kTokTiles>
+// A batch whose weight words are loaded: its activations, then its sums (accumulate_batch).
+template <int kBatch, DecodeMath kMath, int kRowTiles, int kTokTiles>
 __device__ __forceinline__ void decode_loaded_batch(const uint4 (&wv)[kBatch][kRowTiles],
                                                     const uint32_t (&pv)[kBatch][kRowTiles],
                                                     const int8_t* (&xptr)[kTokTiles],
@@ -167,7 +210,7 @@ __device__ __forceinline__ void decode_loaded_batch(const uint4 (&wv)[kBatch][kR
     for (int tt = 0; tt < kTokTiles; ++tt) xv[u][tt] = ldg_v4(xptr[tt] + u * kChunkK);
 #pragma unroll
   for (int tt = 0; tt < kTokTiles; ++tt) xptr[tt] += kBatch * kChunkK;
-  mma_batch<kBatch, kUnsigned>(wv, pv, xv, acc, xsum);
+  accumulate_batch<kBatch, kMath>(wv, pv, xv, acc, xsum);
 }
 
 // The weight and group words of chunk c + u for each row tile (LDG.128 + LDG.32 each).
@@ -196,8 +239,8 @@ __device__ __forceinline__ void load_weights(const uint8_t* (&wptr)[kRowTiles], 
 }
 
 // kBatch chunks of one warp: all loads first (kBatch * (kRowTiles + kTokTiles) independent
-// 16-byte requests plus the group words), then dequant + MMA; pointers advance by kBatch chunks.
-template <int kBatch, bool kUnsigned, int kRowTiles, int kTokTiles>
+// 16-byte requests plus the group words), then their sums; pointers advance by kBatch chunks.
+template <int kBatch, DecodeMath kMath, int kRowTiles, int kTokTiles>
 __device__ __forceinline__ void decode_batch(const uint8_t* (&wptr)[kRowTiles], const uint32_t* const (&pptr)[kRowTiles],
                                              const int8_t* (&xptr)[kTokTiles], int c, int group_shift,
                                              int32_t (&acc)[kRowTiles][kTokTiles][4], int32_t (&xsum)[kTokTiles]) {
@@ -216,7 +259,7 @@ __device__ __forceinline__ void decode_batch(const uint8_t* (&wptr)[kRowTiles], 
   for (int r = 0; r < kRowTiles; ++r) wptr[r] += kBatch * kChunkBytes;
 #pragma unroll
   for (int tt = 0; tt < kTokTiles; ++tt) xptr[tt] += kBatch * kChunkK;
-  mma_batch<kBatch, kUnsigned>(wv, pv, xv, acc, xsum);
+  accumulate_batch<kBatch, kMath>(wv, pv, xv, acc, xsum);
 }
 
 // The u8 x s8 MMA summed u * x = (w8 + 128) * x: subtract 128 * sum_k x of each accumulator's
@@ -243,6 +286,19 @@ __device__ __forceinline__ void subtract_unsigned_offset(int32_t (&acc)[kRowTile
   }
 }
 
+// kDp4aOneToken: each lane summed its own k-slice of token 0 into C registers 0 and 2; add the 4
+// t-lanes' slices (lane t = 0 stores them: token 2t = 0).
+template <int kRowTiles>
+__device__ __forceinline__ void sum_one_token_slices(int32_t (&acc)[kRowTiles][1][4]) {
+#pragma unroll
+  for (int r = 0; r < kRowTiles; ++r)
+#pragma unroll
+    for (int i = 0; i < 4; i += 2) {
+      acc[r][0][i] += __shfl_xor_sync(0xFFFFFFFFu, acc[r][0][i], 1);
+      acc[r][0][i] += __shfl_xor_sync(0xFFFFFFFFu, acc[r][0][i], 2);
+    }
+}
+
 // ---- decode kernel (M <= 32): stream the weight once -----------------------------------------
 //
 // CTA = kRowTiles x 16 channels, 8 warps split its K range (contiguous chunk ranges), each
@@ -252,9 +308,11 @@ __device__ __forceinline__ void subtract_unsigned_offset(int32_t (&acc)[kRowTile
 // rings that keep more bytes in flight were slower: csrc/gemm/NOTES.md "Decode ring".)
 // kMinCtas: CTAs per SM the registers are capped for (2: <= 128 registers; 3: <= 80, the
 // decode_ctas_per_sm launch option, M <= 16 only: 4 token tiles spill at 80). kPreload: each
-// warp reads its first batch of weight words before the PDL wait (decode_preload).
-template <int kTokTiles, int kRowTiles, int kUnroll, bool kUnsigned, int kMinCtas, bool kPreload, typename OutT>
+// warp reads its first batch of weight words before the PDL wait (decode_preload). kMath:
+// DecodeMath (kDp4aOneToken is right at M = 1 only: every lane's activations are token 0's).
+template <int kTokTiles, int kRowTiles, int kUnroll, DecodeMath kMath, int kMinCtas, bool kPreload, typename OutT>
 __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(const Params p) {
+  static_assert(kMath != DecodeMath::kDp4aOneToken || kTokTiles == 1, "the IDP.4A form takes one token");
   constexpr int kRows = kRowTiles * 16;
   constexpr int kToks = kTokTiles * 8;
   constexpr int kStride = kRows + 8;  // +8 ints: the 4 t-lanes' rows land 16 banks apart
@@ -316,18 +374,19 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(c
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][tt][i] = 0;
 
-  int32_t xsum[kTokTiles] = {};  // kUnsigned only
+  int32_t xsum[kTokTiles] = {};  // kU8Mma only
   int c = c_lo;
   if constexpr (kPreload) {
     if (preloaded) {
-      decode_loaded_batch<kPre, kUnsigned>(wv0, pv0, xptr, acc, xsum);
+      decode_loaded_batch<kPre, kMath>(wv0, pv0, xptr, acc, xsum);
       c += kPre;
     }
   }
   for (; c + kUnroll <= c_hi; c += kUnroll)
-    decode_batch<kUnroll, kUnsigned>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
-  for (; c < c_hi; ++c) decode_batch<1, kUnsigned>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
-  if constexpr (kUnsigned) subtract_unsigned_offset(acc, xsum, t);
+    decode_batch<kUnroll, kMath>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
+  for (; c < c_hi; ++c) decode_batch<1, kMath>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
+  if constexpr (kMath == DecodeMath::kU8Mma) subtract_unsigned_offset(acc, xsum, t);
+  if constexpr (kMath == DecodeMath::kDp4aOneToken) sum_one_token_slices(acc);
 
   // Intra-CTA split-K: warps add into a shared int32 tile [token][channel].
   for (int i = tid; i < kToks * kStride; i += kDecodeThreads) tile[i] = 0;
@@ -548,26 +607,35 @@ int decode_ctas_resident(int M, W4A8Kernel k, int build_ctas) {
   return tok_tiles == 1 && k == W4A8Kernel::kDecodeRows16 ? 3 : 2;
 }
 
-// Which decode kernel build to launch: decode_u8, decode_preload, the plan's 3-CTA build.
+// Which decode kernel build to launch: its DecodeMath (decode_u8; decode_dp4a at M = 1),
+// decode_preload, the plan's 3-CTA build.
 struct DecodeBuild {
-  bool u8, preload, three_ctas;
+  DecodeMath math;
+  bool preload, three_ctas;
 };
+
+template <int kTokTiles, int kRowTiles, int kUnroll, DecodeMath kMath, int kMinCtas, typename OutT>
+cudaError_t launch_decode_math(const Params& p, dim3 grid, bool pdl, bool preload, cudaStream_t stream) {
+  const dim3 block(kDecodeThreads);
+  return preload ? launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, kMath, kMinCtas, true, OutT>>(
+                       grid, block, 0, pdl, stream, p)
+                 : launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, kMath, kMinCtas, false, OutT>>(
+                       grid, block, 0, pdl, stream, p);
+}
 
 // A decode kernel, as a programmatic dependent launch when pdl (sm_90 only: the caller checks).
 template <int kTokTiles, int kRowTiles, int kUnroll, int kMinCtas, typename OutT>
 cudaError_t launch_decode(const Params& p, dim3 grid, bool pdl, DecodeBuild b, cudaStream_t stream) {
-  const dim3 block(kDecodeThreads);
-  if (b.u8)
-    return b.preload
-               ? launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, true, kMinCtas, true, OutT>>(
-                     grid, block, 0, pdl, stream, p)
-               : launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, true, kMinCtas, false, OutT>>(
-                     grid, block, 0, pdl, stream, p);
-  return b.preload
-             ? launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, false, kMinCtas, true, OutT>>(
-                   grid, block, 0, pdl, stream, p)
-             : launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, false, kMinCtas, false, OutT>>(
-                   grid, block, 0, pdl, stream, p);
+  if constexpr (kTokTiles == 1) {
+    if (b.math == DecodeMath::kDp4aOneToken)
+      return launch_decode_math<kTokTiles, kRowTiles, kUnroll, DecodeMath::kDp4aOneToken, kMinCtas, OutT>(
+          p, grid, pdl, b.preload, stream);
+  }
+  if (b.math == DecodeMath::kU8Mma)
+    return launch_decode_math<kTokTiles, kRowTiles, kUnroll, DecodeMath::kU8Mma, kMinCtas, OutT>(p, grid, pdl,
+                                                                                                  b.preload, stream);
+  return launch_decode_math<kTokTiles, kRowTiles, kUnroll, DecodeMath::kS8Mma, kMinCtas, OutT>(p, grid, pdl,
+                                                                                                b.preload, stream);
 }
 
 // Token tiles x row tiles x unroll by M; three_ctas picks the 80-register build (M <= 16).
@@ -687,7 +755,11 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
 
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaStream_t stream) {
   const Params p = w4a8_kernel_params(a);
-  const DecodeBuild b{a.decode_u8, a.decode_preload, plan.decode_ctas == 3};
+  // The IDP.4A form sums one token only; at M > 1 decode_dp4a leaves the MMA forms.
+  const DecodeMath math = a.decode_dp4a && a.M == 1 ? DecodeMath::kDp4aOneToken
+                          : a.decode_u8              ? DecodeMath::kU8Mma
+                                                     : DecodeMath::kS8Mma;
+  const DecodeBuild b{math, a.decode_preload, plan.decode_ctas == 3};
   switch (a.out_kind) {
     case OutKind::kHalf: return launch_typed<__half>(p, plan, a.pdl, b, stream);
     case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, a.pdl, b, stream);
