@@ -880,8 +880,8 @@ stage_decode_options() {
   return $rc
 }
 # Session 55: decode_dp4a (M = 1: IDP.4A on the 4-bit codes, no dequant, no MMA) after its GPU tests,
-# off-on-off in one run on the 7 Llama rows under the planner's build, then again with the 2-CTA
-# build forced (the diagnostic form was 3-5 % slower on the 3-CTA multi-wave rows, faster at 2 CTAs).
+# off-on-off in one run on the 7 Llama rows under the planner's build (with the option on, the
+# 2-CTA one where the 3-CTA grid is over one wave), then again with the 2-CTA build forced.
 stage_decode_dp4a() {
   local rc=0
   pytest_gpu pytest-gpu-decode-dp4a 200 tests/kernels/test_cuda_gemm.py \

@@ -103,10 +103,11 @@ struct W4A8Plan {
 };
 
 // Picks kernel, K split and (decode kernels) build for a problem (kernel/splits < 0 or == 0 and
-// decode_ctas_per_sm == 0 mean "choose"; a forced 3 applies at M <= 16 only).
+// decode_ctas_per_sm == 0 mean "choose"; a forced 3 applies at M <= 16 only). decode_dp4a: the
+// launch option of that name, which changes the build choice at M = 1.
 // Returns an error string (static) when the request cannot be served, nullptr otherwise.
 const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel,
-                           int splits, int decode_ctas_per_sm, W4A8Plan* plan);
+                           int splits, int decode_ctas_per_sm, bool decode_dp4a, W4A8Plan* plan);
 
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cudaStream_t stream);
 

@@ -280,6 +280,20 @@ def test_decode_build_fewest_waves_then_fullest(m, n, k, want):
     assert decode_plan(m, n, k, sms=132) == want
 
 
+def test_decode_build_with_dp4a(launch_options):
+    """decode_dp4a at M = 1: the 3-CTA build only where it is one wave (its IDP.4A form lost there
+    on the multi-wave rows, the 2-CTA one gained: session 55); M > 1 and forced builds as before."""
+    assert decode_plan(1, 28672, 8192, sms=132) == (1, 1, 3)
+    launch_options(decode_dp4a=1)
+    assert decode_plan(1, 28672, 8192, sms=132) == (1, 1, 2)  # 896 CTAs: 4 waves of 2 per SM
+    assert decode_plan(1, 28672, 4096, sms=132) == (1, 1, 2)
+    assert decode_plan(1, 10240, 8192, sms=132) == (1, 1, 3)  # 320 CTAs: one wave of 3 per SM
+    assert decode_plan(1, 6144, 4096, sms=132) == (0, 1, 2)
+    assert decode_plan(2, 28672, 8192, sms=132) == (1, 1, 3)  # M = 2: the MMA forms, rule unchanged
+    launch_options(decode_ctas_per_sm=3)
+    assert decode_plan(1, 28672, 8192, sms=132) == (1, 1, 3)  # a forced build holds
+
+
 def test_decode_build_forced(launch_options):
     """decode_ctas_per_sm=2 or 3 holds the build (3 becomes 2 above M = 16, where 80 registers
     would spill); a forced kernel gets the build chosen for it; the other kernels report 0."""

@@ -682,7 +682,7 @@ cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, Decode
 }  // namespace
 
 const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel, int splits,
-                           int decode_ctas_per_sm, W4A8Plan* plan) {
+                           int decode_ctas_per_sm, bool decode_dp4a, W4A8Plan* plan) {
   if (M <= 0 || N <= 0 || K <= 0) return "w4a8_gemm: M, N and K must be positive";
   if (N % 16) return "w4a8_gemm: N must be a multiple of 16";
   if (group_size < kChunkK || group_size % kChunkK || ((group_size / kChunkK) & (group_size / kChunkK - 1)))
@@ -702,7 +702,9 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
     // channels. The 3-CTA build covers M <= 16; above M = 8 (two token tiles, 120 registers cut
     // to 80: up to 28 % slower per CTA) it is chosen only when its grid fits one wave (a forced
     // build is taken as it is). Session 36's H200 rows: within 0.5 % of the measured best on
-    // all 36 (csrc/gemm/NOTES.md "Decode occupancy").
+    // all 36 (csrc/gemm/NOTES.md "Decode occupancy"). With decode_dp4a at M = 1 the 3-CTA build
+    // is likewise taken only where it is one wave: its IDP.4A form lost 0.5-5.5 % there on the
+    // two multi-wave Llama rows, where the 2-CTA one gained (NOTES.md "Session 55").
     const int forced = decode_ctas_per_sm == 3 && M > 16 ? 2 : decode_ctas_per_sm;
     long long best_waves = 0, best_slots = 1;
     int best_ctas = 0;
@@ -714,7 +716,7 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
         const int ctas = ctas_per_split(cand, M, N);
         const long long slots = static_cast<long long>(decode_ctas_resident(M, cand, build)) * num_sms;
         const long long waves = (ctas + slots - 1) / slots;
-        if (build == 3 && M > 8 && waves > 1 && forced == 0) continue;
+        if (build == 3 && (M > 8 || (M == 1 && decode_dp4a)) && waves > 1 && forced == 0) continue;
         // fuller: ctas / (waves * slots) larger, compared without division
         const bool better = best_ctas == 0 || waves < best_waves ||
                             (waves == best_waves && static_cast<long long>(ctas) * best_waves * best_slots >
