@@ -886,11 +886,10 @@ stage_decode_dp4a() {
   local rc=0
   pytest_gpu pytest-gpu-decode-dp4a 200 tests/kernels/test_cuda_gemm.py \
     -k "dp4a or launch_options_bit_identical or llama70b or graph" || rc=1
-  local shapes="4096x6144 4096x4096 4096x28672 14336x4096 8192x10240 28672x8192 8192x28672"
-  run_bench bench_w4a8_cuda_decode_dp4a 200 python3 scripts/bench_w4a8_cuda.py --no-marlin --shapes $shapes \
-    --ms 1 --group 128 --option-ab decode_dp4a --cublas-gemv --out "$OUT/decode_dp4a.json" || rc=1
-  MIXPREC_GEMM_DECODE_CTAS_PER_SM=2 run_bench bench_w4a8_cuda_decode_dp4a_c2 200 python3 \
-    scripts/bench_w4a8_cuda.py --no-marlin --shapes $shapes --ms 1 --group 128 --option-ab decode_dp4a \
+  local bench=(python3 scripts/bench_w4a8_cuda.py --no-marlin --ms 1 --group 128 --option-ab decode_dp4a
+    --shapes 4096x6144 4096x4096 4096x28672 14336x4096 8192x10240 28672x8192 8192x28672)
+  run_bench bench_w4a8_cuda_decode_dp4a 200 "${bench[@]}" --cublas-gemv --out "$OUT/decode_dp4a.json" || rc=1
+  MIXPREC_GEMM_DECODE_CTAS_PER_SM=2 run_bench bench_w4a8_cuda_decode_dp4a_c2 200 "${bench[@]}" \
     --out "$OUT/decode_dp4a_c2.json" || rc=1
   return $rc
 }
