@@ -90,11 +90,10 @@ struct LaunchOptions {
   // The decode kernels (M <= 32) keep the weight bytes unsigned (u8 x s8 MMA, no XOR per byte)
   // and subtract 128 * sum_k x; the same int32 sums. Off until timed (csrc/gemm/NOTES.md "Decode u8").
   std::atomic<bool> decode_u8{false};
-  // At M = 1 the decode kernels run IDP.4A on the 4-bit codes (no dequant, no MMA), in the 3-CTA
-  // build only where that is one wave; the same int32 sums. Off until its GPU tests have run
-  // (written in session 55 from a diagnostic build that was 3.7-7.1 % faster on 5 of 7 Llama
-  // rows; csrc/gemm/NOTES.md "Session 55").
-  std::atomic<bool> decode_dp4a{false};
+  // At M = 1 the decode kernels run IDP.4A on the 4-bit codes (no dequant, no MMA); the same
+  // int32 sums. On since session 56: faster on all 7 Llama rows at M = 1 (H200; csrc/gemm/NOTES.md
+  // "Session 55", "Session 56").
+  std::atomic<bool> decode_dp4a{true};
   // The decode kernels' build at M <= 16: 0, the planner picks the 2-CTA (<= 128 registers) or the
   // 3-CTA (<= 80) build with the kernel (csrc/gemm/NOTES.md "Decode occupancy"); 2 or 3 forces one.
   std::atomic<int> decode_ctas_per_sm{0};
@@ -286,8 +285,7 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
                                        launch_options().gemm_cluster_pair.load(), &plan)
                 : w4a8_make_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
                                  static_cast<int>(group_size), num_sm, kernel == -2 ? -1 : static_cast<int>(kernel),
-                                 static_cast<int>(splits), launch_options().decode_ctas_per_sm.load(),
-                                 launch_options().decode_dp4a.load(), &plan);
+                                 static_cast<int>(splits), launch_options().decode_ctas_per_sm.load(), &plan);
   TORCH_CHECK(err == nullptr, err ? err : "", " (M=", M, ", N=", N, ", K=", K, ", G=", group_size,
               ", kernel=", kernel, ", splits=", splits, ")");
 
@@ -350,8 +348,7 @@ std::vector<int64_t> w4a8_plan(int64_t M, int64_t N, int64_t K, int64_t group_si
                                                  launch_options().gemm_stream_k.load(),
                                                  launch_options().gemm_cluster_pair.load(), &plan)
                           : w4a8_make_plan(M, N, K, group_size, num_sms, kernel, splits,
-                                           launch_options().decode_ctas_per_sm.load(),
-                                           launch_options().decode_dp4a.load(), &plan);
+                                           launch_options().decode_ctas_per_sm.load(), &plan);
   TORCH_CHECK(err == nullptr, "mixprec_C::w4a8_plan: ", err ? err : "");
   return {static_cast<int64_t>(plan.kernel), plan.splits, plan.decode_ctas};
 }

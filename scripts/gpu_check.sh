@@ -15,7 +15,8 @@
 # decode_preload decode_preload_table mid_table profile_mid wgmma_diag stream_k_oos w4ax_alloc w4ax_sweep
 # quant_lean cluster_pair cluster_pair_sanitize racecheck_probe pair_tail pair_racecheck_split pair_pull
 # pair_pull_ab decode_pdl profile_decode_cold w4ax_tests property_cuda_gemm issue_table stream_k_refit
-# profile_decode_stalls profile_decode_ceiling decode_dp4a
+# profile_decode_stalls profile_decode_ceiling decode_dp4a decode_dp4a_c3 decode_dp4a_final
+# decode_dp4a_per_chunk_c3
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -891,6 +892,39 @@ stage_decode_dp4a() {
   run_bench bench_w4a8_cuda_decode_dp4a 200 "${bench[@]}" --cublas-gemv --out "$OUT/decode_dp4a.json" || rc=1
   MIXPREC_GEMM_DECODE_CTAS_PER_SM=2 run_bench bench_w4a8_cuda_decode_dp4a_c2 200 "${bench[@]}" \
     --out "$OUT/decode_dp4a_c2.json" || rc=1
+  return $rc
+}
+# Session 56: the IDP.4A form's forced 3-CTA build, off-on-off, on the rows where the planner
+# with decode_dp4a on leaves the 3-CTA build (N = 28672) or keeps it (8192x10240).
+stage_decode_dp4a_c3() {
+  MIXPREC_GEMM_DECODE_CTAS_PER_SM=3 run_bench bench_w4a8_cuda_decode_dp4a_c3 200 python3 scripts/bench_w4a8_cuda.py \
+    --no-marlin --ms 1 --group 128 --option-ab decode_dp4a --shapes 4096x28672 8192x10240 8192x28672 \
+    --out "$OUT/decode_dp4a_c3.json"
+}
+# Session 56's last call: the planner with decode_dp4a on (the 3-CTA build on the multi-wave rows
+# again) after the dp4a GPU tests, off-on-off at M = 1 on the 7 Llama rows with cuBLAS's GEMV; the
+# Marlin table; then the per-chunk form (session 55's) in the forced 3-CTA build on the N = 28672 rows.
+stage_decode_dp4a_final() {
+  local rc=0
+  pytest_gpu pytest-gpu-decode-dp4a-final 200 tests/kernels/test_cuda_gemm.py -k "dp4a or llama70b or graph" || rc=1
+  run_bench bench_w4a8_cuda_decode_dp4a_final 200 python3 scripts/bench_w4a8_cuda.py --no-marlin --ms 1 --group 128 \
+    --option-ab decode_dp4a --shapes 4096x6144 4096x4096 4096x28672 14336x4096 8192x10240 28672x8192 8192x28672 \
+    --cublas-gemv --out "$OUT/decode_dp4a_final.json" || rc=1
+  stage_decode_table || rc=1
+  stage_decode_dp4a_per_chunk_c3 || rc=1
+  return $rc
+}
+# The step session 56 ran out of device time for: the per-chunk IDP.4A form (session 55's) in the
+# forced 3-CTA build on the N = 28672 rows, plain (chunk pairs) before and after it.
+stage_decode_dp4a_per_chunk_c3() {
+  local rc=0 v i=0
+  for v in plain decode_dp4a_per_chunk plain; do
+    i=$((i + 1))
+    [ $i -gt 1 ] && { build_variant "$v" "$OUT/rebuild.log" || return 1; }
+    MIXPREC_GEMM_DECODE_CTAS_PER_SM=3 run_bench "bench_w4a8_cuda_c3_${i}_$v" 200 python3 scripts/bench_w4a8_cuda.py \
+      --no-marlin --ms 1 --group 128 --option-ab decode_dp4a --shapes 4096x28672 8192x28672 \
+      --out "$OUT/c3_${i}_$v.json" || rc=1
+  done
   return $rc
 }
 # The same builds x K splits (kernels 0 and 1) on the one shape that misses 1.2x Marlin at M <= 16

@@ -25,7 +25,7 @@ def test_there_are_patches():
     assert {p.stem for p in PATCHES} >= {"wgmma_feed_only", "wgmma_compute_only", "wgmma_x16", "wgmma_no_w_copy",
                                          "wgmma_no_w_lds", "wgmma_w_cpasync", "wgmma_w_tma_all", "wgmma_k7_deep",
                                          "wgmma_no_wait", "decode_feed_only", "decode_no_mma",
-                                         "decode_no_dequant"}
+                                         "decode_no_dequant", "decode_dp4a_per_chunk"}
     # (The decode patches timed and not adopted, double buffers, split tail, warp interleave,
     # feed-only with full activation loads, and the dp4a diagnostics that became decode_dp4a,
     # were retired in session 55; they apply to commit 9283cac: csrc/gemm/NOTES.md "Session 55".)

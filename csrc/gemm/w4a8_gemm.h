@@ -45,7 +45,8 @@ struct W4A8GemmArgs {
   // subtracted per warp; the same int32 sums (csrc/gemm/NOTES.md "Decode u8").
   bool decode_u8 = false;
   // Decode kernels (0, 1) at M = 1: IDP.4A on the 4-bit codes, no dequant, no MMA; the group
-  // scale and offset applied per chunk. The same int32 sums (csrc/gemm/NOTES.md "Session 55").
+  // scale and offset applied once per pair of chunks of a group (per chunk at group 64). The same
+  // int32 sums (csrc/gemm/NOTES.md "Session 55", "Session 56").
   bool decode_dp4a = false;
   // Decode kernels (0, 1): each warp reads its first batch of weight words before waiting on the
   // previous kernel (PDL), so that batch's DRAM latency overlaps the quantizer (csrc/gemm/NOTES.md
@@ -103,11 +104,10 @@ struct W4A8Plan {
 };
 
 // Picks kernel, K split and (decode kernels) build for a problem (kernel/splits < 0 or == 0 and
-// decode_ctas_per_sm == 0 mean "choose"; a forced 3 applies at M <= 16 only). decode_dp4a: the
-// launch option of that name, which changes the build choice at M = 1.
+// decode_ctas_per_sm == 0 mean "choose"; a forced 3 applies at M <= 16 only).
 // Returns an error string (static) when the request cannot be served, nullptr otherwise.
 const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel,
-                           int splits, int decode_ctas_per_sm, bool decode_dp4a, W4A8Plan* plan);
+                           int splits, int decode_ctas_per_sm, W4A8Plan* plan);
 
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cudaStream_t stream);
 

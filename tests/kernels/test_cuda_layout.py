@@ -233,48 +233,75 @@ def _dp4a_u8s8(a, b):
     return (_bytes_i8(a).view(torch.uint8).to(torch.int64) * _bytes_i8(b).to(torch.int64)).sum(-1)
 
 
-def _simulate_dp4a_one_token(packed, gparams, x0, tile, group_shift):
+def _simulate_dp4a_one_token(packed, gparams, x0, tile, group_shift, chunk_ranges):
     """One warp of the decode kernel's IDP.4A form (decode_dp4a, M = 1) on one 16-channel tile, as
-    dp4a_chunk_one_token computes it: the 4-bit codes (high nibbles left times 16) dotted with the
-    lane's 16 activations, each row scaled by its group scale and offset by (a - 128) * sum(x),
-    then the 4 t-lanes' k-slices summed (sum_one_token_slices); lane (g, 0) holds rows g / g + 8,
-    i.e. channels 2g / 2g + 1. Returns y[channel] of token 0."""
-    chunks = packed.shape[1] // 512
+    dp4a_codes_one_token and apply_group_one_token compute it: the 4-bit codes (high nibbles left
+    times 16) dotted with the lane's 16 activations, then per group's share (two chunks of one group
+    when the group is >= 128 and the share starts at an even chunk, else one) each row scaled by
+    its group scale and offset by (a - 128) * sum(x); the 4 t-lanes' k-slices summed last
+    (sum_one_token_slices); lane (g, 0) holds rows g / g + 8, i.e. channels 2g / 2g + 1.
+    chunk_ranges: the warps' [lo, hi) chunk ranges. Returns y[channel] of token 0."""
     lanes = torch.arange(32)
     g, t = lanes // 4, lanes % 4
     c0 = torch.zeros(32, dtype=torch.int64)  # C register 0 (row g) and 2 (row g + 8) per lane
     c2 = torch.zeros(32, dtype=torch.int64)
-    for c in range(chunks):
-        w = _u32(packed[tile, c * 512:(c + 1) * 512].view(32, 4, 4))  # lane, word j
-        pw = (gparams[tile, c >> group_shift].to(torch.int64) & 0xFFFFFFFF)[g]
-        xv = _u32(x0[c * 64:(c + 1) * 64].view(torch.uint8).view(4, 4, 4))[t]  # lane, x.x .. x.w
-        x_sum = _bytes_i8(xv).to(torch.int64).sum((1, 2))
-        lo, hi = 0x0F0F0F0F, 0xF0F0F0F0
-        lo_even = _dp4a_u8s8(w[:, 0] & lo, xv[:, 0]) + _dp4a_u8s8(w[:, 2] & lo, xv[:, 2])
-        hi_even = _dp4a_u8s8(w[:, 0] & hi, xv[:, 1]) + _dp4a_u8s8(w[:, 2] & hi, xv[:, 3])
-        lo_odd = _dp4a_u8s8(w[:, 1] & lo, xv[:, 0]) + _dp4a_u8s8(w[:, 3] & lo, xv[:, 2])
-        hi_odd = _dp4a_u8s8(w[:, 1] & hi, xv[:, 1]) + _dp4a_u8s8(w[:, 3] & hi, xv[:, 3])
-        assert bool((hi_even % 16 == 0).all() and (hi_odd % 16 == 0).all())  # the >> 4 is exact
-        s_even, s_odd = pw & 0xFF, (pw >> 16) & 0xFF
-        a_even, a_odd = ((pw >> 8) & 0xFF) - 128, ((pw >> 24) & 0xFF) - 128
-        c0 += s_even * (lo_even + (hi_even >> 4)) + a_even * x_sum
-        c2 += s_odd * (lo_odd + (hi_odd >> 4)) + a_odd * x_sum
+    lo, hi = 0x0F0F0F0F, 0xF0F0F0F0
+    for c_lo, c_hi in chunk_ranges:
+        step = 2 if group_shift > 0 else 1
+        assert c_lo % step == 0 and (c_hi - c_lo) % step == 0, "a pair must not straddle two groups"
+        for c in range(c_lo, c_hi, step):
+            sums = [torch.zeros(32, dtype=torch.int64) for _ in range(4)]
+            x_sum = torch.zeros(32, dtype=torch.int64)
+            for cc in range(c, c + step):
+                w = _u32(packed[tile, cc * 512:(cc + 1) * 512].view(32, 4, 4))  # lane, word j
+                xv = _u32(x0[cc * 64:(cc + 1) * 64].view(torch.uint8).view(4, 4, 4))[t]  # lane, x.x .. x.w
+                x_sum += _bytes_i8(xv).to(torch.int64).sum((1, 2))
+                sums[0] += _dp4a_u8s8(w[:, 0] & lo, xv[:, 0]) + _dp4a_u8s8(w[:, 2] & lo, xv[:, 2])
+                sums[1] += _dp4a_u8s8(w[:, 0] & hi, xv[:, 1]) + _dp4a_u8s8(w[:, 2] & hi, xv[:, 3])
+                sums[2] += _dp4a_u8s8(w[:, 1] & lo, xv[:, 0]) + _dp4a_u8s8(w[:, 3] & lo, xv[:, 2])
+                sums[3] += _dp4a_u8s8(w[:, 1] & hi, xv[:, 1]) + _dp4a_u8s8(w[:, 3] & hi, xv[:, 3])
+            assert bool((sums[1] % 16 == 0).all() and (sums[3] % 16 == 0).all())  # the >> 4 is exact
+            pw = (gparams[tile, c >> group_shift].to(torch.int64) & 0xFFFFFFFF)[g]  # the first chunk's group
+            s_even, s_odd = pw & 0xFF, (pw >> 16) & 0xFF
+            a_even, a_odd = ((pw >> 8) & 0xFF) - 128, ((pw >> 24) & 0xFF) - 128
+            c0 += s_even * (sums[0] + (sums[1] >> 4)) + a_even * x_sum
+            c2 += s_odd * (sums[2] + (sums[3] >> 4)) + a_odd * x_sum
     c0, c2 = c0.view(8, 4).sum(1), c2.view(8, 4).sum(1)  # the two shfl_xor steps, per g
     y = torch.zeros(16, dtype=torch.int64)
     y[0::2], y[1::2] = c0, c2
     return y
 
 
-@pytest.mark.parametrize("k,g", [(128, 64), (256, 128), (512, 64)])
-def test_dp4a_one_token_simulation_matches_integer_gemm(k, g, seeded):
+def _dp4a_chunk_ranges(chunks, splits, warps=8):
+    """The decode kernel's [lo, hi) chunk range per split and warp in its IDP.4A form: split and
+    warp shares rounded up to even chunks (w4a8_decode_kernel's kAlign)."""
+    up2 = lambda n: -(-n // 2) * 2  # noqa: E731
+    per_split, ranges = up2(-(-chunks // splits)), []
+    for s in range(splits):
+        split_lo = min(chunks, s * per_split)
+        split_hi = min(chunks, split_lo + per_split)
+        per_warp = up2(-(-(split_hi - split_lo) // warps))
+        for w in range(warps):
+            c_lo = min(split_hi, split_lo + w * per_warp)
+            ranges.append((c_lo, min(split_hi, c_lo + per_warp)))
+    return ranges
+
+
+@pytest.mark.parametrize("k,g,splits", [(128, 64, 1), (256, 128, 1), (512, 64, 1), (3328, 128, 1), (3328, 128, 3),
+                                          (3328, 128, 5), (1728, 64, 5), (4608, 128, 5)])
+def test_dp4a_one_token_simulation_matches_integer_gemm(k, g, splits, seeded):
     """decode_dp4a's arithmetic on the packed layout gives the int8 weights' exact sums at M = 1:
-    the identity (q*s + a) ^ 0x80 = q*s + a - 128 (as s8) and the word / activation pairing."""
+    the identity (q*s + a) ^ 0x80 = q*s + a - 128 (as s8), the word / activation pairing, and the
+    pairs of chunks scaled once, over the kernel's even-aligned warp ranges (some empty)."""
     n = 48
     qw, gs, go = _lqq_checkpoint(n, k, g, seeded)
     packed, gparams = cuda.repack_w4a8_reference(qw, gs, go)
     x0 = torch.randint(-127, 128, (k,), generator=seeded, dtype=torch.int8)
     w8 = ref.dequantize_weight_w8(qw, gs, go).to(torch.int64)
     expect = w8 @ x0.to(torch.int64)  # [N]
+    ranges = _dp4a_chunk_ranges(k // 64, splits)
+    covered = [c for lo, hi in ranges for c in range(lo, hi)]
+    assert covered == list(range(k // 64))  # every chunk once
     for tile in range(n // 16):
-        y = _simulate_dp4a_one_token(packed, gparams, x0, tile, (g // 64).bit_length() - 1)
+        y = _simulate_dp4a_one_token(packed, gparams, x0, tile, (g // 64).bit_length() - 1, ranges)
         assert torch.equal(y, expect[tile * 16:(tile + 1) * 16])

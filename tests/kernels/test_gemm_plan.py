@@ -32,7 +32,7 @@ LLAMA_SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (8192,
 STREAM_K_DEFAULT = 1  # set_launch_options' gemm_stream_k: on since session 33
 CLUSTER_PAIR_DEFAULT = 1  # set_launch_options' gemm_cluster_pair: on since session 47
 DECODE_U8_DEFAULT = 0  # set_launch_options' decode_u8: off until timed on a GPU (session 35)
-DECODE_DP4A_DEFAULT = 0  # set_launch_options' decode_dp4a: off until its GPU tests have run (session 55)
+DECODE_DP4A_DEFAULT = 1  # set_launch_options' decode_dp4a: on since its GPU tests and timing (session 56)
 DECODE_CTAS_PER_SM_DEFAULT = 0  # set_launch_options' decode_ctas_per_sm: the planner picks (session 36)
 DECODE_PRELOAD_MAX_M_DEFAULT = 16  # set_launch_options' decode_preload_max_m (M = 9-16: 3-CTA build only; session 39)
 # Session 36 (H200): the decode kernels x builds (2 or 3 CTAs per SM) x splits
@@ -41,6 +41,10 @@ DECODE_OPTIONS = os.path.join(S36, "decode_options.json")
 DECODE_OPTIONS_SPLITS = os.path.join(S36, "decode_options_splits.json")
 DECODE_BUILD = os.path.join(RESULTS, "2026-11-29-s36", "decode-build", "decode_build.json")
 DECODE_BUILD_M8_M12 = os.path.join(RESULTS, "2026-11-29-s36", "decode-build", "decode_build_m8_m12.json")
+# Session 56: decode_dp4a off-on-off at M = 1 with the 3-CTA build forced (3 rows), and under the
+# session-55 planner that took the 2-CTA build for it on the N = 28672 rows (7 rows)
+DECODE_DP4A_C3 = os.path.join(RESULTS, "2026-12-03-s56", "2-pair-tests-c3", "decode_dp4a_c3.json")
+DECODE_DP4A_PLANNED = os.path.join(RESULTS, "2026-12-03-s56", "3-pair-vs-per-chunk", "diag1_plain.json")
 
 
 @pytest.fixture(autouse=True)
@@ -222,12 +226,13 @@ def _decode_build_times(row):
     return out
 
 
-def test_decode_build_choice_is_the_measured_best():
+def test_decode_build_choice_is_the_measured_best(launch_options):
     """Session 36 on the H200 (132 SMs): 6 Llama shapes x M = 1, 16, each decode kernel in both
     builds (2 or 3 CTAs per SM), 8192 x 10240 also split 2..16 ways. The planner's (kernel,
     build) is never split, within 1% of the best measured on every row and 0.2% over all, and
     together 4% faster than the 2-CTA-only rule it replaces (which lost 19% at 8192 x 10240,
     M = 16: 18.1 us against 14.7)."""
+    launch_options(decode_dp4a=0)  # timed with the MMA forms at M = 1 (before session 56)
     rows = []
     for path in (DECODE_OPTIONS, DECODE_OPTIONS_SPLITS):
         with open(path) as f:
@@ -248,11 +253,12 @@ def test_decode_build_choice_is_the_measured_best():
     assert picked <= 0.97 * old, (picked, old)
 
 
-def test_decode_build_choice_on_the_auto_ab_rows():
+def test_decode_build_choice_on_the_auto_ab_rows(launch_options):
     """The run after the sweep: 7 Llama shapes x M = 1, 8, 12, 16 (22 rows), the auto GEMM with
     the build chosen among both (an earlier rule that took the 3-CTA build over several waves
     at M > 8 too) and held at 2 CTAs per SM, same run. The pick is one of the two and within
     1% of the faster; the earlier rule lost 4.5% and 5.2% at 8192 x 28672, M = 16 and 12."""
+    launch_options(decode_dp4a=0)  # timed with the MMA forms at M = 1 (before session 56)
     rows = []
     for path in (DECODE_BUILD, DECODE_BUILD_M8_M12):
         with open(path) as f:
@@ -276,22 +282,35 @@ def test_decode_build_choice_on_the_auto_ab_rows():
     (16, 28672, 8192, (1, 1, 2)),   # the same, but above M = 8 the 3-CTA build needs one wave
     (32, 10240, 8192, (1, 1, 2)),   # M > 16: the 2-CTA build only
 ])
-def test_decode_build_fewest_waves_then_fullest(m, n, k, want):
+def test_decode_build_fewest_waves_then_fullest(m, n, k, want, launch_options):
+    launch_options(decode_dp4a=0)  # the MMA forms' rule (decode_dp4a at M = 1: test_decode_build_with_dp4a)
     assert decode_plan(m, n, k, sms=132) == want
 
 
-def test_decode_build_with_dp4a(launch_options):
-    """decode_dp4a at M = 1: the 3-CTA build only where it is one wave (its IDP.4A form lost there
-    on the multi-wave rows, the 2-CTA one gained: session 55); M > 1 and forced builds as before."""
-    assert decode_plan(1, 28672, 8192, sms=132) == (1, 1, 3)
-    launch_options(decode_dp4a=1)
-    assert decode_plan(1, 28672, 8192, sms=132) == (1, 1, 2)  # 896 CTAs: 4 waves of 2 per SM
-    assert decode_plan(1, 28672, 4096, sms=132) == (1, 1, 2)
-    assert decode_plan(1, 10240, 8192, sms=132) == (1, 1, 3)  # 320 CTAs: one wave of 3 per SM
-    assert decode_plan(1, 6144, 4096, sms=132) == (0, 1, 2)
-    assert decode_plan(2, 28672, 8192, sms=132) == (1, 1, 3)  # M = 2: the MMA forms, rule unchanged
-    launch_options(decode_ctas_per_sm=3)
-    assert decode_plan(1, 28672, 8192, sms=132) == (1, 1, 3)  # a forced build holds
+def test_decode_build_with_dp4a_is_the_measured_best(launch_options):
+    """decode_dp4a leaves the planner's rule as it is: at M = 1 its IDP.4A form (chunk pairs of a
+    group scaled once) ran fastest in the 3-CTA build on the multi-wave N = 28672 rows too, ahead
+    of its 2-CTA build and of the MMA form in either (session 56, H200, same host; session 55's
+    per-chunk diagnostic form had lost there). Every Llama row at M = 1 gets one plan either way."""
+    with open(DECODE_DP4A_C3) as f:
+        three = {(r["K"], r["N"]): r for r in json.load(f)}
+    with open(DECODE_DP4A_PLANNED) as f:
+        planned = {(r["K"], r["N"]): r for r in json.load(f)}
+    for (k, n), row in three.items():
+        assert row["plan_d41"] == [1, 1, 3] and row["plan_d40"] == [1, 1, 3]
+        dp4a_3, mma_3 = row["gemm_auto_d41_us"], row["gemm_auto_d40_us"]
+        dp4a_2 = planned[(k, n)]["gemm_auto_d41_us"] if planned[(k, n)]["plan_d41"] == [1, 1, 2] else None
+        assert dp4a_3 < mma_3, (k, n)
+        if n == 28672:  # the rows session 55's rule moved to the 2-CTA build
+            assert dp4a_2 is not None and dp4a_3 < 0.97 * dp4a_2, (k, n, dp4a_3, dp4a_2)
+        assert decode_plan(1, n, k, sms=132) == (1, 1, 3)
+    for k, n in LLAMA_SHAPES:
+        launch_options(decode_dp4a=0)
+        off = decode_plan(1, n, k, sms=132)
+        launch_options(decode_dp4a=1)
+        assert decode_plan(1, n, k, sms=132) == off, (k, n)
+    launch_options(decode_ctas_per_sm=2)
+    assert decode_plan(1, 28672, 8192, sms=132) == (1, 1, 2)  # a forced build holds
 
 
 def test_decode_build_forced(launch_options):

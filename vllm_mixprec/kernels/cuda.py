@@ -138,9 +138,9 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
     where the doubled grid is one wave, or, for K >= 8192, after a wave of whole tiles (on;
     MIXPREC_GEMM_CLUSTER_PAIR=0 turns it off at load). decode_dp4a: at M = 1 the decode kernels
     multiply the 4-bit codes by IDP.4A, with no dequant and no MMA, and apply each group's scale
-    and offset per chunk, and the planner then takes the 3-CTA build at M = 1 only where it is
-    one wave; the same int32 sums (off until its GPU tests have run;
-    MIXPREC_GEMM_DECODE_DP4A=1 turns it on at load). Defaults: csrc/gemm/NOTES.md, "PDL",
+    and offset once per group's share of a warp (two chunks at group 128), and the planner then
+    takes the 3-CTA build at M = 1 only where it is one wave; the same int32 sums (on;
+    MIXPREC_GEMM_DECODE_DP4A=0 turns it off at load). Defaults: csrc/gemm/NOTES.md, "PDL",
     "Stream-K", "Decode u8", "Decode occupancy", "Decode preload", "quantize_act", "Session 47",
     "Session 48" and "Session 55".
     A CUDA graph keeps the options it was captured with."""

@@ -94,23 +94,29 @@ __device__ __forceinline__ int32_t dp4a_u8s8(uint32_t a, uint32_t b, int32_t c) 
   return d;
 }
 
-// One chunk of one row tile at M = 1, without dequant: a weight byte is (q*s + a) ^ 0x80, i.e.
-// q*s + (a - 128), so a row's sum is s * sum(q x) + (a - 128) * sum(x) over the lane's 16 k.
-// The codes go into IDP.4A as they lie (high nibbles times 16, divided out after). Lane (g, t)
-// adds rows g / g + 8 (channels 2g / 2g + 1) into C registers 0 / 2 for its k-slice, pairing
-// words and activations as mma_chunk does; x_sum is the sum of x's 16 bytes.
-__device__ __forceinline__ void dp4a_chunk_one_token(int32_t (&c)[4], const uint4 w, const uint32_t params,
-                                                     const uint4 x, int32_t x_sum) {
+// IDP.4A sums of one chunk of one row tile at M = 1, without dequant: a weight byte is
+// (q*s + a) ^ 0x80, i.e. q*s + (a - 128), so a row's sum is s * sum(q x) + (a - 128) * sum(x)
+// over the lane's 16 k. The codes go into IDP.4A as they lie (high nibbles times 16, divided out
+// in apply_group_one_token), pairing words and activations as mma_chunk does; sums[0..3] gather
+// rows g / g + 8 (channels 2g / 2g + 1): low nibbles, high nibbles, low, high.
+__device__ __forceinline__ void dp4a_codes_one_token(int32_t (&sums)[4], const uint4 w, const uint4 x) {
   constexpr uint32_t kLo = 0x0F0F0F0Fu, kHi = 0xF0F0F0F0u;
-  const int32_t lo_even = dp4a_u8s8(w.z & kLo, x.z, dp4a_u8s8(w.x & kLo, x.x, 0));
-  const int32_t hi_even = dp4a_u8s8(w.z & kHi, x.w, dp4a_u8s8(w.x & kHi, x.y, 0));
-  const int32_t lo_odd = dp4a_u8s8(w.w & kLo, x.z, dp4a_u8s8(w.y & kLo, x.x, 0));
-  const int32_t hi_odd = dp4a_u8s8(w.w & kHi, x.w, dp4a_u8s8(w.y & kHi, x.y, 0));
+  sums[0] = dp4a_u8s8(w.z & kLo, x.z, dp4a_u8s8(w.x & kLo, x.x, sums[0]));
+  sums[1] = dp4a_u8s8(w.z & kHi, x.w, dp4a_u8s8(w.x & kHi, x.y, sums[1]));
+  sums[2] = dp4a_u8s8(w.w & kLo, x.z, dp4a_u8s8(w.y & kLo, x.x, sums[2]));
+  sums[3] = dp4a_u8s8(w.w & kHi, x.w, dp4a_u8s8(w.y & kHi, x.y, sums[3]));
+}
+
+// One group's share of the dp4a_codes_one_token sums (one chunk, or two of the same group) into
+// C registers 0 / 2 of lane (g, t): its group scale, and (a - 128) times x_sum, the sum of the
+// same chunks' x bytes.
+__device__ __forceinline__ void apply_group_one_token(int32_t (&c)[4], const int32_t (&sums)[4],
+                                                      const uint32_t params, int32_t x_sum) {
   const int32_t s_even = params & 0xFFu, s_odd = (params >> 16) & 0xFFu;  // gparams bytes 0, 2
   const int32_t a_even = static_cast<int8_t>((params >> 8) ^ 0x80u);     // bytes 1, 3, minus 128
   const int32_t a_odd = static_cast<int8_t>((params >> 24) ^ 0x80u);
-  c[0] += s_even * (lo_even + (hi_even >> 4)) + a_even * x_sum;
-  c[2] += s_odd * (lo_odd + (hi_odd >> 4)) + a_odd * x_sum;
+  c[0] += s_even * (sums[0] + (sums[1] >> 4)) + a_even * x_sum;
+  c[2] += s_odd * (sums[2] + (sums[3] >> 4)) + a_odd * x_sum;
 }
 
 // ---- epilogue ------------------------------------------------------------------------------
@@ -167,20 +173,44 @@ __device__ __forceinline__ int2 sum_splits(const Params& p, int splits, int tok,
 }
 
 // The sums of kBatch loaded chunks: dequant + MMA, or at M = 1 IDP.4A on the codes; kU8Mma
-// also sums the lane's activations per token tile into xsum.
+// also sums the lane's activations per token tile into xsum. kDp4aOneToken with pair_chunks
+// (group >= 128, batch starting at an even chunk) scales chunks u, u + 1 once: one group.
 template <int kBatch, DecodeMath kMath, int kRowTiles, int kTokTiles>
 __device__ __forceinline__ void accumulate_batch(const uint4 (&wv)[kBatch][kRowTiles],
                                                  const uint32_t (&pv)[kBatch][kRowTiles],
-                                                 const uint4 (&xv)[kBatch][kTokTiles],
+                                                 const uint4 (&xv)[kBatch][kTokTiles], bool pair_chunks,
                                                  int32_t (&acc)[kRowTiles][kTokTiles][4], int32_t (&xsum)[kTokTiles]) {
   constexpr bool kUnsigned = kMath == DecodeMath::kU8Mma;
+  if constexpr (kMath == DecodeMath::kDp4aOneToken) {
+    if constexpr (kBatch % 2 == 0) {
+      if (pair_chunks) {
 #pragma unroll
-  for (int u = 0; u < kBatch; ++u) {
-    if constexpr (kMath == DecodeMath::kDp4aOneToken) {
+        for (int u = 0; u < kBatch; u += 2) {
+          const int32_t x_sum = sum_s8x16(xv[u + 1][0], sum_s8x16(xv[u][0], 0));
+#pragma unroll
+          for (int r = 0; r < kRowTiles; ++r) {
+            int32_t sums[4] = {0, 0, 0, 0};
+            dp4a_codes_one_token(sums, wv[u][r], xv[u][0]);
+            dp4a_codes_one_token(sums, wv[u + 1][r], xv[u + 1][0]);
+            apply_group_one_token(acc[r][0], sums, pv[u][r], x_sum);
+          }
+        }
+        return;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
       const int32_t x_sum = sum_s8x16(xv[u][0], 0);
 #pragma unroll
-      for (int r = 0; r < kRowTiles; ++r) dp4a_chunk_one_token(acc[r][0], wv[u][r], pv[u][r], xv[u][0], x_sum);
-    } else {
+      for (int r = 0; r < kRowTiles; ++r) {
+        int32_t sums[4] = {0, 0, 0, 0};
+        dp4a_codes_one_token(sums, wv[u][r], xv[u][0]);
+        apply_group_one_token(acc[r][0], sums, pv[u][r], x_sum);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
 #pragma unroll
       for (int r = 0; r < kRowTiles; ++r) {
         uint32_t a[2][4];
@@ -188,10 +218,10 @@ __device__ __forceinline__ void accumulate_batch(const uint4 (&wv)[kBatch][kRowT
 #pragma unroll
         for (int tt = 0; tt < kTokTiles; ++tt) mma_chunk<kUnsigned>(acc[r][tt], a, xv[u][tt]);
       }
-    }
-    if constexpr (kUnsigned) {
+      if constexpr (kUnsigned) {
 #pragma unroll
-      for (int tt = 0; tt < kTokTiles; ++tt) xsum[tt] = sum_s8x16(xv[u][tt], xsum[tt]);
+        for (int tt = 0; tt < kTokTiles; ++tt) xsum[tt] = sum_s8x16(xv[u][tt], xsum[tt]);
+      }
     }
   }
 }
@@ -200,7 +230,7 @@ __device__ __forceinline__ void accumulate_batch(const uint4 (&wv)[kBatch][kRowT
 template <int kBatch, DecodeMath kMath, int kRowTiles, int kTokTiles>
 __device__ __forceinline__ void decode_loaded_batch(const uint4 (&wv)[kBatch][kRowTiles],
                                                     const uint32_t (&pv)[kBatch][kRowTiles],
-                                                    const int8_t* (&xptr)[kTokTiles],
+                                                    const int8_t* (&xptr)[kTokTiles], bool pair_chunks,
                                                     int32_t (&acc)[kRowTiles][kTokTiles][4],
                                                     int32_t (&xsum)[kTokTiles]) {
   uint4 xv[kBatch][kTokTiles];
@@ -210,7 +240,7 @@ __device__ __forceinline__ void decode_loaded_batch(const uint4 (&wv)[kBatch][kR
     for (int tt = 0; tt < kTokTiles; ++tt) xv[u][tt] = ldg_v4(xptr[tt] + u * kChunkK);
 #pragma unroll
   for (int tt = 0; tt < kTokTiles; ++tt) xptr[tt] += kBatch * kChunkK;
-  accumulate_batch<kBatch, kMath>(wv, pv, xv, acc, xsum);
+  accumulate_batch<kBatch, kMath>(wv, pv, xv, pair_chunks, acc, xsum);
 }
 
 // The weight and group words of chunk c + u for each row tile (LDG.128 + LDG.32 each).
@@ -259,7 +289,7 @@ __device__ __forceinline__ void decode_batch(const uint8_t* (&wptr)[kRowTiles], 
   for (int r = 0; r < kRowTiles; ++r) wptr[r] += kBatch * kChunkBytes;
 #pragma unroll
   for (int tt = 0; tt < kTokTiles; ++tt) xptr[tt] += kBatch * kChunkK;
-  accumulate_batch<kBatch, kMath>(wv, pv, xv, acc, xsum);
+  accumulate_batch<kBatch, kMath>(wv, pv, xv, group_shift > 0, acc, xsum);
 }
 
 // The u8 x s8 MMA summed u * x = (w8 + 128) * x: subtract 128 * sum_k x of each accumulator's
@@ -328,10 +358,12 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(c
   const int row_tile0 = blockIdx.x * kRowTiles;
   const int splits = gridDim.y;
 
-  const int per_split = ceil_div(chunks, splits);
+  // The IDP.4A form scales two chunks of a group at once: its ranges start at even chunks.
+  constexpr int kAlign = kMath == DecodeMath::kDp4aOneToken ? 2 : 1;
+  const int per_split = ceil_div(chunks, splits * kAlign) * kAlign;
   const int split_lo = min(chunks, static_cast<int>(blockIdx.y) * per_split);
   const int split_hi = min(chunks, split_lo + per_split);
-  const int per_warp = ceil_div(split_hi - split_lo, kDecodeWarps);
+  const int per_warp = ceil_div(split_hi - split_lo, kDecodeWarps * kAlign) * kAlign;
   const int c_lo = min(split_hi, split_lo + warp * per_warp);
   const int c_hi = min(split_hi, c_lo + per_warp);
 
@@ -378,12 +410,15 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(c
   int c = c_lo;
   if constexpr (kPreload) {
     if (preloaded) {
-      decode_loaded_batch<kPre, kMath>(wv0, pv0, xptr, acc, xsum);
+      decode_loaded_batch<kPre, kMath>(wv0, pv0, xptr, p.group_shift > 0, acc, xsum);
       c += kPre;
     }
   }
   for (; c + kUnroll <= c_hi; c += kUnroll)
     decode_batch<kUnroll, kMath>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
+  if constexpr (kAlign == 2) {  // whole groups' pairs, then (group 64) single chunks
+    for (; c + 2 <= c_hi; c += 2) decode_batch<2, kMath>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
+  }
   for (; c < c_hi; ++c) decode_batch<1, kMath>(wptr, pptr, xptr, c, p.group_shift, acc, xsum);
   if constexpr (kMath == DecodeMath::kU8Mma) subtract_unsigned_offset(acc, xsum, t);
   if constexpr (kMath == DecodeMath::kDp4aOneToken) sum_one_token_slices(acc);
@@ -682,7 +717,7 @@ cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, Decode
 }  // namespace
 
 const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel, int splits,
-                           int decode_ctas_per_sm, bool decode_dp4a, W4A8Plan* plan) {
+                           int decode_ctas_per_sm, W4A8Plan* plan) {
   if (M <= 0 || N <= 0 || K <= 0) return "w4a8_gemm: M, N and K must be positive";
   if (N % 16) return "w4a8_gemm: N must be a multiple of 16";
   if (group_size < kChunkK || group_size % kChunkK || ((group_size / kChunkK) & (group_size / kChunkK - 1)))
@@ -702,9 +737,8 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
     // channels. The 3-CTA build covers M <= 16; above M = 8 (two token tiles, 120 registers cut
     // to 80: up to 28 % slower per CTA) it is chosen only when its grid fits one wave (a forced
     // build is taken as it is). Session 36's H200 rows: within 0.5 % of the measured best on
-    // all 36 (csrc/gemm/NOTES.md "Decode occupancy"). With decode_dp4a at M = 1 the 3-CTA build
-    // is likewise taken only where it is one wave: its IDP.4A form lost 0.5-5.5 % there on the
-    // two multi-wave Llama rows, where the 2-CTA one gained (NOTES.md "Session 55").
+    // all 36 (csrc/gemm/NOTES.md "Decode occupancy"). decode_dp4a's IDP.4A form at M = 1 keeps
+    // the rule: its 3-CTA build was the fastest on both multi-wave Llama rows (NOTES.md "Session 56").
     const int forced = decode_ctas_per_sm == 3 && M > 16 ? 2 : decode_ctas_per_sm;
     long long best_waves = 0, best_slots = 1;
     int best_ctas = 0;
@@ -716,7 +750,7 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
         const int ctas = ctas_per_split(cand, M, N);
         const long long slots = static_cast<long long>(decode_ctas_resident(M, cand, build)) * num_sms;
         const long long waves = (ctas + slots - 1) / slots;
-        if (build == 3 && (M > 8 || (M == 1 && decode_dp4a)) && waves > 1 && forced == 0) continue;
+        if (build == 3 && M > 8 && waves > 1 && forced == 0) continue;
         // fuller: ctas / (waves * slots) larger, compared without division
         const bool better = best_ctas == 0 || waves < best_waves ||
                             (waves == best_waves && static_cast<long long>(ctas) * best_waves * best_slots >
