@@ -881,8 +881,9 @@ stage_decode_options() {
   return $rc
 }
 # Session 55: decode_dp4a (M = 1: IDP.4A on the 4-bit codes, no dequant, no MMA) after its GPU tests,
-# off-on-off in one run on the 7 Llama rows under the planner's build (with the option on, the
-# 2-CTA one where the 3-CTA grid is over one wave), then again with the 2-CTA build forced.
+# off-on-off in one run on the 7 Llama rows under the planner's build (session 55's planner gave
+# the option the 2-CTA build where the 3-CTA grid was over one wave; since session 56 the same
+# build as without it), then again with the 2-CTA build forced.
 stage_decode_dp4a() {
   local rc=0
   pytest_gpu pytest-gpu-decode-dp4a 200 tests/kernels/test_cuda_gemm.py \
