@@ -283,7 +283,7 @@ def test_decode_build_choice_on_the_auto_ab_rows(launch_options):
     (32, 10240, 8192, (1, 1, 2)),   # M > 16: the 2-CTA build only
 ])
 def test_decode_build_fewest_waves_then_fullest(m, n, k, want, launch_options):
-    launch_options(decode_dp4a=0)  # the MMA forms' rule (decode_dp4a at M = 1: test_decode_build_with_dp4a)
+    launch_options(decode_dp4a=0)  # the MMA forms' rule; with dp4a: test_decode_build_with_dp4a_is_the_measured_best
     assert decode_plan(m, n, k, sms=132) == want
 
 

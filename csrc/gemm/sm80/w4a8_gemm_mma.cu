@@ -172,6 +172,27 @@ __device__ __forceinline__ int2 sum_splits(const Params& p, int splits, int tok,
   return acc;
 }
 
+// IDP.4A sums of kBatch loaded chunks at M = 1, kStep chunks of one group at a time (2: chunk
+// pairs, group >= 128; 1: every chunk alone), each share scaled once by its first chunk's group.
+template <int kStep, int kBatch, int kRowTiles>
+__device__ __forceinline__ void dp4a_batch_one_token(const uint4 (&wv)[kBatch][kRowTiles],
+                                                     const uint32_t (&pv)[kBatch][kRowTiles],
+                                                     const uint4 (&xv)[kBatch][1], int32_t (&acc)[kRowTiles][1][4]) {
+#pragma unroll
+  for (int u = 0; u < kBatch; u += kStep) {
+    int32_t x_sum = 0;
+#pragma unroll
+    for (int j = 0; j < kStep; ++j) x_sum = sum_s8x16(xv[u + j][0], x_sum);
+#pragma unroll
+    for (int r = 0; r < kRowTiles; ++r) {
+      int32_t sums[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int j = 0; j < kStep; ++j) dp4a_codes_one_token(sums, wv[u + j][r], xv[u + j][0]);
+      apply_group_one_token(acc[r][0], sums, pv[u][r], x_sum);
+    }
+  }
+}
+
 // The sums of kBatch loaded chunks: dequant + MMA, or at M = 1 IDP.4A on the codes; kU8Mma
 // also sums the lane's activations per token tile into xsum. kDp4aOneToken with pair_chunks
 // (group >= 128, batch starting at an even chunk) scales chunks u, u + 1 once: one group.
@@ -184,30 +205,11 @@ __device__ __forceinline__ void accumulate_batch(const uint4 (&wv)[kBatch][kRowT
   if constexpr (kMath == DecodeMath::kDp4aOneToken) {
     if constexpr (kBatch % 2 == 0) {
       if (pair_chunks) {
-#pragma unroll
-        for (int u = 0; u < kBatch; u += 2) {
-          const int32_t x_sum = sum_s8x16(xv[u + 1][0], sum_s8x16(xv[u][0], 0));
-#pragma unroll
-          for (int r = 0; r < kRowTiles; ++r) {
-            int32_t sums[4] = {0, 0, 0, 0};
-            dp4a_codes_one_token(sums, wv[u][r], xv[u][0]);
-            dp4a_codes_one_token(sums, wv[u + 1][r], xv[u + 1][0]);
-            apply_group_one_token(acc[r][0], sums, pv[u][r], x_sum);
-          }
-        }
+        dp4a_batch_one_token<2>(wv, pv, xv, acc);
         return;
       }
     }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int32_t x_sum = sum_s8x16(xv[u][0], 0);
-#pragma unroll
-      for (int r = 0; r < kRowTiles; ++r) {
-        int32_t sums[4] = {0, 0, 0, 0};
-        dp4a_codes_one_token(sums, wv[u][r], xv[u][0]);
-        apply_group_one_token(acc[r][0], sums, pv[u][r], x_sum);
-      }
-    }
+    dp4a_batch_one_token<1>(wv, pv, xv, acc);
   } else {
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
