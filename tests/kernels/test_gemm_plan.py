@@ -45,6 +45,10 @@ DECODE_BUILD_M8_M12 = os.path.join(RESULTS, "2026-11-29-s36", "decode-build", "d
 # session-55 planner that took the 2-CTA build for it on the N = 28672 rows (7 rows)
 DECODE_DP4A_C3 = os.path.join(RESULTS, "2026-12-03-s56", "2-pair-tests-c3", "decode_dp4a_c3.json")
 DECODE_DP4A_PLANNED = os.path.join(RESULTS, "2026-12-03-s56", "3-pair-vs-per-chunk", "diag1_plain.json")
+# Session 57: the same forced 3-CTA build, the committed IDP.4A form (chunk pairs), session 55's
+# per-chunk form (scripts/diag/decode_dp4a_per_chunk.patch), the committed form again: one host
+PER_CHUNK_C3 = [os.path.join(RESULTS, "2026-12-03-s57", "per-chunk-c3", f"c3_{i}_{v}.json")
+                for i, v in ((1, "plain"), (2, "decode_dp4a_per_chunk"), (3, "plain"))]
 
 
 @pytest.fixture(autouse=True)
@@ -311,6 +315,26 @@ def test_decode_build_with_dp4a_is_the_measured_best(launch_options):
         assert decode_plan(1, n, k, sms=132) == off, (k, n)
     launch_options(decode_ctas_per_sm=2)
     assert decode_plan(1, 28672, 8192, sms=132) == (1, 1, 2)  # a forced build holds
+
+
+def test_chunk_pairs_are_what_the_three_cta_build_needs():
+    """Why the 3-CTA IDP.4A build wins on the N = 28672 rows: with the build forced, session 55's
+    per-chunk form runs 9-12 % slower than the chunk pairs, which repeat within 0.5 % before and
+    after it; the MMA form (the same code in both builds of the run) moves under 0.5 % (session 57,
+    H200, one host)."""
+    runs = []
+    for path in PER_CHUNK_C3:
+        with open(path) as f:
+            runs.append({(r["K"], r["N"]): r for r in json.load(f)})
+    assert set(runs[0]) == {(4096, 28672), (8192, 28672)}
+    for key in runs[0]:
+        before, per_chunk, after = (run[key] for run in runs)
+        assert all(r["plan_d41"] == [1, 1, 3] for r in (before, per_chunk, after)), key
+        pairs = (before["gemm_auto_d41_us"], after["gemm_auto_d41_us"])
+        assert abs(pairs[0] / pairs[1] - 1) < 0.005, (key, pairs)
+        assert per_chunk["gemm_auto_d41_us"] > 1.08 * max(pairs), (key, per_chunk["gemm_auto_d41_us"], pairs)
+        mma = [r["gemm_auto_d40_us"] for r in (before, per_chunk, after)]
+        assert max(mma) / min(mma) < 1.005, (key, mma)
 
 
 def test_decode_build_forced(launch_options):
