@@ -895,8 +895,8 @@ stage_decode_dp4a() {
     --out "$OUT/decode_dp4a_c2.json" || rc=1
   return $rc
 }
-# Session 56: the IDP.4A form's forced 3-CTA build, off-on-off, on the rows where the planner
-# with decode_dp4a on leaves the 3-CTA build (N = 28672) or keeps it (8192x10240).
+# Session 56: the IDP.4A form's forced 3-CTA build, off-on-off, on the rows where session 55's
+# planner gave decode_dp4a the 2-CTA build (N = 28672) or kept the 3-CTA one (8192x10240).
 stage_decode_dp4a_c3() {
   MIXPREC_GEMM_DECODE_CTAS_PER_SM=3 run_bench bench_w4a8_cuda_decode_dp4a_c3 200 python3 scripts/bench_w4a8_cuda.py \
     --no-marlin --ms 1 --group 128 --option-ab decode_dp4a --shapes 4096x28672 8192x10240 8192x28672 \
@@ -915,8 +915,8 @@ stage_decode_dp4a_final() {
   stage_decode_dp4a_per_chunk_c3 || rc=1
   return $rc
 }
-# The step session 56 ran out of device time for: the per-chunk IDP.4A form (session 55's) in the
-# forced 3-CTA build on the N = 28672 rows, plain (chunk pairs) before and after it.
+# The per-chunk IDP.4A form (session 55's) in the forced 3-CTA build on the N = 28672 rows, plain
+# (chunk pairs) before and after it (session 56 ran out of device time for it; session 57 ran it).
 stage_decode_dp4a_per_chunk_c3() {
   local rc=0 v i=0
   for v in plain decode_dp4a_per_chunk plain; do

@@ -82,6 +82,12 @@ def _sweep():
         return json.load(f)
 
 
+def _m1_rows(path):
+    """An M = 1 benchmark JSON's rows by (K, N)."""
+    with open(path) as f:
+        return {(r["K"], r["N"]): r for r in json.load(f)}
+
+
 def _measured(row):
     return {(k, s): row[f"gemm_k{k}_s{s}_us"] for k in cuda.WGMMA_KERNELS for s in (1, 2, 4)
             if f"gemm_k{k}_s{s}_us" in row}
@@ -296,10 +302,7 @@ def test_decode_build_with_dp4a_is_the_measured_best(launch_options):
     group scaled once) ran fastest in the 3-CTA build on the multi-wave N = 28672 rows too, ahead
     of its 2-CTA build and of the MMA form in either (session 56, H200, same host; session 55's
     per-chunk diagnostic form had lost there). Every Llama row at M = 1 gets one plan either way."""
-    with open(DECODE_DP4A_C3) as f:
-        three = {(r["K"], r["N"]): r for r in json.load(f)}
-    with open(DECODE_DP4A_PLANNED) as f:
-        planned = {(r["K"], r["N"]): r for r in json.load(f)}
+    three, planned = _m1_rows(DECODE_DP4A_C3), _m1_rows(DECODE_DP4A_PLANNED)
     for (k, n), row in three.items():
         assert row["plan_d41"] == [1, 1, 3] and row["plan_d40"] == [1, 1, 3]
         dp4a_3, mma_3 = row["gemm_auto_d41_us"], row["gemm_auto_d40_us"]
@@ -322,10 +325,7 @@ def test_chunk_pairs_are_what_the_three_cta_build_needs():
     per-chunk form runs 9-12 % slower than the chunk pairs, which repeat within 0.5 % before and
     after it; the MMA form (the same code in both builds of the run) moves under 0.5 % (session 57,
     H200, one host)."""
-    runs = []
-    for path in PER_CHUNK_C3:
-        with open(path) as f:
-            runs.append({(r["K"], r["N"]): r for r in json.load(f)})
+    runs = [_m1_rows(path) for path in PER_CHUNK_C3]
     assert set(runs[0]) == {(4096, 28672), (8192, 28672)}
     for key in runs[0]:
         before, per_chunk, after = (run[key] for run in runs)

@@ -138,11 +138,11 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
     where the doubled grid is one wave, or, for K >= 8192, after a wave of whole tiles (on;
     MIXPREC_GEMM_CLUSTER_PAIR=0 turns it off at load). decode_dp4a: at M = 1 the decode kernels
     multiply the 4-bit codes by IDP.4A, with no dequant and no MMA, and apply each group's scale
-    and offset once per group's share of a warp (two chunks at group 128), and the planner then
-    takes the 3-CTA build at M = 1 only where it is one wave; the same int32 sums (on;
+    and offset once per group's share of a warp (two chunks at group >= 128); the planner picks the
+    same build with it on or off, and the same int32 sums come out (on;
     MIXPREC_GEMM_DECODE_DP4A=0 turns it off at load). Defaults: csrc/gemm/NOTES.md, "PDL",
     "Stream-K", "Decode u8", "Decode occupancy", "Decode preload", "quantize_act", "Session 47",
-    "Session 48" and "Session 55".
+    "Session 48", "Session 55" and "Session 56".
     A CUDA graph keeps the options it was captured with."""
     got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8,
                                                  decode_ctas_per_sm, decode_preload_max_m, act_quant_lean,
