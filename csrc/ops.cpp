@@ -37,11 +37,6 @@ cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cu
 
 namespace {
 
-// Auto (kernel = -1) takes the wgmma kernels from this many tokens up where they are supported.
-// The choice is made here rather than in Python so that a dynamic M (torch.compile, CUDA
-// graphs per batch size) never branches in traced code.
-constexpr int64_t kWgmmaMinM = 64;
-
 OutKind kind_of(at::ScalarType t, const char* what) {
   switch (t) {
     case at::kHalf: return OutKind::kHalf;
@@ -263,21 +258,24 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   const at::Tensor x_scale = x_scale_in.contiguous();
   const at::Tensor channel_scale = aligned_contiguous(channel_scale_in);
 
-  // kernel: -2 auto over the mma.sync kernels; -1 auto (wgmma from kWgmmaMinM tokens on sm90);
-  // 0..3 mma.sync kernels; 4..8 wgmma kernels (sm_90a build on an sm_90 GPU only).
+  // kernel: -2 auto over the mma.sync kernels; -1 auto (on sm90 the wgmma kernels, but for the
+  // decode kernels' M: w4a8_auto_prefers_decode); 0..3 mma.sync kernels; 4..8 wgmma kernels
+  // (sm_90a build on an sm_90 GPU only). The choice is made here rather than in Python so that a
+  // dynamic M (torch.compile, CUDA graphs per batch size) never branches in traced code.
   TORCH_CHECK(kernel >= -2 && kernel <= 8, op, "kernel must be -2, -1 (auto) or 0..8, got ", kernel);
-  const bool wants_wgmma = kernel >= 4 || (kernel == -1 && M >= kWgmmaMinM);
+  const int num_sm = num_sms(xq.device().index());
+  const bool wants_wgmma =
+      kernel >= 4 || (kernel == -1 && !w4a8_auto_prefers_decode(static_cast<int>(M), static_cast<int>(N), num_sm));
   const bool use_wgmma = wants_wgmma && w4a8_wgmma_supported();
   TORCH_CHECK(splits >= -2, op,
               "splits must be -2 (a cluster pair), -1 (stream-K), 0 (choose) or a split count, got ", splits);
   TORCH_CHECK(splits >= 0 || use_wgmma, op, "splits=", splits,
-              " (-1: stream-K, -2: a cluster pair) runs on the wgmma kernels only: kernel 4..8, or -1 with M >= ",
-              kWgmmaMinM, ", on an sm_90 GPU with an sm_90a build (M=", M, ", kernel=", kernel, ")");
+              " (-1: stream-K, -2: a cluster pair) runs on the wgmma kernels only: kernel 4..8, or -1 past the "
+              "decode kernels' M, on an sm_90 GPU with an sm_90a build (M=", M, ", kernel=", kernel, ")");
   TORCH_CHECK(use_wgmma || kernel < 4, op, "kernel ", kernel,
               " is a wgmma kernel: it needs an sm_90 GPU (H100/H200) and a build with sm_90a in "
               "MIXPREC_CUDA_ARCHS; this device or build has no wgmma kernel (use -1 or 0..3)");
   W4A8Plan plan{};
-  const int num_sm = num_sms(xq.device().index());
   const char* err =
       use_wgmma ? w4a8_wgmma_make_plan(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
                                        static_cast<int>(group_size), num_sm, static_cast<int>(kernel),
@@ -351,6 +349,12 @@ std::vector<int64_t> w4a8_plan(int64_t M, int64_t N, int64_t K, int64_t group_si
                                            launch_options().decode_ctas_per_sm.load(), &plan);
   TORCH_CHECK(err == nullptr, "mixprec_C::w4a8_plan: ", err ? err : "");
   return {static_cast<int64_t>(plan.kernel), plan.splits, plan.decode_ctas};
+}
+
+// Whether the auto plan (kernel -1) of M tokens x N channels takes the decode kernels where the
+// wgmma kernels are available (kernels/cuda.py:auto_gemm_kernel_family).
+bool w4a8_auto_decode(int64_t M, int64_t N, int64_t num_sms) {
+  return w4a8_auto_prefers_decode(static_cast<int>(M), static_cast<int>(N), static_cast<int>(num_sms));
 }
 
 // The page part of KV4 decode attention (csrc/attention/sm80/decode_kv4_mma.cu): the rows of
@@ -516,6 +520,7 @@ TORCH_LIBRARY(mixprec_C, m) {
   m.def("w4a8_wgmma_available(int device) -> bool", &mixprec::w4a8_wgmma_available);
   m.def("w4a8_plan(int M, int N, int K, int group_size, int num_sms, int kernel_id, int splits, bool wgmma) -> int[]",
         &mixprec::w4a8_plan);
+  m.def("w4a8_auto_decode(int M, int N, int num_sms) -> bool", &mixprec::w4a8_auto_decode);
   m.def(
       "decode_kv4_pages(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
       "Tensor(a!) out, Tensor(b!)? part_o, Tensor(c!)? part_lse, Tensor? k_smooth, float qk_scale, int num_rows, "

@@ -16,7 +16,7 @@
 # quant_lean cluster_pair cluster_pair_sanitize racecheck_probe pair_tail pair_racecheck_split pair_pull
 # pair_pull_ab decode_pdl profile_decode_cold w4ax_tests property_cuda_gemm issue_table stream_k_refit
 # profile_decode_stalls profile_decode_ceiling decode_dp4a decode_dp4a_c3 decode_dp4a_final
-# decode_dp4a_per_chunk_c3
+# decode_dp4a_per_chunk_c3 decode_m64 decode_m64_auto
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -913,6 +913,30 @@ stage_decode_dp4a_final() {
     --cublas-gemv --out "$OUT/decode_dp4a_final.json" || rc=1
   stage_decode_table || rc=1
   stage_decode_dp4a_per_chunk_c3 || rc=1
+  return $rc
+}
+# Session 58: the decode kernels with eight token tiles (kernels 0, 1 forced at M = 33-64) after
+# their GPU tests, timed against the auto plan (tiled mma.sync at M = 33-63, wgmma from 64),
+# wgmma kernel 7 forced and Marlin W4A16, on the Llama shapes (CUDA graphs, weights rotated past
+# the L2, group 128).
+stage_decode_m64() {
+  local rc=0
+  pytest_gpu pytest-gpu-decode-m64 240 tests/kernels/test_cuda_gemm.py -k "integer_exact" || rc=1
+  run_bench bench_w4a8_cuda_decode_m64 330 python3 scripts/bench_w4a8_cuda.py --group 128 --kernels 0 1 7 \
+    --ms ${DECODE_M64_MS:-32 40 48 64} \
+    --shapes ${DECODE_M64_SHAPES:-4096x6144 4096x4096 4096x28672 14336x4096 8192x10240 28672x8192 8192x28672} \
+    --out "$OUT/decode_m64.json" || rc=1
+  return $rc
+}
+# Then the planner that takes the decode kernel at M = 33-64 where its grid is one wave (the wgmma
+# kernels elsewhere): the csrc GEMM tests, and the auto GEMM and linear against Marlin W4A16.
+stage_decode_m64_auto() {
+  local rc=0
+  stage_test_csrc || rc=1
+  run_bench bench_w4a8_cuda_decode_m64_auto 240 python3 scripts/bench_w4a8_cuda.py --group 128 --auto-only \
+    --ms ${DECODE_M64_MS:-40 48 64} \
+    --shapes ${DECODE_M64_SHAPES:-4096x6144 4096x4096 4096x28672 14336x4096 8192x10240 28672x8192 8192x28672} \
+    --out "$OUT/decode_m64_auto.json" || rc=1
   return $rc
 }
 # The per-chunk IDP.4A form (session 55's) in the forced 3-CTA build on the N = 28672 rows, plain

@@ -42,7 +42,7 @@ pq, gp = cuda.repack_w4a8(qw, gs, go)
 cs = torch.rand(n, device="cuda", generator=g) * 1e-3
 x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=g)
 sms = torch.cuda.get_device_properties(0).multi_processor_count
-print("plan", list(torch.ops.mixprec_C.w4a8_plan(m, n, k, grp, sms, -1, 0, m >= 64 and cuda.has_wgmma())))
+print("plan", list(torch.ops.mixprec_C.w4a8_plan(m, n, k, grp, sms, -1, 0, cuda.auto_gemm_kernel_family(m, n) == "wgmma")))
 for _ in range(8):
     xq, xs = cuda.quantize_act(x)
     torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, 0)

@@ -14,7 +14,7 @@ namespace mixprec {
 enum class OutKind : int { kHalf = 0, kBFloat16 = 1, kFloat = 2 };
 enum class BiasKind : int { kNone = 0, kFloat = 1, kSameAsOut = 2 };
 
-// Which kernel: decode kernels stream the weight once (M <= 32), tiled kernels stage
+// Which kernel: decode kernels stream the weight once (M <= 64), tiled kernels stage
 // weight and activation tiles in shared memory (any M).
 enum class W4A8Kernel : int {
   kAuto = -1,
@@ -108,6 +108,10 @@ struct W4A8Plan {
 // Returns an error string (static) when the request cannot be served, nullptr otherwise.
 const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int kernel,
                            int splits, int decode_ctas_per_sm, W4A8Plan* plan);
+
+// Auto (kernel -1) on a GPU with the wgmma kernels: whether M tokens x N channels take the decode
+// kernels (M <= 32; M = 33-64 where the 16-channel kernel's grid is one wave) instead of wgmma.
+bool w4a8_auto_prefers_decode(int M, int N, int num_sms);
 
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cudaStream_t stream);
 

@@ -71,13 +71,13 @@ def assert_integer_sums_exact(m, n, k, g, kernel, splits, seed):
 @pytest.mark.parametrize("kernel", [0, 1, 2, 3])
 @pytest.mark.parametrize("splits", [1, 2, 3, 5])
 def test_gemm_integer_exact_every_kernel(m, kernel, splits):
-    if kernel in (0, 1) and m > 32:
-        pytest.skip("decode kernels take M <= 32")
+    if kernel in (0, 1) and m > 64:
+        pytest.skip("decode kernels take M <= 64")
     # 13 row tiles: odd, not a multiple of 8 (tiled CTAs overhang N)
     assert_integer_sums_exact(m, 208, 1024, 64, kernel, splits, seed=1000 + 17 * m + kernel + 101 * splits)
 
 
-@pytest.mark.parametrize("m", [1, 5, 9, 16, 17, 32])
+@pytest.mark.parametrize("m", [1, 5, 9, 16, 17, 32, 41, 64])
 @pytest.mark.parametrize("kernel", [0, 1])
 @pytest.mark.parametrize("splits", [1, 3, 5])
 @pytest.mark.parametrize("k,g", [(1024, 64), (1728, 64), (3328, 128)])
@@ -86,11 +86,11 @@ def test_gemm_integer_exact_every_kernel(m, kernel, splits):
 def test_decode_options_integer_exact(m, kernel, splits, k, g, u8, ctas, preload_max_m, launch_options):
     """The decode kernels' builds besides the default (s8, 2 CTAs per SM): decode_u8 (u8 x s8 MMA,
     128 * sum_k x subtracted per warp), decode_ctas_per_sm=3 (80 registers; M > 16 keeps the
-    2-CTA build) and decode_preload_max_m (at M <= it, the first batch's weights read before the
+    2-CTA build) and decode_preload_max_m (at M <= it, so never past M = 32, the first batch's weights read before the
     PDL wait, at M = 9-16 only in the 3-CTA build unless it is over 16, half a batch in that build's
     32-channel kernel; warps with fewer chunks than a batch skip it): the int32 sums exactly, with warps
     whose chunk range is empty, one chunk, or a partial unroll batch (27 and 52 chunks), every token tile count
-    (M = 1..32) and G = 128."""
+    (M = 1..64: eight token tiles past M = 32, forced only) and G = 128."""
     launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload_max_m=preload_max_m)
     assert_integer_sums_exact(m, 208, k, g, kernel, splits, seed=2000 + 17 * m + kernel + 101 * splits + k)
 
@@ -227,7 +227,7 @@ def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
     the 2- or 3-CTA build or the
     planner's, with the first weights preloaded at no M, M <= 8, M <= 16 (the default: M = 9-16 in
     the 3-CTA build only) or every M, and on
-    an H100/H200 the wgmma kernels (M >= 64), as programmatic dependent launches (sm_90) after
+    an H100/H200 the wgmma kernels (M = 200-1024; M = 64 takes the decode kernel), as programmatic dependent launches (sm_90) after
     either quantizer give the plain launch's bits;
     (2, 64, 4096), (64, 4096, 4096) and (200, 1024, 14336) split K. The linear op runs
     quantize_act first, so the dependent really overlaps a producer of its input."""

@@ -309,7 +309,8 @@ def test_kernel_id_plumbing_without_gpu():
     assert set(cuda.WGMMA_KERNELS) == set(CONFIGS)
     if not torch.cuda.is_available():
         assert not cuda.has_wgmma()
-        assert cuda.auto_gemm_kernel_family(4096) in ("mma", "wgmma")
+        assert cuda.auto_gemm_kernel_family(4096, 4096) == "mma"
+        assert cuda.auto_gemm_kernel_family(64, 4096) == "decode"
 
 
 # --- GPU ------------------------------------------------------------------------------------
@@ -410,24 +411,34 @@ def test_llama70b_up_proj_shape(need_wgmma, m):
 
 
 @pytest.mark.gpu
-def test_auto_picks_wgmma_from_64_tokens(need_wgmma):
-    assert cuda.auto_gemm_kernel_family(63) == "mma" and cuda.auto_gemm_kernel_family(64) == "wgmma"
-    gen = _gen(3)
-    qw, gs, go, cs = random_lqq(512, 1024, 64, gen)
+@pytest.mark.parametrize("m,wide,family", [(32, False, "decode"), (33, False, "decode"), (64, False, "decode"),
+                                           (65, False, "wgmma"), (1000, False, "wgmma"), (32, True, "decode"),
+                                           (40, True, "wgmma"), (64, True, "wgmma")])
+def test_auto_picks_decode_or_wgmma(need_wgmma, m, wide, family):
+    """Auto takes the decode kernels to M = 32, and to M = 64 where the 16-channel decode grid is
+    one wave (N / 16 <= 2 CTAs x SMs); the wgmma kernels past that. The op runs what the family and
+    its planner say: the same bits as that plan forced."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n = 16 * (2 * sms + 1) if wide else 512
+    assert cuda.auto_gemm_kernel_family(m, n) == family
+    gen = _gen(3 + m)
+    qw, gs, go, cs = random_lqq(n, 1024, 64, gen)
     pq, gp = cuda.repack_w4a8(qw, gs, go)
-    for m in (63, 64, 1000):
-        xq, xs = random_act(m, 1024, gen)
-        auto = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, 0)
-        want = 5 if m <= 64 else 4
-        forced = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16,
-                                               want if m >= 64 else -2, 0)
-        assert torch.equal(auto, forced)
+    xq, xs = random_act(m, 1024, gen)
+    poison(m * n, torch.float16)
+    auto = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, 0)
+    kernel, splits, _ = torch.ops.mixprec_C.w4a8_plan(m, n, 1024, 64, sms, -1, 0, family == "wgmma")
+    assert (kernel in cuda.WGMMA_KERNELS) == (family == "wgmma") and (kernel == 0 or family != "decode" or m <= 32)
+    forced = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, kernel, splits)
+    assert torch.equal(auto, forced)
+    check_close(auto, ref.w4a8_gemm(xq, xs, qw, gs, go, cs, None, torch.float64), torch.float16, check_rel=False)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(64, 1024, 4096), (200, 512, 1024), (1024, 4096, 1024)])
 def test_cuda_graph_capture_and_replay(need_wgmma, m, n, k):
-    """(64, 1024, 4096) takes split-K (4 CTAs): the counters' memset is captured too."""
+    """(64, 1024, 4096) takes split-K (the decode kernel at two splits since session 58; a wgmma
+    kernel at four before): the counters' memset is captured too."""
     gen = _gen(42)
     qw, gs, go, cs = random_lqq(n, k, 64, gen)
     layer = torch.nn.Module()
@@ -519,17 +530,17 @@ def test_stream_k_refused_off_the_wgmma_kernels(need_wgmma):
     xq, xs = random_act(16, 512, gen)
     with pytest.raises(RuntimeError, match="stream-K"):
         torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, 3, -1)
-    with pytest.raises(RuntimeError, match="stream-K"):  # auto at M < 64 is an mma.sync kernel
+    with pytest.raises(RuntimeError, match="stream-K"):  # auto at M = 16 is a decode kernel
         torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, -1)
     with pytest.raises(RuntimeError, match="cluster pair"):
         torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, 3, -2)
     with pytest.raises(RuntimeError, match="splits must be"):
         torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, 4, -3)
-    with pytest.raises(RuntimeError, match=r"a cluster pair\) runs on the wgmma kernels only"):  # M < 64: mma.sync
+    with pytest.raises(RuntimeError, match=r"a cluster pair\) runs on the wgmma kernels only"):  # M = 16: decode
         torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, -2)
-    xq64, xs64 = random_act(64, 512, gen)
+    xq65, xs65 = random_act(65, 512, gen)  # past the decode kernels' M: auto is a wgmma plan
     with pytest.raises(RuntimeError, match="needs a kernel id"):
-        torch.ops.mixprec_C.w4a8_gemm(xq64, xs64, pq, gp, cs, None, torch.float16, -1, -2)
+        torch.ops.mixprec_C.w4a8_gemm(xq65, xs65, pq, gp, cs, None, torch.float16, -1, -2)
 
 
 @pytest.mark.gpu

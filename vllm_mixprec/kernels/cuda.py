@@ -26,11 +26,11 @@ _LIB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _state: dict = {}
 
 # A/B and tuning: force a GEMM kernel and a split-K factor (0 auto). Kernel ids:
-#   -1 auto: decode (M <= 32) / tiled mma.sync kernels, and the sm_90a wgmma kernels for
-#      M >= WGMMA_MIN_M on an sm_90 GPU when the build has them (decided in csrc/ops.cpp, so a
-#      dynamic M never branches in traced Python);
+#   -1 auto: decode (M <= 64) / tiled mma.sync kernels, and on an sm_90 GPU whose build has them
+#      the sm_90a wgmma kernels past M = 32 where the decode grid would take more than one wave,
+#      and past M = 64 (decided in csrc/ops.cpp, so a dynamic M never branches in traced Python);
 #   -2 auto over the mma.sync kernels only (MIXPREC_W4A8_WGMMA=0 selects it);
-#   0/1 decode with 16/32 channels per CTA (M <= 32); 2/3 tiled with 64/128 tokens per CTA;
+#   0/1 decode with 16/32 channels per CTA (M <= 64); 2/3 tiled with 64/128 tokens per CTA;
 #   4/5/6/7/8 wgmma with 256 ch x 128 tok / 256 x 64 / 128 x 256 / 128 x 64 / 128 x 128 per CTA
 #   (sm_90a).
 _GEMM_KERNEL = int(os.environ.get("MIXPREC_W4A8_KERNEL", "-1"))
@@ -39,7 +39,7 @@ if _GEMM_KERNEL == -1 and os.environ.get("MIXPREC_W4A8_WGMMA", "1") == "0":
 _GEMM_SPLITS = int(os.environ.get("MIXPREC_W4A8_SPLITS", "0"))
 
 WGMMA_KERNELS = (4, 5, 6, 7, 8)
-WGMMA_MIN_M = 64  # mirrors kWgmmaMinM in csrc/ops.cpp (documentation and tests only)
+DECODE_MAX_M = 64  # mirrors kDecodeMaxM in csrc/gemm/sm80/w4a8_gemm_mma.cu (documentation and tests only)
 
 CHUNK_K = 64  # k per packed chunk (two m16n8k32 steps)
 TILE_N = 16  # output channels per MMA row tile
@@ -115,7 +115,7 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
                        gemm_cluster_pair: int = -1, decode_dp4a: int = -1) -> dict[str, int]:
     """Set the csrc launch options (-1 keeps one) and return them all.
 
-    gemm_pdl: on sm_90 the decode GEMM (M <= 32) and the wgmma GEMMs are programmatic dependent
+    gemm_pdl: on sm_90 the decode GEMM (M <= 64) and the wgmma GEMMs are programmatic dependent
     launches, which quantize_act lets start at once (on; MIXPREC_GEMM_PDL=0 turns it off at load).
     act_quant_one_pass: quantize_act reads rows of up to 32K elements once, into registers (rows
     over 8192 only at M <= 128; on). act_quant_lean: that one-pass kernel multiplies by 1 / scale,
@@ -123,13 +123,13 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
     timing). gemm_stream_k: the wgmma planner may pick a stream-K launch,
     a persistent grid of one CTA per SM (data-parallel waves, then the rest of the tiles x K
     stages split evenly), when it estimates it 8 % faster (on; MIXPREC_GEMM_STREAM_K=0 turns it
-    off at load). decode_u8: the decode GEMM (M <= 32) multiplies the unsigned weight bytes
+    off at load). decode_u8: the decode GEMM (M <= 64) multiplies the unsigned weight bytes
     (u8 x s8 MMA, one XOR fewer per 4 weights) and subtracts 128 * sum_k x; the same int32 sums
     (off until timed on a GPU; MIXPREC_GEMM_DECODE_U8=1 turns it on at load).
     decode_ctas_per_sm: the decode kernels' build at M <= 16, registers capped for 2 CTAs per SM
     (<= 128) or 3 (<= 80: more CTAs resident, so fewer waves); 0 (default): the planner picks it
     with the kernel, fewest waves first; 2 or 3 forces one (MIXPREC_GEMM_DECODE_CTAS_PER_SM at
-    load); M 17-32 always runs the 2-CTA build. decode_preload_max_m: at M <= this, each decode
+    load); M 17-64 always runs the 2-CTA build. decode_preload_max_m: at M <= this, each decode
     warp reads its first batch of weight words before the PDL wait, overlapping their DRAM latency
     with quantize_act; at M = 9-16 only in the 3-CTA build (half a batch in its 32-channel kernel)
     unless the bound is over 16 (16, the default, where it was measured faster; 0 never, 32 every
@@ -189,16 +189,22 @@ def has_wgmma(device: torch.device | int | None = None) -> bool:
     return cache[index]
 
 
-def auto_gemm_kernel_family(m: int, device: torch.device | int | None = None) -> str:
-    """Which family kernel=-1 runs for M tokens: "decode", "mma" (tiled mma.sync) or "wgmma".
+def auto_gemm_kernel_family(m: int, n: int, device: torch.device | int | None = None,
+                            num_sms: int | None = None) -> str:
+    """Which family kernel=-1 runs for M tokens on N output channels: "decode", "mma" (tiled
+    mma.sync) or "wgmma".
 
-    For benchmarks and tests; the op itself decides in C++ (csrc/ops.cpp).
+    For benchmarks, tests and the debug log; the op itself decides in C++ (csrc/ops.cpp).
     """
     if _GEMM_KERNEL >= 0:
         return "wgmma" if _GEMM_KERNEL in WGMMA_KERNELS else ("decode" if _GEMM_KERNEL < 2 else "mma")
-    if _GEMM_KERNEL == -1 and m >= WGMMA_MIN_M and has_wgmma(device):
-        return "wgmma"
-    return "decode" if m <= 32 else "mma"
+    if _GEMM_KERNEL == -1 and has_wgmma(device):
+        if num_sms is None:
+            idx = torch.cuda.current_device() if device is None else torch.device(device).index
+            num_sms = torch.cuda.get_device_properties(idx).multi_processor_count
+        if not torch.ops.mixprec_C.w4a8_auto_decode(m, n, num_sms):
+            return "wgmma"
+    return "decode" if m <= DECODE_MAX_M else "mma"
 
 
 def describe_plans(n: int, k: int, group_size: int, device: torch.device | int | None = None,
@@ -211,7 +217,7 @@ def describe_plans(n: int, k: int, group_size: int, device: torch.device | int |
         num_sms = torch.cuda.get_device_properties(idx).multi_processor_count
     out = []
     for m in ms:
-        family = auto_gemm_kernel_family(m, device)
+        family = auto_gemm_kernel_family(m, n, device, num_sms)
         kernel = _GEMM_KERNEL if _GEMM_KERNEL >= 0 else -1
         kid, splits, decode_ctas = torch.ops.mixprec_C.w4a8_plan(m, n, k, group_size, num_sms, kernel,
                                                                  _GEMM_SPLITS, family == "wgmma")

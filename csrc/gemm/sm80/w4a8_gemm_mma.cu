@@ -331,7 +331,7 @@ __device__ __forceinline__ void sum_one_token_slices(int32_t (&acc)[kRowTiles][1
     }
 }
 
-// ---- decode kernel (M <= 32): stream the weight once -----------------------------------------
+// ---- decode kernel (M <= 64): stream the weight once -----------------------------------------
 //
 // CTA = kRowTiles x 16 channels, 8 warps split its K range (contiguous chunk ranges), each
 // warp reads its weight words straight from global memory with kUnroll x kRowTiles
@@ -620,7 +620,7 @@ using Tiled128 = TiledShape<4, 2, 2, 8, 3>;  // 128 ch x 128 tok, 37.6 KB smem
 static_assert(Tiled64::kSmemBytes <= 48 * 1024, "tiled-64 needs no opt-in shared memory");
 static_assert(Tiled128::kSmemBytes <= 48 * 1024, "tiled-128 needs no opt-in shared memory");
 
-constexpr int kDecodeMaxM = 32;
+constexpr int kDecodeMaxM = 64;  // eight token tiles (M = 33-64: session 58)
 
 bool is_decode(W4A8Kernel k) { return k == W4A8Kernel::kDecodeRows16 || k == W4A8Kernel::kDecodeRows32; }
 
@@ -639,7 +639,7 @@ int ctas_per_split(W4A8Kernel k, int M, int N) {
 // Decode CTAs resident per SM, which registers decide: the 2-CTA build uses 70 registers for
 // 16 channels and one token tile (3 fit), 91-128 otherwise; the 3-CTA build <= 80 (M <= 16).
 int decode_ctas_resident(int M, W4A8Kernel k, int build_ctas) {
-  const int tok_tiles = M <= 8 ? 1 : (M <= 16 ? 2 : 4);
+  const int tok_tiles = M <= 8 ? 1 : (M <= 16 ? 2 : (M <= 32 ? 4 : 8));
   if (build_ctas == 3 && tok_tiles <= 2) return 3;
   return tok_tiles == 1 && k == W4A8Kernel::kDecodeRows16 ? 3 : 2;
 }
@@ -654,7 +654,11 @@ struct DecodeBuild {
 template <int kTokTiles, int kRowTiles, int kUnroll, DecodeMath kMath, int kMinCtas, typename OutT>
 cudaError_t launch_decode_math(const Params& p, dim3 grid, bool pdl, bool preload, cudaStream_t stream) {
   const dim3 block(kDecodeThreads);
-  return preload ? launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, kMath, kMinCtas, true, OutT>>(
+  if constexpr (kTokTiles > 4)  // decode_preload_max_m <= 32: no preload build past four token tiles
+    return launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, kMath, kMinCtas, false, OutT>>(
+        grid, block, 0, pdl, stream, p);
+  else
+    return preload ? launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, kMath, kMinCtas, true, OutT>>(
                        grid, block, 0, pdl, stream, p)
                  : launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, kMath, kMinCtas, false, OutT>>(
                        grid, block, 0, pdl, stream, p);
@@ -699,8 +703,11 @@ cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, Decode
       if (p.M <= 16)
         return two ? launch_decode_ctas<2, 2, 4, OutT>(p, grid, pdl, b, stream)
                    : launch_decode_ctas<2, 1, 4, OutT>(p, grid, pdl, b, stream);
-      return two ? launch_decode_ctas<4, 2, 2, OutT>(p, grid, pdl, b, stream)
-                 : launch_decode_ctas<4, 1, 2, OutT>(p, grid, pdl, b, stream);
+      if (p.M <= 32)
+        return two ? launch_decode_ctas<4, 2, 2, OutT>(p, grid, pdl, b, stream)
+                   : launch_decode_ctas<4, 1, 2, OutT>(p, grid, pdl, b, stream);
+      return two ? launch_decode_ctas<8, 2, 1, OutT>(p, grid, pdl, b, stream)
+                 : launch_decode_ctas<8, 1, 1, OutT>(p, grid, pdl, b, stream);
     }
     case W4A8Kernel::kTiledTok64: {
       const dim3 grid(ceil_div(p.M, Tiled64::kCtaToks), ceil_div(row_tiles, Tiled64::kCtaRowTiles), plan.splits);
@@ -732,7 +739,9 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
     return "w4a8_gemm: decode_ctas_per_sm must be 0 (choose), 2 or 3";
   const int chunks = K / kChunkK;
   W4A8Kernel k = static_cast<W4A8Kernel>(kernel);
-  if (k == W4A8Kernel::kAuto && M > kDecodeMaxM) k = M <= 64 ? W4A8Kernel::kTiledTok64 : W4A8Kernel::kTiledTok128;
+  // (The tiled-64 kernel, auto at M = 33-64 before session 58, ran 1.03-4x slower than the decode
+  // kernel there on every Llama row of the H200: forced only now.)
+  if (k == W4A8Kernel::kAuto && M > kDecodeMaxM) k = W4A8Kernel::kTiledTok128;
   int build_ctas = 0;
   if (M <= kDecodeMaxM && (k == W4A8Kernel::kAuto || is_decode(k))) {
     // Fewest waves of resident CTAs, then the fullest last wave, then the 2-CTA build and 16
@@ -749,6 +758,9 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
       if ((forced != 0 && build != forced) || (build == 3 && M > 16)) continue;
       for (const W4A8Kernel cand : {W4A8Kernel::kDecodeRows16, W4A8Kernel::kDecodeRows32}) {
         if (k != W4A8Kernel::kAuto && cand != k) continue;
+        // Eight token tiles at 32 channels spill (80-120 bytes) and ran 1.08-1.74x slower than 16
+        // channels on every H200 row of session 58: auto takes 16 past M = 32.
+        if (k == W4A8Kernel::kAuto && cand == W4A8Kernel::kDecodeRows32 && M > 32) continue;
         const int ctas = ctas_per_split(cand, M, N);
         const long long slots = static_cast<long long>(decode_ctas_resident(M, cand, build)) * num_sms;
         const long long waves = (ctas + slots - 1) / slots;
@@ -768,7 +780,7 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
     }
     k = best_kernel;
   }
-  if (is_decode(k) && M > kDecodeMaxM) return "w4a8_gemm: the decode kernels (0, 1) need M <= 32";
+  if (is_decode(k) && M > kDecodeMaxM) return "w4a8_gemm: the decode kernels (0, 1) need M <= 64";
   const int ctas = ctas_per_split(k, M, N);
   if (splits <= 0) {
     // Decode splits K only when its CTAs would leave over half the SMs idle: each split
@@ -789,6 +801,16 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
   plan->num_counters = ctas;
   plan->workspace_elems = splits > 1 ? static_cast<long long>(splits) * M * N : 0;
   return nullptr;
+}
+
+bool w4a8_auto_prefers_decode(int M, int N, int num_sms) {
+  if (M <= 32) return true;
+  // M = 33-64 (session 58, H200): where the 16-channel decode grid is one wave the decode kernel
+  // beat the wgmma plans timed (4096x4096 at M = 40-64: 8.8-9.8 us against 14.6-15.7) or tied
+  // them (14336x4096 at M = 64: +0.1 %); where it takes more waves it lost (N >= 6144: 1.01-2.2x
+  // the fastest wgmma plan timed).
+  const long long slots = static_cast<long long>(decode_ctas_resident(M, W4A8Kernel::kDecodeRows16, 2)) * num_sms;
+  return M <= kDecodeMaxM && N / 16 <= slots;
 }
 
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaStream_t stream) {
