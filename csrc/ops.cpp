@@ -265,7 +265,8 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   TORCH_CHECK(kernel >= -2 && kernel <= 8, op, "kernel must be -2, -1 (auto) or 0..8, got ", kernel);
   const int num_sm = num_sms(xq.device().index());
   const bool wants_wgmma =
-      kernel >= 4 || (kernel == -1 && !w4a8_auto_prefers_decode(static_cast<int>(M), static_cast<int>(N), num_sm));
+      kernel >= 4 ||
+      (kernel == -1 && !w4a8_auto_prefers_decode(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), num_sm));
   const bool use_wgmma = wants_wgmma && w4a8_wgmma_supported();
   TORCH_CHECK(splits >= -2, op,
               "splits must be -2 (a cluster pair), -1 (stream-K), 0 (choose) or a split count, got ", splits);
@@ -353,8 +354,9 @@ std::vector<int64_t> w4a8_plan(int64_t M, int64_t N, int64_t K, int64_t group_si
 
 // Whether the auto plan (kernel -1) of M tokens x N channels takes the decode kernels where the
 // wgmma kernels are available (kernels/cuda.py:auto_gemm_kernel_family).
-bool w4a8_auto_decode(int64_t M, int64_t N, int64_t num_sms) {
-  return w4a8_auto_prefers_decode(static_cast<int>(M), static_cast<int>(N), static_cast<int>(num_sms));
+bool w4a8_auto_decode(int64_t M, int64_t N, int64_t K, int64_t num_sms) {
+  return w4a8_auto_prefers_decode(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
+                                  static_cast<int>(num_sms));
 }
 
 // The page part of KV4 decode attention (csrc/attention/sm80/decode_kv4_mma.cu): the rows of
@@ -520,7 +522,7 @@ TORCH_LIBRARY(mixprec_C, m) {
   m.def("w4a8_wgmma_available(int device) -> bool", &mixprec::w4a8_wgmma_available);
   m.def("w4a8_plan(int M, int N, int K, int group_size, int num_sms, int kernel_id, int splits, bool wgmma) -> int[]",
         &mixprec::w4a8_plan);
-  m.def("w4a8_auto_decode(int M, int N, int num_sms) -> bool", &mixprec::w4a8_auto_decode);
+  m.def("w4a8_auto_decode(int M, int N, int K, int num_sms) -> bool", &mixprec::w4a8_auto_decode);
   m.def(
       "decode_kv4_pages(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
       "Tensor(a!) out, Tensor(b!)? part_o, Tensor(c!)? part_lse, Tensor? k_smooth, float qk_scale, int num_rows, "

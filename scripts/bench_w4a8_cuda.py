@@ -195,7 +195,7 @@ def main():
             def plan(kernel, wgmma):  # what the op launches: [kernel, splits, decode build]
                 return list(torch.ops.mixprec_C.w4a8_plan(m, n, k, g, sms, kernel, 0, wgmma))
 
-            row["plan_auto"] = plan(-1, cuda.auto_gemm_kernel_family(m, n) == "wgmma")  # what gemm_k-1 times
+            row["plan_auto"] = plan(-1, cuda.auto_gemm_kernel_family(m, n, k) == "wgmma")  # what gemm_k-1 times
             for kernel in variants:
                 row[f"gemm_k{kernel}_us"] = bench(lambda: gemm(kernel))
             if args.pair and m >= 64 and cuda.has_wgmma():  # two K halves a tile in a cluster of 2
@@ -253,7 +253,7 @@ def main():
                     if changes == "quant":
                         row[f"quantize_act_{key}_us"] = bench(lambda: cuda.quantize_act(x))
                     else:
-                        row[f"plan_{key}"] = plan(-1, cuda.auto_gemm_kernel_family(m, n) == "wgmma")
+                        row[f"plan_{key}"] = plan(-1, cuda.auto_gemm_kernel_family(m, n, k) == "wgmma")
                         row[f"gemm_auto_{key}_us"] = bench(lambda: gemm(-1))
                     row[f"linear_{key}_us"] = bench(linear)
             if bf16_weight is not None and m <= 32:  # cuBLAS streaming the bf16 weight: the HBM a GEMV reaches here

@@ -16,7 +16,8 @@
 # quant_lean cluster_pair cluster_pair_sanitize racecheck_probe pair_tail pair_racecheck_split pair_pull
 # pair_pull_ab decode_pdl profile_decode_cold w4ax_tests property_cuda_gemm issue_table stream_k_refit
 # profile_decode_stalls profile_decode_ceiling decode_dp4a decode_dp4a_c3 decode_dp4a_final
-# decode_dp4a_per_chunk_c3 decode_m64 decode_m64_auto
+# decode_dp4a_per_chunk_c3 decode_m64 decode_m64_auto decode_groups decode_groups_rows16
+# decode_groups_auto
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -937,6 +938,44 @@ stage_decode_m64_auto() {
     --ms ${DECODE_M64_MS:-40 48 64} \
     --shapes ${DECODE_M64_SHAPES:-4096x6144 4096x4096 4096x28672 14336x4096 8192x10240 28672x8192 8192x28672} \
     --out "$OUT/decode_m64_auto.json" || rc=1
+  return $rc
+}
+# Session 59: 32 channels at M = 33-64 in two token groups (3 or 4 tiles a warp, no spill) after
+# the decode GPU tests; kernels 0 (16 channels, eight token tiles), 1 (32, two groups) and 7
+# forced beside the auto plan on the Llama shapes, no Marlin (session 58's run has it).
+GROUPS_SHAPES="4096x6144 4096x4096 4096x28672 14336x4096 8192x10240 28672x8192 8192x28672"
+stage_decode_groups() {
+  local rc=0
+  pytest_gpu pytest-gpu-decode-groups 200 tests/kernels/test_cuda_gemm.py -k "integer_exact" || rc=1
+  run_bench bench_w4a8_cuda_decode_groups 330 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 \
+    --kernels 0 1 7 --ms ${GROUPS_MS:-40 48 56 64} --shapes ${GROUPS_SHAPES_RUN:-$GROUPS_SHAPES} \
+    --out "$OUT/decode_groups.json" || rc=1
+  return $rc
+}
+# Then the candidate with 16 channels in two token groups too (scripts/diag/decode_rows16_token_groups.patch):
+# its decode tests and kernels 0 and 1 again, then the plain build back.
+stage_decode_groups_rows16() {
+  local rc=0
+  build_variant decode_rows16_token_groups "$OUT/rebuild.log" || return 1  # the source is plain again after
+  pytest_gpu pytest-gpu-decode-groups-rows16 200 tests/kernels/test_cuda_gemm.py -k "integer_exact and not dp4a" || rc=1
+  run_bench bench_w4a8_cuda_decode_groups_rows16 300 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 \
+    --kernels 0 1 --ms ${GROUPS_MS:-40 48 56 64} --shapes ${GROUPS_SHAPES_RUN:-$GROUPS_SHAPES} \
+    --out "$OUT/decode_groups_rows16.json" || rc=1
+  build_ext_90a "$OUT/rebuild.log" || rc=1
+  return $rc
+}
+# Then the planner that takes them (32 channels where only their grid is one wave, to K = 4096):
+# the csrc GEMM tests; the auto GEMM and linear against Marlin W4A16 on the Llama shapes; kernels 1
+# and 7 at K = 8192 and 14336 on one-wave 32-channel grids (where the K limit should lie).
+stage_decode_groups_auto() {
+  local rc=0
+  stage_test_csrc || rc=1
+  run_bench bench_w4a8_cuda_decode_groups_auto 300 python3 scripts/bench_w4a8_cuda.py --group 128 --auto-only \
+    --ms ${GROUPS_MS:-40 48 56 64} --shapes ${GROUPS_SHAPES_RUN:-$GROUPS_SHAPES} \
+    --out "$OUT/decode_groups_auto.json" || rc=1
+  run_bench bench_w4a8_cuda_decode_groups_k 120 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 \
+    --kernels 1 7 --ms 40 64 --shapes 8192x6144 8192x8192 14336x6144 14336x8192 \
+    --out "$OUT/decode_groups_k.json" || rc=1
   return $rc
 }
 # The per-chunk IDP.4A form (session 55's) in the forced 3-CTA build on the N = 28672 rows, plain

@@ -111,7 +111,7 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
 
 // Auto (kernel -1) on a GPU with the wgmma kernels: whether M tokens x N channels take the decode
 // kernels (M <= 32; M = 33-64 where the 16-channel kernel's grid is one wave) instead of wgmma.
-bool w4a8_auto_prefers_decode(int M, int N, int num_sms);
+bool w4a8_auto_prefers_decode(int M, int N, int K, int num_sms);
 
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cudaStream_t stream);
 

@@ -309,8 +309,8 @@ def test_kernel_id_plumbing_without_gpu():
     assert set(cuda.WGMMA_KERNELS) == set(CONFIGS)
     if not torch.cuda.is_available():
         assert not cuda.has_wgmma()
-        assert cuda.auto_gemm_kernel_family(4096, 4096) == "mma"
-        assert cuda.auto_gemm_kernel_family(64, 4096) == "decode"
+        assert cuda.auto_gemm_kernel_family(4096, 4096, 4096) == "mma"
+        assert cuda.auto_gemm_kernel_family(64, 4096, 4096) == "decode"
 
 
 # --- GPU ------------------------------------------------------------------------------------
@@ -411,16 +411,17 @@ def test_llama70b_up_proj_shape(need_wgmma, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,wide,family", [(32, False, "decode"), (33, False, "decode"), (64, False, "decode"),
-                                           (65, False, "wgmma"), (1000, False, "wgmma"), (32, True, "decode"),
-                                           (40, True, "wgmma"), (64, True, "wgmma")])
-def test_auto_picks_decode_or_wgmma(need_wgmma, m, wide, family):
-    """Auto takes the decode kernels to M = 32, and to M = 64 where the 16-channel decode grid is
-    one wave (N / 16 <= 2 CTAs x SMs); the wgmma kernels past that. The op runs what the family and
-    its planner say: the same bits as that plan forced."""
+@pytest.mark.parametrize("m,width,family", [(32, 0, "decode"), (33, 0, "decode"), (64, 0, "decode"),
+                                            (65, 0, "wgmma"), (1000, 0, "wgmma"), (32, 1, "decode"),
+                                            (40, 1, "decode"), (64, 1, "decode"), (32, 2, "decode"),
+                                            (40, 2, "wgmma"), (64, 2, "wgmma")])
+def test_auto_picks_decode_or_wgmma(need_wgmma, m, width, family):
+    """Auto takes the decode kernels to M = 32, and to M = 64 where a decode grid is one wave (2
+    CTAs x SMs; 32 channels, width 1 here, only to K = 4096); the wgmma kernels past that (width 2).
+    The op runs what the family and its planner say: the same bits as that plan forced."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    n = 16 * (2 * sms + 1) if wide else 512
-    assert cuda.auto_gemm_kernel_family(m, n) == family
+    n = (512, 16 * (2 * sms + 1), 32 * (2 * sms + 1))[width]
+    assert cuda.auto_gemm_kernel_family(m, n, 1024) == family
     gen = _gen(3 + m)
     qw, gs, go, cs = random_lqq(n, 1024, 64, gen)
     pq, gp = cuda.repack_w4a8(qw, gs, go)
@@ -428,7 +429,8 @@ def test_auto_picks_decode_or_wgmma(need_wgmma, m, wide, family):
     poison(m * n, torch.float16)
     auto = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, 0)
     kernel, splits, _ = torch.ops.mixprec_C.w4a8_plan(m, n, 1024, 64, sms, -1, 0, family == "wgmma")
-    assert (kernel in cuda.WGMMA_KERNELS) == (family == "wgmma") and (kernel == 0 or family != "decode" or m <= 32)
+    assert (kernel in cuda.WGMMA_KERNELS) == (family == "wgmma")
+    assert family != "decode" or m <= 32 or kernel == min(width, 1)  # 32 channels where 16 is not one wave
     forced = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, kernel, splits)
     assert torch.equal(auto, forced)
     check_close(auto, ref.w4a8_gemm(xq, xs, qw, gs, go, cs, None, torch.float64), torch.float16, check_rel=False)

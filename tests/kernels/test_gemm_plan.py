@@ -51,7 +51,7 @@ PER_CHUNK_C3 = [os.path.join(RESULTS, "2026-12-03-s57", "per-chunk-c3", f"c3_{i}
                 for i, v in ((1, "plain"), (2, "decode_dp4a_per_chunk"), (3, "plain"))]
 # Session 58: the decode kernels forced at M = 32-64 (eight token tiles past 32), wgmma kernel 7
 # forced, and the auto plan of the time (tiled-64 at M = 33-63, wgmma at 64), on the 7 Llama shapes
-DECODE_M64 = os.path.join(RESULTS, "2026-12-03-s58", "decode-m64", "decode_m64.json")
+DECODE_GROUPS = os.path.join(RESULTS, "2026-12-04-s59", "decode-groups", "decode_groups.json")
 
 
 @pytest.fixture(autouse=True)
@@ -358,35 +358,39 @@ def test_decode_build_forced(launch_options):
     assert torch.ops.mixprec_C.w4a8_plan(256, 4096, 4096, 128, 132, -1, 0, True)[2] == 0
 
 
-def _decode_m64_rows():
-    with open(DECODE_M64) as f:
+def _decode_groups_rows():
+    with open(DECODE_GROUPS) as f:
         return json.load(f)
 
 
 def test_decode_kernel_from_33_to_64_tokens_where_one_wave():
-    """Session 58 (H200, one run): at M = 40, 48, 64 the auto plan takes the 16-channel decode
-    kernel exactly where it was the fastest timed variant (4096x4096 and 14336x4096: its grid is
-    one wave; 8.8-9.8 us against wgmma's 14.6-15.7 on the first, and within 0.1 % of wgmma at
-    14336x4096, M = 64), and a wgmma kernel where that was (every N >= 6144 shape, whose decode
-    grid takes more waves). The tiled-64 kernel, auto at M = 33-63 before, lost to the decode
-    kernel on every row."""
-    rows = [r for r in _decode_m64_rows() if r["M"] > 32]
-    assert len(rows) == 21
+    """Session 59 (H200, one run; kernel 1 past M = 32 is 32 channels in two token groups): at M =
+    40-64 auto takes a decode kernel exactly where the fastest timed variant was one (4096x4096
+    and 14336x4096, whose 16-channel grid is one wave; 4096x6144, whose 32-channel grid is), and a
+    wgmma kernel where that was (28672x8192, one 32-channel wave but K = 28672, and the shapes
+    whose decode grids take more waves). The mma.sync-only planner picks the faster decode kernel
+    on every row."""
+    rows = _decode_groups_rows()
+    assert len(rows) == 28 and {r["M"] for r in rows} == {40, 48, 56, 64}
     for r in rows:
         m, n, k = r["M"], r["N"], r["K"]
-        decode, k1, wgmma = r["gemm_k0_us"], r["gemm_k1_us"], r["gemm_k7_us"]
-        if m == 64:  # the wgmma planner's own pick ran as auto at M = 64
+        by_kernel = {0: r["gemm_k0_us"], 1: r["gemm_k1_us"]}
+        fastest = min(by_kernel, key=by_kernel.get)
+        assert decode_plan(m, n, k, sms=132)[0] == fastest, r
+        wgmma = r["gemm_k7_us"]
+        if r["plan_auto"][0] >= 4:  # auto ran a wgmma plan
             wgmma = min(wgmma, r["gemm_k-1_us"])
-        else:  # M = 40, 48: auto was the tiled-64 kernel
-            assert r["plan_auto"][0] == 2 and r["gemm_k-1_us"] > decode, r
-        assert decode < k1, r  # 32 channels spill at eight token tiles
-        if torch.ops.mixprec_C.w4a8_auto_decode(m, n, 132):
-            assert decode < 1.002 * wgmma, r
-            assert decode_plan(m, n, k, sms=132) == (0, 1, 2), r
+        if torch.ops.mixprec_C.w4a8_auto_decode(m, n, k, 132):
+            assert by_kernel[fastest] < 1.002 * wgmma, r
         else:
-            assert wgmma < decode, r
-    assert not torch.ops.mixprec_C.w4a8_auto_decode(65, 4096, 132)
-    assert torch.ops.mixprec_C.w4a8_auto_decode(32, 57344, 132)
+            assert wgmma < by_kernel[fastest], r
+    assert not torch.ops.mixprec_C.w4a8_auto_decode(65, 4096, 4096, 132)
+    assert torch.ops.mixprec_C.w4a8_auto_decode(32, 57344, 8192, 132)
+    assert torch.ops.mixprec_C.w4a8_auto_decode(64, 4224, 28672, 132)  # 264 CTAs of 16 channels: one wave
+    assert not torch.ops.mixprec_C.w4a8_auto_decode(64, 4240, 28672, 132)
+    assert torch.ops.mixprec_C.w4a8_auto_decode(64, 8448, 4096, 132)  # 264 CTAs of 32 channels: one wave
+    assert not torch.ops.mixprec_C.w4a8_auto_decode(64, 8464, 4096, 132)
+    assert not torch.ops.mixprec_C.w4a8_auto_decode(64, 8448, 4160, 132)  # past K = 4096: untimed
 
 
 @pytest.mark.parametrize("n,sms,splits", [(4096, 132, 1), (512, 132, 3), (1024, 132, 2), (4096, 108, 1)])
@@ -619,7 +623,7 @@ def test_describe_plans_names_the_launch(monkeypatch, stream_k_option):
     planner the op runs: stream-K where the session-33 sweep measured it faster."""
     stream_k_option(1)
     monkeypatch.setattr(cuda, "auto_gemm_kernel_family",
-                        lambda m, n, device=None, num_sms=None: "wgmma" if m > 32 else "decode")
+                        lambda m, n, k, device=None, num_sms=None: "wgmma" if m > 32 else "decode")
     text = cuda.describe_plans(6144, 4096, 128, ms=(16, 1024, 4096), num_sms=H100_SMS)
     assert text.startswith("M=16 decode k"), text
     assert "M=1024 wgmma k4 stream-K" in text and "M=4096 wgmma k4 1 split" in text, text

@@ -189,9 +189,9 @@ def has_wgmma(device: torch.device | int | None = None) -> bool:
     return cache[index]
 
 
-def auto_gemm_kernel_family(m: int, n: int, device: torch.device | int | None = None,
+def auto_gemm_kernel_family(m: int, n: int, k: int, device: torch.device | int | None = None,
                             num_sms: int | None = None) -> str:
-    """Which family kernel=-1 runs for M tokens on N output channels: "decode", "mma" (tiled
+    """Which family kernel=-1 runs for M tokens on an N x K weight: "decode", "mma" (tiled
     mma.sync) or "wgmma".
 
     For benchmarks, tests and the debug log; the op itself decides in C++ (csrc/ops.cpp).
@@ -202,7 +202,7 @@ def auto_gemm_kernel_family(m: int, n: int, device: torch.device | int | None = 
         if num_sms is None:
             idx = torch.cuda.current_device() if device is None else torch.device(device).index
             num_sms = torch.cuda.get_device_properties(idx).multi_processor_count
-        if not torch.ops.mixprec_C.w4a8_auto_decode(m, n, num_sms):
+        if not torch.ops.mixprec_C.w4a8_auto_decode(m, n, k, num_sms):
             return "wgmma"
     return "decode" if m <= DECODE_MAX_M else "mma"
 
@@ -217,7 +217,7 @@ def describe_plans(n: int, k: int, group_size: int, device: torch.device | int |
         num_sms = torch.cuda.get_device_properties(idx).multi_processor_count
     out = []
     for m in ms:
-        family = auto_gemm_kernel_family(m, n, device, num_sms)
+        family = auto_gemm_kernel_family(m, n, k, device, num_sms)
         kernel = _GEMM_KERNEL if _GEMM_KERNEL >= 0 else -1
         kid, splits, decode_ctas = torch.ops.mixprec_C.w4a8_plan(m, n, k, group_size, num_sms, kernel,
                                                                  _GEMM_SPLITS, family == "wgmma")

@@ -333,7 +333,8 @@ __device__ __forceinline__ void sum_one_token_slices(int32_t (&acc)[kRowTiles][1
 
 // ---- decode kernel (M <= 64): stream the weight once -----------------------------------------
 //
-// CTA = kRowTiles x 16 channels, 8 warps split its K range (contiguous chunk ranges), each
+// CTA = kRowTiles x 16 channels, 8 warps split its K range (contiguous chunk ranges; with
+// kTokGroups = 2, 4 warps per half of the CTA's tokens, the halves reading the same weight), each
 // warp reads its weight words straight from global memory with kUnroll x kRowTiles
 // independent LDG.128 in flight, activations from L1/L2. Warp partials meet in a shared
 // int32 tile (shared atomics), then the epilogue (or the split-K workspace). (Shared-memory
@@ -342,17 +343,24 @@ __device__ __forceinline__ void sum_one_token_slices(int32_t (&acc)[kRowTiles][1
 // decode_ctas_per_sm launch option, M <= 16 only: 4 token tiles spill at 80). kPreload: each
 // warp reads its first batch of weight words before the PDL wait (decode_preload). kMath:
 // DecodeMath (kDp4aOneToken is right at M = 1 only: every lane's activations are token 0's).
-template <int kTokTiles, int kRowTiles, int kUnroll, DecodeMath kMath, int kMinCtas, bool kPreload, typename OutT>
+// kTokGroups: token groups of kTokTiles tiles each (2 at M > 32 with 32 channels: eight tiles a
+// warp spilled).
+template <int kTokTiles, int kTokGroups, int kRowTiles, int kUnroll, DecodeMath kMath, int kMinCtas, bool kPreload,
+          typename OutT>
 __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(const Params p) {
-  static_assert(kMath != DecodeMath::kDp4aOneToken || kTokTiles == 1, "the IDP.4A form takes one token");
+  static_assert(kMath != DecodeMath::kDp4aOneToken || kTokTiles * kTokGroups == 1, "the IDP.4A form takes one token");
+  static_assert(kDecodeWarps % kTokGroups == 0, "token groups split the warps evenly");
+  constexpr int kKWarps = kDecodeWarps / kTokGroups;  // warps along K in a token group
   constexpr int kRows = kRowTiles * 16;
-  constexpr int kToks = kTokTiles * 8;
+  constexpr int kToks = kTokGroups * kTokTiles * 8;
   constexpr int kStride = kRows + 8;  // +8 ints: the 4 t-lanes' rows land 16 banks apart
   __shared__ int32_t tile[kToks * kStride];
 
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+  const int k_warp = warp % kKWarps;
+  const int tok0 = warp / kKWarps * kTokTiles * 8;  // the warp's token group
   const int M = p.M, N = p.N, K = p.K;
   const int num_row_tiles = N >> 4;
   const int chunks = K / kChunkK;
@@ -365,8 +373,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(c
   const int per_split = ceil_div(chunks, splits * kAlign) * kAlign;
   const int split_lo = min(chunks, static_cast<int>(blockIdx.y) * per_split);
   const int split_hi = min(chunks, split_lo + per_split);
-  const int per_warp = ceil_div(split_hi - split_lo, kDecodeWarps * kAlign) * kAlign;
-  const int c_lo = min(split_hi, split_lo + warp * per_warp);
+  const int per_warp = ceil_div(split_hi - split_lo, kKWarps * kAlign) * kAlign;
+  const int c_lo = min(split_hi, split_lo + k_warp * per_warp);
   const int c_hi = min(split_hi, c_lo + per_warp);
 
   // Row tiles past N (last CTA) and tokens past M read valid duplicates instead of being
@@ -396,7 +404,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(c
   const int8_t* xptr[kTokTiles];
 #pragma unroll
   for (int tt = 0; tt < kTokTiles; ++tt) {
-    const size_t tok = min(tt * 8 + g, M - 1);
+    const size_t tok = min(tok0 + tt * 8 + g, M - 1);
     xptr[tt] = p.xq + tok * K + static_cast<size_t>(c_lo) * kChunkK + t * 16;
   }
 
@@ -433,7 +441,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(c
 #pragma unroll
     for (int tt = 0; tt < kTokTiles; ++tt) {
       const int ch = r * 16 + 2 * g;  // MMA rows g, g+8 are channels 2g, 2g+1
-      const int tok = tt * 8 + 2 * t;
+      const int tok = tok0 + tt * 8 + 2 * t;
       if (tok < M) {
         atomicAdd(&tile[tok * kStride + ch], acc[r][tt][0]);
         atomicAdd(&tile[tok * kStride + ch + 1], acc[r][tt][2]);
@@ -620,7 +628,8 @@ using Tiled128 = TiledShape<4, 2, 2, 8, 3>;  // 128 ch x 128 tok, 37.6 KB smem
 static_assert(Tiled64::kSmemBytes <= 48 * 1024, "tiled-64 needs no opt-in shared memory");
 static_assert(Tiled128::kSmemBytes <= 48 * 1024, "tiled-128 needs no opt-in shared memory");
 
-constexpr int kDecodeMaxM = 64;  // eight token tiles (M = 33-64: session 58)
+constexpr int kDecodeMaxM = 64;  // M = 33-64: eight token tiles (16 channels), two groups of 3-4 (32)
+constexpr int kDecodeRows32MaxK = 4096;  // M = 33-64 with wgmma: 32 channels beat it at K = 4096 only
 
 bool is_decode(W4A8Kernel k) { return k == W4A8Kernel::kDecodeRows16 || k == W4A8Kernel::kDecodeRows32; }
 
@@ -651,41 +660,43 @@ struct DecodeBuild {
   bool preload, three_ctas;
 };
 
-template <int kTokTiles, int kRowTiles, int kUnroll, DecodeMath kMath, int kMinCtas, typename OutT>
+template <int kTokTiles, int kTokGroups, int kRowTiles, int kUnroll, DecodeMath kMath, int kMinCtas, typename OutT>
 cudaError_t launch_decode_math(const Params& p, dim3 grid, bool pdl, bool preload, cudaStream_t stream) {
   const dim3 block(kDecodeThreads);
-  if constexpr (kTokTiles > 4)  // decode_preload_max_m <= 32: no preload build past four token tiles
-    return launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, kMath, kMinCtas, false, OutT>>(
+  if constexpr (kTokTiles * kTokGroups > 4)  // decode_preload_max_m <= 32: no preload build past 32 tokens
+    return launch_kernel<w4a8_decode_kernel<kTokTiles, kTokGroups, kRowTiles, kUnroll, kMath, kMinCtas, false, OutT>>(
         grid, block, 0, pdl, stream, p);
   else
-    return preload ? launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, kMath, kMinCtas, true, OutT>>(
-                       grid, block, 0, pdl, stream, p)
-                 : launch_kernel<w4a8_decode_kernel<kTokTiles, kRowTiles, kUnroll, kMath, kMinCtas, false, OutT>>(
-                       grid, block, 0, pdl, stream, p);
+    return preload
+               ? launch_kernel<w4a8_decode_kernel<kTokTiles, kTokGroups, kRowTiles, kUnroll, kMath, kMinCtas, true, OutT>>(
+                     grid, block, 0, pdl, stream, p)
+               : launch_kernel<w4a8_decode_kernel<kTokTiles, kTokGroups, kRowTiles, kUnroll, kMath, kMinCtas, false, OutT>>(
+                     grid, block, 0, pdl, stream, p);
 }
 
 // A decode kernel, as a programmatic dependent launch when pdl (sm_90 only: the caller checks).
-template <int kTokTiles, int kRowTiles, int kUnroll, int kMinCtas, typename OutT>
+template <int kTokTiles, int kTokGroups, int kRowTiles, int kUnroll, int kMinCtas, typename OutT>
 cudaError_t launch_decode(const Params& p, dim3 grid, bool pdl, DecodeBuild b, cudaStream_t stream) {
-  if constexpr (kTokTiles == 1) {
+  if constexpr (kTokTiles * kTokGroups == 1) {
     if (b.math == DecodeMath::kDp4aOneToken)
-      return launch_decode_math<kTokTiles, kRowTiles, kUnroll, DecodeMath::kDp4aOneToken, kMinCtas, OutT>(
+      return launch_decode_math<1, 1, kRowTiles, kUnroll, DecodeMath::kDp4aOneToken, kMinCtas, OutT>(
           p, grid, pdl, b.preload, stream);
   }
   if (b.math == DecodeMath::kU8Mma)
-    return launch_decode_math<kTokTiles, kRowTiles, kUnroll, DecodeMath::kU8Mma, kMinCtas, OutT>(p, grid, pdl,
-                                                                                                  b.preload, stream);
-  return launch_decode_math<kTokTiles, kRowTiles, kUnroll, DecodeMath::kS8Mma, kMinCtas, OutT>(p, grid, pdl,
-                                                                                                b.preload, stream);
+    return launch_decode_math<kTokTiles, kTokGroups, kRowTiles, kUnroll, DecodeMath::kU8Mma, kMinCtas, OutT>(
+        p, grid, pdl, b.preload, stream);
+  return launch_decode_math<kTokTiles, kTokGroups, kRowTiles, kUnroll, DecodeMath::kS8Mma, kMinCtas, OutT>(
+      p, grid, pdl, b.preload, stream);
 }
 
-// Token tiles x row tiles x unroll by M; three_ctas picks the 80-register build (M <= 16).
-template <int kTokTiles, int kRowTiles, int kUnroll, typename OutT>
+// Token tiles (a warp's, and its groups) x row tiles x unroll by M; three_ctas picks the
+// 80-register build (M <= 16).
+template <int kTokTiles, int kTokGroups, int kRowTiles, int kUnroll, typename OutT>
 cudaError_t launch_decode_ctas(const Params& p, dim3 grid, bool pdl, DecodeBuild b, cudaStream_t stream) {
-  if constexpr (kTokTiles <= 2) {
-    if (b.three_ctas) return launch_decode<kTokTiles, kRowTiles, kUnroll, 3, OutT>(p, grid, pdl, b, stream);
+  if constexpr (kTokTiles * kTokGroups <= 2) {
+    if (b.three_ctas) return launch_decode<kTokTiles, kTokGroups, kRowTiles, kUnroll, 3, OutT>(p, grid, pdl, b, stream);
   }
-  return launch_decode<kTokTiles, kRowTiles, kUnroll, 2, OutT>(p, grid, pdl, b, stream);
+  return launch_decode<kTokTiles, kTokGroups, kRowTiles, kUnroll, 2, OutT>(p, grid, pdl, b, stream);
 }
 
 template <typename OutT>
@@ -698,16 +709,20 @@ cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, Decode
       const dim3 grid(ceil_div(row_tiles, two ? 2 : 1), plan.splits);
       // Loads in flight per lane: unroll x (row tiles + token tiles); unroll shrinks as x grows.
       if (p.M <= 8)
-        return two ? launch_decode_ctas<1, 2, 4, OutT>(p, grid, pdl, b, stream)
-                   : launch_decode_ctas<1, 1, 4, OutT>(p, grid, pdl, b, stream);
+        return two ? launch_decode_ctas<1, 1, 2, 4, OutT>(p, grid, pdl, b, stream)
+                   : launch_decode_ctas<1, 1, 1, 4, OutT>(p, grid, pdl, b, stream);
       if (p.M <= 16)
-        return two ? launch_decode_ctas<2, 2, 4, OutT>(p, grid, pdl, b, stream)
-                   : launch_decode_ctas<2, 1, 4, OutT>(p, grid, pdl, b, stream);
+        return two ? launch_decode_ctas<2, 1, 2, 4, OutT>(p, grid, pdl, b, stream)
+                   : launch_decode_ctas<2, 1, 1, 4, OutT>(p, grid, pdl, b, stream);
       if (p.M <= 32)
-        return two ? launch_decode_ctas<4, 2, 2, OutT>(p, grid, pdl, b, stream)
-                   : launch_decode_ctas<4, 1, 2, OutT>(p, grid, pdl, b, stream);
-      return two ? launch_decode_ctas<8, 2, 1, OutT>(p, grid, pdl, b, stream)
-                 : launch_decode_ctas<8, 1, 1, OutT>(p, grid, pdl, b, stream);
+        return two ? launch_decode_ctas<4, 1, 2, 2, OutT>(p, grid, pdl, b, stream)
+                   : launch_decode_ctas<4, 1, 1, 2, OutT>(p, grid, pdl, b, stream);
+      // M = 33-64. 32 channels: two token groups of 3 (M <= 48) or 4 token tiles, the M <= 32
+      // build's registers (eight token tiles a warp spilled 80-120 bytes: session 58).
+      if (two)
+        return p.M <= 48 ? launch_decode_ctas<3, 2, 2, 2, OutT>(p, grid, pdl, b, stream)
+                         : launch_decode_ctas<4, 2, 2, 2, OutT>(p, grid, pdl, b, stream);
+      return launch_decode_ctas<8, 1, 1, 1, OutT>(p, grid, pdl, b, stream);
     }
     case W4A8Kernel::kTiledTok64: {
       const dim3 grid(ceil_div(p.M, Tiled64::kCtaToks), ceil_div(row_tiles, Tiled64::kCtaRowTiles), plan.splits);
@@ -750,6 +765,7 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
     // build is taken as it is). Session 36's H200 rows: within 0.5 % of the measured best on
     // all 36 (csrc/gemm/NOTES.md "Decode occupancy"). decode_dp4a's IDP.4A form at M = 1 keeps
     // the rule: its 3-CTA build was the fastest on both multi-wave Llama rows (NOTES.md "Session 56").
+    // At M = 33-64 it picked the faster of 16 and 32 channels on all 28 H200 rows of session 59.
     const int forced = decode_ctas_per_sm == 3 && M > 16 ? 2 : decode_ctas_per_sm;
     long long best_waves = 0, best_slots = 1;
     int best_ctas = 0;
@@ -758,9 +774,6 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
       if ((forced != 0 && build != forced) || (build == 3 && M > 16)) continue;
       for (const W4A8Kernel cand : {W4A8Kernel::kDecodeRows16, W4A8Kernel::kDecodeRows32}) {
         if (k != W4A8Kernel::kAuto && cand != k) continue;
-        // Eight token tiles at 32 channels spill (80-120 bytes) and ran 1.08-1.74x slower than 16
-        // channels on every H200 row of session 58: auto takes 16 past M = 32.
-        if (k == W4A8Kernel::kAuto && cand == W4A8Kernel::kDecodeRows32 && M > 32) continue;
         const int ctas = ctas_per_split(cand, M, N);
         const long long slots = static_cast<long long>(decode_ctas_resident(M, cand, build)) * num_sms;
         const long long waves = (ctas + slots - 1) / slots;
@@ -803,14 +816,17 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
   return nullptr;
 }
 
-bool w4a8_auto_prefers_decode(int M, int N, int num_sms) {
+bool w4a8_auto_prefers_decode(int M, int N, int K, int num_sms) {
   if (M <= 32) return true;
-  // M = 33-64 (session 58, H200): where the 16-channel decode grid is one wave the decode kernel
-  // beat the wgmma plans timed (4096x4096 at M = 40-64: 8.8-9.8 us against 14.6-15.7) or tied
-  // them (14336x4096 at M = 64: +0.1 %); where it takes more waves it lost (N >= 6144: 1.01-2.2x
-  // the fastest wgmma plan timed).
+  if (M > kDecodeMaxM) return false;
+  // M = 33-64 (sessions 58, 59, H200). Where the 16-channel grid is one wave the decode kernel beat
+  // the wgmma plans timed (4096x4096: 8.8-9.8 us against 14.5-15.8) or tied them (14336x4096 at
+  // M = 64). Where only the 32-channel grid is, it won at K = 4096 (4096x6144: 11.8-13.7 against
+  // 15.7-17.0) and lost at K = 28672 (28672x8192: 65-80 against 51-54); K in between is untimed.
+  // Where neither grid is one wave it lost (1.2-1.7x).
   const long long slots = static_cast<long long>(decode_ctas_resident(M, W4A8Kernel::kDecodeRows16, 2)) * num_sms;
-  return M <= kDecodeMaxM && N / 16 <= slots;
+  if (ctas_per_split(W4A8Kernel::kDecodeRows16, M, N) <= slots) return true;
+  return K <= kDecodeRows32MaxK && ctas_per_split(W4A8Kernel::kDecodeRows32, M, N) <= slots;
 }
 
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaStream_t stream) {
