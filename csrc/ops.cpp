@@ -352,7 +352,7 @@ std::vector<int64_t> w4a8_plan(int64_t M, int64_t N, int64_t K, int64_t group_si
   return {static_cast<int64_t>(plan.kernel), plan.splits, plan.decode_ctas};
 }
 
-// Whether the auto plan (kernel -1) of M tokens x N channels takes the decode kernels where the
+// Whether the auto plan (kernel -1) of M tokens on an N x K weight takes the decode kernels where the
 // wgmma kernels are available (kernels/cuda.py:auto_gemm_kernel_family).
 bool w4a8_auto_decode(int64_t M, int64_t N, int64_t K, int64_t num_sms) {
   return w4a8_auto_prefers_decode(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),

@@ -956,7 +956,7 @@ stage_decode_groups() {
 # its decode tests and kernels 0 and 1 again, then the plain build back.
 stage_decode_groups_rows16() {
   local rc=0
-  build_variant decode_rows16_token_groups "$OUT/rebuild.log" || return 1  # the source is plain again after
+  build_variant decode_rows16_token_groups "$OUT/rebuild.log" || return 1  # the candidate's .so; the source is plain
   pytest_gpu pytest-gpu-decode-groups-rows16 200 tests/kernels/test_cuda_gemm.py -k "integer_exact and not dp4a" || rc=1
   run_bench bench_w4a8_cuda_decode_groups_rows16 300 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 \
     --kernels 0 1 --ms ${GROUPS_MS:-40 48 56 64} --shapes ${GROUPS_SHAPES_RUN:-$GROUPS_SHAPES} \
