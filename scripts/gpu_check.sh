@@ -944,12 +944,15 @@ stage_decode_m64_auto() {
 # the decode GPU tests; kernels 0 (16 channels, eight token tiles), 1 (32, two groups) and 7
 # forced beside the auto plan on the Llama shapes, no Marlin (session 58's run has it).
 GROUPS_SHAPES="4096x6144 4096x4096 4096x28672 14336x4096 8192x10240 28672x8192 8192x28672"
+groups_bench() {  # NAME TIMEOUT ARGS...: bench_w4a8_cuda.py at M = 40-64 on those shapes, to $OUT/NAME.json
+  local name=$1 limit=$2; shift 2
+  run_bench "bench_w4a8_cuda_$name" "$limit" python3 scripts/bench_w4a8_cuda.py --group 128 \
+    --ms ${GROUPS_MS:-40 48 56 64} --shapes ${GROUPS_SHAPES_RUN:-$GROUPS_SHAPES} "$@" --out "$OUT/$name.json"
+}
 stage_decode_groups() {
   local rc=0
   pytest_gpu pytest-gpu-decode-groups 200 tests/kernels/test_cuda_gemm.py -k "integer_exact" || rc=1
-  run_bench bench_w4a8_cuda_decode_groups 330 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 \
-    --kernels 0 1 7 --ms ${GROUPS_MS:-40 48 56 64} --shapes ${GROUPS_SHAPES_RUN:-$GROUPS_SHAPES} \
-    --out "$OUT/decode_groups.json" || rc=1
+  groups_bench decode_groups 330 --no-marlin --kernels 0 1 7 || rc=1
   return $rc
 }
 # Then the candidate with 16 channels in two token groups too (scripts/diag/decode_rows16_token_groups.patch):
@@ -958,9 +961,7 @@ stage_decode_groups_rows16() {
   local rc=0
   build_variant decode_rows16_token_groups "$OUT/rebuild.log" || return 1  # the candidate's .so; the source is plain
   pytest_gpu pytest-gpu-decode-groups-rows16 200 tests/kernels/test_cuda_gemm.py -k "integer_exact and not dp4a" || rc=1
-  run_bench bench_w4a8_cuda_decode_groups_rows16 300 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 \
-    --kernels 0 1 --ms ${GROUPS_MS:-40 48 56 64} --shapes ${GROUPS_SHAPES_RUN:-$GROUPS_SHAPES} \
-    --out "$OUT/decode_groups_rows16.json" || rc=1
+  groups_bench decode_groups_rows16 300 --no-marlin --kernels 0 1 || rc=1
   build_ext_90a "$OUT/rebuild.log" || rc=1
   return $rc
 }
@@ -970,9 +971,7 @@ stage_decode_groups_rows16() {
 stage_decode_groups_auto() {
   local rc=0
   stage_test_csrc || rc=1
-  run_bench bench_w4a8_cuda_decode_groups_auto 300 python3 scripts/bench_w4a8_cuda.py --group 128 --auto-only \
-    --ms ${GROUPS_MS:-40 48 56 64} --shapes ${GROUPS_SHAPES_RUN:-$GROUPS_SHAPES} \
-    --out "$OUT/decode_groups_auto.json" || rc=1
+  groups_bench decode_groups_auto 300 --auto-only || rc=1
   run_bench bench_w4a8_cuda_decode_groups_k 120 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 \
     --kernels 1 7 --ms 40 64 --shapes 8192x6144 8192x8192 14336x6144 14336x8192 \
     --out "$OUT/decode_groups_k.json" || rc=1

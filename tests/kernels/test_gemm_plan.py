@@ -49,8 +49,8 @@ DECODE_DP4A_PLANNED = os.path.join(RESULTS, "2026-12-03-s56", "3-pair-vs-per-chu
 # per-chunk form (scripts/diag/decode_dp4a_per_chunk.patch), the committed form again: one host
 PER_CHUNK_C3 = [os.path.join(RESULTS, "2026-12-03-s57", "per-chunk-c3", f"c3_{i}_{v}.json")
                 for i, v in ((1, "plain"), (2, "decode_dp4a_per_chunk"), (3, "plain"))]
-# Session 58: the decode kernels forced at M = 32-64 (eight token tiles past 32), wgmma kernel 7
-# forced, and the auto plan of the time (tiled-64 at M = 33-63, wgmma at 64), on the 7 Llama shapes
+# Session 59: the decode kernels forced at M = 40-64 (16 channels with eight token tiles, 32 in two
+# token groups), wgmma kernel 7 forced, and session 58's auto plan, on the 7 Llama shapes
 DECODE_GROUPS = os.path.join(RESULTS, "2026-12-04-s59", "decode-groups", "decode_groups.json")
 
 
