@@ -33,8 +33,11 @@ demo: $(STAMP)
 
 # Packs vLLM for the offline GPU host (see scripts/gpu_check.sh)
 # .gpu/pyextra: hypothesis for the property tests on the GPU host, which lacks it. Its wheel has a
-# native part, so it is the host's build (CPython 3.12, x86_64) of the version CI uses.
+# native part, so it is the host's build (CPython 3.12, x86_64) of the version CI uses. pytest-xdist
+# (pure Python) runs the attention GPU tests in parallel: their float64 references run on the CPU.
 HOST_PY := 3.12
+XDIST_VERSION := 3.8.0
+EXECNET_VERSION := 2.1.2
 gpu-bundle: $(STAMP)
 	bash ../shared/gpu/make-bundle.sh .gpu
 	# part1 (59.6 MiB) plus the tracked tree passed the 64 MiB a call carries (session 11):
@@ -49,7 +52,7 @@ gpu-bundle: $(STAMP)
 	rm -rf .gpu/pyextra .gpu/pyextra-wheels
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(HOST_PY) \
 	  --platform manylinux_2_17_x86_64 -d .gpu/pyextra-wheels sortedcontainers \
-	  "hypothesis==$$($(PY) -c 'import hypothesis; print(hypothesis.__version__)')"
+	  pytest-xdist==$(XDIST_VERSION) execnet==$(EXECNET_VERSION) "hypothesis==$$($(PY) -c 'import hypothesis; print(hypothesis.__version__)')"
 	for w in .gpu/pyextra-wheels/*.whl; do $(PY) -m zipfile -e "$$w" .gpu/pyextra; done
 	rm -rf .gpu/pyextra-wheels
 

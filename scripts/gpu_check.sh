@@ -17,7 +17,7 @@
 # pair_pull_ab decode_pdl profile_decode_cold w4ax_tests property_cuda_gemm issue_table stream_k_refit
 # profile_decode_stalls profile_decode_ceiling decode_dp4a decode_dp4a_c3 decode_dp4a_final
 # decode_dp4a_per_chunk_c3 decode_m64 decode_m64_auto decode_groups decode_groups_rows16
-# decode_groups_auto
+# decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -100,20 +100,29 @@ stage_test_kernels() {
   pytest_gpu pytest-gpu-wgmma 150 -x tests/kernels/test_cuda_gemm_wgmma.py || rc=1
   return $rc
 }
-stage_test_other() { pytest_gpu pytest-gpu-other 540 tests --ignore=tests/kernels; }
+# test_other: the attention GPU tests compare with float64 references computed on the CPU (seconds
+# a test at 3000 tokens; serially they outran a 10-minute call from session 26 on), so pytest-xdist
+# (carried in .gpu/pyextra) spreads them over the host's 16 cores; the rest (eval starts vLLM) runs
+# one test at a time.
+stage_test_attention() {
+  use_pyextra xdist || return 1
+  OMP_NUM_THREADS=2 pytest_gpu pytest-gpu-attention 420 -n "${GPU_TEST_WORKERS:-8}" tests/attention_backend
+}
+stage_test_other_rest() { pytest_gpu pytest-gpu-other-rest 400 tests --ignore=tests/kernels --ignore=tests/attention_backend; }
+stage_test_other() { local rc=0; stage_test_attention || rc=1; stage_test_other_rest || rc=1; return $rc; }
 stage_test() { local rc=0; stage_test_kernels || rc=1; stage_test_other || rc=1; return $rc; }
 # Only the csrc GEMM tests (after a change to csrc/gemm: ~2 minutes instead of test_kernels' 4.5)
 stage_test_csrc() { pytest_gpu pytest-gpu-csrc 360 tests/kernels/test_cuda_gemm.py tests/kernels/test_cuda_gemm_wgmma.py; }
 
 # Property tests (hypothesis) on the device, csrc and Triton kernels included. They are not
 # gpu-marked (the Triton ones run on the CPU in CI too), so `-m gpu` leaves them out. The host has
-# no hypothesis: carry .gpu/pyextra (`make gpu-bundle` copies it from the local venv).
-use_pyextra() {
+# no hypothesis or pytest-xdist: carry .gpu/pyextra (`make gpu-bundle` fills it).
+use_pyextra() {  # MODULE: put .gpu/pyextra on the path and check that MODULE imports
   [ -d "$REPO/.gpu/pyextra" ] && export PYTHONPATH=$REPO/.gpu/pyextra:$PYTHONPATH
-  python3 -c "import hypothesis" 2>/dev/null || { log "no hypothesis on the path: carry .gpu/pyextra"; return 1; }
+  python3 -c "import $1" 2>/dev/null || { log "no $1 on the path: carry .gpu/pyextra"; return 1; }
 }
 stage_property() {
-  use_pyextra || return 1
+  use_pyextra hypothesis || return 1
   pytest_logged pytest-property 540 tests/kernels/test_cuda_properties.py tests/kernels/test_triton_properties.py \
     tests/attention_backend/test_kv_properties.py tests/test_formats_properties.py tests/test_reference_properties.py
 }
@@ -309,7 +318,7 @@ stage_startup() {
   return $rc
 }
 stage_property_cuda_gemm() {
-  use_pyextra || return 1
+  use_pyextra hypothesis || return 1
   pytest_logged pytest-property-cuda 200 tests/kernels/test_cuda_properties.py
 }
 
@@ -975,6 +984,23 @@ stage_decode_groups_auto() {
   run_bench bench_w4a8_cuda_decode_groups_k 120 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 \
     --kernels 1 7 --ms 40 64 --shapes 8192x6144 8192x8192 14336x6144 14336x8192 \
     --out "$OUT/decode_groups_k.json" || rc=1
+  return $rc
+}
+# A finer K limit for kernel 1 (32 channels, two token groups) at M = 33-64 where only its grid is
+# one wave (K <= 4096 until session 61, from session 59's four-row probe): auto (the wgmma plan past
+# K = 4096 then) and kernels 0, 1, 7 forced, K = 4096-12288 on N = 6144 and 8192.
+stage_decode_k_sweep() {
+  run_bench bench_w4a8_cuda_decode_k_sweep 330 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 \
+    --kernels 0 1 7 --ms 40 48 56 64 --shapes 4096x8192 6144x6144 6144x8192 8192x6144 8192x8192 10240x6144 \
+    10240x8192 12288x6144 12288x8192 --out "$OUT/decode_k_sweep.json"
+}
+# Then the limit drawn from it (K x token tiles a group <= 32768): the csrc GEMM tests, and the auto
+# GEMM and linear against Marlin W4A16 on the sweep's shapes whose plan it moved to kernel 1.
+stage_decode_k_auto() {
+  local rc=0
+  stage_test_csrc || rc=1
+  GROUPS_SHAPES_RUN="6144x6144 6144x8192 8192x6144 8192x8192 10240x6144 10240x8192" \
+    groups_bench decode_k_auto 270 --auto-only || rc=1
   return $rc
 }
 # The per-chunk IDP.4A form (session 55's) in the forced 3-CTA build on the N = 28672 rows, plain

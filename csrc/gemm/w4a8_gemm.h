@@ -111,7 +111,7 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
 
 // Auto (kernel -1) on a GPU with the wgmma kernels: whether M tokens on an N x K weight take the
 // decode kernels (M <= 32; M = 33-64 where a decode grid is one wave: 16 channels, or 32 to
-// K = 4096) instead of wgmma.
+// K = 10240 at M <= 48 and 8192 past it) instead of wgmma.
 bool w4a8_auto_prefers_decode(int M, int N, int K, int num_sms);
 
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cudaStream_t stream);

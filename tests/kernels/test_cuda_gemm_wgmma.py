@@ -417,7 +417,7 @@ def test_llama70b_up_proj_shape(need_wgmma, m):
                                             (40, 2, "wgmma"), (64, 2, "wgmma")])
 def test_auto_picks_decode_or_wgmma(need_wgmma, m, width, family):
     """Auto takes the decode kernels to M = 32, and to M = 64 where a decode grid is one wave (2
-    CTAs x SMs; 32 channels, width 1 here, only to K = 4096); the wgmma kernels past that (width 2).
+    CTAs x SMs; 32 channels, width 1 here, only to K = 8192-10240); the wgmma kernels past that (width 2).
     The op runs what the family and its planner say: the same bits as that plan forced."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     n = (512, 16 * (2 * sms + 1), 32 * (2 * sms + 1))[width]

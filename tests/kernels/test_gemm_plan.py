@@ -52,6 +52,9 @@ PER_CHUNK_C3 = [os.path.join(RESULTS, "2026-12-03-s57", "per-chunk-c3", f"c3_{i}
 # Session 59: the decode kernels forced at M = 40-64 (16 channels with eight token tiles, 32 in two
 # token groups), wgmma kernel 7 forced, and session 58's auto plan, on the 7 Llama shapes
 DECODE_GROUPS = os.path.join(RESULTS, "2026-12-04-s59", "decode-groups", "decode_groups.json")
+# Session 61: the auto plan (the wgmma planner past K = 4096) and kernels 0, 1, 7 forced at M = 40-64
+# on N = 6144 and 8192 (one wave of kernel 1 only), K = 4096-12288
+DECODE_K_SWEEP = os.path.join(RESULTS, "2026-12-04-s61", "k-sweep", "decode_k_sweep.json")
 
 
 @pytest.fixture(autouse=True)
@@ -390,7 +393,34 @@ def test_decode_kernel_from_33_to_64_tokens_where_one_wave():
     assert not torch.ops.mixprec_C.w4a8_auto_decode(64, 4240, 28672, 132)
     assert torch.ops.mixprec_C.w4a8_auto_decode(64, 8448, 4096, 132)  # 264 CTAs of 32 channels: one wave
     assert not torch.ops.mixprec_C.w4a8_auto_decode(64, 8464, 4096, 132)
-    assert not torch.ops.mixprec_C.w4a8_auto_decode(64, 8448, 4160, 132)  # past K = 4096: untimed
+
+
+def test_decode_rows32_k_limit_from_the_sweep():
+    """Session 61 (H200, one run): where only kernel 1's grid is one wave, auto takes it exactly to
+    K x token tiles a group = 32768 (K = 10240 at M <= 48, 8192 at M = 49-64). Against the time auto
+    had before (the wgmma plan past K = 4096; kernel 7 forced where auto already took kernel 1),
+    every row it takes costs at most 2 % and the rows it leaves to wgmma would gain at most 1.5 %
+    on kernel 1; over the sweep it saves time against both the K = 4096 limit and no limit."""
+    with open(DECODE_K_SWEEP) as f:
+        rows = json.load(f)
+    assert len(rows) == 36 and {r["M"] for r in rows} == {40, 48, 56, 64}
+    total = {"rule": 0.0, "k4096": 0.0, "any_k": 0.0}
+    for r in rows:
+        m, n, k = r["M"], r["N"], r["K"]
+        wgmma = r["gemm_k-1_us"] if r["plan_auto"][0] >= 4 else r["gemm_k7_us"]
+        decode = r["gemm_k1_us"]
+        assert decode_plan(m, n, k, sms=132)[0] == 1, r  # kernel 1's grid is the one-wave one
+        takes = torch.ops.mixprec_C.w4a8_auto_decode(m, n, k, 132)
+        assert takes == (k * (3 if m <= 48 else 4) <= 32768), r
+        assert (decode < 1.02 * wgmma) if takes else (decode > 0.985 * wgmma), r
+        total["rule"] += decode if takes else wgmma
+        total["k4096"] += decode if k <= 4096 else wgmma
+        total["any_k"] += decode
+    assert total["rule"] < 0.97 * total["k4096"] and total["rule"] < 0.97 * total["any_k"], total
+    assert torch.ops.mixprec_C.w4a8_auto_decode(48, 8448, 10880, 132)  # 32640
+    assert not torch.ops.mixprec_C.w4a8_auto_decode(48, 8448, 10944, 132)  # 32832
+    assert torch.ops.mixprec_C.w4a8_auto_decode(49, 8448, 8192, 132)
+    assert not torch.ops.mixprec_C.w4a8_auto_decode(64, 8448, 8256, 132)
 
 
 @pytest.mark.parametrize("n,sms,splits", [(4096, 132, 1), (512, 132, 3), (1024, 132, 2), (4096, 108, 1)])

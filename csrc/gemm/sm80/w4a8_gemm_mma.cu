@@ -629,7 +629,10 @@ static_assert(Tiled64::kSmemBytes <= 48 * 1024, "tiled-64 needs no opt-in shared
 static_assert(Tiled128::kSmemBytes <= 48 * 1024, "tiled-128 needs no opt-in shared memory");
 
 constexpr int kDecodeMaxM = 64;  // M = 33-64: eight token tiles (16 channels), two groups of 3-4 (32)
-constexpr int kDecodeRows32MaxK = 4096;  // M = 33-64: 32 channels beat wgmma at K = 4096, lost at 28672
+// M = 33-64, 32 channels: the token tiles a group sums (3 to M = 48, 4 past it: the M <= 32 build's
+// registers), and the K x tiles under which that kernel beat the wgmma plans (session 61's K sweep).
+int decode_group_token_tiles(int M) { return M <= 48 ? 3 : 4; }
+constexpr int kDecodeRows32MaxKTiles = 32768;
 
 bool is_decode(W4A8Kernel k) { return k == W4A8Kernel::kDecodeRows16 || k == W4A8Kernel::kDecodeRows32; }
 
@@ -720,8 +723,8 @@ cudaError_t launch_typed(const Params& p, const W4A8Plan& plan, bool pdl, Decode
       // M = 33-64. 32 channels: two token groups of 3 (M <= 48) or 4 token tiles, the M <= 32
       // build's registers (eight token tiles a warp spilled 80-120 bytes: session 58).
       if (two)
-        return p.M <= 48 ? launch_decode_ctas<3, 2, 2, 2, OutT>(p, grid, pdl, b, stream)
-                         : launch_decode_ctas<4, 2, 2, 2, OutT>(p, grid, pdl, b, stream);
+        return decode_group_token_tiles(p.M) == 3 ? launch_decode_ctas<3, 2, 2, 2, OutT>(p, grid, pdl, b, stream)
+                                                   : launch_decode_ctas<4, 2, 2, 2, OutT>(p, grid, pdl, b, stream);
       return launch_decode_ctas<8, 1, 1, 1, OutT>(p, grid, pdl, b, stream);
     }
     case W4A8Kernel::kTiledTok64: {
@@ -819,14 +822,16 @@ const char* w4a8_make_plan(int M, int N, int K, int group_size, int num_sms, int
 bool w4a8_auto_prefers_decode(int M, int N, int K, int num_sms) {
   if (M <= 32) return true;
   if (M > kDecodeMaxM) return false;
-  // M = 33-64 (sessions 58, 59, H200). Where the 16-channel grid is one wave the decode kernel beat
+  // M = 33-64 (sessions 58-61, H200). Where the 16-channel grid is one wave the decode kernel beat
   // the wgmma plans timed (4096x4096: 8.8-9.8 us against 14.5-15.8) or tied them (14336x4096 at
-  // M = 64). Where only the 32-channel grid is, it won at K = 4096 (4096x6144: 11.8-13.7 against
-  // 15.7-17.0) and lost at K = 28672 (28672x8192: 65-80 against 51-54); K in between is untimed.
-  // Where neither grid is one wave it lost (1.2-1.7x).
+  // M = 64). Where only the 32-channel grid is, a CTA's time grows with K x its token tiles while
+  // the wgmma plans split K: it won to K = 10240 at 3 tiles (M <= 48) and to 8192 at 4 (0.77-1.02x
+  // the wgmma plan's time; 8192x8192 at M = 40: 20.4 us against 24.4) and tied or lost past them
+  // (0.99-1.21x; 28672x8192: 65-80 against 51-54). Where neither grid is one wave it lost (1.2-1.7x).
   const long long slots = static_cast<long long>(decode_ctas_resident(M, W4A8Kernel::kDecodeRows16, 2)) * num_sms;
   if (ctas_per_split(W4A8Kernel::kDecodeRows16, M, N) <= slots) return true;
-  return K <= kDecodeRows32MaxK && ctas_per_split(W4A8Kernel::kDecodeRows32, M, N) <= slots;
+  return static_cast<long long>(K) * decode_group_token_tiles(M) <= kDecodeRows32MaxKTiles &&
+         ctas_per_split(W4A8Kernel::kDecodeRows32, M, N) <= slots;
 }
 
 cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaStream_t stream) {
