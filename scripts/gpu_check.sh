@@ -990,9 +990,8 @@ stage_decode_groups_auto() {
 # one wave (K <= 4096 until session 61, from session 59's four-row probe): auto (the wgmma plan past
 # K = 4096 then) and kernels 0, 1, 7 forced, K = 4096-12288 on N = 6144 and 8192.
 stage_decode_k_sweep() {
-  run_bench bench_w4a8_cuda_decode_k_sweep 330 python3 scripts/bench_w4a8_cuda.py --no-marlin --group 128 \
-    --kernels 0 1 7 --ms 40 48 56 64 --shapes 4096x8192 6144x6144 6144x8192 8192x6144 8192x8192 10240x6144 \
-    10240x8192 12288x6144 12288x8192 --out "$OUT/decode_k_sweep.json"
+  GROUPS_SHAPES_RUN="4096x8192 6144x6144 6144x8192 8192x6144 8192x8192 10240x6144 10240x8192 12288x6144 12288x8192" \
+    groups_bench decode_k_sweep 330 --no-marlin --kernels 0 1 7
 }
 # Then the limit drawn from it (K x token tiles a group <= 32768): the csrc GEMM tests, and the auto
 # GEMM and linear against Marlin W4A16 on the sweep's shapes whose plan it moved to kernel 1.
