@@ -24,7 +24,7 @@ def git_apply(patch_name: str, cwd, *flags: str):
 def test_there_are_patches():
     assert {p.stem for p in PATCHES} >= {"wgmma_feed_only", "wgmma_compute_only", "wgmma_x16", "wgmma_no_w_copy",
                                          "wgmma_no_w_lds", "wgmma_w_cpasync", "wgmma_w_tma_all", "wgmma_k7_deep",
-                                         "wgmma_no_wait", "wgmma_no_fence", "wgmma_no_dequant",
+                                         "wgmma_no_wait", "wgmma_no_fence", "wgmma_no_dequant", "wgmma_x_tma",
                                          "decode_feed_only", "decode_no_mma",
                                          "decode_no_dequant", "decode_dp4a_per_chunk"}
     # (The decode patches timed and not adopted, double buffers, split tail, warp interleave,
@@ -37,7 +37,8 @@ def test_there_are_patches():
                                                                     ("wgmma_no_w_copy", "wgmma_no_w_lds"),
                                                                     ("wgmma_w_cpasync", "wgmma_no_w_lds"),
                                                                     ("wgmma_w_tma_all", "wgmma_k7_deep"),
-                                                                    ("wgmma_compute_only", "wgmma_no_dequant")],
+                                                                    ("wgmma_compute_only", "wgmma_no_dequant"),
+                                                                    ("wgmma_x_tma", "wgmma_no_dequant")],
                          ids=lambda names: "+".join(names))
 def test_diag_patches_apply(names, tmp_path):
     for rel in PATCHED_FILES:
