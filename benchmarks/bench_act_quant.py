@@ -121,8 +121,13 @@ def compiled(fn, name, static_m: int | None, fusion=None):
     if static_m is not None:
         return torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False,
                              options=opts or None)
-    f = torch.compile(fn, options=opts or None)
-    big = inputs(name, PROFILE_TOKENS)
+    return compile_dynamic(fn, inputs(name, PROFILE_TOKENS), opts or None)
+
+
+def compile_dynamic(fn, big, options):
+    """fn compiled as vLLM compiles the model: the batch dimension of the 2-D inputs dynamic, the
+    first call on `big` (PROFILE_TOKENS rows: vLLM's profiling run)."""
+    f = torch.compile(fn, options=options)
     for t in big:
         if t.dim() == 2:
             torch._dynamo.mark_dynamic(t, 0)

@@ -9,6 +9,10 @@ Measured in the same run, on the same random data sizes:
   ours_cuda_gemm     torch.ops.mixprec.w4a8_gemm, the csrc GEMM alone on int8 activations: what a
                      layer launches under vLLM's torch.compile, where Inductor fuses the
                      quantization into the RMSNorm / SiLU-and-mul before it (kernels/__init__.py)
+  ours_cuda_gemm_xw  the same GEMM on activations in the wgmma k order where its plan is a wgmma
+                     kernel (x by TMA; formats.wgmma_act_k_order), the natural order elsewhere: what
+                     ours_cuda's quantizer hands it, and a compiled gate_up or down projection's
+                     (compile_passes.WgmmaActOrder; the compiled QKV and o_proj get ours_cuda_gemm's)
   ours_w4ax_triton_q Triton quantize_act_w4ax + w4ax_gemm, 25% of the 128-channel blocks at 8 bits
                      (W4Ax, COMET's FMPQ; Hopper widens the int4 blocks to int8 in registers;
                      --w4ax-a8-share sets the share)
@@ -59,7 +63,7 @@ L2_BYTES = 50 * 2 ** 20
 MAX_COPIES = 16
 GROUP = 128  # Marlin/Machete group size (ours: --group-size, 128 by default, same bytes)
 
-METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "ours_cuda_gemm", "ours_w4ax_triton_q",
+METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "ours_cuda_gemm", "ours_cuda_gemm_xw", "ours_w4ax_triton_q",
            "ours_w4ax_rot_triton_q", "ours_w4ax_rot_torch_triton_q", "marlin_w4a16", "marlin_w4a8", "machete_w4a16", "cublas_bf16", "int8_mm",
            "fp8_w8a8")
 
@@ -207,7 +211,7 @@ def setup_of(name: str) -> str:
     "ours_cuda"."""
     if name in ("ours_triton", "ours_triton_q") or name.startswith("ours_w4ax"):
         return "ours"
-    return "ours_cuda" if name == "ours_cuda_gemm" else name
+    return "ours_cuda" if name in ("ours_cuda_gemm", "ours_cuda_gemm_xw") else name
 
 
 def _w4ax_quant_torch_rotation(x, perm, k8, smooth, rotation, ident):
@@ -368,6 +372,14 @@ class Methods:
                 out.append(lambda t=t, xq=xq, xs=xs: torch.ops.mixprec.w4a8_gemm(
                     xq, xs, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"],
                     None, torch.bfloat16, "cuda"))
+            elif name == "ours_cuda_gemm_xw":  # the GEMM alone on the linear's activation order
+                from vllm_mixprec import reference as ref
+                from vllm_mixprec.kernels import cuda
+                order = cuda.x_wgmma_order_for(M, self.N, self.K)
+                xq, xs = ref.quantize_act(x16.bfloat16(), None, order)
+                out.append(lambda t=t, xq=xq, xs=xs, order=order: torch.ops.mixprec.w4a8_gemm(
+                    xq, xs, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"],
+                    None, torch.bfloat16, "cuda", order))
             elif name in ("marlin_w4a16", "marlin_w4a8"):
                 out.append(self._marlin_call(t, x16, torch.int8 if name == "marlin_w4a8" else None))
             elif name == "machete_w4a16":
@@ -575,6 +587,7 @@ def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms, method="ours_triton"):
 # --- output ----------------------------------------------------------------------------------
 
 _SHORT = {"ours_triton": "tri", "ours_triton_q": "tri+q", "ours_cuda": "cuda", "ours_cuda_gemm": "cuda-g",
+          "ours_cuda_gemm_xw": "cuda-gx",
           "ours_w4ax_triton_q": "w4ax", "ours_w4ax_rot_triton_q": "w4ax+rot",
           "ours_w4ax_rot_torch_triton_q": "w4ax+rot(torch)",
           "marlin_w4a16": "mar16",

@@ -164,7 +164,8 @@ at::Tensor split_counters(const at::Tensor& like, int64_t n, const c10::cuda::CU
   return fresh;
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in, const std::optional<at::Tensor>& smooth_in) {
+std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in, const std::optional<at::Tensor>& smooth_in,
+                                                bool wgmma_order) {
   TORCH_CHECK(x_in.is_cuda(), "mixprec_C::quantize_act: x must be a CUDA tensor, got ", x_in.device());
   TORCH_CHECK(x_in.dim() == 2, "mixprec_C::quantize_act: x must be 2-D [M, K], got shape ", x_in.sizes());
   const OutKind x_kind = kind_of(x_in.scalar_type(), "mixprec_C::quantize_act: x");
@@ -173,6 +174,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in, const st
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K > 0 && K < (int64_t{1} << 31) && M < (int64_t{1} << 31),
               "mixprec_C::quantize_act: unsupported shape ", x.sizes());
+  TORCH_CHECK(!wgmma_order || K % 64 == 0, "mixprec_C::quantize_act: wgmma_order=True permutes 64-k chunks: K = ", K,
+              " must be a multiple of 64");
   at::Tensor smooth;
   OutKind smooth_kind = OutKind::kFloat;
   if (smooth_in.has_value()) {
@@ -190,14 +193,14 @@ std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in, const st
                                           smooth.defined() ? smooth.data_ptr() : nullptr, smooth_kind,
                                           q.data_ptr<int8_t>(), scale.data_ptr<float>(), static_cast<int>(M),
                                           static_cast<int>(K), launch_options().act_quant_one_pass.load(),
-                                          launch_options().act_quant_lean.load(), stream));
+                                          launch_options().act_quant_lean.load(), wgmma_order, stream));
   return {q, scale};
 }
 
 at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, const at::Tensor& qweight,
                      const at::Tensor& gparams, const at::Tensor& channel_scale_in,
                      const std::optional<at::Tensor>& bias_in, at::ScalarType out_dtype, int64_t kernel,
-                     int64_t splits) {
+                     int64_t splits, bool x_wgmma_order) {
   constexpr const char* op = "mixprec_C::w4a8_gemm: ";
   TORCH_CHECK(xq_in.is_cuda(), op, "xq must be a CUDA tensor, got ", xq_in.device());
   TORCH_CHECK(xq_in.scalar_type() == at::kChar && xq_in.dim() == 2, op, "xq must be int8 [M, K], got ",
@@ -273,6 +276,10 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   TORCH_CHECK(splits >= 0 || use_wgmma, op, "splits=", splits,
               " (-1: stream-K, -2: a cluster pair) runs on the wgmma kernels only: kernel 4..8, or -1 past the "
               "decode kernels' M, on an sm_90 GPU with an sm_90a build (M=", M, ", kernel=", kernel, ")");
+  TORCH_CHECK(use_wgmma || !x_wgmma_order, op,
+              "x_wgmma_order=True (xq in the wgmma k order) needs a wgmma kernel, and this call runs a decode or "
+              "mma.sync kernel (M=", M, ", kernel=", kernel, "): quantize x in its natural order "
+              "(kernels/cuda.py: x_wgmma_order_for)");
   TORCH_CHECK(use_wgmma || kernel < 4, op, "kernel ", kernel,
               " is a wgmma kernel: it needs an sm_90 GPU (H100/H200) and a build with sm_90a in "
               "MIXPREC_CUDA_ARCHS; this device or build has no wgmma kernel (use -1 or 0..3)");
@@ -313,6 +320,7 @@ at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, cons
   args.pdl = launch_options().gemm_pdl.load() && is_sm90(xq.device().index());
   args.decode_u8 = launch_options().decode_u8.load();
   args.decode_dp4a = launch_options().decode_dp4a.load();  // the launcher applies it at M = 1 only
+  args.x_wgmma_order = x_wgmma_order;
   // Two token tiles (M = 9-16) gained from the preload only in the 3-CTA build; in the 2-CTA one it
   // was -3 to +4 % (NOTES.md "Decode preload"), so there only a bound above 16 asks for it.
   const int preload_max_m = launch_options().decode_preload_max_m.load();
@@ -513,11 +521,12 @@ std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_
 }  // namespace mixprec
 
 TORCH_LIBRARY(mixprec_C, m) {
-  m.def("quantize_act(Tensor x, Tensor? smooth) -> (Tensor, Tensor)");
+  // wgmma_order / x_wgmma_order: xq in the wgmma kernels' k order (formats.py wgmma_act_k_order).
+  m.def("quantize_act(Tensor x, Tensor? smooth, bool wgmma_order=False) -> (Tensor, Tensor)");
   m.def(
       "w4a8_gemm(Tensor xq, Tensor x_scale, Tensor qweight, Tensor gparams, Tensor channel_scale, "
       // kernel_id, not kernel: Inductor's FallbackKernel.create() takes a `kernel` argument itself.
-      "Tensor? bias, ScalarType out_dtype, int kernel_id=-1, int splits=0) -> Tensor");
+      "Tensor? bias, ScalarType out_dtype, int kernel_id=-1, int splits=0, bool x_wgmma_order=False) -> Tensor");
   // No tensor arguments: registered with its (device-independent) kernel directly.
   m.def("w4a8_wgmma_available(int device) -> bool", &mixprec::w4a8_wgmma_available);
   m.def("w4a8_plan(int M, int N, int K, int group_size, int num_sms, int kernel_id, int splits, bool wgmma) -> int[]",

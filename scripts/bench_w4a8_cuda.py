@@ -175,6 +175,8 @@ def main():
         for m in ms:
             x = torch.randn(m, k, device=DEV, dtype=torch.float16)
             xq, xs = cuda.quantize_act(x)
+            # where the auto GEMM is a wgmma kernel, the linear quantizes into the wgmma k order
+            x_order = cuda.x_wgmma_order_for(m, n, k)
             decode_forced = m <= 32 and not args.decode_options_sweep  # that sweep times kernels 0, 1 itself
             tiled_forced = not (m <= 32 and (args.launch_sweep or args.decode_options_sweep))
             variants = [-1] + ([0, 1] if decode_forced else []) + ([2, 3] if tiled_forced else [])
@@ -185,9 +187,12 @@ def main():
             row = {"K": k, "N": n, "M": m, "G": g, "device": torch.cuda.get_device_name()}
             it = {"i": 0}
 
-            def gemm(kernel, splits=0):
+            def gemm(kernel, splits=0, x_wgmma=None):  # x_wgmma: codes in the wgmma k order
                 pq, gp, cs = layers[it["i"] % copies]
                 it["i"] += 1
+                if x_wgmma is not None:
+                    return torch.ops.mixprec_C.w4a8_gemm(x_wgmma, xs, pq, gp, cs, None, torch.float16, kernel,
+                                                         splits, True)
                 return torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, kernel, splits)
 
             sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -198,6 +203,9 @@ def main():
             row["plan_auto"] = plan(-1, cuda.auto_gemm_kernel_family(m, n, k) == "wgmma")  # what gemm_k-1 times
             for kernel in variants:
                 row[f"gemm_k{kernel}_us"] = bench(lambda: gemm(kernel))
+            if x_order:  # the auto plan on x in the wgmma k order (by TMA), against gemm_k-1 (cp.async)
+                xw = cuda.quantize_act(x, None, True)[0]
+                row["gemm_k-1_xw_us"] = bench(lambda: gemm(-1, 0, xw))
             if args.pair and m >= 64 and cuda.has_wgmma():  # two K halves a tile in a cluster of 2
                 for kernel in args.kernels or (4, 5, 7, 8):
                     row[f"gemm_k{kernel}_pair_us"] = bench(lambda: gemm(kernel, -2))
@@ -221,13 +229,15 @@ def main():
                         row[f"gemm_k{kernel}_sk_us"] = bench(lambda: gemm(kernel, -1))
             row["quantize_act_us"] = bench(lambda: cuda.quantize_act(x))
 
-            def linear():  # what the layer runs: quantize, then the auto-selected GEMM
-                xq2, xs2 = cuda.quantize_act(x)
+            def linear(order=x_order):  # what the layer runs: quantize, then the auto-selected GEMM
+                xq2, xs2 = cuda.quantize_act(x, None, order)
                 pq, gp, cs = layers[it["i"] % copies]
                 it["i"] += 1
-                return torch.ops.mixprec_C.w4a8_gemm(xq2, xs2, pq, gp, cs, None, torch.float16, -1, 0)
+                return torch.ops.mixprec_C.w4a8_gemm(xq2, xs2, pq, gp, cs, None, torch.float16, -1, 0, order)
 
             row["linear_auto_us"] = bench(linear)
+            if x_order:
+                row["linear_natural_us"] = bench(lambda: linear(False))
             if args.stream_k_sweep and m >= 64 and cuda.has_wgmma():
                 for sk in each_option("gemm_stream_k", (0, 1)):
                     row[f"linear_sk{sk}_us"] = bench(linear)
@@ -280,10 +290,11 @@ def main():
             print(json.dumps({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in row.items()}), flush=True)
             with open(out, "w") as f:  # after every row: a run cut short by its time limit keeps them
                 json.dump(rows, f, indent=1)
-    print(f"\n{'K':>6} {'N':>6} {'M':>5} | {'auto us':>8} {'best us':>8} {'GB/s':>6} | "
+    print(f"\n{'K':>6} {'N':>6} {'M':>5} | {'auto us':>8} {'best us':>8} {'xw us':>8} {'GB/s':>6} | "
           f"{'q+gemm':>8} {'marlin':>8} {'x':>5}")
-    for r in rows:
+    for r in rows:  # xw: the auto GEMM on x in the wgmma k order (TMA), where it is a wgmma plan
         print(f"{r['K']:>6} {r['N']:>6} {r['M']:>5} | {r['gemm_k-1_us']:8.1f} {r['best_gemm_us']:8.1f} "
+              f"{r.get('gemm_k-1_xw_us', float('nan')):8.1f} "
               f"{r['weight_GBps_auto']:6.0f} | {r['linear_auto_us']:8.1f} {r.get('marlin_w4a16_us', float('nan')):8.1f} "
               f"{r.get('speedup_linear_vs_marlin', float('nan')):5.2f}")
 

@@ -17,7 +17,8 @@
 # pair_pull_ab decode_pdl profile_decode_cold w4ax_tests property_cuda_gemm issue_table stream_k_refit
 # profile_decode_stalls profile_decode_ceiling decode_dp4a decode_dp4a_c3 decode_dp4a_final
 # decode_dp4a_per_chunk_c3 decode_m64 decode_m64_auto decode_groups decode_groups_rows16
-# decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto
+# decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto x_wgmma_tests
+# x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -1113,7 +1114,7 @@ apply_patch() {  # [-R] FILE: patch(1), or git apply where the host lacks it
 }
 stage_wgmma_diag() {
   local rc=0 v i=0 built=plain
-  for v in ${WGMMA_DIAG_VARIANTS:-plain wgmma_feed_only wgmma_compute_only wgmma_x16 wgmma_feed_only+wgmma_x16}; do
+  for v in ${WGMMA_DIAG_VARIANTS:-plain wgmma_feed_only wgmma_compute_only}; do
     i=$((i + 1))
     if [ "$v" != "$built" ]; then  # the sources stay plain between variants; only the build follows them
       build_variant "$v" "$OUT/rebuild.log" || return 1
@@ -1128,6 +1129,39 @@ stage_wgmma_diag() {
   done
   if [ "$built" != plain ]; then build_ext_90a "$OUT/rebuild.log" || rc=1; fi  # leave the plain build behind
   return $rc
+}
+# Session 63: x in the wgmma k order (the quantizer writes it, the wgmma kernels copy it by TMA).
+# The csrc GEMM suite and the linear's tests, then the auto GEMM on either order and the linear
+# (which picks the order) against the natural-order linear, the same run; then issue #4's table.
+stage_x_wgmma_tests() {
+  pytest_gpu pytest-gpu-x-wgmma 420 tests/kernels/test_cuda_gemm.py tests/kernels/test_cuda_gemm_wgmma.py \
+    tests/kernels/test_nonfinite_linear.py tests/kernels/test_cuda_layout.py
+}
+stage_x_wgmma_bench() {
+  run_bench bench_w4a8_cuda_x_wgmma 300 python3 scripts/bench_w4a8_cuda.py --no-marlin --auto-only --group 128 \
+    --shapes ${X_WGMMA_SHAPES:-4096x6144 4096x4096 14336x4096 28672x8192} --ms ${X_WGMMA_MS:-256 1024 4096} \
+    --out "$OUT/x_wgmma.json"
+}
+stage_x_wgmma_table() {
+  run_bench bench_gemm_x_wgmma 480 python3 benchmarks/bench_gemm.py --ms ${X_WGMMA_TABLE_MS:-256,1024,4096} \
+    --shapes 4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672 \
+    --methods ours_cuda,ours_cuda_gemm,ours_cuda_gemm_xw,cublas_bf16,int8_mm --out "$OUT/gemm-x-wgmma"
+}
+# The compiled path: compile_passes.WgmmaActOrder's tests on the GPU, then a layer as vLLM compiles
+# it (the op before + the linear) with and without the pass, the same run; then vLLM serving with it.
+stage_x_wgmma_compiled() {
+  local rc=0
+  pytest_gpu pytest-gpu-compile-pass 300 tests/test_compile_passes.py tests/kernels/test_cuda_gemm_wgmma.py \
+    -k "wgmma_order" || rc=1
+  run_bench bench_compiled_linear 360 python3 benchmarks/bench_compiled_linear.py --out "$OUT" || rc=1
+  return $rc
+}
+stage_x_wgmma_serve() {
+  log "end to end with the wgmma order pass: vllm serve --quantization mixprec (compiled), W4A8"
+  timeout 420 python3 scripts/e2e_serve.py --out "$OUT" --arms w4a8 2>&1 | tee "$OUT/e2e.log" | tail -30
+  local rc=${PIPESTATUS[0]}
+  grep -h -E "wgmma k order|compile ranges split" "$OUT"/serve-*.log | head -5
+  return "$rc"
 }
 # Issue #4's bench_gemm table at M = 256 and 1024 (do_bench's L2 flush, every baseline)
 stage_mid_table() {

@@ -1,8 +1,10 @@
 """compile_passes.SiluMulQuantFusion: under torch.compile (Inductor, CPU here) the down
 projection's SiluAndMul + traced quantize_act become mixprec::silu_mul_quantize_act, with
-the same numbers; other producers and other splits are left alone; install() puts the pass
-in vLLM's post-grad hook once if MIXPREC_FUSE_SILU_QUANT=1 (it is opt-in: slower than
-Inductor's kernel on the H100), and leaves a user's pass in place."""
+the same numbers; other producers and other splits are left alone. WgmmaActOrder: the GEMM
+reads its activations in the wgmma k order, permuted in the graph, with the same numbers.
+install() puts the wanted passes in vLLM's post-grad hook once (the fusion if
+MIXPREC_FUSE_SILU_QUANT=1: it is slower than Inductor's kernel on the H100; the order where the
+GPU runs the wgmma kernels), and leaves a user's pass in place."""
 import logging
 from types import SimpleNamespace
 
@@ -23,9 +25,10 @@ def _layer(seeded, n=48, k=64, smooth=False, device="cpu"):
                            mixprec_scheme="w4a8", input_smooth=None if sm is None else sm.to(device))
 
 
-def _compiled(fn, *args):
-    """fn compiled by Inductor with a fresh SiluMulQuantFusion (dynamic batch, as vLLM)."""
-    fusion = cp.SiluMulQuantFusion()
+def _compiled(fn, *args, fusion=None):
+    """fn compiled by Inductor with `fusion` (default a fresh SiluMulQuantFusion) as the post-grad
+    pass (dynamic batch, as vLLM)."""
+    fusion = cp.SiluMulQuantFusion() if fusion is None else fusion
     torch._dynamo.reset()
     for a in args:
         torch._dynamo.mark_dynamic(a, 0)
@@ -87,19 +90,21 @@ def test_op_reference_and_fake(seeded):
 
 def test_install_once_and_respects_a_users_pass(monkeypatch, caplog):
     monkeypatch.delenv("MIXPREC_FUSE_SILU_QUANT", raising=False)
+    monkeypatch.setattr(cp, "_wgmma_order_applies", lambda: False)  # (a CPU machine: no wgmma)
     off = SimpleNamespace(inductor_compile_config={})
-    assert not cp.install(off) and cp.HOOK not in off.inductor_compile_config  # opt-in
+    assert not cp.wanted() and not cp.install(off) and cp.HOOK not in off.inductor_compile_config  # opt-in
     monkeypatch.setenv("MIXPREC_FUSE_SILU_QUANT", "1")
     cc = SimpleNamespace(inductor_compile_config={}, compile_ranges_endpoints=[8192])
-    assert cp.install(cc) and isinstance(cc.inductor_compile_config[cp.HOOK], cp.SiluMulQuantFusion)
+    assert cp.wanted() and cp.install(cc)
+    hook = cc.inductor_compile_config[cp.HOOK]
+    assert isinstance(hook, cp.MixprecPostGrad) and [type(p) for p in hook.passes] == [cp.SiluMulQuantFusion]
     assert cc.compile_ranges_endpoints == [cp.FUSE_MAX_TOKENS, 8192]  # a graph for each side
-    first = cc.inductor_compile_config[cp.HOOK]
-    assert cp.install(cc) and cc.inductor_compile_config[cp.HOOK] is first
+    assert cp.install(cc) and cc.inductor_compile_config[cp.HOOK] is hook
     users = SimpleNamespace(inductor_compile_config={cp.HOOK: "user pass"})
     with caplog.at_level(logging.WARNING, logger="vllm.mixprec"):
         assert not cp.install(users)
     assert users.inductor_compile_config[cp.HOOK] == "user pass"
-    assert "fusion is left out" in caplog.text
+    assert "passes (SiluMulQuantFusion) are left out" in caplog.text
     monkeypatch.setenv("MIXPREC_FUSE_SILU_QUANT", "0")
     assert not cp.install(off) and cp.HOOK not in off.inductor_compile_config
     monkeypatch.setenv("MIXPREC_FUSE_SILU_QUANT", "yes")
@@ -132,3 +137,84 @@ def test_act_quant_benchmark_fuses_its_silu_pattern(seeded, repo_module):
     assert fusion.matched == 1
     q_ref, s_ref = ref.silu_mul_quantize_act(gate_up)
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+
+
+def test_install_with_the_wgmma_order(monkeypatch):
+    """Where the GPU runs the wgmma kernels, install() puts WgmmaActOrder in the hook (with the
+    fusion when that is asked for too) and splits the ranges after 64 tokens; the hook runs each
+    pass on its own ranges. MIXPREC_X_WGMMA_ORDER=0 leaves it out; other values are refused."""
+    from vllm.config.utils import Range
+    monkeypatch.delenv("MIXPREC_FUSE_SILU_QUANT", raising=False)
+    from vllm_mixprec.kernels import cuda
+    monkeypatch.setattr(cuda, "has_wgmma", lambda device=None: True)
+    monkeypatch.setattr(cuda, "x_wgmma_order_for", lambda m, n, k, device=None: m > 64)
+    assert cp._wgmma_order_applies()
+    cc = SimpleNamespace(inductor_compile_config={}, compile_ranges_endpoints=[8192])
+    assert cp.install(cc)
+    hook = cc.inductor_compile_config[cp.HOOK]
+    assert [type(p) for p in hook.passes] == [cp.WgmmaActOrder]
+    assert cc.compile_ranges_endpoints == [cp.WGMMA_ORDER_AFTER_TOKENS, 8192]
+    assert hook.is_applicable_for_range(Range(65, 8192)) and hook.is_applicable_for_range(Range(128, 128))
+    assert not hook.is_applicable_for_range(Range(1, 64))
+    monkeypatch.setenv("MIXPREC_FUSE_SILU_QUANT", "1")
+    both = SimpleNamespace(inductor_compile_config={}, compile_ranges_endpoints=[8192])
+    assert cp.install(both)
+    assert [type(p) for p in both.inductor_compile_config[cp.HOOK].passes] == [cp.SiluMulQuantFusion,
+                                                                             cp.WgmmaActOrder]
+    assert both.compile_ranges_endpoints == [cp.FUSE_MAX_TOKENS, cp.WGMMA_ORDER_AFTER_TOKENS, 8192]
+    assert not both.inductor_compile_config[cp.HOOK].is_applicable_for_range(Range(33, 64))
+    monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", "0")
+    assert not cp._wgmma_order_applies()
+    monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", "on")
+    with pytest.raises(ValueError, match="MIXPREC_X_WGMMA_ORDER='on': expected 1"):
+        cp._wgmma_order_applies()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_wgmma_order_pass_keeps_the_numbers(seeded, fused_act_quant, smooth, device):
+    """RMSNorm + the traced quantizer + the GEMM, compiled with WgmmaActOrder: the GEMM node reads
+    the permuted codes with x_wgmma_order=True (the CPU reference reads them back; on an sm_90 GPU
+    the csrc wgmma kernel by TMA), and the outputs are the eager ones bit for bit."""
+    if device == "cuda":
+        from vllm_mixprec.kernels import cuda
+        if not cuda.has_wgmma():
+            pytest.skip("no wgmma kernel here (needs an sm_90 GPU and an sm_90a build)")
+    layer = _layer(seeded, n=64, k=256, smooth=smooth, device=device)  # K >= 3N: wgmma_order_pays
+    impl = layer.mixprec_impl = "reference" if device == "cpu" else "cuda"  # (cuda: repacked per call)
+
+    def norm_then_linear(x):
+        h = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return kernels.apply_linear(layer, h, None)
+
+    x = (torch.randn(96, 256, generator=seeded) * 2).to(torch.bfloat16).to(device)
+    order = cp.WgmmaActOrder(impls=(impl,))
+    out, _ = _compiled(norm_then_linear, x, fusion=cp.MixprecPostGrad([order]))
+    assert order.rewritten == 1
+    want = norm_then_linear(x).float()  # eager: natural order; Inductor may skip a bf16 rounding
+    assert float((out.float() - want).norm() / want.norm()) < 0.02
+    plain, _ = _compiled(norm_then_linear, x, fusion=cp.MixprecPostGrad([]))
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)  # the same graph without the pass
+
+
+def test_wgmma_order_only_where_it_was_measured_to_pay(seeded, fused_act_quant):
+    """wgmma_order_pays: merged gate_up (N >= 4K) and down (K >= 3N) shapes; the near-square QKV
+    and o_proj keep the natural order (QKV lost 2-7 % at M = 128-256 on the H200: the compiled
+    quantizer reads its row twice). A skipped layer's graph is untouched."""
+    assert cp.wgmma_order_pays(28672, 4096) and cp.wgmma_order_pays(4096, 14336)
+    assert cp.wgmma_order_pays(57344, 8192) and cp.wgmma_order_pays(8192, 28672)  # Llama-3-70B
+    assert not cp.wgmma_order_pays(6144, 4096) and not cp.wgmma_order_pays(4096, 4096)
+    assert not cp.wgmma_order_pays(10240, 8192)
+    layer = _layer(seeded, n=64, k=128)
+
+    def quant_then_linear(x):
+        return kernels.apply_linear(layer, x * 2, None)
+
+    x = torch.randn(80, 128, generator=seeded).to(torch.bfloat16)
+    order = cp.WgmmaActOrder(impls=("reference",))
+    out, _ = _compiled(quant_then_linear, x, fusion=cp.MixprecPostGrad([order]))
+    assert order.rewritten == 0
+    forced = cp.WgmmaActOrder(impls=("reference",), all_shapes=True)
+    out_forced, _ = _compiled(quant_then_linear, x, fusion=cp.MixprecPostGrad([forced]))
+    assert forced.rewritten == 1
+    torch.testing.assert_close(out_forced, out, rtol=0, atol=0)

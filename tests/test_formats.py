@@ -141,3 +141,39 @@ def test_act_rotation_matrix_names():
     assert torch.allclose(r64 @ r64.T, torch.eye(F.ACT_BLOCK), atol=1e-6), "orthogonal"
     with pytest.raises(ValueError, match="act_rotation 'givens' is not one of"):
         F.act_rotation_matrix("givens")
+
+
+@pytest.mark.parametrize("k", [64, 192, 4096])
+def test_wgmma_act_k_order_is_the_unit_transpose(k):
+    """In every 64 k, 4-byte unit 4a + b lands at unit 4b + a (the packing's k permutation, as the
+    wgmma kernel's 4-byte cp.async applies it); bytes stay in order inside a unit."""
+    order = F.wgmma_act_k_order(k)
+    assert order.dtype == torch.int64 and torch.equal(order.sort().values, torch.arange(k))
+    assert torch.equal(order[order], torch.arange(k))  # an involution
+    x = torch.arange(k)
+    xw = x[order]
+    for c in range(k // 64):
+        for a in range(4):
+            for b in range(4):
+                dst = 64 * c + 4 * (4 * b + a)
+                assert torch.equal(xw[dst:dst + 4], x[64 * c + 4 * (4 * a + b):][:4])
+    assert not torch.equal(order, torch.arange(k))
+
+
+def test_wgmma_act_k_order_needs_whole_chunks():
+    with pytest.raises(ValueError, match=r"K \(wgmma k order\)=96 is not divisible by 64"):
+        F.wgmma_act_k_order(96)
+
+
+def test_reference_gemm_reads_the_wgmma_order(seeded):
+    m, n, k, g = 5, 32, 192, 64
+    t = ref.quantize_weight_lqq(torch.randn(n, k), g)
+    qw, gs, go, cs = t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"]
+    x = torch.randn(m, k)
+    xq, xs = ref.quantize_act(x)
+    xw, xws = ref.quantize_act(x, None, wgmma_order=True)
+    assert torch.equal(xw, ref.to_wgmma_act_order(xq)) and torch.equal(xws, xs)
+    assert torch.equal(ref.to_wgmma_act_order(xw), xq)
+    y = ref.w4a8_gemm(xq, xs, qw, gs, go, cs, None, torch.float64)
+    assert torch.equal(ref.w4a8_gemm(xw, xs, qw, gs, go, cs, None, torch.float64, x_wgmma_order=True), y)
+    assert not torch.equal(ref.w4a8_gemm(xw, xs, qw, gs, go, cs, None, torch.float64), y)

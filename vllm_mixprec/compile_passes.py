@@ -1,4 +1,7 @@
-"""The plugin's torch.compile pass: SiLU-and-mul + activation quantization in one kernel.
+"""The plugin's torch.compile passes: SiLU-and-mul + activation quantization in one kernel
+(SiluMulQuantFusion, opt-in), and the activations in the wgmma k order for batches past 64 tokens
+(WgmmaActOrder, on where the GPU runs the wgmma kernels). Both go in vLLM's one custom post-grad
+hook, as MixprecPostGrad.
 
 Under vLLM's compile a mixprec layer quantizes its input in traced torch ops (kernels/
 __init__.py) that Inductor fuses into the op before it. For the down projection that op is
@@ -41,12 +44,17 @@ def enabled(environ=os.environ) -> bool:
     Off by default until served with its compile range (FUSE_MAX_TOKENS): on all sizes it
     matched Marlin's TPOT at concurrency 1 on the H100 (3.52 ms each, 2026-11-26) but would
     cost large batches, where Inductor's kernel is faster."""
-    v = environ.get("MIXPREC_FUSE_SILU_QUANT", "0").strip()
+    return _env_switch(environ, "MIXPREC_FUSE_SILU_QUANT", "0",
+                       "0 (the default: Inductor fuses the down projection's input quantization into "
+                       "SiLU-and-mul) or 1 (mixprec::silu_mul_quantize_act in their place for batches "
+                       "of at most 32 tokens; see compile_passes.py)")
+
+
+def _env_switch(environ, name: str, default: str, expected: str) -> bool:
+    """A 0/1 environment switch; any other value is refused with what it means (`expected`)."""
+    v = environ.get(name, default).strip()
     if v not in ("0", "1"):
-        raise ValueError(f"MIXPREC_FUSE_SILU_QUANT={v!r}: expected 0 (the default: Inductor fuses "
-                         "the down projection's input quantization into SiLU-and-mul) or 1 "
-                         "(mixprec::silu_mul_quantize_act in their place for batches of at most "
-                         "32 tokens; see compile_passes.py)")
+        raise ValueError(f"{name}={v!r}: expected {expected}")
     return v == "1"
 
 
@@ -161,29 +169,169 @@ class SiluMulQuantFusion(_pass_base()):
         """vLLM's pass manager asks this for each compile range (vllm Range, end inclusive)."""
         return compile_range.end <= FUSE_MAX_TOKENS
 
-    def uuid(self) -> str:  # Inductor's cache key: this file's source
-        import hashlib
-        import inspect
-        import sys
-        return hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).hexdigest()
+    def uuid(self) -> str:
+        return _source_hash()
+
+
+# Batches of more than this many tokens run a wgmma kernel on an sm_90 GPU (the decode kernels
+# take M <= 64: kernels/cuda.py DECODE_MAX_M), which copies x by TMA when the quantizer wrote it in
+# the wgmma k order: 10-18 % faster GEMMs at M >= 256 (H200, csrc/gemm/NOTES.md "Session 63").
+WGMMA_ORDER_AFTER_TOKENS = 64
+
+
+def wgmma_order_enabled(environ=os.environ) -> bool:
+    """MIXPREC_X_WGMMA_ORDER: 1 (default: WgmmaActOrder where the GPU runs the wgmma kernels) or 0."""
+    return _env_switch(environ, "MIXPREC_X_WGMMA_ORDER", "1",
+                       "1 (the default: compiled graphs for batches of more than 64 tokens quantize "
+                       "the W4A8 activations in the wgmma k order, which the sm_90a GEMM copies by "
+                       "TMA; compile_passes.py) or 0 (the natural order everywhere)")
+
+
+def _wgmma_order_applies() -> bool:
+    """The pass is wanted (MIXPREC_X_WGMMA_ORDER) and this process's GPU runs the wgmma kernels
+    for batches past 64 tokens (an sm_90 GPU, an sm_90a build, no override to other kernels)."""
+    from .kernels import cuda
+    return (wgmma_order_enabled() and cuda.has_wgmma()
+            and cuda.x_wgmma_order_for(WGMMA_ORDER_AFTER_TOKENS + 1, 4096, 4096))
+
+
+def wgmma_order_pays(n: int, k: int) -> bool:
+    """Whether an N x K layer's compiled quantizer should write the wgmma k order. Inductor folds
+    the permutation into the fused kernel before the GEMM as a gather: a kernel that held the row
+    in registers reads it again at the permuted places. Measured (H200, benchmarks/
+    bench_compiled_linear.py, docs/BENCHMARKS.md "Session 63"): layer + RMSNorm, 28672 x 4096
+    (gate_up) 1.06-1.11x faster at M = 128-4096, but 6144 x 4096 (QKV) 0.93-0.98x at M = 128-256
+    and 1.00-1.04x above; layer + SiLU-and-mul, 4096 x 14336 (down) 1.10-1.15x. So the shapes
+    of those two winners only (N >= 4K: merged gate_up; K >= 3N: down); near-square layers (QKV,
+    o_proj: not measured) keep the natural order."""
+    return n >= 4 * k or k >= 3 * n
+
+
+class WgmmaActOrder(_pass_base()):
+    """Post-grad pass for graphs of more than 64 tokens: mixprec::w4a8_gemm(xq, ..., impl) ->
+    mixprec::w4a8_gemm(wgmma_order(xq), ..., impl, True) where wgmma_order_pays. The permutation
+    is a view, a permute and a clone, which Inductor folds into the quantizer kernel before the
+    GEMM (the traced quantize_act), so no kernel is added. impls: the nodes it rewrites (the
+    csrc op; the tests add "reference"); all_shapes: ignore wgmma_order_pays (tests)."""
+
+    def __init__(self, impls=("cuda",), all_shapes: bool = False):
+        from . import kernels  # noqa: F401  (the op, on a compile-cache hit too)
+        self.impls = tuple(impls)
+        self.all_shapes = all_shapes
+        self.rewritten = 0  # GEMMs rewritten, over every graph this pass has seen
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        aten = torch.ops.aten
+        n_done = 0
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target is not torch.ops.mixprec.w4a8_gemm.default:
+                continue
+            args = list(node.args) + [node.kwargs[k] for k in ("x_wgmma_order",) if k in node.kwargs]
+            if len(args) < 9 or args[8] not in self.impls or (len(args) > 9 and args[9]):
+                continue
+            xq = args[0]
+            val = xq.meta.get("val") if isinstance(xq, torch.fx.Node) else None
+            if val is None or val.dim() != 2 or not isinstance(val.shape[1], int) or val.shape[1] % 64:
+                continue  # a K that is not a static multiple of 64: the GEMM op refuses it anyway
+            k = val.shape[1]
+            cs = args[5].meta.get("val") if isinstance(args[5], torch.fx.Node) else None
+            if cs is None or not isinstance(cs.shape[0], int):
+                continue
+            if not (self.all_shapes or wgmma_order_pays(cs.shape[0], k)):
+                continue
+            with graph.inserting_before(node):
+                view = graph.call_function(aten.view.default, (xq, [-1, k // 64, 4, 4, 4]))
+                perm = graph.call_function(aten.permute.default, (view, [0, 1, 3, 2, 4]))
+                copy = graph.call_function(aten.clone.default, (perm,),
+                                           {"memory_format": torch.contiguous_format})
+                xw = graph.call_function(aten.view.default, (copy, [-1, k]))
+            view.meta["val"] = val.view(-1, k // 64, 4, 4, 4)
+            perm.meta["val"] = view.meta["val"].permute(0, 1, 3, 2, 4)
+            copy.meta["val"] = perm.meta["val"].clone(memory_format=torch.contiguous_format)
+            xw.meta["val"] = copy.meta["val"].view(-1, k)
+            node.args = (xw, *args[1:9], True)
+            node.kwargs = {}
+            if "eager_input_vals" in node.meta:  # the fake arguments Inductor lowers the op with
+                fake_args, _ = node.meta["eager_input_vals"]
+                node.meta["eager_input_vals"] = ((xw.meta["val"], *fake_args[1:9], True), {})
+            n_done += 1
+        if n_done and not self.rewritten:
+            logger.info("vllm_mixprec: W4A8 activations in the wgmma k order for batches of more "
+                        "than %d tokens (%d GEMMs in the first graph)", WGMMA_ORDER_AFTER_TOKENS, n_done)
+        self.rewritten += n_done
+
+    def is_applicable_for_range(self, compile_range) -> bool:
+        return compile_range.start > WGMMA_ORDER_AFTER_TOKENS
+
+    def uuid(self) -> str:
+        return _source_hash()
+
+
+def _source_hash() -> str:  # Inductor's cache key: this file's source
+    import hashlib
+    import inspect
+    import sys
+    return hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).hexdigest()
+
+
+def _compile_range():
+    """The compile range vLLM's pass manager is compiling for (None outside vLLM's compile)."""
+    try:
+        from vllm.compilation.passes.inductor_pass import get_pass_context
+        return get_pass_context().compile_range
+    except (ImportError, AssertionError):  # no vLLM, or no pass context (plain torch.compile)
+        return None
+
+
+class MixprecPostGrad(_pass_base()):
+    """The plugin's passes in vLLM's one custom post-grad hook, each on the compile ranges it
+    says it applies to (under plain torch.compile, with no range, all of them)."""
+
+    def __init__(self, passes):
+        self.passes = list(passes)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        compile_range = _compile_range()
+        for p in self.passes:
+            if compile_range is None or p.is_applicable_for_range(compile_range):
+                p(graph)
+
+    def is_applicable_for_range(self, compile_range) -> bool:
+        return any(p.is_applicable_for_range(compile_range) for p in self.passes)
+
+    def get(self, kind):
+        return next((p for p in self.passes if isinstance(p, kind)), None)
+
+    def uuid(self) -> str:
+        return _source_hash() + "".join(type(p).__name__ for p in self.passes)
+
+
+def wanted() -> bool:
+    """Whether install() has a pass to put in place (config.py asks before building a layer)."""
+    return enabled() or _wgmma_order_applies()
 
 
 def install(compilation_config) -> bool:
-    """Put SiluMulQuantFusion in vLLM's custom post-grad hook (once). Returns whether it is
-    there. A pass the user set keeps the hook: ours is then left out, with a warning."""
-    if not enabled():
+    """Put the wanted passes (SiluMulQuantFusion if MIXPREC_FUSE_SILU_QUANT=1, WgmmaActOrder where
+    it applies) in vLLM's custom post-grad hook, once, and split the compile ranges where they
+    stop applying. Returns whether they are there. A pass the user set keeps the hook: ours are
+    then left out, with a warning."""
+    passes = ([SiluMulQuantFusion()] if enabled() else []) + ([WgmmaActOrder()] if _wgmma_order_applies() else [])
+    if not passes:
         return False
     cfg = compilation_config.inductor_compile_config
     current = cfg.get(HOOK)
-    if isinstance(current, SiluMulQuantFusion):
+    if isinstance(current, MixprecPostGrad):
         return True
     if current is not None:
         logger.warning("vllm_mixprec: compilation_config.inductor_compile_config[%r] is already "
-                       "%r; the SiLU-and-mul + quantize fusion is left out (the down projection "
-                       "quantizes its input in Inductor's kernel)", HOOK, current)
+                       "%r; the plugin's passes (%s) are left out (compile_passes.py)", HOOK, current,
+                       ", ".join(type(p).__name__ for p in passes))
         return False
-    cfg[HOOK] = SiluMulQuantFusion()
-    _add_compile_range_end(compilation_config, FUSE_MAX_TOKENS)
+    cfg[HOOK] = MixprecPostGrad(passes)
+    for p in passes:
+        end = FUSE_MAX_TOKENS if isinstance(p, SiluMulQuantFusion) else WGMMA_ORDER_AFTER_TOKENS
+        _add_compile_range_end(compilation_config, end)
     return True
 
 
@@ -196,6 +344,6 @@ def _add_compile_range_end(compilation_config, end: int) -> None:
     if not ends or end >= max(ends) or end in ends:
         return
     compilation_config.compile_ranges_endpoints = sorted(ends + [end])
-    logger.info("vllm_mixprec: compile ranges split at %d tokens (the SiLU-and-mul + quantize "
-                "fusion applies up to there): endpoints %s", end,
+    logger.info("vllm_mixprec: compile ranges split at %d tokens (a pass of the plugin's applies "
+                "on one side only: compile_passes.py): endpoints %s", end,
                 compilation_config.compile_ranges_endpoints)

@@ -14,7 +14,9 @@ W4 (LiquidQuant, "lqq") weights of a linear layer with W of shape [N, K] (out, i
   Tensors: qweight uint8 [N, K/2] (k even in the low nibble), group_scale uint8 [N, K/G],
   group_offset uint8 [N, K/G], channel_scale float32 [N].
 
-A8 (W4A8): per-token symmetric int8 activations, scale = amax / 127.
+A8 (W4A8): per-token symmetric int8 activations, scale = amax / 127. In their natural k order,
+  or (a runtime layout, never stored) in the wgmma k order of wgmma_act_k_order: what the sm_90a
+  wgmma kernels copy into shared memory as it is.
 A8/A4 (W4Ax): channels permuted, then K is cut into ACT_BLOCK-channel blocks; the first
   num_a8_blocks are int8 (scale = block amax / 127), the rest 4-bit on the half-integer grid
   (A4_TOP: nibble q in [-8, 7] stands for (q + 1/2) * scale, scale = block amax / 7.5), two
@@ -55,6 +57,23 @@ A8_MAX = 127
 # 16 q + 8 = 8 (2 q + 1), i.e. the high nibble q and a low nibble of 8.
 A4_MAX = 7
 A4_TOP = A4_MAX + 0.5
+
+# The wgmma k order of int8 activations: the sm_90a GEMM reads its B tile in the logical k order
+# of the packed weights' k permutation (csrc/gemm/NOTES.md "Layout"), which puts actual 4-byte
+# unit 4a + b of every 64 k at logical unit 4b + a. A quantizer that writes its codes there
+# (quantize_act(..., wgmma_order=True)) lets the GEMM copy x by TMA instead of 4-byte cp.async.
+WGMMA_ORDER_CHUNK = 64
+
+
+def wgmma_act_k_order(k: int) -> torch.Tensor:
+    """int64 [k]: x_wgmma = x[..., order] puts int8 activations [.., k] in the wgmma k order
+    (a 4 x 4 transpose of 4-byte units in every 64 k; an involution, so x = x_wgmma[..., order]).
+    Mirrors wgmma_act_k in csrc/gemm/w4a8_gemm.h."""
+    check_divisible("K (wgmma k order)", k, WGMMA_ORDER_CHUNK)
+    pos = torch.arange(k)
+    unit = (pos // 4) % 16
+    return (pos // 64) * 64 + ((unit % 4) * 4 + unit // 4) * 4 + pos % 4
+
 
 WEIGHT_SCHEMES = ("w4a8", "w4ax")
 ACT_ROTATIONS = ("none", "hadamard", "hadamard64")  # W4Ax: what multiplies each 4-bit activation block

@@ -152,14 +152,22 @@ def _act_input(x: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
     return xf if smooth is None else xf / smooth.to(torch.float32)
 
 
-def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
+def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None, wgmma_order: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric int8: x [M, K] -> (int8 [M, K], float32 scale [M]).
 
     `smooth` [K], when given, divides x first (SmoothQuant scale not folded offline).
     A row holding a NaN or an Inf gets a NaN scale and zero codes: its GEMM output row is NaN.
+    wgmma_order: the codes in formats.wgmma_act_k_order (K % 64 == 0), for w4a8_gemm's
+    x_wgmma_order.
     """
-    return quantize_act_slice(x, smooth, None)
+    q, scale = quantize_act_slice(x, smooth, None)
+    return (to_wgmma_act_order(q) if wgmma_order else q), scale
+
+
+def to_wgmma_act_order(xq: torch.Tensor) -> torch.Tensor:
+    """[M, K] activations in formats.wgmma_act_k_order (its own inverse: also back again)."""
+    return xq[:, F.wgmma_act_k_order(xq.shape[-1]).to(xq.device)]
 
 
 def quantize_act_slice(x: torch.Tensor, smooth: torch.Tensor | None,
@@ -273,8 +281,12 @@ def _int_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def w4a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
               group_scale: torch.Tensor, group_offset: torch.Tensor, channel_scale: torch.Tensor,
-              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """y[m, n] = x_scale[m] * channel_scale[n] * sum_k xq[m, k] * w8[n, k] + bias[n]."""
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16,
+              x_wgmma_order: bool = False) -> torch.Tensor:
+    """y[m, n] = x_scale[m] * channel_scale[n] * sum_k xq[m, k] * w8[n, k] + bias[n].
+    x_wgmma_order: xq is in formats.wgmma_act_k_order (quantize_act(..., wgmma_order=True))."""
+    if x_wgmma_order:
+        xq = to_wgmma_act_order(xq)
     acc = _int_gemm(xq, dequantize_weight_w8(qweight, group_scale, group_offset))
     y = acc * x_scale.to(torch.float64)[:, None] * channel_scale.to(torch.float64)[None, :]
     if bias is not None:

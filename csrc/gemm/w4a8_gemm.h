@@ -52,6 +52,10 @@ struct W4A8GemmArgs {
   // previous kernel (PDL), so that batch's DRAM latency overlaps the quantizer (csrc/gemm/NOTES.md
   // "Decode preload"). The same sums.
   bool decode_preload = false;
+  // wgmma kernels (4..8) only: xq is in the wgmma k order (formats.py wgmma_act_k_order: 4-byte
+  // units transposed 4 x 4 in every 64 k), so one TMA a stage copies it (csrc/gemm/NOTES.md
+  // "Session 63"). The other kernels read xq in its natural order only.
+  bool x_wgmma_order = false;
 };
 
 // What every W4A8 kernel reads: W4A8GemmArgs in device form (the kernels take it by value).
@@ -123,9 +127,18 @@ cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cud
 // the codes from v * (1 / scale), dividing only near half-integers, and the amax in one FMNMX.NAN
 // an element (session 46); false: its per-element division, for A/B timing. Every path gives the
 // same codes and scales.
+// wgmma_order: the codes go to their places in the wgmma k order (wgmma_act_k; K % 64 == 0).
 cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_row_stride,
                                      const void* smooth, OutKind smooth_kind, int8_t* q,
                                      float* scale, int M, int K, bool one_pass, bool lean,
-                                     cudaStream_t stream);
+                                     bool wgmma_order, cudaStream_t stream);
+
+// The wgmma k order of int8 activations (formats.py wgmma_act_k_order): in every 64 k, 4-byte
+// unit 4a + b goes to unit 4b + a, the packing's k permutation, so that the wgmma kernels'
+// shared-memory B tile is a plain copy of the row (W4A8GemmArgs::x_wgmma_order). An involution.
+__host__ __device__ __forceinline__ int wgmma_act_k(int k) {
+  const int u = (k >> 2) & 15;
+  return (k & ~63) | (((u & 3) << 2 | u >> 2) << 2) | (k & 3);
+}
 
 }  // namespace mixprec

@@ -172,6 +172,17 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
+// 8 codes of a row at k = i (i % 8 == 0): one 8-byte store, or in the wgmma k order (wgmma_act_k)
+// two 4-byte stores 16 bytes apart. A warp still fills whole 32-byte sectors.
+__device__ __forceinline__ void store_codes8(int8_t* qr, int i, uint2 codes, bool wgmma_order) {
+  if (wgmma_order) {
+    *reinterpret_cast<uint32_t*>(qr + wgmma_act_k(i)) = codes.x;
+    *reinterpret_cast<uint32_t*>(qr + wgmma_act_k(i + 4)) = codes.y;
+  } else {
+    *reinterpret_cast<uint2*>(qr + i) = codes;
+  }
+}
+
 // What a CTA works on: its row of x, of the codes and of the scales. Every quantizer kernel
 // first lets the dependent GEMM launch (see the top of this file).
 template <typename T>
@@ -215,7 +226,7 @@ constexpr int kRegsMaxRowsMultiVec = 128;
 template <typename T, typename S, bool kVec>
 __global__ void quantize_act_int8_kernel(const T* __restrict__ x, int64_t x_row_stride,
                                          const S* __restrict__ smooth, int8_t* __restrict__ q,
-                                         float* __restrict__ scale, int K) {
+                                         float* __restrict__ scale, int K, bool wgmma_order) {
   __shared__ float s_red[32];
   const QuantRow<T> r = begin_row(x, x_row_stride, q, K);
   const T* xr = r.x;
@@ -238,10 +249,11 @@ __global__ void quantize_act_int8_kernel(const T* __restrict__ x, int64_t x_row_
     for (int i = threadIdx.x * 8; i < K; i += blockDim.x * 8) {
       float v[8];
       load_input8(xr, smooth, i, v);
-      *reinterpret_cast<uint2*>(qr + i) = pack_codes8(v, sc);
+      store_codes8(qr, i, pack_codes8(v, sc), wgmma_order);
     }
   } else {
-    for (int i = threadIdx.x; i < K; i += blockDim.x) qr[i] = quantize_one(load_input1(xr, smooth, i), sc);
+    for (int i = threadIdx.x; i < K; i += blockDim.x)
+      qr[wgmma_order ? wgmma_act_k(i) : i] = quantize_one(load_input1(xr, smooth, i), sc);
   }
 }
 
@@ -251,7 +263,7 @@ __global__ void quantize_act_int8_kernel(const T* __restrict__ x, int64_t x_row_
 template <typename T, typename S, int kVecs, bool kLean>
 __global__ void __launch_bounds__(kRegsThreads, kVecs == 1 ? 2 : 1) quantize_act_int8_regs_kernel(
     const T* __restrict__ x, int64_t x_row_stride, const S* __restrict__ smooth, int8_t* __restrict__ q,
-    float* __restrict__ scale, int K) {
+    float* __restrict__ scale, int K, bool wgmma_order) {
   __shared__ float s_red[32];
   const QuantRow<T> r = begin_row(x, x_row_stride, q, K);
   const T* xr = r.x;
@@ -285,35 +297,38 @@ __global__ void __launch_bounds__(kRegsThreads, kVecs == 1 ? 2 : 1) quantize_act
   if constexpr (kLean) {
     const float inv_sc = 1.0f / sc;
     each_vec([&](int vi, const float (&v)[8]) {
-      *reinterpret_cast<uint2*>(qr + vi * 8) = pack_codes8_lean(v, sc, inv_sc);
+      store_codes8(qr, vi * 8, pack_codes8_lean(v, sc, inv_sc), wgmma_order);
     });
   } else {
-    each_vec([&](int vi, const float (&v)[8]) { *reinterpret_cast<uint2*>(qr + vi * 8) = pack_codes8(v, sc); });
+    each_vec([&](int vi, const float (&v)[8]) { store_codes8(qr, vi * 8, pack_codes8(v, sc), wgmma_order); });
   }
 }
 
 // The kernels a call may take: vec (K % 8 == 0 and aligned rows: 8 elements per access),
-// one_pass (act_quant_one_pass), lean (act_quant_lean).
+// one_pass (act_quant_one_pass), lean (act_quant_lean); and where the codes go (wgmma_order).
 struct QuantPaths {
-  bool vec, one_pass, lean;
+  bool vec, one_pass, lean, wgmma_order;
 };
 
 template <typename T, typename S, bool kLean>
 cudaError_t launch_regs_kernel(const T* x, int64_t stride, const S* smooth, int8_t* q, float* scale, int M, int K,
-                               cudaStream_t stream) {
+                               bool wgmma_order, cudaStream_t stream) {
   const int vecs = K / 8;
   int p = 1;  // vectors a thread: the fewest that hold the row
   while (p * kRegsThreads < vecs) p *= 2;
   const int threads = ((ceil_div(vecs, p) + 31) / 32) * 32;
   switch (p) {
     case 1:
-      quantize_act_int8_regs_kernel<T, S, 1, kLean><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K);
+      quantize_act_int8_regs_kernel<T, S, 1, kLean><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K,
+                                                                                      wgmma_order);
       break;
     case 2:
-      quantize_act_int8_regs_kernel<T, S, 2, kLean><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K);
+      quantize_act_int8_regs_kernel<T, S, 2, kLean><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K,
+                                                                                      wgmma_order);
       break;
     default:
-      quantize_act_int8_regs_kernel<T, S, kRegsMaxVecs, kLean><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K);
+      quantize_act_int8_regs_kernel<T, S, kRegsMaxVecs, kLean><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K,
+                                                                                      wgmma_order);
   }
   return cudaGetLastError();
 }
@@ -324,15 +339,16 @@ cudaError_t launch_row_kernel(const T* x, int64_t stride, const S* smooth, int8_
   const int vecs = K / 8;
   const bool vec = paths.vec, one_pass = paths.one_pass;
   if (one_pass && vec && vecs <= kRegsThreads * kRegsMaxVecs && (vecs <= kRegsThreads || M <= kRegsMaxRowsMultiVec))
-    return paths.lean ? launch_regs_kernel<T, S, true>(x, stride, smooth, q, scale, M, K, stream)
-                      : launch_regs_kernel<T, S, false>(x, stride, smooth, q, scale, M, K, stream);
+    return paths.lean ? launch_regs_kernel<T, S, true>(x, stride, smooth, q, scale, M, K, paths.wgmma_order, stream)
+                      : launch_regs_kernel<T, S, false>(x, stride, smooth, q, scale, M, K, paths.wgmma_order, stream);
   const int work = vec ? (K + 7) / 8 : K;
   int threads = ((work + 31) / 32) * 32;
   threads = threads < 32 ? 32 : (threads > 512 ? 512 : threads);
   if (vec)
-    quantize_act_int8_kernel<T, S, true><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K);
+    quantize_act_int8_kernel<T, S, true><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K, paths.wgmma_order);
   else
-    quantize_act_int8_kernel<T, S, false><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K);
+    quantize_act_int8_kernel<T, S, false><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K,
+                                                                      paths.wgmma_order);
   return cudaGetLastError();
 }
 
@@ -352,13 +368,14 @@ cudaError_t launch_for_x(const void* x, int64_t stride, const void* smooth, OutK
 
 cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_row_stride, const void* smooth,
                                      OutKind smooth_kind, int8_t* q, float* scale, int M, int K,
-                                     bool one_pass, bool lean, cudaStream_t stream) {
+                                     bool one_pass, bool lean, bool wgmma_order, cudaStream_t stream) {
   if (M == 0) return cudaSuccess;
+  if (wgmma_order && K % 64 != 0) return cudaErrorInvalidValue;  // the order permutes whole 64-k chunks
   // 8 elements per access: rows must start on 16-byte boundaries (x) and 8-byte ones (q).
   const bool vec = K % 8 == 0 && (x_row_stride % 8) == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    (smooth == nullptr || reinterpret_cast<uintptr_t>(smooth) % 16 == 0) &&
                    reinterpret_cast<uintptr_t>(q) % 8 == 0;
-  const QuantPaths paths{vec, one_pass, lean};
+  const QuantPaths paths{vec, one_pass, lean, wgmma_order};
   switch (x_kind) {
     case OutKind::kHalf:
       return launch_for_x<__half>(x, x_row_stride, smooth, smooth_kind, q, scale, M, K, paths, stream);

@@ -1,7 +1,8 @@
 """The sm_90a wgmma W4A8 kernels (csrc/gemm/sm90/w4a8_gemm_wgmma.cu, op kernel ids 4..8).
 
 CPU: `emulate_wgmma_cta` replays one CTA of the kernel byte by byte (the producer's 4-byte
-cp.async transpose into the 128-byte-swizzled B tile, the descriptor addressing of each k32
+cp.async transpose into the 128-byte-swizzled B tile, or the TMA box of x in the wgmma k
+order, the descriptor addressing of each k32
 step, the consumers' LDS + dequant into the wgmma A fragment, the accumulator layout and the
 epilogue's (token, channel) mapping, the tile raster) with the kernel's own index formulas, so
 an indexing slip shows up without a GPU. GPU (`pytest -m gpu`): integer-exact results against
@@ -50,8 +51,20 @@ def _tile_of(block, tok_tiles, ch_tiles):
     return grp * RASTER_GROUP + rem % in_grp, rem // in_grp
 
 
-def emulate_wgmma_cta(kernel, xq, packed, gparams, tok_tile, ch_tile, rng):
-    """int64 results {(tok, ch): acc} of one CTA, following the kernel's address arithmetic."""
+def _tma_box_sw128(xb, M, K, tok0, k0, ktok):
+    """The bytes one 2-D TMA box (ktok rows x 128 B at (k0, tok0), SWIZZLE_128B) leaves in shared
+    memory: box byte (r, c) at swizzle(128 r + c); rows past M and k past K are zeros."""
+    out = np.zeros(ktok * 128, dtype=np.uint8)
+    for r in range(min(ktok, M - tok0)):
+        n = min(128, K - k0)
+        src = (tok0 + r) * K + k0
+        out[_swizzle128(128 * r + np.arange(n))] = xb[src:src + n]
+    return out
+
+
+def emulate_wgmma_cta(kernel, xq, packed, gparams, tok_tile, ch_tile, rng, x_by_tma=False):
+    """int64 results {(tok, ch): acc} of one CTA, following the kernel's address arithmetic.
+    x_by_tma: xq is in the wgmma k order and goes by TMA (the kXTma kernels)."""
     blocks, ktok = CONFIGS[kernel]
     R = 2 * blocks * 4  # row tiles per CTA
     M, K = xq.shape
@@ -70,13 +83,15 @@ def emulate_wgmma_cta(kernel, xq, packed, gparams, tok_tile, ch_tile, rng):
         xs = rng.integers(0, 256, ktok * 128, dtype=np.uint8)
         ws = rng.integers(0, 256, R * 1024, dtype=np.uint8)
         ps = rng.integers(0, 256, R * 64, dtype=np.uint8)
+        if x_by_tma:
+            xs = _tma_box_sw128(xb, M, K, tok0, st * 128, ktok)
         for pt in range(128):  # producer warpgroup
             pw, lane = pt >> 5, pt & 31
             h, a_, b_ = lane >> 4, (lane & 15) >> 2, lane & 3
             off = [pw * 128 + 16 * ((4 * h + b_) ^ pw) + 4 * a_,
                    pw * 128 + 512 + 16 * ((4 * h + b_) ^ (pw + 4)) + 4 * a_]
             ok = c0 + h < chunks
-            for i in range(ktok // 4):
+            for i in range(ktok // 4 if not x_by_tma else 0):
                 if pw + 4 * i >= rows_valid:
                     continue
                 src = (tok0 + pw + 4 * i) * K + st * 128 + 4 * lane - (0 if ok else 64)
@@ -179,6 +194,33 @@ def test_emulated_cta_matches_integer_gemm(kernel, m, n, k, g):
             got[tok, ch] = int(v)
     assert seen == {(a, b) for a in range(tok_tiles) for b in range(ch_tiles)}  # raster covers every tile once
     assert torch.equal(got, expect)
+
+
+@pytest.mark.parametrize("kernel,m,n,k,g", [
+    (4, 70, 144, 320, 64),    # partial token tile, odd chunks (the last box's second half past K)
+    (7, 100, 208, 256, 128),  # two 64-token tiles, 36 rows in the second
+])
+def test_emulated_cta_with_x_by_tma_matches_integer_gemm(kernel, m, n, k, g):
+    """x in formats.wgmma_act_k_order, copied by a plain swizzled TMA box: the same sums as the
+    natural x through the 4-byte transpose (what quantize_act(..., wgmma_order=True) relies on)."""
+    gen = torch.Generator().manual_seed(kernel * 7 + m)
+    qw, gs, go = _random_lqq_cpu(n, k, g, gen)
+    xq = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int32).to(torch.int8)
+    packed, gparams = cuda.repack_w4a8_reference(qw, gs, go)
+    expect = ref._int_gemm(xq, ref.dequantize_weight_w8(qw, gs, go)).to(torch.int64)
+    xw = ref.to_wgmma_act_order(xq)
+    assert not torch.equal(xw, xq)
+    blocks, ktok = CONFIGS[kernel]
+    tok_tiles, ch_tiles = -(-m // ktok), -(-(n // 16) // (2 * blocks * 4))
+    rng = np.random.default_rng(1)
+    got = torch.full((m, n), -(2 ** 40), dtype=torch.int64)
+    for block in range(tok_tiles * ch_tiles):
+        tt, ct = _tile_of(block, tok_tiles, ch_tiles)
+        for (tok, ch), v in emulate_wgmma_cta(kernel, xw, packed, gparams, tt, ct, rng, x_by_tma=True).items():
+            got[tok, ch] = int(v)
+    assert torch.equal(got, expect)
+    natural = emulate_wgmma_cta(kernel, xq, packed, gparams, 0, 0, rng, x_by_tma=True)  # the wrong order
+    assert any(int(v) != int(expect[tok, ch]) for (tok, ch), v in natural.items())
 
 
 def test_raster_covers_every_tile_once():
@@ -524,12 +566,18 @@ def test_stream_k_cuda_graph_replays_reset_the_counters(need_wgmma):
     _check_graph_replays_match_one_split(1024, 6144, 4096, 4, -1, group=64, seed=77, replays=200)
 
 
-@pytest.mark.gpu
-def test_stream_k_refused_off_the_wgmma_kernels(need_wgmma):
-    gen = _gen(2)
+def _small_layer_at_m16(seed):
+    """A 256 x 512 layer, repacked, and int8 activations of 16 tokens (a decode plan): for the
+    refusals. Returns (pq, gp, cs, xq, xs, gen)."""
+    gen = _gen(seed)
     qw, gs, go, cs = random_lqq(256, 512, 64, gen)
     pq, gp = cuda.repack_w4a8(qw, gs, go)
-    xq, xs = random_act(16, 512, gen)
+    return (pq, gp, cs, *random_act(16, 512, gen), gen)
+
+
+@pytest.mark.gpu
+def test_stream_k_refused_off_the_wgmma_kernels(need_wgmma):
+    pq, gp, cs, xq, xs, gen = _small_layer_at_m16(2)
     with pytest.raises(RuntimeError, match="stream-K"):
         torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, 3, -1)
     with pytest.raises(RuntimeError, match="stream-K"):  # auto at M = 16 is a decode kernel
@@ -596,3 +644,100 @@ def test_wgmma_kernel_refused_where_unavailable():
     # auto still works (mma.sync fallback)
     y = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, 0)
     check_close(y, ref.w4a8_gemm(xq, xs, qw, gs, go, cs, None, torch.float64), torch.float16, check_rel=False)
+
+
+# --- x in the wgmma k order (the kXTma kernels: x by TMA) -----------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [4, 5, 6, 7, 8])
+@pytest.mark.parametrize("m", [1, 63, 65, 129, 257, 640])
+@pytest.mark.parametrize("splits", [1, 2, -1, -2])
+def test_x_wgmma_order_integer_exact(need_wgmma, kernel, m, splits):
+    """N = 208 (every CTA overhangs N), K = 576 (the last TMA box is half past K), rows past M in
+    the last token tile: the box's zero fill must stand in for the copies the cp.async path skips."""
+    n, k = 208, 576
+    gen = _gen(31 * m + kernel + splits)
+    qw, gs, go, _ = random_lqq(n, k, 64, gen)
+    xq, _ = random_act(m, k, gen)
+    acc = ref._int_gemm(xq, ref.dequantize_weight_w8(qw, gs, go))
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    poison(m * n, torch.float32)
+    y = torch.ops.mixprec_C.w4a8_gemm(ref.to_wgmma_act_order(xq), torch.ones(m, device=DEV), pq, gp,
+                                      torch.ones(n, device=DEV), None, torch.float32, kernel, splits, True)
+    torch.cuda.synchronize()
+    assert torch.equal(y.double(), acc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(256, 4096, 6144), (1024, 4096, 4096), (300, 14336, 4096), (129, 8192, 28672)])
+def test_x_wgmma_order_auto_plan_bit_identical(need_wgmma, m, k, n):
+    """The auto plan (stream-K, cluster pairs, splits) on x in the wgmma order: the same bits as
+    on the natural order; and the linear (cuda.w4a8_linear) picks that order by itself."""
+    gen = _gen(m + n)
+    qw, gs, go, cs = random_lqq(n, k, 128, gen)
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    assert cuda.x_wgmma_order_for(m, n, k)
+    xq, xs = cuda.quantize_act(x)
+    xw, xws = cuda.quantize_act(x, None, True)
+    assert torch.equal(xw, ref.to_wgmma_act_order(xq)) and torch.equal(xws, xs)
+    natural = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.bfloat16, -1, 0)
+    poison(m * n, torch.bfloat16)
+    y = torch.ops.mixprec_C.w4a8_gemm(xw, xs, pq, gp, cs, None, torch.bfloat16, -1, 0, True)
+    assert torch.equal(y, natural)
+    poison(m * n, torch.bfloat16)
+    assert torch.equal(cuda.w4a8_linear(x, pq, gp, None, cs), natural)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k", [(1, 64), (3, 576), (200, 4096), (100, 14336), (256, 14336), (5, 28672),
+                                 (2, 40960)])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_quantize_act_wgmma_order(need_wgmma, dtype, m, k, smooth):
+    """Every quantizer path (one-pass in registers at 1, 2 and 4 vectors a thread, the two-pass
+    loop past 32768 or past 128 rows of K > 8192, the scalar loop for a misaligned x) writes the
+    natural codes' wgmma order, and the same scales."""
+    gen = _gen(m + k)
+    x = torch.randn(m, k, device=DEV, dtype=dtype, generator=gen) * 3
+    sm = (torch.rand(k, device=DEV, generator=gen) + 0.5) if smooth else None
+    q, s = cuda.quantize_act(x, sm, True)
+    qn, sn = cuda.quantize_act(x, sm)
+    assert torch.equal(q, ref.to_wgmma_act_order(qn)) and torch.equal(s, sn)
+    q_ref, s_ref = ref.quantize_act(x.cpu(), None if sm is None else sm.cpu(), wgmma_order=True)
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(s.cpu(), s_ref)
+    odd = torch.randn(m, k + 1, device=DEV, dtype=dtype, generator=gen)[:, 1:]  # rows off 16 B: scalar loop
+    qo, so = cuda.quantize_act(odd, sm, True)
+    assert torch.equal(qo, ref.to_wgmma_act_order(cuda.quantize_act(odd, sm)[0]))
+
+
+@pytest.mark.gpu
+def test_x_wgmma_order_cuda_graph_of_the_linear(need_wgmma):
+    """cuda.w4a8_linear at M = 256 (quantizer in the wgmma order, then the TMA kernel as its
+    programmatic dependent) captured and replayed on new inputs: each replay equals eager."""
+    m, n, k = 256, 4096, 4096
+    gen = _gen(5)
+    qw, gs, go, cs = random_lqq(n, k, 128, gen)
+    pq, gp = cuda.repack_w4a8(qw, gs, go)
+    x_static = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+
+    def f(x):
+        return cuda.w4a8_linear(x, pq, gp, None, cs)
+
+    graph, y_static, _ = capture_after_warmup(f, x_static)
+    for x_new in replays_with_new_inputs(graph, x_static, 55, trials=5):
+        xq, xs = cuda.quantize_act(x_new)
+        assert torch.equal(y_static, torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.bfloat16, -1, 0))
+
+
+@pytest.mark.gpu
+def test_x_wgmma_order_refused_off_the_wgmma_kernels(need_wgmma):
+    pq, gp, cs, xq, xs, gen = _small_layer_at_m16(9)
+    assert not cuda.x_wgmma_order_for(16, 256, 512)
+    with pytest.raises(RuntimeError, match="x_wgmma_order=True .* decode or mma.sync kernel"):  # auto: decode
+        torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, None, torch.float16, -1, 0, True)
+    xq2, xs2 = random_act(300, 512, gen)
+    with pytest.raises(RuntimeError, match="x_wgmma_order=True"):  # kernel 3: mma.sync
+        torch.ops.mixprec_C.w4a8_gemm(xq2, xs2, pq, gp, cs, None, torch.float16, 3, 0, True)
+    with pytest.raises(RuntimeError, match="K = 96 must be a multiple of 64"):
+        cuda.quantize_act(torch.randn(4, 96, device=DEV, dtype=torch.float16), None, True)

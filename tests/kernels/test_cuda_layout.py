@@ -137,6 +137,12 @@ def test_ops_registered_with_meta_shapes():
     assert y.shape == (3, 32) and y.dtype == torch.bfloat16
     q, s = torch.ops.mixprec_C.quantize_act(meta(5, 64, dtype=torch.float16), None)
     assert q.shape == (5, 64) and q.dtype == torch.int8 and s.shape == (5,) and s.dtype == torch.float32
+    # the wgmma k order flags (trailing, defaulted): same shapes
+    y = torch.ops.mixprec_C.w4a8_gemm(meta(3, 128, dtype=torch.int8), meta(3), meta(2, 1024, dtype=torch.uint8),
+                                      meta(2, 2, 8, dtype=torch.int32), meta(32), None, torch.float16, -1, 0, True)
+    assert y.shape == (3, 32) and y.dtype == torch.float16
+    q, s = torch.ops.mixprec_C.quantize_act(meta(5, 64, dtype=torch.float16), None, True)
+    assert q.shape == (5, 64) and q.dtype == torch.int8
     # the KV4 decode page kernel mutates out / part_o / part_lse and returns nothing
     i32 = dict(dtype=torch.int32)
     res = torch.ops.mixprec_C.decode_kv4_pages(

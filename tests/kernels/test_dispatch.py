@@ -67,3 +67,17 @@ def test_forced_triton_needs_a_gpu_or_the_interpreter(monkeypatch):
 def test_unforced_cpu_uses_the_reference(monkeypatch):
     monkeypatch.setattr(kernels, "_FORCED", None)
     assert kernels.select_impl(CPU) == "reference"
+
+
+def test_gemm_op_x_wgmma_order_on_cpu_impls():
+    """mixprec::w4a8_gemm's x_wgmma_order: the reference reads the wgmma k order (the csrc wgmma
+    kernels' TMA path); the Triton kernels do not, and say so."""
+    gen = torch.Generator().manual_seed(3)
+    t = ref.quantize_weight_lqq(torch.randn(32, 128, generator=gen), 64)
+    w = (t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"])
+    xq, xs = ref.quantize_act(torch.randn(3, 128, generator=gen))
+    natural = torch.ops.mixprec.w4a8_gemm(xq, xs, *w, None, torch.float32, "reference")
+    xw = ref.to_wgmma_act_order(xq)
+    assert torch.equal(torch.ops.mixprec.w4a8_gemm(xw, xs, *w, None, torch.float32, "reference", True), natural)
+    with pytest.raises(ValueError, match="x_wgmma_order=True .* not by impl='triton'"):
+        torch.ops.mixprec.w4a8_gemm(xw, xs, *w, None, torch.float32, "triton", True)

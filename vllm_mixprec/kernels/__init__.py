@@ -182,7 +182,10 @@ def _impl_module(impl: str):
 def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, group_scale: torch.Tensor,
                 group_offset: torch.Tensor, channel_scale: torch.Tensor,
                 bias: torch.Tensor | None, smooth: torch.Tensor | None, impl: str) -> torch.Tensor:
-    """x [M, K] (fp16/bf16) -> [M, N] in x's dtype: quantize_act then w4a8_gemm."""
+    """x [M, K] (fp16/bf16) -> [M, N] in x's dtype: quantize_act then w4a8_gemm (csrc: with the
+    activations in the wgmma k order where the GEMM runs a wgmma kernel)."""
+    if impl == "cuda":
+        return _cuda.w4a8_linear(x, qweight, group_scale, group_offset, channel_scale, bias, smooth)
     mod = _impl_module(impl)
     xq, xs = mod.quantize_act(x, smooth)
     return mod.w4a8_gemm(xq, xs, qweight, group_scale, group_offset, channel_scale, bias, x.dtype)
@@ -196,14 +199,24 @@ def _(x, qweight, group_scale, group_offset, channel_scale, bias, smooth, impl):
 @torch.library.custom_op("mixprec::w4a8_gemm", mutates_args=())
 def w4a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
               group_scale: torch.Tensor, group_offset: torch.Tensor, channel_scale: torch.Tensor,
-              bias: torch.Tensor | None, out_dtype: torch.dtype, impl: str) -> torch.Tensor:
-    """int8 xq [M, K] and float32 x_scale [M] (reference.quantize_act) -> [M, N] out_dtype."""
+              bias: torch.Tensor | None, out_dtype: torch.dtype, impl: str,
+              x_wgmma_order: bool = False) -> torch.Tensor:
+    """int8 xq [M, K] and float32 x_scale [M] (reference.quantize_act) -> [M, N] out_dtype.
+    x_wgmma_order: xq in the wgmma k order (cuda.x_wgmma_order_for; csrc and reference only)."""
+    if not x_wgmma_order:
+        return _impl_module(impl).w4a8_gemm(xq, x_scale, qweight, group_scale, group_offset,
+                                            channel_scale, bias, out_dtype)
+    if impl == "triton":
+        raise ValueError("mixprec::w4a8_gemm: x_wgmma_order=True (activations in the wgmma k "
+                         "order) is read by the csrc wgmma kernels and the reference only, not "
+                         "by impl='triton'")
     return _impl_module(impl).w4a8_gemm(xq, x_scale, qweight, group_scale, group_offset,
-                                        channel_scale, bias, out_dtype)
+                                        channel_scale, bias, out_dtype, x_wgmma_order=True)
 
 
 @w4a8_gemm.register_fake
-def _(xq, x_scale, qweight, group_scale, group_offset, channel_scale, bias, out_dtype, impl):
+def _(xq, x_scale, qweight, group_scale, group_offset, channel_scale, bias, out_dtype, impl,
+      x_wgmma_order=False):
     return xq.new_empty((xq.shape[0], channel_scale.shape[0]), dtype=out_dtype)
 
 

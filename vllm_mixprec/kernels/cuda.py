@@ -49,7 +49,7 @@ def _register_fakes() -> None:
     """Meta implementations, so torch.compile traces the ops without running them."""
 
     @torch.library.register_fake("mixprec_C::quantize_act")
-    def _quantize_act_fake(x, smooth):
+    def _quantize_act_fake(x, smooth, wgmma_order=False):
         return (x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32))
 
     if hasattr(torch.ops.mixprec_C, "decode_kv4_pages"):  # (a build older than the op lacks it)
@@ -60,7 +60,8 @@ def _register_fakes() -> None:
             return None
 
     @torch.library.register_fake("mixprec_C::w4a8_gemm")
-    def _w4a8_gemm_fake(xq, x_scale, qweight, gparams, channel_scale, bias, out_dtype, kernel_id=-1, splits=0):
+    def _w4a8_gemm_fake(xq, x_scale, qweight, gparams, channel_scale, bias, out_dtype, kernel_id=-1, splits=0,
+                        x_wgmma_order=False):
         return xq.new_empty((xq.shape[0], channel_scale.shape[0]), dtype=out_dtype)
 
 
@@ -363,10 +364,37 @@ def prepare_weights(layer: torch.nn.Module) -> None:
     layer.mixprec_cuda_layout = "w4a8_mma_v1"
 
 
-def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
+def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None, wgmma_order: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token symmetric int8: x [M, K] -> (int8 [M, K], float32 scale [M])."""
-    return torch.ops.mixprec_C.quantize_act(x, smooth)
+    """Per-token symmetric int8: x [M, K] -> (int8 [M, K], float32 scale [M]); wgmma_order:
+    the codes in formats.wgmma_act_k_order (reference.quantize_act)."""
+    return torch.ops.mixprec_C.quantize_act(x, smooth, wgmma_order)
+
+
+def x_wgmma_order_for(m: int, n: int, k: int, device: torch.device | int | None = None) -> bool:
+    """Whether w4a8_gemm's own choice for M tokens on an N x K weight (kernel=-1, or the
+    MIXPREC_W4A8_KERNEL override) is a wgmma kernel, which then reads x in the wgmma k order by
+    TMA: 10-18 % faster at M >= 256 than its 4-byte copies of the natural order (H200,
+    csrc/gemm/NOTES.md "Session 63"). Cached per shape: the eager linear asks on every call."""
+    index = device.index if isinstance(device, torch.device) else device
+    key = (m, n, k, index, _GEMM_KERNEL)
+    got = _X_WGMMA_ORDER.get(key)
+    if got is None:
+        got = _X_WGMMA_ORDER[key] = k % CHUNK_K == 0 and auto_gemm_kernel_family(m, n, k, device) == "wgmma"
+    return got
+
+
+_X_WGMMA_ORDER: dict = {}  # x_wgmma_order_for's answers (not in _state: its being empty means "not loaded")
+
+
+def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, group_scale: torch.Tensor,
+                group_offset: torch.Tensor, channel_scale: torch.Tensor,
+                bias: torch.Tensor | None = None, smooth: torch.Tensor | None = None) -> torch.Tensor:
+    """quantize_act then w4a8_gemm (weights as w4a8_gemm takes them), x [M, K] -> [M, N] in x's
+    dtype; the activations in the wgmma k order where the GEMM runs a wgmma kernel."""
+    order = x_wgmma_order_for(x.shape[0], channel_scale.shape[0], x.shape[1], x.device)
+    xq, xs = quantize_act(x, smooth, order)
+    return w4a8_gemm(xq, xs, qweight, group_scale, group_offset, channel_scale, bias, x.dtype, order)
 
 
 def has_decode_kv4() -> bool:
@@ -394,15 +422,18 @@ def decode_kv4_pages(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Te
 
 def w4a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
               group_scale: torch.Tensor, group_offset: torch.Tensor, channel_scale: torch.Tensor,
-              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16,
+              x_wgmma_order: bool = False) -> torch.Tensor:
     """y[m, n] = x_scale[m] * channel_scale[n] * sum_k xq[m, k] * w8[n, k] + bias[n].
 
     qweight/group_scale/group_offset in the checkpoint layout (repacked here, per call) or
     as prepare_weights left them (group_scale is then the int32 gparams, group_offset unused).
+    x_wgmma_order: xq is in the wgmma k order (quantize_act(..., wgmma_order=True)); the call
+    must then run a wgmma kernel (x_wgmma_order_for), or the op raises.
     """
     if group_scale.dtype != torch.int32:
         qweight, group_scale = repack_w4a8(qweight, group_scale, group_offset)
     if channel_scale.dtype != torch.float32:
         channel_scale = channel_scale.float()
     return torch.ops.mixprec_C.w4a8_gemm(xq, x_scale, qweight, group_scale, channel_scale, bias,
-                                         out_dtype, _GEMM_KERNEL, _GEMM_SPLITS)
+                                         out_dtype, _GEMM_KERNEL, _GEMM_SPLITS, x_wgmma_order)

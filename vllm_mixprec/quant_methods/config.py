@@ -203,7 +203,7 @@ class MixPrecConfig(QuantizationConfig):
 
             from .. import compile_passes
             from .linear import MixPrecLinearMethod
-            if compile_passes.enabled():  # opt-in; installs once, later calls see it there
+            if compile_passes.wanted():  # installs once, later calls see it there
                 compile_passes.install(get_current_vllm_config().compilation_config)
             return MixPrecLinearMethod(self, prefix)
         if isinstance(layer, Attention):

@@ -12,7 +12,10 @@
 // k permutation (lane t's two k32 steps hold actual k 16t..16t+15 of each 64-k chunk) makes
 // logical 4-byte unit 4j + t hold actual unit 4t + j: a 4x4 transpose of 4-byte units per
 // 64 bytes of a token row. The producer warpgroup applies it with 4-byte cp.async (no register
-// staging, coalesced 128-byte warp reads, conflict-free swizzled writes).
+// staging, coalesced 128-byte warp reads, conflict-free swizzled writes), or, when the quantizer
+// wrote x in that logical order already (W4A8GemmArgs::x_wgmma_order, formats.py
+// wgmma_act_k_order), one 2-D TMA a stage copies it as it is (10-18 % faster at M >= 256, H200,
+// csrc/gemm/NOTES.md "Session 63").
 //
 // CTA = 1 producer warpgroup (cp.async, plus one TMA a stage for the weights except in kernel
 // 7, into a kStages ring, mbarrier full/empty per stage) + 2 consumer warpgroups (kBlocks x
@@ -303,9 +306,11 @@ __device__ __forceinline__ int2* workspace_at(const WParams& p, int split, int t
   return static_cast<int>((static_cast<long long>(u + 1) * ctas + units - 1) / units) - 1;
 }
 
-template <int kBlocks, int kTok, int kStages, typename OutT>
+// kXTma: x arrives in the wgmma k order (W4A8GemmArgs::x_wgmma_order) and goes by TMA.
+template <int kBlocks, int kTok, int kStages, bool kXTma, typename OutT>
 __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p,
-                                                                 const __grid_constant__ CUtensorMap w_map) {
+                                                                 const __grid_constant__ CUtensorMap w_map,
+                                                                 const __grid_constant__ CUtensorMap x_map) {
 #ifdef MIXPREC_WGMMA_DEVICE
   using S = WgShape<kBlocks, kTok, kStages>;
   constexpr bool kTmaWeights = weights_by_tma(kBlocks, kTok);
@@ -403,6 +408,8 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
     // The descriptor is read from parameter memory on the first TMA: fetch it now, off that path.
     if (kTmaWeights && pt == 0)
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&w_map)) : "memory");
+    if (kXTma && pt == 0)
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&x_map)) : "memory");
     // x: warp pw copies rows r = pw + 4i, one 128-byte row (both chunks of the stage) per
     // warp instruction. Lane l holds actual 4-byte unit u = l & 15 = 4a + b of chunk h = l >> 4;
     // it goes to logical unit 4b + a (the packing's k permutation), i.e. 16-byte block
@@ -421,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
     const int p_rt = pt >> 2, p_cl = (pt >> 1) & 1;
 
     // The segment being copied: tile `tile`, its stages from st_lo (set by begin_segment).
-    int st_lo, rt_lo, rt_valid, rows_valid;
+    int st_lo, rt_lo, rt_valid, rows_valid, x_tok0;
     const int8_t* x_src;
     const uint8_t* w_src;
     bool p_thread;
@@ -433,6 +440,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
       rt_lo = rt0;
       rt_valid = min(S::kRowTiles, num_rt - rt0);
       rows_valid = min(kTok, M - tok0);
+      x_tok0 = tok0;
       x_src = p.xq + static_cast<size_t>(tok0 + pw) * K + static_cast<size_t>(st_lo) * kStageK + 4 * lane;
       w_src = p.qweight + (static_cast<size_t>(rt0 + w_rt) * chunks + 2 * st_lo) * kChunkBytes + (pt & 63) * 16;
       p_thread = pt < 4 * S::kRowTiles && p_rt < rt_valid;
@@ -485,6 +493,17 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
       }
     };
     auto copy_x = [&](int it, int slot) {  // the stage's activation rows
+      if constexpr (kXTma) {
+        // One box of kTok rows x 128 B, swizzled as the descriptor reads it. As for the weights,
+        // thread 0's cp.async arrival comes later; rows past M and the chunk past an odd K / 64
+        // arrive as zeros.
+        if (pt == 0) {
+          const uint32_t full = full0 + 8 * slot;
+          mbar_expect_tx(full, S::kXBytes);
+          tma_load_2d(smem_base + slot * S::kXBytes, &x_map, (st_lo + it) * kStageK, x_tok0, full);
+        }
+        return;
+      }
       const int c0 = 2 * (st_lo + it);
       size_t x_step = x_step4;
       asm volatile("" : "+l"(x_step));
@@ -639,7 +658,7 @@ __global__ void __launch_bounds__(kThreads, 1) w4a8_wgmma_kernel(const WParams p
       v += n_it;
       for (int it = 0; it < n_it; ++it) {
         mbar_wait(full0 + 8 * s, phase);
-        fence_proxy_async();
+        if constexpr (!kXTma) fence_proxy_async();  // cp.async wrote x (generic proxy); TMA needs none
         if (it > 0) wgmma_wait<1>();  // chunk 0 of the previous stage retired: a0 is free
         load_dequant(s, 0, a0);
         wgmma_fence();
@@ -878,25 +897,31 @@ Cfg cfg_of(int kernel) {
 }
 
 template <int kBlocks, int kTok, int kStages, typename OutT>
-cudaError_t launch_one(const WParams& p, const CUtensorMap& w_map, int splits, bool pdl, cudaStream_t stream) {
+cudaError_t launch_one(const WParams& p, const CUtensorMap& w_map, const CUtensorMap* x_map, int splits, bool pdl,
+                       cudaStream_t stream) {
   using S = WgShape<kBlocks, kTok, kStages>;
   const int tiles = p.tok_tiles * p.ch_tiles;
   const dim3 grid = p.sk_ctas > 0 ? dim3(p.sk_ctas)
                     : p.pair      ? dim3(p.pair_dp_tiles + 2 * (tiles - p.pair_dp_tiles))
                                   : dim3(tiles, splits);
-  return launch_kernel_clustered<w4a8_wgmma_kernel<kBlocks, kTok, kStages, OutT>>(
-      grid, dim3(kThreads), S::kSmemBytes, pdl, p.pair ? dim3(2, 1, 1) : dim3(1, 1, 1), stream, p, w_map);
+  const dim3 cluster = p.pair ? dim3(2, 1, 1) : dim3(1, 1, 1);
+  if (x_map != nullptr)
+    return launch_kernel_clustered<w4a8_wgmma_kernel<kBlocks, kTok, kStages, true, OutT>>(
+        grid, dim3(kThreads), S::kSmemBytes, pdl, cluster, stream, p, w_map, *x_map);
+  return launch_kernel_clustered<w4a8_wgmma_kernel<kBlocks, kTok, kStages, false, OutT>>(
+      grid, dim3(kThreads), S::kSmemBytes, pdl, cluster, stream, p, w_map, w_map);  // x_map unread
 }
 
+// x_map: null when x goes by cp.async (natural order), else its TMA descriptor (wgmma order).
 template <typename OutT>
-cudaError_t launch_typed(const WParams& p, const CUtensorMap& w_map, const W4A8Plan& plan, bool pdl,
-                         cudaStream_t stream) {
+cudaError_t launch_typed(const WParams& p, const CUtensorMap& w_map, const CUtensorMap* x_map, const W4A8Plan& plan,
+                         bool pdl, cudaStream_t stream) {
   switch (static_cast<int>(plan.kernel)) {
-    case 4: return launch_one<2, 128, 5, OutT>(p, w_map, plan.splits, pdl, stream);
-    case 5: return launch_one<2, 64, 6, OutT>(p, w_map, plan.splits, pdl, stream);
-    case 7: return launch_one<1, 64, 8, OutT>(p, w_map, plan.splits, pdl, stream);
-    case 8: return launch_one<1, 128, 8, OutT>(p, w_map, plan.splits, pdl, stream);
-    default: return launch_one<1, 256, 5, OutT>(p, w_map, plan.splits, pdl, stream);
+    case 4: return launch_one<2, 128, 5, OutT>(p, w_map, x_map, plan.splits, pdl, stream);
+    case 5: return launch_one<2, 64, 6, OutT>(p, w_map, x_map, plan.splits, pdl, stream);
+    case 7: return launch_one<1, 64, 8, OutT>(p, w_map, x_map, plan.splits, pdl, stream);
+    case 8: return launch_one<1, 128, 8, OutT>(p, w_map, x_map, plan.splits, pdl, stream);
+    default: return launch_one<1, 256, 5, OutT>(p, w_map, x_map, plan.splits, pdl, stream);
   }
 }
 
@@ -1028,16 +1053,11 @@ double wgmma_sk_estimate_us(int kernel, long long tiles, int n_stages, int ctas,
   return us;
 }
 
-// The weights' TMA descriptor: the packed weights as a 2-D tensor of 4-byte words, [N / 16 row
-// tiles][K / 64 chunks x 128], box [row tiles a CTA][256], so that one TMA copies a stage's
-// weight words (1 KB a row tile); row tiles past N and the chunk past an odd K / 64 arrive as
-// zeros. Encoded on the host for each launch that takes it (host work only, so also under graph
-// capture). A separate __grid_constant__ parameter: inside WParams it made all of p
-// addressable, and ptxas then compiled the consumers differently.
-cudaError_t encode_weight_map(CUtensorMap* map, const uint8_t* qweight, int N, int K, int row_tiles) {
-  using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+// The driver's cuTensorMapEncodeTiled, looked up once (null if the driver lacks it).
+EncodeFn tensor_map_encoder() {
   static EncodeFn encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult q{};
@@ -1046,6 +1066,17 @@ cudaError_t encode_weight_map(CUtensorMap* map, const uint8_t* qweight, int N, i
       fn = nullptr;
     return reinterpret_cast<EncodeFn>(fn);
   }();
+  return encode;
+}
+
+// The weights' TMA descriptor: the packed weights as a 2-D tensor of 4-byte words, [N / 16 row
+// tiles][K / 64 chunks x 128], box [row tiles a CTA][256], so that one TMA copies a stage's
+// weight words (1 KB a row tile); row tiles past N and the chunk past an odd K / 64 arrive as
+// zeros. Encoded on the host for each launch that takes it (host work only, so also under graph
+// capture). A separate __grid_constant__ parameter: inside WParams it made all of p
+// addressable, and ptxas then compiled the consumers differently.
+cudaError_t encode_weight_map(CUtensorMap* map, const uint8_t* qweight, int N, int K, int row_tiles) {
+  const EncodeFn encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t row_words = static_cast<cuuint64_t>(K / kChunkK) * (kChunkBytes / 4);
   const cuuint64_t dims[2] = {row_words, static_cast<cuuint64_t>(N / 16)};
@@ -1054,6 +1085,21 @@ cudaError_t encode_weight_map(CUtensorMap* map, const uint8_t* qweight, int N, i
   const cuuint32_t elem_strides[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, const_cast<uint8_t*>(qweight), dims, strides, box,
                             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// The activations' TMA descriptor (x in the wgmma k order): [M][K] bytes, box [tok rows][128 B]
+// with the 128-byte swizzle that make_desc_sw128 reads; rows past M and k past K arrive as zeros.
+cudaError_t encode_x_map(CUtensorMap* map, const int8_t* xq, int M, int K, int tok) {
+  const EncodeFn encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(M)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K)};  // bytes between rows
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kStageK), static_cast<cuuint32_t>(tok)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<int8_t*>(xq), dims, strides, box,
+                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
@@ -1078,7 +1124,7 @@ bool w4a8_wgmma_supported() {
               major == 9 && minor == 0;
     if (ok) {
       cudaFuncAttributes attr{};
-      ok = cudaFuncGetAttributes(&attr, w4a8_wgmma_kernel<2, 128, 5, __half>) == cudaSuccess &&
+      ok = cudaFuncGetAttributes(&attr, w4a8_wgmma_kernel<2, 128, 5, false, __half>) == cudaSuccess &&
            attr.binaryVersion >= 90 && attr.numRegs >= 64 && attr.sharedSizeBytes > 0;
     }
     (void)cudaGetLastError();  // a missing image leaves a (non-sticky) error behind: clear it
@@ -1205,6 +1251,12 @@ cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaS
     const cudaError_t e = encode_weight_map(&w_map, a.qweight, a.N, a.K, row_tiles);
     if (e != cudaSuccess) return e;
   }
+  CUtensorMap x_map{};
+  if (a.x_wgmma_order) {
+    const cudaError_t e = encode_x_map(&x_map, a.xq, a.M, a.K, c.tok);
+    if (e != cudaSuccess) return e;
+  }
+  const CUtensorMap* x_tma = a.x_wgmma_order ? &x_map : nullptr;
   p.tok_tiles = ceil_div(a.M, c.tok);
   p.ch_tiles = ceil_div(a.N / 16, row_tiles);
   p.sk_ctas = plan.splits == -1 ? plan.sk_ctas : 0;
@@ -1212,9 +1264,9 @@ cudaError_t w4a8_wgmma_launch(const W4A8GemmArgs& a, const W4A8Plan& plan, cudaS
   p.pair_dp_tiles = p.pair ? plan.pair_dp_tiles : 0;
   p.sk_dp_tiles = p.sk_ctas > 0 ? static_cast<int>(sk_dp_tiles_of(static_cast<long long>(p.tok_tiles) * p.ch_tiles, p.sk_ctas)) : 0;
   switch (a.out_kind) {
-    case OutKind::kHalf: return launch_typed<__half>(p, w_map, plan, a.pdl, stream);
-    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, w_map, plan, a.pdl, stream);
-    default: return launch_typed<float>(p, w_map, plan, a.pdl, stream);
+    case OutKind::kHalf: return launch_typed<__half>(p, w_map, x_tma, plan, a.pdl, stream);
+    case OutKind::kBFloat16: return launch_typed<__nv_bfloat16>(p, w_map, x_tma, plan, a.pdl, stream);
+    default: return launch_typed<float>(p, w_map, x_tma, plan, a.pdl, stream);
   }
 }
 
