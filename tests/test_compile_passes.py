@@ -145,6 +145,7 @@ def test_install_with_the_wgmma_order(monkeypatch):
     pass on its own ranges. MIXPREC_X_WGMMA_ORDER=0 leaves it out; other values are refused."""
     from vllm.config.utils import Range
     monkeypatch.delenv("MIXPREC_FUSE_SILU_QUANT", raising=False)
+    monkeypatch.delenv("MIXPREC_KERNEL", raising=False)
     from vllm_mixprec.kernels import cuda
     monkeypatch.setattr(cuda, "has_wgmma", lambda device=None: True)
     monkeypatch.setattr(cuda, "x_wgmma_order_for", lambda m, n, k, device=None: m > 64)
@@ -163,6 +164,10 @@ def test_install_with_the_wgmma_order(monkeypatch):
                                                                              cp.WgmmaActOrder]
     assert both.compile_ranges_endpoints == [cp.FUSE_MAX_TOKENS, cp.WGMMA_ORDER_AFTER_TOKENS, 8192]
     assert not both.inductor_compile_config[cp.HOOK].is_applicable_for_range(Range(33, 64))
+    monkeypatch.setenv("MIXPREC_KERNEL", "triton")  # no csrc GEMM to rewrite: no extra compile range
+    assert not cp._wgmma_order_applies()
+    monkeypatch.setenv("MIXPREC_KERNEL", "cuda")
+    assert cp._wgmma_order_applies()
     monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", "0")
     assert not cp._wgmma_order_applies()
     monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", "on")

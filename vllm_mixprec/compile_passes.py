@@ -189,9 +189,11 @@ def wgmma_order_enabled(environ=os.environ) -> bool:
 
 def _wgmma_order_applies() -> bool:
     """The pass is wanted (MIXPREC_X_WGMMA_ORDER) and this process's GPU runs the wgmma kernels
-    for batches past 64 tokens (an sm_90 GPU, an sm_90a build, no override to other kernels)."""
+    for batches past 64 tokens (an sm_90 GPU, an sm_90a build, no override to other kernels or to
+    another implementation: its compile range would then be compiled for nothing)."""
+    from . import kernels
     from .kernels import cuda
-    return (wgmma_order_enabled() and cuda.has_wgmma()
+    return (wgmma_order_enabled() and kernels.forced_impl() in (None, "cuda") and cuda.has_wgmma()
             and cuda.x_wgmma_order_for(WGMMA_ORDER_AFTER_TOKENS + 1, 4096, 4096))
 
 
