@@ -14,7 +14,7 @@ compared with the eager layer's (relative error): the two compiles may fuse the 
 differently, and Inductor may then skip a bf16 rounding in one of them (a few codes move by one),
 so they are not required to be bit-identical to each other.
 
-  python benchmarks/bench_compiled_linear.py --out DIR [--ms 128 256 1024 4096]
+  python benchmarks/bench_compiled_linear.py --out DIR [--ms 128 256 1024 4096] [--layers o_proj qkv_70b ...]
 """
 from __future__ import annotations
 
@@ -34,14 +34,18 @@ from vllm_mixprec import compile_passes, kernels  # noqa: E402
 from vllm_mixprec import reference as ref  # noqa: E402
 from vllm_mixprec.kernels import cuda  # noqa: E402
 
-# (name, the op before the layer, N, K): Llama-3-8B's QKV and gate_up after RMSNorm, down after SiLU.
-CASES = (("qkv", "norm", 6144, 4096), ("gate_up", "norm", 28672, 4096), ("down", "silu", 4096, 14336))
+# (name, the op before the layer, N, K): Llama-3-8B's QKV and gate_up after RMSNorm, down after
+# SiLU-and-mul, o_proj after the attention (nothing to fuse into: "none"); then Llama-3-70B's.
+CASES = {"qkv": ("norm", 6144, 4096), "gate_up": ("norm", 28672, 4096), "down": ("silu", 4096, 14336),
+         "o_proj": ("none", 4096, 4096), "qkv_70b": ("norm", 10240, 8192), "gate_up_70b": ("norm", 57344, 8192),
+         "down_70b": ("silu", 8192, 28672), "o_proj_70b": ("none", 8192, 8192)}
+MEASURED = ("qkv", "gate_up", "down")  # session 63's run
 
 
 def layer_of(n: int, k: int, gen: torch.Generator) -> SimpleNamespace:
-    w = ref.quantize_weight_lqq(torch.randn(n, k, generator=gen) * 0.02, 128)
-    packed = cuda.pack_weights(*(w[name].cuda() for name in ("qweight", "group_scale", "group_offset",
-                                                               "channel_scale")))
+    """Random weights of the layer's shape, quantized on the GPU (the 70B ones are 0.5 G values)."""
+    w = ref.quantize_weight_lqq(torch.randn(n, k, device="cuda", generator=gen) * 0.02, 128)
+    packed = cuda.pack_weights(*(w[name] for name in ("qweight", "group_scale", "group_offset", "channel_scale")))
     return SimpleNamespace(**packed, mixprec_impl="cuda", mixprec_scheme="w4a8", input_smooth=None)
 
 
@@ -50,6 +54,9 @@ def layer_fn(before: str, layer):
         def f(x, res, w):
             y, r = baq.add_rms_norm(x, res, w)
             return kernels.apply_linear(layer, y, None), r
+    elif before == "none":
+        def f(x):
+            return kernels.apply_linear(layer, x, None)
     else:
         def f(gu):
             return kernels.apply_linear(layer, baq.silu_and_mul(gu), None)
@@ -58,7 +65,7 @@ def layer_fn(before: str, layer):
 
 def inputs(before: str, m: int, k: int):
     r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    return (r(m, k), r(m, k), r(k)) if before == "norm" else (r(m, 2 * k),)
+    return {"norm": (r(m, k), r(m, k), r(k)), "none": (r(m, k),)}.get(before, (r(m, 2 * k),))
 
 
 def compiled(fn, before: str, k: int, passes):
@@ -72,13 +79,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out")
     ap.add_argument("--ms", type=int, nargs="+", default=[128, 256, 1024, 4096])
+    ap.add_argument("--layers", nargs="+", default=list(MEASURED), choices=list(CASES),
+                    help=f"which layers (default: {' '.join(MEASURED)}; also o_proj and the 70B ones)")
     args = ap.parse_args()
     if not (torch.cuda.is_available() and cuda.has_wgmma()):
         raise SystemExit("bench_compiled_linear needs an sm_90 GPU and a csrc build with sm_90a")
     kernels._FUSE_ACT_QUANT = True  # the traced quantizer (the plugin's default under compile)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for name, before, n, k in CASES:
+    for name in args.layers:
+        before, n, k = CASES[name]
         layer = layer_of(n, k, gen)
         order = compile_passes.WgmmaActOrder(all_shapes=True)  # the A/B on every shape, the pass's rule aside
         fns = {"natural": compiled(layer_fn(before, layer), before, k, []),
@@ -96,7 +106,7 @@ def main() -> int:
                 row[f"{v}_us"] = baq.time_us(f, x)
             row["speedup"] = row["natural_us"] / row["wgmma_order_us"]
             rows.append(row)
-            print(f"{name:8s} {n:>6}x{k:<6} M={m:<5d} natural {row['natural_us']:8.2f} us  wgmma order "
+            print(f"{name:11s} {n:>6}x{k:<6} M={m:<5d} natural {row['natural_us']:8.2f} us  wgmma order "
                   f"{row['wgmma_order_us']:8.2f} us  x{row['speedup']:.3f}  equal={same} rel. err vs eager "
                   f"{row['natural_rel_err_vs_eager']:.1e} / {row['wgmma_order_rel_err_vs_eager']:.1e} "
                   f"rewritten={order.rewritten}", flush=True)

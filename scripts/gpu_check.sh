@@ -18,7 +18,7 @@
 # profile_decode_stalls profile_decode_ceiling decode_dp4a decode_dp4a_c3 decode_dp4a_final
 # decode_dp4a_per_chunk_c3 decode_m64 decode_m64_auto decode_groups decode_groups_rows16
 # decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto x_wgmma_tests
-# x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve
+# x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -1155,6 +1155,11 @@ stage_x_wgmma_compiled() {
     -k "wgmma_order" || rc=1
   run_bench bench_compiled_linear 360 python3 benchmarks/bench_compiled_linear.py --out "$OUT" || rc=1
   return $rc
+}
+# The layers the pass's shape rule was not measured on: o_proj and Llama-3-70B's four (next session).
+stage_x_wgmma_compiled_more() {
+  run_bench bench_compiled_linear_more 540 python3 benchmarks/bench_compiled_linear.py --out "$OUT" \
+    --layers o_proj qkv_70b gate_up_70b down_70b o_proj_70b --ms 128 256 1024 4096
 }
 stage_x_wgmma_serve() {
   log "end to end with the wgmma order pass: vllm serve --quantization mixprec (compiled), W4A8"
