@@ -27,7 +27,9 @@ import os
 
 import torch
 
+from . import formats as F
 from . import reference as ref
+from .kernels.cuda import DECODE_MAX_M
 
 logger = logging.getLogger("vllm.mixprec")
 
@@ -174,9 +176,9 @@ class SiluMulQuantFusion(_pass_base()):
 
 
 # Batches of more than this many tokens run a wgmma kernel on an sm_90 GPU (the decode kernels
-# take M <= 64: kernels/cuda.py DECODE_MAX_M), which copies x by TMA when the quantizer wrote it in
-# the wgmma k order: 10-18 % faster GEMMs at M >= 256 (H200, csrc/gemm/NOTES.md "Session 63").
-WGMMA_ORDER_AFTER_TOKENS = 64
+# take M <= DECODE_MAX_M), which copies x by TMA when the quantizer wrote it in the wgmma k order:
+# 10-18 % faster GEMMs at M >= 256 (H200, csrc/gemm/NOTES.md "Session 63").
+WGMMA_ORDER_AFTER_TOKENS = DECODE_MAX_M
 
 
 def wgmma_order_enabled(environ=os.environ) -> bool:
@@ -228,13 +230,17 @@ class WgmmaActOrder(_pass_base()):
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not torch.ops.mixprec.w4a8_gemm.default:
                 continue
-            args = list(node.args) + [node.kwargs[k] for k in ("x_wgmma_order",) if k in node.kwargs]
+            args = list(node.args)
+            if "x_wgmma_order" in node.kwargs:
+                args.append(node.kwargs["x_wgmma_order"])
             if len(args) < 9 or args[8] not in self.impls or (len(args) > 9 and args[9]):
                 continue
             xq = args[0]
             val = xq.meta.get("val") if isinstance(xq, torch.fx.Node) else None
             if val is None or val.dim() != 2 or not isinstance(val.shape[1], int) or val.shape[1] % 64:
                 continue  # a K that is not a static multiple of 64: the GEMM op refuses it anyway
+            view_shape = [-1, *F.wgmma_order_view(val.shape[1])]  # [M, chunks, 4, 4, 4]
+            permute = [0, *(d + 1 for d in F.WGMMA_ORDER_PERMUTE)]
             k = val.shape[1]
             cs = args[5].meta.get("val") if isinstance(args[5], torch.fx.Node) else None
             if cs is None or not isinstance(cs.shape[0], int):
@@ -242,13 +248,13 @@ class WgmmaActOrder(_pass_base()):
             if not (self.all_shapes or wgmma_order_pays(cs.shape[0], k)):
                 continue
             with graph.inserting_before(node):
-                view = graph.call_function(aten.view.default, (xq, [-1, k // 64, 4, 4, 4]))
-                perm = graph.call_function(aten.permute.default, (view, [0, 1, 3, 2, 4]))
+                view = graph.call_function(aten.view.default, (xq, view_shape))
+                perm = graph.call_function(aten.permute.default, (view, permute))
                 copy = graph.call_function(aten.clone.default, (perm,),
                                            {"memory_format": torch.contiguous_format})
                 xw = graph.call_function(aten.view.default, (copy, [-1, k]))
-            view.meta["val"] = val.view(-1, k // 64, 4, 4, 4)
-            perm.meta["val"] = view.meta["val"].permute(0, 1, 3, 2, 4)
+            view.meta["val"] = val.view(view_shape)
+            perm.meta["val"] = view.meta["val"].permute(permute)
             copy.meta["val"] = perm.meta["val"].clone(memory_format=torch.contiguous_format)
             xw.meta["val"] = copy.meta["val"].view(-1, k)
             node.args = (xw, *args[1:9], True)

@@ -62,17 +62,22 @@ A4_TOP = A4_MAX + 0.5
 # of the packed weights' k permutation (csrc/gemm/NOTES.md "Layout"), which puts actual 4-byte
 # unit 4a + b of every 64 k at logical unit 4b + a. A quantizer that writes its codes there
 # (quantize_act(..., wgmma_order=True)) lets the GEMM copy x by TMA instead of 4-byte cp.async.
+# As tensor ops: a row [k] viewed as WGMMA_ORDER_VIEW(k) = [k / 64 chunks][4 a][4 b][4 bytes], then
+# permuted by WGMMA_ORDER_PERMUTE (swap a and b). compile_passes.WgmmaActOrder emits these ops.
 WGMMA_ORDER_CHUNK = 64
+WGMMA_ORDER_PERMUTE = (0, 2, 1, 3)
+
+
+def wgmma_order_view(k: int) -> tuple[int, int, int, int]:
+    check_divisible("K (wgmma k order)", k, WGMMA_ORDER_CHUNK)
+    return (k // WGMMA_ORDER_CHUNK, 4, 4, 4)
 
 
 def wgmma_act_k_order(k: int) -> torch.Tensor:
     """int64 [k]: x_wgmma = x[..., order] puts int8 activations [.., k] in the wgmma k order
     (a 4 x 4 transpose of 4-byte units in every 64 k; an involution, so x = x_wgmma[..., order]).
     Mirrors wgmma_act_k in csrc/gemm/w4a8_gemm.h."""
-    check_divisible("K (wgmma k order)", k, WGMMA_ORDER_CHUNK)
-    pos = torch.arange(k)
-    unit = (pos // 4) % 16
-    return (pos // 64) * 64 + ((unit % 4) * 4 + unit // 4) * 4 + pos % 4
+    return torch.arange(k).view(wgmma_order_view(k)).permute(WGMMA_ORDER_PERMUTE).reshape(k)
 
 
 WEIGHT_SCHEMES = ("w4a8", "w4ax")

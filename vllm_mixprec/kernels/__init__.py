@@ -203,15 +203,13 @@ def w4a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
               x_wgmma_order: bool = False) -> torch.Tensor:
     """int8 xq [M, K] and float32 x_scale [M] (reference.quantize_act) -> [M, N] out_dtype.
     x_wgmma_order: xq in the wgmma k order (cuda.x_wgmma_order_for; csrc and reference only)."""
-    if not x_wgmma_order:
-        return _impl_module(impl).w4a8_gemm(xq, x_scale, qweight, group_scale, group_offset,
-                                            channel_scale, bias, out_dtype)
-    if impl == "triton":
+    if x_wgmma_order and impl == "triton":
         raise ValueError("mixprec::w4a8_gemm: x_wgmma_order=True (activations in the wgmma k "
                          "order) is read by the csrc wgmma kernels and the reference only, not "
                          "by impl='triton'")
+    order = {"x_wgmma_order": True} if x_wgmma_order else {}  # (the Triton GEMM has no such argument)
     return _impl_module(impl).w4a8_gemm(xq, x_scale, qweight, group_scale, group_offset,
-                                        channel_scale, bias, out_dtype, x_wgmma_order=True)
+                                        channel_scale, bias, out_dtype, **order)
 
 
 @w4a8_gemm.register_fake
