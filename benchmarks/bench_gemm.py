@@ -11,8 +11,8 @@ Measured in the same run, on the same random data sizes:
                      quantization into the RMSNorm / SiLU-and-mul before it (kernels/__init__.py)
   ours_cuda_gemm_xw  the same GEMM on activations in the wgmma k order where its plan is a wgmma
                      kernel (x by TMA; formats.wgmma_act_k_order), the natural order elsewhere: what
-                     ours_cuda's quantizer hands it, and a compiled gate_up or down projection's
-                     (compile_passes.WgmmaActOrder; the compiled QKV and o_proj get ours_cuda_gemm's)
+                     ours_cuda's quantizer hands it, and a compiled layer's where
+                     compile_passes.wgmma_order_pays (all but an 8B-sized QKV: ours_cuda_gemm's)
   ours_w4ax_triton_q Triton quantize_act_w4ax + w4ax_gemm, 25% of the 128-channel blocks at 8 bits
                      (W4Ax, COMET's FMPQ; Hopper widens the int4 blocks to int8 in registers;
                      --w4ax-a8-share sets the share)

@@ -18,7 +18,7 @@
 # profile_decode_stalls profile_decode_ceiling decode_dp4a decode_dp4a_c3 decode_dp4a_final
 # decode_dp4a_per_chunk_c3 decode_m64 decode_m64_auto decode_groups decode_groups_rows16
 # decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto x_wgmma_tests
-# x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more
+# x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more x_input_order
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -1159,7 +1159,18 @@ stage_x_wgmma_compiled() {
 # The layers the pass's shape rule was not measured on: o_proj and Llama-3-70B's four (next session).
 stage_x_wgmma_compiled_more() {
   run_bench bench_compiled_linear_more 540 python3 benchmarks/bench_compiled_linear.py --out "$OUT" \
-    --layers o_proj qkv_70b gate_up_70b down_70b o_proj_70b --ms 128 256 1024 4096
+    --layers o_proj qkv_70b gate_up_70b down_70b o_proj_70b qkv --ms 128 256 1024 4096 --code
+}
+# Session 64: the quantizer permuting its input instead of its codes (WgmmaActOrder input_order,
+# MIXPREC_X_WGMMA_ORDER=input), against both, on every layer shape (Inductor's code kept, tarred:
+# the device tool returns a few files only).
+stage_x_input_order() {
+  local rc=0
+  pytest_gpu pytest-gpu-input-order 300 tests/test_compile_passes.py -k "wgmma" || rc=1
+  run_bench bench_compiled_linear_input_order 540 python3 benchmarks/bench_compiled_linear.py --out "$OUT" \
+    --layers qkv gate_up down o_proj qkv_70b down_70b --ms 128 256 1024 4096 --code || rc=1
+  tar czf "$OUT/inductor-code.tgz" -C "$OUT" inductor-code && rm -r "$OUT/inductor-code"
+  return $rc
 }
 stage_x_wgmma_serve() {
   log "end to end with the wgmma order pass: vllm serve --quantization mixprec (compiled), W4A8"

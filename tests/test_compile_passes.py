@@ -142,7 +142,8 @@ def test_act_quant_benchmark_fuses_its_silu_pattern(seeded, repo_module):
 def test_install_with_the_wgmma_order(monkeypatch):
     """Where the GPU runs the wgmma kernels, install() puts WgmmaActOrder in the hook (with the
     fusion when that is asked for too) and splits the ranges after 64 tokens; the hook runs each
-    pass on its own ranges. MIXPREC_X_WGMMA_ORDER=0 leaves it out; other values are refused."""
+    pass on its own ranges. MIXPREC_X_WGMMA_ORDER=input asks for the permuted input on every
+    shape, 0 leaves the pass out; other values are refused."""
     from vllm.config.utils import Range
     monkeypatch.delenv("MIXPREC_FUSE_SILU_QUANT", raising=False)
     monkeypatch.delenv("MIXPREC_KERNEL", raising=False)
@@ -168,6 +169,11 @@ def test_install_with_the_wgmma_order(monkeypatch):
     assert not cp._wgmma_order_applies()
     monkeypatch.setenv("MIXPREC_KERNEL", "cuda")
     assert cp._wgmma_order_applies()
+    assert not (hook.passes[0].input_order or hook.passes[0].all_shapes)
+    monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", "input")
+    cc = SimpleNamespace(inductor_compile_config={}, compile_ranges_endpoints=[8192])
+    assert cp.install(cc) and cc.inductor_compile_config[cp.HOOK].passes[-1].input_order
+    assert cc.inductor_compile_config[cp.HOOK].passes[-1].all_shapes
     monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", "0")
     assert not cp._wgmma_order_applies()
     monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", "on")
@@ -185,7 +191,7 @@ def test_wgmma_order_pass_keeps_the_numbers(seeded, fused_act_quant, smooth, dev
         from vllm_mixprec.kernels import cuda
         if not cuda.has_wgmma():
             pytest.skip("no wgmma kernel here (needs an sm_90 GPU and an sm_90a build)")
-    layer = _layer(seeded, n=64, k=256, smooth=smooth, device=device)  # K >= 3N: wgmma_order_pays
+    layer = _layer(seeded, n=64, k=256, smooth=smooth, device=device)  # K >= N: wgmma_order_pays
     impl = layer.mixprec_impl = "reference" if device == "cpu" else "cuda"  # (cuda: repacked per call)
 
     def norm_then_linear(x):
@@ -203,14 +209,16 @@ def test_wgmma_order_pass_keeps_the_numbers(seeded, fused_act_quant, smooth, dev
 
 
 def test_wgmma_order_only_where_it_was_measured_to_pay(seeded, fused_act_quant):
-    """wgmma_order_pays: merged gate_up (N >= 4K) and down (K >= 3N) shapes; the near-square QKV
-    and o_proj keep the natural order (QKV lost 2-7 % at M = 128-256 on the H200: the compiled
-    quantizer reads its row twice). A skipped layer's graph is untouched."""
+    """wgmma_order_pays: K >= N (o_proj, down) and N >= 8192 (gate_up, the 70B QKV); a QKV of
+    Llama-3-8B's size (K < N < 8192) keeps the natural order (0.96-1.03x on the H200: its compiled
+    quantizer, fused into RMSNorm, reads the row twice). A skipped layer's graph is untouched."""
     assert cp.wgmma_order_pays(28672, 4096) and cp.wgmma_order_pays(4096, 14336)
     assert cp.wgmma_order_pays(57344, 8192) and cp.wgmma_order_pays(8192, 28672)  # Llama-3-70B
-    assert not cp.wgmma_order_pays(6144, 4096) and not cp.wgmma_order_pays(4096, 4096)
-    assert not cp.wgmma_order_pays(10240, 8192)
-    layer = _layer(seeded, n=64, k=128)
+    assert cp.wgmma_order_pays(4096, 4096) and cp.wgmma_order_pays(8192, 8192)  # o_proj
+    assert cp.wgmma_order_pays(10240, 8192)  # Llama-3-70B's QKV
+    assert not cp.wgmma_order_pays(6144, 4096) and not cp.wgmma_order_pays(4097, 4096)
+    assert not cp.wgmma_order_pays(8191, 4096)
+    layer = _layer(seeded, n=192, k=128)  # K < N < 8192: natural
 
     def quant_then_linear(x):
         return kernels.apply_linear(layer, x * 2, None)
@@ -223,3 +231,93 @@ def test_wgmma_order_only_where_it_was_measured_to_pay(seeded, fused_act_quant):
     out_forced, _ = _compiled(quant_then_linear, x, fusion=cp.MixprecPostGrad([forced]))
     assert forced.rewritten == 1
     torch.testing.assert_close(out_forced, out, rtol=0, atol=0)
+
+
+class _PermuteDtypes:
+    """A pass after the plugin's that records the dtype of every tensor the graph permutes."""
+
+    def __init__(self):
+        self.dtypes = []
+
+    def is_applicable_for_range(self, compile_range):
+        return True
+
+    def __call__(self, graph):
+        self.dtypes = [n.args[0].meta["val"].dtype for n in graph.nodes
+                       if n.op == "call_function" and n.target == torch.ops.aten.permute.default]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("before", ["norm", "silu"])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_wgmma_input_order_moves_the_permutation_before_the_quantizer(seeded, fused_act_quant, smooth,
+                                                                      before, device):
+    """input_order: the traced quantizer permutes its float input instead of its int8 codes (one
+    fused kernel on the GPU instead of float codes written for a second one), with the very same
+    codes, so the outputs equal the codes-permuting compile's bit for bit."""
+    if device == "cuda":
+        from vllm_mixprec.kernels import cuda
+        if not cuda.has_wgmma():
+            pytest.skip("no wgmma kernel here (needs an sm_90 GPU and an sm_90a build)")
+    layer = _layer(seeded, n=64, k=256, smooth=smooth, device=device)
+    impl = layer.mixprec_impl = "reference" if device == "cpu" else "cuda"
+
+    def norm_then_linear(x):
+        h = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return kernels.apply_linear(layer, h, None)
+
+    def silu_then_linear(gate_up):
+        return kernels.apply_linear(layer, ref.silu_and_mul(gate_up), None)
+
+    fn, width = (norm_then_linear, 256) if before == "norm" else (silu_then_linear, 512)
+    x = (torch.randn(96, width, generator=seeded) * 2).to(torch.bfloat16).to(device)
+    outs = {}
+    for input_order in (False, True):
+        order = cp.WgmmaActOrder(impls=(impl,), all_shapes=True, input_order=input_order)
+        seen = _PermuteDtypes()
+        outs[input_order], _ = _compiled(fn, x, fusion=cp.MixprecPostGrad([order, seen]))
+        assert order.rewritten == 1 and order.input_ordered == int(input_order)
+        # the quantizer's float32 input (after the smoothing division), or else its int8 codes
+        assert seen.dtypes == [torch.float32 if input_order else torch.int8]
+    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
+    want = fn(x).float()
+    assert float((outs[True].float() - want).norm() / want.norm()) < 0.02
+
+
+class _Repermute:
+    """After WgmmaActOrder (codes): give its permute node other dims (K = 256: all of them size 4,
+    so the shapes stay), then apply the order patterns if asked."""
+
+    def __init__(self, dims, apply=True):
+        self.dims, self.apply, self.matched = list(dims), apply, 0
+
+    def is_applicable_for_range(self, compile_range):
+        return True
+
+    def __call__(self, graph):
+        for n in graph.nodes:
+            if n.op == "call_function" and n.target == torch.ops.aten.permute.default:
+                n.args = (n.args[0], self.dims)
+        if self.apply:
+            self.matched += cp._order_patterns().apply(graph)
+
+
+def test_wgmma_input_order_leaves_other_permutations_alone(seeded, fused_act_quant):
+    """The pattern ignores integers: the same ops permuting the codes some other way (here the
+    64-k chunks swapped with the rows of 4-byte units) are not the wgmma order (_is_wgmma_order),
+    and stay as they are; the wgmma one is moved."""
+    layer = _layer(seeded, n=64, k=256)
+
+    def linear(x):
+        return kernels.apply_linear(layer, x * 2, None)
+
+    x = torch.randn(80, 256, generator=seeded).to(torch.bfloat16)
+    outs = {}
+    for dims, apply in (([0, 2, 1, 3, 4], True), ([0, 2, 1, 3, 4], False), (cp._ROWS_PERMUTE, True)):
+        order = cp.WgmmaActOrder(impls=("reference",), all_shapes=True)
+        again = _Repermute(dims, apply)
+        outs[tuple(dims), apply], _ = _compiled(linear, x, fusion=cp.MixprecPostGrad([order, again]))
+        assert order.rewritten == 1 and again.matched == int(dims == cp._ROWS_PERMUTE)
+    torch.testing.assert_close(outs[(0, 2, 1, 3, 4), True], outs[(0, 2, 1, 3, 4), False], rtol=0, atol=0)
+    want = linear(x).float()  # the wgmma order moved before the quantizer: the layer's numbers
+    assert float((outs[tuple(cp._ROWS_PERMUTE), True].float() - want).norm() / want.norm()) < 0.02

@@ -175,18 +175,84 @@ class SiluMulQuantFusion(_pass_base()):
         return _source_hash()
 
 
+# formats.WGMMA_ORDER_PERMUTE on rows [M, K] viewed as [M, *formats.wgmma_order_view(K)]
+_ROWS_PERMUTE = [0, *(d + 1 for d in F.WGMMA_ORDER_PERMUTE)]
+
+
+def _to_wgmma_order(rows: torch.Tensor) -> torch.Tensor:
+    """Rows [M, K] in the wgmma k order (formats.wgmma_act_k_order), as the ops WgmmaActOrder
+    emits: a view, a permute and a contiguous clone (a gather of the row, for any dtype)."""
+    k = rows.shape[-1]
+    return (rows.view(-1, *F.wgmma_order_view(k)).permute(_ROWS_PERMUTE)
+            .clone(memory_format=torch.contiguous_format).view(-1, k))
+
+
+def _codes_in_order(y):
+    q, s = ref.quantize_act(y, None)
+    return _to_wgmma_order(q), s
+
+
+def _input_in_order(y):
+    return ref.quantize_act(_to_wgmma_order(y), None)
+
+
+def _is_wgmma_order(match) -> bool:
+    """The pattern ignores integer arguments: check that the codes' permutation is the wgmma
+    one (a view to [M, K/64, 4, 4, 4], permute (0, 1, 3, 2, 4), back to [M, K])."""
+    aten = torch.ops.aten
+    perms = [n for n in match.nodes if n.target == aten.permute.default]
+    views = [n for n in match.nodes if n.target == aten.view.default and n.args[0].meta["val"].dim() == 2]
+    if len(perms) != 1 or list(perms[0].args[1]) != _ROWS_PERMUTE or len(views) != 1:
+        return False
+    k = views[0].args[0].meta["val"].shape[-1]
+    return (isinstance(k, int) and k % F.WGMMA_ORDER_CHUNK == 0
+            and list(views[0].args[1][1:]) == list(F.wgmma_order_view(k)))
+
+
+@functools.lru_cache(maxsize=None)
+def _order_patterns():
+    """The permuted codes of the traced quantizer -> the traced quantizer of the permuted input.
+    The two are equal (the row's amax does not depend on the order; everything else is per
+    element), but Inductor compiles them differently where the quantizer is fused into RMSNorm
+    or SiLU-and-mul: a permutation after the amax cannot join the fused kernel's loop, so
+    Inductor writes the float codes to memory and gathers them in a second kernel (H200,
+    session 64's generated code); before the amax it is a gathered load in the same kernel."""
+    from torch._inductor.pattern_matcher import (PatternMatcherPass, gen_pattern,
+                                                 register_replacement)
+
+    patterns = PatternMatcherPass(pass_name="mixprec_wgmma_order_input")
+    # y in float32: the pattern is the quantizer after its input's conversion to float32 and its
+    # division by the smoothing vector, so it matches with or without either (Inductor removes the
+    # conversion where the input is a float32 -> bf16 -> float32 chain); y is then that float32
+    # row, and the permutation reads through whatever computes it.
+    y = torch.randn(4, 128)
+    register_replacement(_codes_in_order, _input_in_order, [y], _trace, patterns,
+                         extra_check=_is_wgmma_order,
+                         search_fn_pattern=gen_pattern(_codes_in_order, [y], _trace))
+    return patterns
+
+
 # Batches of more than this many tokens run a wgmma kernel on an sm_90 GPU (the decode kernels
 # take M <= DECODE_MAX_M), which copies x by TMA when the quantizer wrote it in the wgmma k order:
 # 10-18 % faster GEMMs at M >= 256 (H200, csrc/gemm/NOTES.md "Session 63").
 WGMMA_ORDER_AFTER_TOKENS = DECODE_MAX_M
 
 
-def wgmma_order_enabled(environ=os.environ) -> bool:
-    """MIXPREC_X_WGMMA_ORDER: 1 (default: WgmmaActOrder where the GPU runs the wgmma kernels) or 0."""
-    return _env_switch(environ, "MIXPREC_X_WGMMA_ORDER", "1",
-                       "1 (the default: compiled graphs for batches of more than 64 tokens quantize "
-                       "the W4A8 activations in the wgmma k order, which the sm_90a GEMM copies by "
-                       "TMA; compile_passes.py) or 0 (the natural order everywhere)")
+WGMMA_ORDER_MODES = {"1": "codes", "0": None, "input": "input"}
+
+
+def wgmma_order_mode(environ=os.environ) -> str | None:
+    """MIXPREC_X_WGMMA_ORDER: 1 (default: "codes", WgmmaActOrder permutes the traced quantizer's
+    codes, on the shapes of wgmma_order_pays), input ("input": it permutes the quantizer's input,
+    on every shape; under test, see WgmmaActOrder) or 0 (None: the natural order)."""
+    v = environ.get("MIXPREC_X_WGMMA_ORDER", "1").strip()
+    if v not in WGMMA_ORDER_MODES:
+        raise ValueError(
+            f"MIXPREC_X_WGMMA_ORDER={v!r}: expected 1 (the default: compiled graphs for batches of more "
+            "than 64 tokens quantize the W4A8 activations in the wgmma k order, which the sm_90a GEMM "
+            "copies by TMA; compile_passes.py), input (the same, the quantizer permuting its input "
+            "rather than its codes, on every layer) or 0 (the natural order everywhere)")
+    return WGMMA_ORDER_MODES[v]
 
 
 def _wgmma_order_applies() -> bool:
@@ -195,34 +261,47 @@ def _wgmma_order_applies() -> bool:
     another implementation: its compile range would then be compiled for nothing)."""
     from . import kernels
     from .kernels import cuda
-    return (wgmma_order_enabled() and kernels.forced_impl() in (None, "cuda") and cuda.has_wgmma()
+    return (wgmma_order_mode() is not None and kernels.forced_impl() in (None, "cuda") and cuda.has_wgmma()
             and cuda.x_wgmma_order_for(WGMMA_ORDER_AFTER_TOKENS + 1, 4096, 4096))
 
 
 def wgmma_order_pays(n: int, k: int) -> bool:
-    """Whether an N x K layer's compiled quantizer should write the wgmma k order. Inductor folds
-    the permutation into the fused kernel before the GEMM as a gather: a kernel that held the row
-    in registers reads it again at the permuted places. Measured (H200, benchmarks/
-    bench_compiled_linear.py, docs/BENCHMARKS.md "Session 63"): layer + RMSNorm, 28672 x 4096
-    (gate_up) 1.06-1.11x faster at M = 128-4096, but 6144 x 4096 (QKV) 0.93-0.98x at M = 128-256
-    and 1.00-1.04x above; layer + SiLU-and-mul, 4096 x 14336 (down) 1.10-1.15x. So the shapes
-    of those two winners only (N >= 4K: merged gate_up; K >= 3N: down); near-square layers (QKV,
-    o_proj: not measured) keep the natural order."""
-    return n >= 4 * k or k >= 3 * n
+    """Whether an N x K layer's compiled quantizer should write the wgmma k order. Where Inductor
+    fuses it into RMSNorm or SiLU-and-mul, the permuted codes cannot be stored from the fused
+    kernel: it writes them as float32 and a second kernel gathers them (session 64's generated
+    code), a cost that grows with M x K while the GEMM's gain grows with M x N x K. Measured (H200,
+    benchmarks/bench_compiled_linear.py, docs/BENCHMARKS.md "Session 63", "Session 64"), compiled
+    layer natural -> wgmma order at M = 128-4096:
+    - after RMSNorm: QKV 6144 x 4096 0.96-1.03x; QKV 10240 x 8192 1.01-1.06x; gate_up 28672 x
+      4096 1.06-1.11x, 57344 x 8192 1.13-1.14x;
+    - nothing to fuse (o_proj 4096 x 4096 1.03-1.13x, 8192 x 8192 1.11-1.17x) or SiLU-and-mul
+      (down 4096 x 14336 1.10-1.15x, 8192 x 28672 1.07-1.10x): none, or a longer GEMM to pay it.
+    The pass does not see which op the quantizer is fused into; in Llama-like models the layers
+    after RMSNorm (QKV, gate_up) are the ones with N > K. So: K >= N (o_proj, down), or N >= 8192
+    (the RMSNorm layers whose GEMM gain outweighs the extra kernel); the 8B-sized QKV stays
+    natural. input_order (WgmmaActOrder) would make the rule moot if it keeps one kernel."""
+    return k >= n or n >= 8192
 
 
 class WgmmaActOrder(_pass_base()):
     """Post-grad pass for graphs of more than 64 tokens: mixprec::w4a8_gemm(xq, ..., impl) ->
     mixprec::w4a8_gemm(wgmma_order(xq), ..., impl, True) where wgmma_order_pays. The permutation
-    is a view, a permute and a clone, which Inductor folds into the quantizer kernel before the
-    GEMM (the traced quantize_act), so no kernel is added. impls: the nodes it rewrites (the
-    csrc op; the tests add "reference"); all_shapes: ignore wgmma_order_pays (tests)."""
+    is a view, a permute and a clone. Inductor folds it into a quantizer that stands alone (one
+    kernel, a gathered load); a quantizer fused into the op before it instead writes float32
+    codes for a second kernel to permute (wgmma_order_pays). impls: the nodes it rewrites (the
+    csrc op; the tests add "reference"); all_shapes: ignore wgmma_order_pays (tests).
+    input_order: then move the permutation before the traced quantizer (_order_patterns), so
+    that a quantizer fused into RMSNorm or SiLU-and-mul gathers its input in one kernel instead
+    of writing float codes for a second kernel to permute. Not the default until timed on a GPU
+    (benchmarks/bench_compiled_linear.py's "wgmma_input_order")."""
 
-    def __init__(self, impls=("cuda",), all_shapes: bool = False):
+    def __init__(self, impls=("cuda",), all_shapes: bool = False, input_order: bool = False):
         from . import kernels  # noqa: F401  (the op, on a compile-cache hit too)
         self.impls = tuple(impls)
         self.all_shapes = all_shapes
+        self.input_order = input_order
         self.rewritten = 0  # GEMMs rewritten, over every graph this pass has seen
+        self.input_ordered = 0  # of their quantizers, those that now permute their input
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         aten = torch.ops.aten
@@ -240,7 +319,7 @@ class WgmmaActOrder(_pass_base()):
             if val is None or val.dim() != 2 or not isinstance(val.shape[1], int) or val.shape[1] % 64:
                 continue  # a K that is not a static multiple of 64: the GEMM op refuses it anyway
             view_shape = [-1, *F.wgmma_order_view(val.shape[1])]  # [M, chunks, 4, 4, 4]
-            permute = [0, *(d + 1 for d in F.WGMMA_ORDER_PERMUTE)]
+            permute = list(_ROWS_PERMUTE)
             k = val.shape[1]
             cs = args[5].meta.get("val") if isinstance(args[5], torch.fx.Node) else None
             if cs is None or not isinstance(cs.shape[0], int):
@@ -263,9 +342,12 @@ class WgmmaActOrder(_pass_base()):
                 fake_args, _ = node.meta["eager_input_vals"]
                 node.meta["eager_input_vals"] = ((xw.meta["val"], *fake_args[1:9], True), {})
             n_done += 1
+        moved = _order_patterns().apply(graph) if n_done and self.input_order else 0
         if n_done and not self.rewritten:
             logger.info("vllm_mixprec: W4A8 activations in the wgmma k order for batches of more "
-                        "than %d tokens (%d GEMMs in the first graph)", WGMMA_ORDER_AFTER_TOKENS, n_done)
+                        "than %d tokens (%d GEMMs in the first graph; %d quantizers permute their "
+                        "input)", WGMMA_ORDER_AFTER_TOKENS, n_done, moved)
+        self.input_ordered += moved
         self.rewritten += n_done
 
     def is_applicable_for_range(self, compile_range) -> bool:
@@ -324,7 +406,9 @@ def install(compilation_config) -> bool:
     it applies) in vLLM's custom post-grad hook, once, and split the compile ranges where they
     stop applying. Returns whether they are there. A pass the user set keeps the hook: ours are
     then left out, with a warning."""
-    passes = ([SiluMulQuantFusion()] if enabled() else []) + ([WgmmaActOrder()] if _wgmma_order_applies() else [])
+    order = wgmma_order_mode() == "input"
+    passes = ([SiluMulQuantFusion()] if enabled() else []) + (
+        [WgmmaActOrder(all_shapes=order, input_order=order)] if _wgmma_order_applies() else [])
     if not passes:
         return False
     cfg = compilation_config.inductor_compile_config

@@ -73,6 +73,12 @@ def _kv4_flags() -> tuple[str, ...]:
     return ("--kv-cache-dtype", F.KV_CARRIER_DTYPE["kv4"], "--attention-backend", "CUSTOM")
 
 
+def _w4a8kv4_with(suffix: str, env_name: str, env_value: str, what: str) -> Arm:
+    """w4a8kv4 with one environment switch set: what one of our defaults is worth."""
+    return Arm(f"w4a8kv4-{suffix}", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
+               ((env_name, env_value),), attention_backend="CUSTOM", what=what)
+
+
 ARMS: dict[str, Arm] = {a.name: a for a in (
     Arm("bf16", "bf16", what="bf16 weights and KV cache, vLLM defaults (FlashAttention-3)"),
     Arm("marlin", "gptq", ("--linear-backend", "marlin"), kernel="MarlinLinearKernel",
@@ -86,32 +92,30 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
     Arm("marlin-int8", "gptq", ("--linear-backend", "marlin"), (("VLLM_MARLIN_INPUT_DTYPE", "int8"),),
         kernel="MarlinLinearKernel", what="GPTQ through Marlin's own W4A8 (int8 activations)"),
     # what each of our defaults is worth, against w4a8kv4
-    Arm("w4a8kv4-unfused", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
-        (("MIXPREC_FUSE_ACT_QUANT", "0"),), attention_backend="CUSTOM",
+    _w4a8kv4_with("unfused", "MIXPREC_FUSE_ACT_QUANT", "0",
         what="w4a8kv4 with the separate activation-quantize kernel (no Inductor fusion)"),
-    Arm("w4a8kv4-siluquant", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
-        (("MIXPREC_FUSE_SILU_QUANT", "1"),), attention_backend="CUSTOM",
+    _w4a8kv4_with("siluquant", "MIXPREC_FUSE_SILU_QUANT", "1",
         what="w4a8kv4 whose down projection takes mixprec::silu_mul_quantize_act in place of "
              "Inductor's SiLU-and-mul + quantize kernel (compile_passes.py)"),
-    Arm("w4a8kv4-cachedprefill", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
-        (("MIXPREC_ATTN_PREFILL_EXACT", "0"),), attention_backend="CUSTOM",
+    _w4a8kv4_with("naturalorder", "MIXPREC_X_WGMMA_ORDER", "0",
+        what="w4a8kv4 whose compiled graphs quantize every layer's activations in the natural k "
+             "order (compile_passes.WgmmaActOrder off): what the wgmma order is worth served"),
+    _w4a8kv4_with("inputorder", "MIXPREC_X_WGMMA_ORDER", "input",
+        what="w4a8kv4 whose compiled graphs past 64 tokens quantize every layer's activations in "
+             "the wgmma k order by permuting the quantizer's input (WgmmaActOrder input_order)"),
+    _w4a8kv4_with("cachedprefill", "MIXPREC_ATTN_PREFILL_EXACT", "0",
         what="w4a8kv4 whose prefill reads the chunk's own keys back from the KV4 pages"),
-    Arm("w4a8kv4-tritonchunk", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
-        (("MIXPREC_ATTN_CHUNK", "triton"),), attention_backend="CUSTOM",
+    _w4a8kv4_with("tritonchunk", "MIXPREC_ATTN_CHUNK", "triton",
         what="w4a8kv4 whose exact prefill attends the chunk in our Triton kernel, not FlashAttention"),
-    Arm("w4a8kv4-pdl", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
-        (("MIXPREC_ATTN_PDL", "1"),), attention_backend="CUSTOM",
+    _w4a8kv4_with("pdl", "MIXPREC_ATTN_PDL", "1",
         what="w4a8kv4 with the decode finish kernel as a programmatic dependent launch (sm_90+)"),
-    Arm("w4a8kv4-tailprog", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
-        (("MIXPREC_ATTN_TAIL", "program"),), attention_backend="CUSTOM",
+    _w4a8kv4_with("tailprog", "MIXPREC_ATTN_TAIL", "program",
         what="w4a8kv4 whose decode attends the residual tail in a program of its own, beside "
              "the page splits"),
-    Arm("w4a8kv4-mergekernel", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
-        (("MIXPREC_ATTN_MERGE", "kernel"),), attention_backend="CUSTOM",
+    _w4a8kv4_with("mergekernel", "MIXPREC_ATTN_MERGE", "kernel",
         what="w4a8kv4 whose batch-1 decode merges its split partials in the finish kernel "
              "(the default before 2026-11-26), not in the last page program"),
-    Arm("w4a8kv4-mergectx", "mixprec-kv4", ("--quantization", "mixprec", *_kv4_flags()),
-        (("MIXPREC_ATTN_CONTEXT_TOKENS", "0"),), attention_backend="CUSTOM",
+    _w4a8kv4_with("mergectx", "MIXPREC_ATTN_CONTEXT_TOKENS", "0",
         what="w4a8kv4 without the 16-bit context workspace: our Triton kernel merges a chunk's "
              "cached context into FlashAttention's output (session 8's path)"),
 )}
@@ -589,8 +593,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra flags for every vLLM engine, given with '=': --vllm-args='--max-num-seqs 256'")
     p.add_argument("--time-limit", type=float, default=540, help="seconds per arm and workload (serve: the sweep)")
     p.add_argument("--budget", type=float, default=0, help="seconds for this whole call; 0 = none")
-    p.add_argument("--min-run", type=float, default=180,
-                   help="do not start a run with less time than this left (a vLLM start takes 1-2 min)")
+    p.add_argument("--min-run", type=float, default=270,
+                   help="do not start a run with less time than this left (the throughput workload on "
+                        "32 layers took 208-257 s on an H200 with its compile, 2026-12-04; runs started "
+                        "with 233 and 245 s left timed out)")
     p.add_argument("--startup-timeout", type=float, default=420, help="seconds for `vllm serve` to get healthy")
     p.add_argument("--resume", action="store_true", help="skip what ab.jsonl already has as ok")
     p.add_argument("--skip-failed", action="store_true", help="with --resume: skip failed/timed-out ones too")
