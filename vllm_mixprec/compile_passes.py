@@ -176,7 +176,7 @@ class SiluMulQuantFusion(_pass_base()):
 
 
 # formats.WGMMA_ORDER_PERMUTE on rows [M, K] viewed as [M, *formats.wgmma_order_view(K)]
-_ROWS_PERMUTE = [0, *(d + 1 for d in F.WGMMA_ORDER_PERMUTE)]
+_ROWS_PERMUTE = (0, *(d + 1 for d in F.WGMMA_ORDER_PERMUTE))
 
 
 def _to_wgmma_order(rows: torch.Tensor) -> torch.Tensor:
@@ -200,11 +200,14 @@ def _is_wgmma_order(match) -> bool:
     """The pattern ignores integer arguments: check that the codes' permutation is the wgmma
     one (a view to [M, K/64, 4, 4, 4], permute (0, 1, 3, 2, 4), back to [M, K])."""
     aten = torch.ops.aten
+    vals = {n: n.args[0].meta.get("val") for n in match.nodes if n.target == aten.view.default}
+    if any(v is None for v in vals.values()):
+        return False  # no fake values to check the shapes with: leave it
     perms = [n for n in match.nodes if n.target == aten.permute.default]
-    views = [n for n in match.nodes if n.target == aten.view.default and n.args[0].meta["val"].dim() == 2]
-    if len(perms) != 1 or list(perms[0].args[1]) != _ROWS_PERMUTE or len(views) != 1:
+    views = [n for n, v in vals.items() if v.dim() == 2]  # the codes [M, K] -> [M, K/64, 4, 4, 4]
+    if len(perms) != 1 or tuple(perms[0].args[1]) != _ROWS_PERMUTE or len(views) != 1:
         return False
-    k = views[0].args[0].meta["val"].shape[-1]
+    k = vals[views[0]].shape[-1]
     return (isinstance(k, int) and k % F.WGMMA_ORDER_CHUNK == 0
             and list(views[0].args[1][1:]) == list(F.wgmma_order_view(k)))
 
