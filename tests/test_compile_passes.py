@@ -321,3 +321,30 @@ def test_wgmma_input_order_leaves_other_permutations_alone(seeded, fused_act_qua
     torch.testing.assert_close(outs[(0, 2, 1, 3, 4), True], outs[(0, 2, 1, 3, 4), False], rtol=0, atol=0)
     want = linear(x).float()  # the wgmma order moved before the quantizer: the layer's numbers
     assert float((outs[tuple(cp._ROWS_PERMUTE), True].float() - want).norm() / want.norm()) < 0.02
+
+
+def test_wgmma_input_order_after_vllms_ir_rms_norm(seeded, fused_act_quant):
+    """In vLLM 0.26 the plugin's passes see RMSNorm as the vLLM IR op (vllm_ir.fused_add_rms_norm,
+    lowered after them): the quantizer after it is matched all the same, and the permutation
+    reads the op's output (the smoothing division included)."""
+    import vllm.ir.ops as ir_ops
+
+    layer = _layer(seeded, n=64, k=256, smooth=True)
+
+    def add_norm_then_linear(x, res, w):
+        y, r = ir_ops.fused_add_rms_norm(x, res, w, 1e-6)
+        return kernels.apply_linear(layer, y, None), r
+
+    args = [(torch.randn(96, 256, generator=seeded) * 2).to(torch.bfloat16) for _ in range(2)]
+    w = torch.randn(256, generator=seeded).to(torch.bfloat16)
+    order = cp.WgmmaActOrder(impls=("reference",), all_shapes=True, input_order=True)
+    seen = _PermuteDtypes()
+    torch._dynamo.reset()
+    for a in args:
+        torch._dynamo.mark_dynamic(a, 0)
+    out, res = torch.compile(add_norm_then_linear, fullgraph=True, options={
+        cp.HOOK: cp.MixprecPostGrad([order, seen]), "fx_graph_cache": False})(*args, w)
+    assert (order.rewritten, order.input_ordered, seen.dtypes) == (1, 1, [torch.float32])
+    want, want_res = add_norm_then_linear(*args, w)
+    torch.testing.assert_close(res, want_res, rtol=0, atol=0)
+    assert float((out.float() - want.float()).norm() / want.float().norm()) < 0.02
