@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as Fn
 
 from vllm_mixprec import compile_passes as cp
+from vllm_mixprec import formats as F
 from vllm_mixprec import kernels
 from vllm_mixprec import reference as ref
 
@@ -313,14 +314,14 @@ def test_wgmma_input_order_leaves_other_permutations_alone(seeded, fused_act_qua
 
     x = torch.randn(80, 256, generator=seeded).to(torch.bfloat16)
     outs = {}
-    for dims, apply in (([0, 2, 1, 3, 4], True), ([0, 2, 1, 3, 4], False), (cp._ROWS_PERMUTE, True)):
+    for dims, apply in (([0, 2, 1, 3, 4], True), ([0, 2, 1, 3, 4], False), (F.WGMMA_ORDER_ROWS_PERMUTE, True)):
         order = cp.WgmmaActOrder(impls=("reference",), all_shapes=True)
         again = _Repermute(dims, apply)
         outs[tuple(dims), apply], _ = _compiled(linear, x, fusion=cp.MixprecPostGrad([order, again]))
-        assert order.rewritten == 1 and again.matched == int(dims == cp._ROWS_PERMUTE)
+        assert order.rewritten == 1 and again.matched == int(dims == F.WGMMA_ORDER_ROWS_PERMUTE)
     torch.testing.assert_close(outs[(0, 2, 1, 3, 4), True], outs[(0, 2, 1, 3, 4), False], rtol=0, atol=0)
     want = linear(x).float()  # the wgmma order moved before the quantizer: the layer's numbers
-    assert float((outs[tuple(cp._ROWS_PERMUTE), True].float() - want).norm() / want.norm()) < 0.02
+    assert float((outs[tuple(F.WGMMA_ORDER_ROWS_PERMUTE), True].float() - want).norm() / want.norm()) < 0.02
 
 
 def test_wgmma_input_order_after_vllms_ir_rms_norm(seeded, fused_act_quant):

@@ -46,17 +46,12 @@ def enabled(environ=os.environ) -> bool:
     Off by default until served with its compile range (FUSE_MAX_TOKENS): on all sizes it
     matched Marlin's TPOT at concurrency 1 on the H100 (3.52 ms each, 2026-11-26) but would
     cost large batches, where Inductor's kernel is faster."""
-    return _env_switch(environ, "MIXPREC_FUSE_SILU_QUANT", "0",
-                       "0 (the default: Inductor fuses the down projection's input quantization into "
-                       "SiLU-and-mul) or 1 (mixprec::silu_mul_quantize_act in their place for batches "
-                       "of at most 32 tokens; see compile_passes.py)")
-
-
-def _env_switch(environ, name: str, default: str, expected: str) -> bool:
-    """A 0/1 environment switch; any other value is refused with what it means (`expected`)."""
-    v = environ.get(name, default).strip()
+    v = environ.get("MIXPREC_FUSE_SILU_QUANT", "0").strip()
     if v not in ("0", "1"):
-        raise ValueError(f"{name}={v!r}: expected {expected}")
+        raise ValueError(f"MIXPREC_FUSE_SILU_QUANT={v!r}: expected 0 (the default: Inductor fuses the down "
+                         "projection's input quantization into SiLU-and-mul) or 1 "
+                         "(mixprec::silu_mul_quantize_act in their place for batches of at most 32 tokens; "
+                         "see compile_passes.py)")
     return v == "1"
 
 
@@ -175,25 +170,13 @@ class SiluMulQuantFusion(_pass_base()):
         return _source_hash()
 
 
-# formats.WGMMA_ORDER_PERMUTE on rows [M, K] viewed as [M, *formats.wgmma_order_view(K)]
-_ROWS_PERMUTE = (0, *(d + 1 for d in F.WGMMA_ORDER_PERMUTE))
-
-
-def _to_wgmma_order(rows: torch.Tensor) -> torch.Tensor:
-    """Rows [M, K] in the wgmma k order (formats.wgmma_act_k_order), as the ops WgmmaActOrder
-    emits: a view, a permute and a contiguous clone (a gather of the row, for any dtype)."""
-    k = rows.shape[-1]
-    return (rows.view(-1, *F.wgmma_order_view(k)).permute(_ROWS_PERMUTE)
-            .clone(memory_format=torch.contiguous_format).view(-1, k))
-
-
 def _codes_in_order(y):
     q, s = ref.quantize_act(y, None)
-    return _to_wgmma_order(q), s
+    return ref.to_wgmma_act_order(q), s
 
 
 def _input_in_order(y):
-    return ref.quantize_act(_to_wgmma_order(y), None)
+    return ref.quantize_act(ref.to_wgmma_act_order(y), None)
 
 
 def _is_wgmma_order(match) -> bool:
@@ -205,7 +188,7 @@ def _is_wgmma_order(match) -> bool:
         return False  # no fake values to check the shapes with: leave it
     perms = [n for n in match.nodes if n.target == aten.permute.default]
     views = [n for n, v in vals.items() if v.dim() == 2]  # the codes [M, K] -> [M, K/64, 4, 4, 4]
-    if len(perms) != 1 or tuple(perms[0].args[1]) != _ROWS_PERMUTE or len(views) != 1:
+    if len(perms) != 1 or tuple(perms[0].args[1]) != F.WGMMA_ORDER_ROWS_PERMUTE or len(views) != 1:
         return False
     k = vals[views[0]].shape[-1]
     return (isinstance(k, int) and k % F.WGMMA_ORDER_CHUNK == 0
@@ -322,7 +305,7 @@ class WgmmaActOrder(_pass_base()):
             if val is None or val.dim() != 2 or not isinstance(val.shape[1], int) or val.shape[1] % 64:
                 continue  # a K that is not a static multiple of 64: the GEMM op refuses it anyway
             view_shape = [-1, *F.wgmma_order_view(val.shape[1])]  # [M, chunks, 4, 4, 4]
-            permute = list(_ROWS_PERMUTE)
+            permute = list(F.WGMMA_ORDER_ROWS_PERMUTE)
             k = val.shape[1]
             cs = args[5].meta.get("val") if isinstance(args[5], torch.fx.Node) else None
             if cs is None or not isinstance(cs.shape[0], int):

@@ -66,6 +66,7 @@ A4_TOP = A4_MAX + 0.5
 # permuted by WGMMA_ORDER_PERMUTE (swap a and b). compile_passes.WgmmaActOrder emits these ops.
 WGMMA_ORDER_CHUNK = 64
 WGMMA_ORDER_PERMUTE = (0, 2, 1, 3)
+WGMMA_ORDER_ROWS_PERMUTE = (0, *(d + 1 for d in WGMMA_ORDER_PERMUTE))  # rows [M, k] as [M, *view]
 
 
 def wgmma_order_view(k: int) -> tuple[int, int, int, int]:

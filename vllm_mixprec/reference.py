@@ -165,9 +165,13 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None, wgmma_orde
     return (to_wgmma_act_order(q) if wgmma_order else q), scale
 
 
-def to_wgmma_act_order(xq: torch.Tensor) -> torch.Tensor:
-    """[M, K] activations in formats.wgmma_act_k_order (its own inverse: also back again)."""
-    return xq[:, F.wgmma_act_k_order(xq.shape[-1]).to(xq.device)]
+def to_wgmma_act_order(rows: torch.Tensor) -> torch.Tensor:
+    """[M, K] activations (or any rows) in formats.wgmma_act_k_order (its own inverse: also back
+    again), as a view, a permute and a contiguous copy: the ops compile_passes.WgmmaActOrder puts
+    in a compiled graph, and the form its patterns match."""
+    k = rows.shape[-1]
+    return (rows.contiguous().view(-1, *F.wgmma_order_view(k)).permute(F.WGMMA_ORDER_ROWS_PERMUTE)
+            .clone(memory_format=torch.contiguous_format).view(-1, k))
 
 
 def quantize_act_slice(x: torch.Tensor, smooth: torch.Tensor | None,
