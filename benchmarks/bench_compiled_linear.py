@@ -15,7 +15,14 @@ compared with the eager layer's (relative error): the compiles may fuse the op b
 differently, and Inductor may then skip a bf16 rounding in one of them (a few codes move by one),
 so they are not required to be bit-identical to each other.
 
-  python benchmarks/bench_compiled_linear.py --out DIR [--ms 128 256 1024 4096] [--layers o_proj qkv_70b ...] [--code]
+A "piece" is what vLLM compiles between two attentions of a Llama decoder: o_proj, add + RMSNorm,
+gate_up, SiLU-and-mul, down, add + RMSNorm, QKV (four GEMMs, three fused quantizers and one
+standalone). --vllm-inductor compiles with vLLM's own Inductor options (combo kernels among them),
+and every row is also timed launched, not replayed ("launch_us"): vLLM runs batches past its
+largest CUDA graph (512 tokens) so, as in a saturated decode of 1000 requests.
+
+  python benchmarks/bench_compiled_linear.py --out DIR [--ms 128 256 1024 4096] [--layers o_proj qkv_70b piece ...]
+      [--code] [--vllm-inductor]
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import sys
 from types import SimpleNamespace
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,6 +49,8 @@ CASES = {"qkv": ("norm", 6144, 4096), "gate_up": ("norm", 28672, 4096), "down": 
          "o_proj": ("none", 4096, 4096), "qkv_70b": ("norm", 10240, 8192), "gate_up_70b": ("norm", 57344, 8192),
          "down_70b": ("silu", 8192, 28672), "o_proj_70b": ("none", 8192, 8192)}
 MEASURED = ("qkv", "gate_up", "down")  # session 63's run
+# Llama decoder pieces (module docstring): hidden size, QKV's N, intermediate size
+PIECES = {"piece": (4096, 6144, 14336), "piece_70b": (8192, 10240, 28672)}
 
 
 def layer_of(n: int, k: int, gen: torch.Generator) -> SimpleNamespace:
@@ -64,17 +74,31 @@ def layer_fn(before: str, layer):
     return f
 
 
+def piece_fn(o_proj, gate_up, down, qkv, add_rms_norm=baq.add_rms_norm):
+    """Between two attentions of a Llama decoder (vLLM's piecewise graph): attention output and
+    residual in, the next layer's QKV and residual out."""
+    def f(attn, res, w_post, w_in):
+        y, r = add_rms_norm(kernels.apply_linear(o_proj, attn, None), res, w_post)
+        d = kernels.apply_linear(down, baq.silu_and_mul(kernels.apply_linear(gate_up, y, None)), None)
+        y, r = add_rms_norm(d, r, w_in)
+        return kernels.apply_linear(qkv, y, None), r
+    return f
+
+
 def inputs(before: str, m: int, k: int):
     r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    return {"norm": (r(m, k), r(m, k), r(k)), "none": (r(m, k),)}.get(before, (r(m, 2 * k),))
+    return {"norm": (r(m, k), r(m, k), r(k)), "none": (r(m, k),),
+            "piece": (r(m, k), r(m, k), r(k), r(k))}.get(before, (r(m, 2 * k),))
 
 
-def compiled(fn, before: str, k: int, passes, code_path: str | None = None):
-    """fn compiled as vLLM would; code_path: where to write the code Inductor generated for it."""
+def compiled(fn, before: str, k: int, passes, code_path: str | None = None, options: dict | None = None):
+    """fn compiled as vLLM would; code_path: where to write the code Inductor generated for it;
+    options: more Inductor options (vLLM's, --vllm-inductor)."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    options = {compile_passes.HOOK: compile_passes.MixprecPostGrad(passes), "fx_graph_cache": False}
+    options = {**(options or {}), compile_passes.HOOK: compile_passes.MixprecPostGrad(passes),
+               "fx_graph_cache": False}
     if code_path is None:
         return baq.compile_dynamic(fn, inputs(before, baq.PROFILE_TOKENS, k), options)
     f, code = run_and_get_code(baq.compile_dynamic, fn, inputs(before, baq.PROFILE_TOKENS, k), options)
@@ -87,11 +111,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out")
     ap.add_argument("--ms", type=int, nargs="+", default=[128, 256, 1024, 4096])
-    ap.add_argument("--layers", nargs="+", default=list(MEASURED), choices=list(CASES),
-                    help=f"which layers (default: {' '.join(MEASURED)}; also o_proj and the 70B ones)")
+    ap.add_argument("--layers", nargs="+", default=list(MEASURED), choices=[*CASES, *PIECES],
+                    help=f"which layers (default: {' '.join(MEASURED)}; also o_proj, the 70B ones and "
+                         "the decoder pieces)")
     ap.add_argument("--code", action="store_true",
                     help="write the Triton code Inductor generated for each compile to OUT/inductor-code/")
+    ap.add_argument("--vllm-inductor", action="store_true",
+                    help="compile with vLLM's Inductor options (CompilationConfig's defaults on this GPU)")
     args = ap.parse_args()
+    options = {}
+    if args.vllm_inductor:
+        from vllm.config import CompilationConfig
+        options = dict(CompilationConfig().inductor_compile_config)
+        print(f"vLLM's Inductor options: {options}", flush=True)
     code_dir = os.path.join(args.out, "inductor-code")
     if args.code:
         os.makedirs(code_dir, exist_ok=True)
@@ -101,29 +133,38 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name in args.layers:
-        before, n, k = CASES[name]
-        layer = layer_of(n, k, gen)
+        if name in PIECES:
+            hidden, n_qkv, inter = PIECES[name]
+            before, n, k = "piece", n_qkv, hidden
+            fn = piece_fn(*(layer_of(n_, k_, gen) for n_, k_ in
+                            ((hidden, hidden), (2 * inter, hidden), (hidden, inter), (n_qkv, hidden))))
+        else:
+            before, n, k = CASES[name]
+            fn = layer_fn(before, layer_of(n, k, gen))
         # the A/B on every shape, the pass's rule aside; the codes permuted, or the quantizer's input
         order = compile_passes.WgmmaActOrder(all_shapes=True)
         input_order = compile_passes.WgmmaActOrder(all_shapes=True, input_order=True)
         code = (lambda v: os.path.join(code_dir, f"{name}_{v}.py") if args.code else None)  # noqa: E731
-        fns = {v: compiled(layer_fn(before, layer), before, k, passes, code(v))
+        fns = {v: compiled(fn, before, k, passes, code(v), options)
                for v, passes in (("natural", []), ("wgmma_order", [order]), ("wgmma_input_order", [input_order]))}
         for m in args.ms:
             x = inputs(before, m, k)
             first = lambda o: o[0] if isinstance(o, tuple) else o  # noqa: E731
-            eager = first(layer_fn(before, layer)(*x)).double()
+            eager = first(fn(*x)).double()
             outs = {v: first(f(*x)).double() for v, f in fns.items()}
             same = torch.equal(outs["natural"], outs["wgmma_order"])
-            row = {"layer": name, "N": n, "K": k, "M": m, "rewritten": order.rewritten, "equal": same,
+            row = {"layer": name, "N": n, "K": k, "M": m, "gemms": 4 if before == "piece" else 1,
+                   "rewritten": order.rewritten, "input_rewritten": input_order.rewritten, "equal": same,
                    "input_ordered": input_order.input_ordered,
                    "input_order_equal": torch.equal(outs["wgmma_order"], outs["wgmma_input_order"])}
             for v, y in outs.items():
                 row[f"{v}_rel_err_vs_eager"] = float((y - eager).norm() / eager.norm())
             for v, f in fns.items():
                 row[f"{v}_us"] = baq.time_us(f, x)
+                row[f"{v}_launch_us"] = triton.testing.do_bench(lambda: f(*x), rep=50, return_mode="median") * 1e3
             row["speedup"] = row["natural_us"] / row["wgmma_order_us"]
             row["input_order_speedup"] = row["natural_us"] / row["wgmma_input_order_us"]
+            row["launch_input_over_codes"] = row["wgmma_order_launch_us"] / row["wgmma_input_order_launch_us"]
             rows.append(row)
             print(f"{name:11s} {n:>6}x{k:<6} M={m:<5d} natural {row['natural_us']:8.2f} us  wgmma order "
                   f"{row['wgmma_order_us']:8.2f} us x{row['speedup']:.3f}  input order "
@@ -132,12 +173,17 @@ def main() -> int:
                   f"{row['wgmma_order_rel_err_vs_eager']:.1e} / {row['wgmma_input_order_rel_err_vs_eager']:.1e} "
                   f"rewritten={order.rewritten}/{input_order.rewritten} input_ordered={input_order.input_ordered}",
                   flush=True)
+            print(f"{'':11s} launched, not replayed: natural {row['natural_launch_us']:8.2f} us  wgmma order "
+                  f"{row['wgmma_order_launch_us']:8.2f} us  input order {row['wgmma_input_order_launch_us']:8.2f} us "
+                  f"(input / codes x{row['launch_input_over_codes']:.3f})", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_compiled_linear.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "inductor_options": options,
                    "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": rows}, f, indent=1)
     # a wrong permutation or GEMM reads scrambled k: errors of order 1, not a rounding's 1e-3
-    bad = [r for r in rows if not (r["rewritten"] and r["input_ordered"])
+    # every GEMM rewritten, every quantizer moved (once per compile: Dynamo may compile twice)
+    bad = [r for r in rows if not (r["rewritten"] and r["rewritten"] % r["gemms"] == 0
+                                   and r["input_ordered"] == r["input_rewritten"] == r["rewritten"])
            or any(r[f"{v}_rel_err_vs_eager"] > min(5e-2, 2 * r["natural_rel_err_vs_eager"] + 1e-4)
                   for v in ("wgmma_order", "wgmma_input_order"))]
     if bad:

@@ -27,6 +27,7 @@
 #   AB_PRIOR    an ab.jsonl from an earlier host (carried in the working tree) merged in first
 #   AB_PROFILE_ARGS   more step_profile options for `profile`, e.g. "--steps 3 --timed-steps 8"
 #   AB_PROFILE_REDO=1 `profile` reruns the arms whose result is already in $AB_RESULTS/profile
+#   AB_KEEP_CODE=1    the code Inductor generated for the arms, from vLLM's compile cache, to $OUT
 #   MIXPREC_KERNEL=cuda   make the mixprec arms fail rather than run without the csrc kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -164,6 +165,12 @@ case "$stage" in
      run_workloads "$stage" "$@" ;;
 esac
 status=$?
+# AB_KEEP_CODE=1: the code Inductor generated for the arms (vLLM's compile cache: each arm's
+# folder is named in its engine log, "Using cache directory" / "saved AOT compiled function")
+if [ -n "${AB_KEEP_CODE:-}" ] && [ -d "$HOME/.cache/vllm/torch_compile_cache" ]; then
+  (cd "$HOME/.cache/vllm" && find torch_compile_cache -name '*.py' -size -4M | tar czf "$OUT/compile-code.tgz" -T -)
+  log "Inductor's code: $OUT/compile-code.tgz ($(du -h "$OUT/compile-code.tgz" | cut -f1))"
+fi
 log "done, status $status (0 ok, 1 a run failed, 3 budget left work undone: repeat the command); files in $OUT:"
 ls -la "$OUT"
 exit $status

@@ -19,6 +19,7 @@
 # decode_dp4a_per_chunk_c3 decode_m64 decode_m64_auto decode_groups decode_groups_rows16
 # decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto x_wgmma_tests
 # x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more x_input_order
+# x_input_order_piece
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -1170,6 +1171,19 @@ stage_x_input_order() {
   run_bench bench_compiled_linear_input_order 540 python3 benchmarks/bench_compiled_linear.py --out "$OUT" \
     --layers qkv gate_up down o_proj qkv_70b down_70b --ms 128 256 1024 4096 --code || rc=1
   tar czf "$OUT/inductor-code.tgz" -C "$OUT" inductor-code && rm -r "$OUT/inductor-code"
+  return $rc
+}
+# Session 65: input order won every layer alone (H200), yet its one served run decoded 17 % slower
+# than session 64's (another host). A decoder piece (o_proj .. QKV, four GEMMs) compiled with
+# vLLM's Inductor options (combo kernels), timed replayed and launched (vLLM launches batches past
+# 512 tokens), Inductor's code kept; then the single layers under the same options.
+stage_x_input_order_piece() {
+  local rc=0
+  run_bench bench_compiled_linear_piece 330 python3 benchmarks/bench_compiled_linear.py --out "$OUT/piece" \
+    --layers piece piece_70b --ms 256 1024 4096 --vllm-inductor --code || rc=1
+  run_bench bench_compiled_linear_vllm_opts 240 python3 benchmarks/bench_compiled_linear.py --out "$OUT/layers" \
+    --layers qkv down o_proj --ms 1024 --vllm-inductor || rc=1
+  tar czf "$OUT/piece-code.tgz" -C "$OUT/piece" inductor-code && rm -r "$OUT/piece/inductor-code"
   return $rc
 }
 stage_x_wgmma_serve() {

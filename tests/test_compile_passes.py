@@ -182,6 +182,32 @@ def test_install_with_the_wgmma_order(monkeypatch):
         cp._wgmma_order_applies()
 
 
+def test_compile_cache_key_follows_the_wgmma_order_mode(monkeypatch):
+    """vLLM keys its compile caches (Inductor's, and the AOT one under torch_aot_compile/) on
+    CompilationConfig.compute_hash(), which holds the hook's uuid: each MIXPREC_X_WGMMA_ORDER mode
+    must key its own graphs (the same source compiles differently per mode), and a mode must key
+    the same graphs in every process."""
+    from vllm.config import CompilationConfig
+    monkeypatch.delenv("MIXPREC_FUSE_SILU_QUANT", raising=False)
+    monkeypatch.delenv("MIXPREC_KERNEL", raising=False)
+    from vllm_mixprec.kernels import cuda
+    monkeypatch.setattr(cuda, "has_wgmma", lambda device=None: True)
+    monkeypatch.setattr(cuda, "x_wgmma_order_for", lambda m, n, k, device=None: m > 64)
+
+    def key(mode):
+        monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", mode)
+        cc = CompilationConfig(compile_ranges_endpoints=[8192])
+        cp.install(cc)
+        return cc.compute_hash()
+
+    keys = {mode: key(mode) for mode in ("1", "input", "0")}
+    assert len(set(keys.values())) == 3, keys
+    assert key("input") == keys["input"] and key("1") == keys["1"]
+    orders = [cp.WgmmaActOrder(), cp.WgmmaActOrder(all_shapes=True), cp.WgmmaActOrder(input_order=True),
+              cp.WgmmaActOrder(impls=("cuda", "reference"))]
+    assert len({p.uuid() for p in orders}) == len(orders)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("smooth", [False, True])
 def test_wgmma_order_pass_keeps_the_numbers(seeded, fused_act_quant, smooth, device):
@@ -349,3 +375,62 @@ def test_wgmma_input_order_after_vllms_ir_rms_norm(seeded, fused_act_quant):
     want, want_res = add_norm_then_linear(*args, w)
     torch.testing.assert_close(res, want_res, rtol=0, atol=0)
     assert float((out.float() - want.float()).norm() / want.float().norm()) < 0.02
+
+
+def test_wgmma_input_order_says_which_quantizers_it_could_not_move(seeded, fused_act_quant, caplog):
+    """A quantizer the pattern cannot see (here mixprec::silu_mul_quantize_act, an opaque op)
+    keeps the permuted codes, with the layer's numbers, and the pass warns, once, how many of a
+    graph's quantizers were left so: no silent fallback to the other mode. The traced quantizer
+    beside it is moved."""
+    layer = _layer(seeded, n=64, k=256)
+    weights = (layer.qweight, layer.group_scale, layer.group_offset, layer.channel_scale)
+
+    def opaque_and_traced(gate_up):
+        q, s = torch.ops.mixprec.silu_mul_quantize_act(gate_up, None)
+        y = torch.ops.mixprec.w4a8_gemm(q, s, *weights, None, gate_up.dtype, "reference")
+        return y, kernels.apply_linear(layer, gate_up[:, :256] * 2, None)
+
+    gate_up = torch.randn(80, 512, generator=seeded).to(torch.bfloat16)
+    order = cp.WgmmaActOrder(impls=("reference",), all_shapes=True, input_order=True)
+    seen = _PermuteDtypes()
+    with caplog.at_level(logging.WARNING, logger="vllm.mixprec"):
+        outs, _ = _compiled(opaque_and_traced, gate_up, fusion=cp.MixprecPostGrad([order, seen]))
+    assert (order.rewritten, order.input_ordered) == (2, 1)
+    assert sorted(map(str, seen.dtypes)) == ["torch.float32", "torch.int8"]
+    assert "MIXPREC_X_WGMMA_ORDER=input: 1 of 2 quantizers in a graph still permute their codes" in caplog.text
+    want = opaque_and_traced(gate_up)
+    torch.testing.assert_close(outs[0], want[0], rtol=0, atol=0)
+    assert float((outs[1].float() - want[1].float()).norm() / want[1].float().norm()) < 0.02
+
+
+@pytest.mark.parametrize("norm", ["native", "vllm_ir"])
+def test_wgmma_input_order_on_a_decoder_piece(seeded, fused_act_quant, repo_module, norm):
+    """What vLLM compiles between two attentions of a Llama decoder (bench_compiled_linear's
+    piece: o_proj, add + RMSNorm, gate_up, SiLU-and-mul, down, add + RMSNorm, QKV): all four GEMMs
+    read the wgmma order and all four quantizers permute their input (the standalone one of o_proj
+    and the three fused ones), with the codes-permuting compile's numbers bit for bit."""
+    import vllm.ir.ops as ir_ops
+
+    bench = repo_module("benchmarks/bench_compiled_linear.py")
+    hidden, n_qkv, inter = 256, 384, 512
+    layers = [_layer(seeded, n=n, k=k) for n, k in
+              ((hidden, hidden), (2 * inter, hidden), (hidden, inter), (n_qkv, hidden))]
+    add_rms_norm = (lambda x, r, w: ir_ops.fused_add_rms_norm(x, r, w, 1e-6)) if norm == "vllm_ir" else None
+    fn = bench.piece_fn(*layers, **({"add_rms_norm": add_rms_norm} if add_rms_norm else {}))
+    x = [(torch.randn(80, hidden, generator=seeded) * 2).to(torch.bfloat16) for _ in range(2)]
+    w = [(torch.rand(hidden, generator=seeded) + 0.5).to(torch.bfloat16) for _ in range(2)]
+    outs = {}
+    for input_order in (False, True):
+        order = cp.WgmmaActOrder(impls=("reference",), all_shapes=True, input_order=input_order)
+        seen = _PermuteDtypes()
+        torch._dynamo.reset()
+        for a in x:
+            torch._dynamo.mark_dynamic(a, 0)
+        outs[input_order] = torch.compile(fn, fullgraph=True, options={
+            cp.HOOK: cp.MixprecPostGrad([order, seen]), "fx_graph_cache": False})(*x, *w)
+        assert (order.rewritten, order.input_ordered) == (4, 4 if input_order else 0)
+        assert seen.dtypes == [torch.float32 if input_order else torch.int8] * 4
+    for got, codes in zip(outs[True], outs[False]):
+        torch.testing.assert_close(got, codes, rtol=0, atol=0)
+    for got, want in zip(outs[True], fn(*x, *w)):  # eager: the same numbers up to codes moved by one
+        assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.05  # (1-2 % seen)
