@@ -19,7 +19,7 @@
 # decode_dp4a_per_chunk_c3 decode_m64 decode_m64_auto decode_groups decode_groups_rows16
 # decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto x_wgmma_tests
 # x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more x_input_order
-# x_input_order_piece
+# x_input_order_piece x_input_order_layers
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -1176,15 +1176,18 @@ stage_x_input_order() {
 # Session 65: input order won every layer alone (H200), yet its one served run decoded 17 % slower
 # than session 64's (another host). A decoder piece (o_proj .. QKV, four GEMMs) compiled with
 # vLLM's Inductor options (combo kernels), timed replayed and launched (vLLM launches batches past
-# 512 tokens), Inductor's code kept; then the single layers under the same options.
+# 512 tokens), Inductor's code kept (a call of its own: six compiles of four GEMMs); then, in
+# x_input_order_layers, the single layers under the same options.
 stage_x_input_order_piece() {
   local rc=0
-  run_bench bench_compiled_linear_piece 330 python3 benchmarks/bench_compiled_linear.py --out "$OUT/piece" \
+  run_bench bench_compiled_linear_piece 540 python3 benchmarks/bench_compiled_linear.py --out "$OUT/piece" \
     --layers piece piece_70b --ms 256 1024 4096 --vllm-inductor --code || rc=1
-  run_bench bench_compiled_linear_vllm_opts 240 python3 benchmarks/bench_compiled_linear.py --out "$OUT/layers" \
-    --layers qkv down o_proj --ms 1024 --vllm-inductor || rc=1
   tar czf "$OUT/piece-code.tgz" -C "$OUT/piece" inductor-code && rm -r "$OUT/piece/inductor-code"
   return $rc
+}
+stage_x_input_order_layers() {
+  run_bench bench_compiled_linear_vllm_opts 300 python3 benchmarks/bench_compiled_linear.py --out "$OUT/layers" \
+    --layers qkv down o_proj --ms 1024 --vllm-inductor
 }
 stage_x_wgmma_serve() {
   log "end to end with the wgmma order pass: vllm serve --quantization mixprec (compiled), W4A8"

@@ -415,8 +415,8 @@ def test_wgmma_input_order_on_a_decoder_piece(seeded, fused_act_quant, repo_modu
     hidden, n_qkv, inter = 256, 384, 512
     layers = [_layer(seeded, n=n, k=k) for n, k in
               ((hidden, hidden), (2 * inter, hidden), (hidden, inter), (n_qkv, hidden))]
-    add_rms_norm = (lambda x, r, w: ir_ops.fused_add_rms_norm(x, r, w, 1e-6)) if norm == "vllm_ir" else None
-    fn = bench.piece_fn(*layers, **({"add_rms_norm": add_rms_norm} if add_rms_norm else {}))
+    fn = (bench.piece_fn(*layers) if norm == "native" else
+          bench.piece_fn(*layers, add_rms_norm=lambda x, r, w: ir_ops.fused_add_rms_norm(x, r, w, 1e-6)))
     x = [(torch.randn(80, hidden, generator=seeded) * 2).to(torch.bfloat16) for _ in range(2)]
     w = [(torch.rand(hidden, generator=seeded) + 0.5).to(torch.bfloat16) for _ in range(2)]
     outs = {}
