@@ -183,10 +183,11 @@ def test_install_with_the_wgmma_order(monkeypatch):
 
 
 def test_compile_cache_key_follows_the_wgmma_order_mode(monkeypatch):
-    """vLLM keys its compile caches (Inductor's, and the AOT one under torch_aot_compile/) on
-    CompilationConfig.compute_hash(), which holds the hook's uuid: each MIXPREC_X_WGMMA_ORDER mode
-    must key its own graphs (the same source compiles differently per mode), and a mode must key
-    the same graphs in every process."""
+    """The hook's uuid is part of vLLM's CompilationConfig.compute_hash() and of Inductor's FX-graph
+    key (which, under plain torch.compile, has no MIXPREC_* environment factor beside it:
+    compile_cache.py adds that in vLLM only): each MIXPREC_X_WGMMA_ORDER mode must key its own
+    graphs (the same source compiles differently per mode), and a mode must key the same graphs in
+    every process."""
     from vllm.config import CompilationConfig
     monkeypatch.delenv("MIXPREC_FUSE_SILU_QUANT", raising=False)
     monkeypatch.delenv("MIXPREC_KERNEL", raising=False)

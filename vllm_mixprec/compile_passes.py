@@ -350,8 +350,8 @@ class WgmmaActOrder(_pass_base()):
         return compile_range.start > WGMMA_ORDER_AFTER_TOKENS
 
     def uuid(self) -> str:
-        # The settings change the compiled code: with the source alone, vLLM's compile cache
-        # (keyed on this uuid) would hand one MIXPREC_X_WGMMA_ORDER mode's graphs to another.
+        # The settings change the compiled code, and Inductor's FX-graph cache key holds this uuid
+        # (vLLM's keys also hold the MIXPREC_* variables: compile_cache.py; plain torch.compile's not).
         return _source_hash(f"impls={self.impls} all_shapes={self.all_shapes} input_order={self.input_order}")
 
 
