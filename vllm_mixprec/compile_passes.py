@@ -355,13 +355,18 @@ class WgmmaActOrder(_pass_base()):
         return _source_hash(f"impls={self.impls} all_shapes={self.all_shapes} input_order={self.input_order}")
 
 
+@functools.lru_cache(maxsize=None)
+def _source() -> str:  # read once: the hook's uuid asks each pass's, on every graph vLLM compiles
+    import inspect
+    import sys
+    return inspect.getsource(sys.modules[__name__])
+
+
 def _source_hash(settings: str = "") -> str:
     """A pass's uuid (in Inductor's and vLLM's compile-cache keys): this file's source and the
     pass's settings."""
     import hashlib
-    import inspect
-    import sys
-    return hashlib.sha256((inspect.getsource(sys.modules[__name__]) + settings).encode()).hexdigest()
+    return hashlib.sha256((_source() + settings).encode()).hexdigest()
 
 
 def _compile_range():
