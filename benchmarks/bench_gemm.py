@@ -13,6 +13,8 @@ Measured in the same run, on the same random data sizes:
                      kernel (x by TMA; formats.wgmma_act_k_order), the natural order elsewhere: what
                      ours_cuda's quantizer hands it, and a compiled layer's where
                      compile_passes.wgmma_order_pays (all but an 8B-sized QKV: ours_cuda_gemm's)
+  ours_cuda_quant    csrc quantize_act alone, in the order ours_cuda picks: with ours_cuda_gemm_xw it
+                     shows how much of the linear is the quantizer and how much its hand-over
   ours_w4ax_triton_q Triton quantize_act_w4ax + w4ax_gemm, 25% of the 128-channel blocks at 8 bits
                      (W4Ax, COMET's FMPQ; Hopper widens the int4 blocks to int8 in registers;
                      --w4ax-a8-share sets the share)
@@ -63,7 +65,8 @@ L2_BYTES = 50 * 2 ** 20
 MAX_COPIES = 16
 GROUP = 128  # Marlin/Machete group size (ours: --group-size, 128 by default, same bytes)
 
-METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "ours_cuda_gemm", "ours_cuda_gemm_xw", "ours_w4ax_triton_q",
+METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "ours_cuda_gemm", "ours_cuda_gemm_xw", "ours_cuda_quant",
+           "ours_w4ax_triton_q",
            "ours_w4ax_rot_triton_q", "ours_w4ax_rot_torch_triton_q", "marlin_w4a16", "marlin_w4a8", "machete_w4a16", "cublas_bf16", "int8_mm",
            "fp8_w8a8")
 
@@ -211,7 +214,7 @@ def setup_of(name: str) -> str:
     "ours_cuda"."""
     if name in ("ours_triton", "ours_triton_q") or name.startswith("ours_w4ax"):
         return "ours"
-    return "ours_cuda" if name in ("ours_cuda_gemm", "ours_cuda_gemm_xw") else name
+    return "ours_cuda" if name in ("ours_cuda_gemm", "ours_cuda_gemm_xw", "ours_cuda_quant") else name
 
 
 def _w4ax_quant_torch_rotation(x, perm, k8, smooth, rotation, ident):
@@ -380,6 +383,11 @@ class Methods:
                 out.append(lambda t=t, xq=xq, xs=xs, order=order: torch.ops.mixprec.w4a8_gemm(
                     xq, xs, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"],
                     None, torch.bfloat16, "cuda", order))
+            elif name == "ours_cuda_quant":  # the linear's quantizer alone (no weights read)
+                from vllm_mixprec.kernels import cuda
+                order = cuda.x_wgmma_order_for(M, self.N, self.K)
+                xb = x16.bfloat16()
+                out.append(lambda xb=xb, order=order: cuda.quantize_act(xb, None, order))
             elif name in ("marlin_w4a16", "marlin_w4a8"):
                 out.append(self._marlin_call(t, x16, torch.int8 if name == "marlin_w4a8" else None))
             elif name == "machete_w4a16":
@@ -418,6 +426,8 @@ class Methods:
 
     def bytes_moved(self, name: str, M: int) -> int:
         """Weight bytes + activation bytes (input and output) of one call."""
+        if name == "ours_cuda_quant":  # bf16 in, int8 codes and a float32 scale a row out
+            return M * self.K * 3 + M * 4
         base = setup_of(name)
         wbytes = self.setups[base][0]
         a_in = {"cublas_bf16": 2, "fp8_w8a8": 2, "marlin_w4a16": 2, "machete_w4a16": 2, "marlin_w4a8": 2,
@@ -526,14 +536,15 @@ def main(argv=None) -> int:
                 try:
                     ms = time_calls(meth.calls(name, M), args.rep_ms)
                     nbytes = meth.bytes_moved(name, M)
-                    row["methods"][name] = {"ms": ms, "tflops": row["flop"] / ms / 1e9,
-                                            "gbs": nbytes / ms / 1e6, "bytes": nbytes}
+                    row["methods"][name] = {"ms": ms, "gbs": nbytes / ms / 1e6, "bytes": nbytes}
+                    if name != "ours_cuda_quant":  # a GEMM's rate, not the quantizer's
+                        row["methods"][name]["tflops"] = row["flop"] / ms / 1e9
                 except Exception as e:
                     row["methods"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 torch.cuda.empty_cache()
             base_ms = row["methods"].get("marlin_w4a16", {}).get("ms")
-            for v in row["methods"].values():
-                if base_ms and "ms" in v:
+            for name, v in row["methods"].items():
+                if base_ms and "ms" in v and name != "ours_cuda_quant":
                     v["speedup_vs_marlin_w4a16"] = base_ms / v["ms"]
             if args.sweep and "ours" in meth.setups:
                 report["sweep"].append(run_sweep(meth, K, N, M, args.rep_ms, base_ms, args.sweep_method))
@@ -587,7 +598,7 @@ def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms, method="ours_triton"):
 # --- output ----------------------------------------------------------------------------------
 
 _SHORT = {"ours_triton": "tri", "ours_triton_q": "tri+q", "ours_cuda": "cuda", "ours_cuda_gemm": "cuda-g",
-          "ours_cuda_gemm_xw": "cuda-gx",
+          "ours_cuda_gemm_xw": "cuda-gx", "ours_cuda_quant": "cuda-q",
           "ours_w4ax_triton_q": "w4ax", "ours_w4ax_rot_triton_q": "w4ax+rot",
           "ours_w4ax_rot_torch_triton_q": "w4ax+rot(torch)",
           "marlin_w4a16": "mar16",

@@ -663,7 +663,8 @@ stage_gemm_table() {
 stage_issue_table() {
   run_bench bench_gemm_table 400 python3 benchmarks/bench_gemm.py --ms 1,16,64,256,1024,4096 \
     --shapes 4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672 \
-    --methods ours_cuda,ours_cuda_gemm,marlin_w4a16,machete_w4a16,cublas_bf16,int8_mm --out "$OUT/gemm-table"
+    --methods ours_cuda,ours_cuda_gemm,ours_cuda_gemm_xw,ours_cuda_quant,marlin_w4a16,machete_w4a16,cublas_bf16,int8_mm \
+    --out "$OUT/gemm-table"
 }
 # Stream-K (session 32): the wgmma kernels' exactness with splits=-1 first, then every auto
 # wgmma kernel as planned and as stream-K, and the auto GEMM/linear with the option off and on,
@@ -1146,7 +1147,7 @@ stage_x_wgmma_bench() {
 stage_x_wgmma_table() {
   run_bench bench_gemm_x_wgmma 480 python3 benchmarks/bench_gemm.py --ms ${X_WGMMA_TABLE_MS:-256,1024,4096} \
     --shapes 4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672 \
-    --methods ours_cuda,ours_cuda_gemm,ours_cuda_gemm_xw,cublas_bf16,int8_mm --out "$OUT/gemm-x-wgmma"
+    --methods ours_cuda,ours_cuda_gemm,ours_cuda_gemm_xw,ours_cuda_quant,cublas_bf16,int8_mm --out "$OUT/gemm-x-wgmma"
 }
 # The compiled path: compile_passes.WgmmaActOrder's tests on the GPU, then a layer as vLLM compiles
 # it (the op before + the linear) with and without the pass, the same run; then vLLM serving with it.

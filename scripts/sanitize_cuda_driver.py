@@ -1,4 +1,5 @@
-"""Small driver for compute-sanitizer: every csrc W4A8 kernel variant and quantize_act once.
+"""Small driver for compute-sanitizer: every csrc W4A8 kernel variant (on the wgmma kernels, x in
+either k order) and quantize_act (either order) once.
 
 Run by scripts/sanitize.sh; it exits non-zero if a result is wrong, so the sanitizer
 log and the exit code both count.
@@ -55,22 +56,27 @@ def main() -> int:
               (0, 2, 0, 1), (0, 3, 16, 1))  # (u8, CTAs per SM, preload max M, dp4a)
     option_cases = [c + b for b in builds for c in cases
                     if c[4] in (0, 1) and (b[1] == 2 or c[0] <= 16) and (not b[3] or c[0] == 1)]
+    # The wgmma cases again on x in the wgmma k order (the kXTma kernels: x by TMA, the box's zero
+    # fill past M and K standing in for the copies the cp.async path skips)
+    x_order_cases = [c + (0, 2, 0, 0, 1) for c in cases if c[4] >= 4]
     defaults = cuda.set_launch_options()
-    for m, n, k, g, kernel, splits, u8, ctas, pre, dp4a in [c + (0, 2, 0, 0) for c in cases] + option_cases:
+    for m, n, k, g, kernel, splits, u8, ctas, pre, dp4a, x_order in (
+            [c + (0, 2, 0, 0, 0) for c in cases] + [c + (0,) for c in option_cases] + x_order_cases):
         cuda.set_launch_options(decode_u8=u8, decode_ctas_per_sm=ctas, decode_preload_max_m=pre, decode_dp4a=dp4a)
         qw, gs, go = lqq(n, k, g, gen)
         cs = torch.rand(n, generator=gen, device=DEV) * 1e-3 + 1e-4
         x = torch.randn(m, k, generator=gen, device=DEV, dtype=torch.float16)
         bias = torch.randn(n, generator=gen, device=DEV, dtype=torch.float16)
-        xq, xs = cuda.quantize_act(x)
+        xq, xs = cuda.quantize_act(x, None, bool(x_order))
         pq, gp = cuda.repack_w4a8(qw, gs, go)
-        y = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, bias, torch.float16, kernel, splits)
-        y_ref = ref.w4a8_gemm(xq, xs, qw, gs, go, cs, bias, torch.float64)
+        y = torch.ops.mixprec_C.w4a8_gemm(xq, xs, pq, gp, cs, bias, torch.float16, kernel, splits, bool(x_order))
+        x_natural = ref.to_wgmma_act_order(xq) if x_order else xq  # the order is its own inverse
+        y_ref = ref.w4a8_gemm(x_natural, xs, qw, gs, go, cs, bias, torch.float64)
         rel = float((y.double() - y_ref).norm() / y_ref.norm())
         ok = rel < 2e-3 and bool(torch.isfinite(y).all())
         failures += not ok
         print(f"M={m:4d} N={n:4d} K={k:5d} G={g:3d} kernel={kernel} splits={splits} u8={u8} ctas={ctas} "
-              f"preload_max_m={pre} dp4a={dp4a}: rel={rel:.2e} {'ok' if ok else 'FAIL'}")
+              f"preload_max_m={pre} dp4a={dp4a} x_wgmma_order={x_order}: rel={rel:.2e} {'ok' if ok else 'FAIL'}")
     cuda.set_launch_options(**defaults)
     for dtype, k in ((torch.bfloat16, 1000), (torch.float32, 4096), (torch.float16, 8192)):
         x = torch.randn(9, k, generator=gen, device=DEV).to(dtype)
@@ -78,6 +84,9 @@ def main() -> int:
         q, s = cuda.quantize_act(x, sm)
         q_ref, s_ref = ref.quantize_act(x, sm)
         ok = int((q.int() - q_ref.int()).abs().max()) <= 1 and torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+        if k % 64 == 0:  # the wgmma k order needs whole 64-wide blocks
+            q_wgmma, s_wgmma = cuda.quantize_act(x, sm, True)
+            ok = ok and torch.equal(q_wgmma, ref.to_wgmma_act_order(q)) and torch.equal(s_wgmma, s)
         failures += not ok
         print(f"quantize_act {dtype} K={k}: {'ok' if ok else 'FAIL'}")
     torch.cuda.synchronize()

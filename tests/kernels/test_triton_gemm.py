@@ -707,3 +707,21 @@ def test_bench_gemm_replot_skips_methods_not_run(repo_module, tmp_path):
     report.write_text(json.dumps({"device": "test", "results": [row]}))
     assert mod.main(["--replot", str(report), "--out", str(tmp_path / "plots")]) == 0
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["bench_gemm_speedup.png"]
+
+
+def test_bench_gemm_quantizer_column(repo_module, tmp_path, capsys):
+    """ours_cuda_quant (the linear's quantizer alone) reads no weights, counts bf16 in and int8 +
+    a scale a row out, and shows in the table as cuda-q without a speed-up over Marlin."""
+    mod = repo_module("benchmarks/bench_gemm.py")
+    assert "ours_cuda_quant" in mod.parse_args([]).methods and mod.setup_of("ours_cuda_quant") == "ours_cuda"
+    meth = object.__new__(mod.Methods)
+    meth.K = 4096
+    assert meth.bytes_moved("ours_cuda_quant", 16) == 16 * 4096 * 3 + 16 * 4
+    row = {"K": 4096, "N": 4096, "M": 16, "methods": {
+        "ours_cuda": {"ms": 0.008, "speedup_vs_marlin_w4a16": 1.25}, "ours_cuda_quant": {"ms": 0.002},
+        "marlin_w4a16": {"ms": 0.010}}}
+    report = tmp_path / "bench_gemm.json"
+    report.write_text(json.dumps({"device": "test", "results": [row]}))
+    assert mod.main(["--replot", str(report), "--out", str(tmp_path / "plots")]) == 0
+    head, line = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert "cuda-q" in head and "2.0" in line.split()
