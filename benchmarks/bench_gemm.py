@@ -217,19 +217,21 @@ def setup_of(name: str) -> str:
     return "ours_cuda" if name in ("ours_cuda_gemm", "ours_cuda_gemm_xw", "ours_cuda_quant") else name
 
 
-def _w4ax_quant_torch_rotation(x, perm, k8, smooth, rotation, ident):
+def _w4ax_quant_torch_rotation(x, perm, k8, smooth, act_rotation, ident):
     """quantize_act_w4ax with the rotation as session 33 ran it, for comparison: float32 torch
     ops (gather, divide, one matmul over the 4-bit blocks, concatenate), then the quantize
     kernel on the result (identity permutation, no smoothing)."""
     import torch
+    from vllm_mixprec import formats as F
     from vllm_mixprec.kernels.triton import gemm as tg
+    rotation = F.act_rotation_matrix(act_rotation).to(x.device)
     m, k = x.shape
     xp = x.float()[:, perm.long()]
     if smooth is not None:
         xp = xp / smooth.float()[perm.long()]
     a4 = xp[:, k8:].reshape(m, (k - k8) // 128, 128) @ rotation
     xr = torch.cat([xp[:, :k8], a4.reshape(m, k - k8)], dim=1)
-    return tg.quantize_act_w4ax(xr, ident, k8, None, None)
+    return tg.quantize_act_w4ax(xr, ident, k8, None)
 
 
 class Methods:
@@ -354,8 +356,7 @@ class Methods:
                 xb = x16.bfloat16()
                 perm = torch.randperm(K, device=dev).to(torch.int32)
                 k8 = self.w4ax_k8
-                rot = (F.act_rotation_matrix(self.w4ax_rotation).to(dev)
-                       if name != "ours_w4ax_triton_q" else None)
+                rot = self.w4ax_rotation if name != "ours_w4ax_triton_q" else "none"
                 quant = tg.quantize_act_w4ax
                 if name == "ours_w4ax_rot_torch_triton_q":
                     quant = functools.partial(_w4ax_quant_torch_rotation, ident=torch.arange(

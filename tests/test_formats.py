@@ -141,6 +141,9 @@ def test_act_rotation_matrix_names():
     assert torch.allclose(r64 @ r64.T, torch.eye(F.ACT_BLOCK), atol=1e-6), "orthogonal"
     with pytest.raises(ValueError, match="act_rotation 'givens' is not one of"):
         F.act_rotation_matrix("givens")
+    # the width of the fast transforms the kernels run, and their float32 norm
+    assert [F.act_rotation_size(r) for r in F.ACT_ROTATIONS] == [0, F.ACT_BLOCK, half]
+    assert F.hadamard_norm(64) == 0.125 and F.hadamard_norm(128) == float(torch.tensor(0.5 ** 3.5))
 
 
 @pytest.mark.parametrize("k", [64, 192, 4096])

@@ -182,7 +182,7 @@ def test_w4ax_rotation_quantizes_rotated_4bit_blocks(seeded, k8):
     perm = torch.randperm(k, generator=seeded)
     h = F.hadamard()
     plain = ref.quantize_act_w4ax(x, perm, k8)
-    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, k8, rotation=h)
+    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, k8, act_rotation="hadamard")
     assert torch.equal(x8, plain[0]) and torch.equal(s8, plain[1])
     blocks = x.double()[:, perm][:, k8:].reshape(m, -1, F.ACT_BLOCK) @ h.double()
     assert torch.allclose(s4.double(), blocks.abs().amax(-1) / F.A4_TOP, rtol=1e-6)
@@ -199,9 +199,9 @@ def test_w4ax_rotated_basis_is_the_same_gemm(seeded):
     perm = torch.randperm(k, generator=seeded).to(torch.int32)
     h = F.hadamard()
     wb = ref.rotate_a4_blocks(w[:, perm.long()], k8, h)
-    assert _rel(ref.w4ax_act_input(x, perm, k8, None, h).double() @ wb.T, x.double() @ w.T) < 1e-6
+    assert _rel(ref.w4ax_act_input(x, perm, k8, None, "hadamard").double() @ wb.T, x.double() @ w.T) < 1e-6
     t = ref.quantize_weight_lqq(wb, 64)
-    y = ref.w4ax_gemm(*ref.quantize_act_w4ax(x, perm, k8, rotation=h), t["qweight"],
+    y = ref.w4ax_gemm(*ref.quantize_act_w4ax(x, perm, k8, act_rotation="hadamard"), t["qweight"],
                       t["group_scale"], t["group_offset"], t["channel_scale"],
                       out_dtype=torch.float64)
     assert _rel(y, x.double() @ w.T) < 0.25
@@ -219,11 +219,35 @@ def test_w4ax_rotation_spreads_spikes_inside_a_block(seeded):
     ident = torch.arange(k)
 
     def act_error(rotation):
-        xq = ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, ident, 0, rotation=rotation))
-        back = xq if rotation is None else ref.rotate_a4_blocks(xq, 0, rotation)  # H^-1 = H
-        return _rel(back, x)
+        xq = ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, ident, 0, act_rotation=rotation))
+        return _rel(ref.rotate_a4_blocks(xq, 0, F.act_rotation_matrix(rotation)), x)  # H^-1 = H
 
-    assert act_error(F.hadamard()) < 0.5 * act_error(None)
+    assert act_error("hadamard") < 0.5 * act_error("none")
+
+
+@pytest.mark.parametrize("rotation", ["hadamard", "hadamard64"])
+@pytest.mark.parametrize("k8", [0, 128, 384])
+def test_hadamard_a4_blocks_is_the_butterfly_spec_and_the_matrix(seeded, rotation, k8):
+    """The fast transform bit for bit against the butterflies written out one channel pair at a
+    time (float32, strides 1, 2, .., n/2, then the float32 norm), and within float32 rounding of
+    the 4-bit blocks times the rotation's matrix in float64; the 8-bit part untouched."""
+    m, k = 3, 512
+    x = torch.randn(m, k, generator=seeded) * 4
+    got = ref.hadamard_a4_blocks(x, k8, rotation)
+    n = F.act_rotation_size(rotation)
+    want = x.clone()
+    s = 1
+    while s < n:
+        for i in range(k8, k):
+            if (i - k8) & s == 0:
+                a, b = want[:, i].clone(), want[:, i + s].clone()
+                want[:, i], want[:, i + s] = a + b, a - b
+        s *= 2
+    want[:, k8:] *= F.hadamard_norm(n)
+    assert torch.equal(got, want)
+    exact = ref.rotate_a4_blocks(x.double(), k8, F.act_rotation_matrix(rotation))
+    assert float((got.double() - exact).abs().max()) < 1e-5 * float(exact.abs().max())
+    assert torch.equal(got[:, :k8], x[:, :k8]) and torch.equal(ref.hadamard_a4_blocks(x, k8, "none"), x)
 
 
 def test_quantize_act_chunked_one_scale_per_chunk(seeded):

@@ -150,7 +150,7 @@ def test_linear_op_nonfinite_rows_become_nan(data, seed, w4ax):
 
     def run(v):
         if w4ax:
-            return torch.ops.mixprec.w4ax_linear(v, *args, perm, k8, None, None, None, "reference")
+            return torch.ops.mixprec.w4ax_linear(v, *args, perm, k8, None, None, "none", "reference")
         return torch.ops.mixprec.w4a8_linear(v, *args, None, None, "reference")
 
     y = run(x)

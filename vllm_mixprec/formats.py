@@ -246,16 +246,27 @@ def hadamard(n: int = ACT_BLOCK) -> torch.Tensor:
     return (1 - 2 * parity).to(torch.float32) / math.sqrt(n)
 
 
-def act_rotation_matrix(act_rotation: str) -> torch.Tensor | None:
-    """The float32 [ACT_BLOCK, ACT_BLOCK] matrix of an ACT_ROTATIONS name; None for "none"."""
+def act_rotation_size(act_rotation: str) -> int:
+    """The width n of the Hadamard transforms an ACT_ROTATIONS name applies to each 4-bit block:
+    "hadamard" one over the whole ACT_BLOCK channels, "hadamard64" one over each 64-channel half,
+    "none" 0."""
     if act_rotation not in ACT_ROTATIONS:
         raise ValueError(f"act_rotation {act_rotation!r} is not one of {ACT_ROTATIONS}")
-    if act_rotation == "hadamard":
-        return hadamard()
-    if act_rotation == "hadamard64":
-        half = hadamard(ACT_BLOCK // 2)
-        return torch.block_diag(half, half)
-    return None
+    return {"none": 0, "hadamard": ACT_BLOCK, "hadamard64": ACT_BLOCK // 2}[act_rotation]
+
+
+def hadamard_norm(n: int) -> float:
+    """1 / sqrt(n) rounded to float32: the one multiply after the fast transform's butterflies
+    (reference.hadamard_a4_blocks), exact for even powers of two (n = 64: 1/8)."""
+    return float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))
+
+
+def act_rotation_matrix(act_rotation: str) -> torch.Tensor | None:
+    """The float32 [ACT_BLOCK, ACT_BLOCK] matrix of an ACT_ROTATIONS name (block-diagonal for
+    "hadamard64"); None for "none". The quantizer folds it into the weights; activations are
+    rotated by the fast transform of the same matrix (reference.hadamard_a4_blocks)."""
+    n = act_rotation_size(act_rotation)
+    return torch.block_diag(*[hadamard(n)] * (ACT_BLOCK // n)) if n else None
 
 
 # --- KV cache pages --------------------------------------------------------------------

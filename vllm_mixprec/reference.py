@@ -218,12 +218,11 @@ def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None = N
 
 
 def rotate_a4_blocks(xp: torch.Tensor, k8: int, rotation: torch.Tensor | None) -> torch.Tensor:
-    """Permuted float32 activations [M, K] with each 4-bit block (channels k8 onward, in
-    ACT_BLOCK-channel blocks) multiplied by `rotation` [ACT_BLOCK, ACT_BLOCK] (x_b @ R); the
-    8-bit part is returned as it is. rotation None, or no 4-bit block (k8 == K): xp itself
-    (formats: act_rotation). The products are summed in float64 and rounded once to xp's
-    dtype: another summation order (the Triton twin's tl.dot) gives the same float32 values
-    unless a float64 rounding error crosses a float32 rounding boundary."""
+    """Permuted values [M, K] with each 4-bit block (channels k8 onward, in ACT_BLOCK-channel
+    blocks) multiplied by a matrix `rotation` [ACT_BLOCK, ACT_BLOCK] (x_b @ R); the 8-bit part is
+    returned as it is. rotation None, or no 4-bit block (k8 == K): xp itself. The products are
+    summed in float64 and rounded once to xp's dtype. For the quantizer's weights and Hessians
+    (any basis); activations go through hadamard_a4_blocks, the fast transform."""
     m, k = xp.shape
     if rotation is None or k8 == k:
         return xp
@@ -232,17 +231,41 @@ def rotate_a4_blocks(xp: torch.Tensor, k8: int, rotation: torch.Tensor | None) -
     return a4.reshape(m, k) if k8 == 0 else torch.cat([xp[:, :k8], a4.reshape(m, k - k8)], dim=1)
 
 
+def hadamard_a4_blocks(xp: torch.Tensor, k8: int, act_rotation: str) -> torch.Tensor:
+    """float32 [M, K] (permuted) with each 4-bit block (channels k8 onward) times the matrix of
+    act_rotation (formats.act_rotation_matrix), as the fast Walsh-Hadamard transform of width n
+    (formats.act_rotation_size): float32 butterflies (a + b, a - b) on the channel pairs
+    (i, i + s), i & s == 0, for s = 1, 2, .., n/2, then one multiply by formats.hadamard_norm(n).
+    A fixed sequence of float32 operations, so the Triton kernel and Inductor's code from these
+    ops give the same bits; within a few float32 ulps of x_b @ H in float64 (rotate_a4_blocks),
+    for 7 additions an element instead of a 128-term product."""
+    n = F.act_rotation_size(act_rotation)
+    m, k = xp.shape
+    if n == 0 or k8 == k:
+        return xp
+    v = xp[:, k8:].to(torch.float32)
+    s = 1
+    while s < n:
+        pairs = v.reshape(m, -1, 2, s)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        v = torch.stack((a + b, a - b), dim=2)
+        s *= 2
+    a4 = v.reshape(m, k - k8) * F.hadamard_norm(n)
+    return a4 if k8 == 0 else torch.cat([xp[:, :k8], a4], dim=1)
+
+
 def w4ax_act_input(x: torch.Tensor, perm: torch.Tensor, k8: int, smooth: torch.Tensor | None,
-                   rotation: torch.Tensor | None) -> torch.Tensor:
-    """The float32 values W4Ax quantizes: x / smooth, channels permuted, 4-bit blocks rotated."""
-    return rotate_a4_blocks(_act_input(x, smooth)[:, perm.long()], k8, rotation)
+                   act_rotation: str = "none") -> torch.Tensor:
+    """The float32 values W4Ax quantizes: x / smooth, channels permuted, 4-bit blocks rotated
+    (hadamard_a4_blocks)."""
+    return hadamard_a4_blocks(_act_input(x, smooth)[:, perm.long()], k8, act_rotation)
 
 
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
-                      smooth: torch.Tensor | None = None, rotation: torch.Tensor | None = None
+                      smooth: torch.Tensor | None = None, act_rotation: str = "none"
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W4Ax activations: permute channels, first k8 to int8, the rest (each block rotated by
-    `rotation` when given, formats.hadamard) to packed int4 on the half-integer grid
+    """W4Ax activations: permute channels, first k8 to int8, the rest (each block rotated as
+    act_rotation says, formats.ACT_ROTATIONS) to packed int4 on the half-integer grid
     (formats.A4_TOP), with one symmetric scale per
     (token, ACT_BLOCK-channel block) (COMET's FMPQ: an outlier-free 4-bit block keeps its own
     resolution instead of sharing the token's largest 4-bit value).
@@ -252,7 +275,7 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     (both parts) and zero codes.
     """
     lay = F.W4ActLayout.from_k8(x.shape[-1], k8)
-    xf = w4ax_act_input(x, perm, k8, smooth, rotation)
+    xf = w4ax_act_input(x, perm, k8, smooth, act_rotation)
     m, k = xf.shape
     blocks = xf.view(m, k // F.ACT_BLOCK, F.ACT_BLOCK)
     row_ok = torch.isfinite(xf.abs().amax(dim=-1))

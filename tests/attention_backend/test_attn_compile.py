@@ -1,24 +1,16 @@
-"""Compile the attention kernels for sm_90 and sm_80 without a GPU.
-
-The CPU interpreter never sees the GPU-only code (the inline PTX unpack, layouts, software
-pipelining); Triton can still compile to cubin here (it ships ptxas), which catches
-frontend and PTX errors before the GPU run. Runs in a subprocess because the test session
-has TRITON_INTERPRET=1 set.
-"""
+"""Compile the attention kernels for sm_90 and sm_80 without a GPU (aot_helpers): the CPU
+interpreter never sees the GPU-only code (the inline PTX unpack, layouts, software pipelining)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from aot_helpers import ptxas_available, run_aot
 
 SCRIPT = textwrap.dedent(r'''
     import sys
     import triton
     import triton.language as tl
-    sys.path.insert(0, sys.argv[2])
     from triton_aot import attn_ptrs, compile_kernel as compile_
     from vllm_mixprec.kernels.triton import attention as A, kv_cache as K
 
@@ -136,17 +128,7 @@ SCRIPT = textwrap.dedent(r'''
 ''')
 
 
-def _ptxas_available() -> bool:
-    import triton
-    return os.path.exists(os.path.join(os.path.dirname(triton.__file__),
-                                       "backends", "nvidia", "bin", "ptxas"))
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas is missing")
+@pytest.mark.skipif(not ptxas_available(), reason="triton's bundled ptxas is missing")
 @pytest.mark.parametrize("arch", [90, 80])
 def test_kernels_compile_for_gpu(arch):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    scripts = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts")
-    res = subprocess.run([sys.executable, "-c", SCRIPT, str(arch), scripts], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-4000:]
+    run_aot(SCRIPT, arch)

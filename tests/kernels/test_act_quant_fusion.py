@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_mixprec import formats as F
 from vllm_mixprec import kernels
 from vllm_mixprec import reference as ref
 
@@ -84,7 +83,7 @@ def test_compiled_w4ax_linear_splits_quantization_from_the_gemm(seeded, monkeypa
     layer = _layer(seeded, k=256)
     layer.mixprec_scheme, layer.mixprec_k8 = "w4ax", 128
     layer.act_perm = torch.randperm(256, generator=seeded).to(torch.int32)
-    layer.act_rotation = F.hadamard() if rotate else None
+    layer.mixprec_act_rotation = "hadamard" if rotate else "none"
     x = torch.randn(6, 256, generator=seeded).to(torch.bfloat16)
     gamma = torch.rand(256, generator=seeded).to(torch.bfloat16) + 0.5
     fn = _block(layer)
@@ -94,6 +93,23 @@ def test_compiled_w4ax_linear_splits_quantization_from_the_gemm(seeded, monkeypa
     monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", False)
     _, ops = _graph_ops(fn, x, gamma, None)
     assert "w4ax_linear" in ops and "w4ax_gemm" not in ops, ops
+
+
+@pytest.mark.parametrize("rotation", ["hadamard", "hadamard64"])
+def test_inductor_w4ax_quantizer_is_the_reference_bit_for_bit(seeded, rotation):
+    """What a compiled W4Ax layer runs: Inductor's code for reference.quantize_act_w4ax, the fast
+    Hadamard transform included (additions, then one multiply: nothing to contract into an FMA),
+    gives the eager reference's codes and scales (on the GPU the Triton kernel gives them too)."""
+    perm = torch.randperm(512, generator=seeded).to(torch.int32)
+    smooth = torch.rand(512, generator=seeded) + 0.5
+    x = (torch.randn(21, 512, generator=seeded) * 3).to(torch.bfloat16)
+
+    def quantize(t):
+        return ref.quantize_act_w4ax(t, perm, 128, smooth, rotation)
+
+    torch._dynamo.reset()
+    for got, want in zip(torch.compile(quantize, fullgraph=True)(x), quantize(x)):
+        assert torch.equal(got, want)
 
 
 def test_fusion_off_keeps_the_opaque_op(seeded, monkeypatch):

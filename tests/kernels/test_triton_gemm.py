@@ -190,14 +190,13 @@ def test_silu_mul_quantize_act_two_pass_and_errors(monkeypatch, seeded):
 @pytest.mark.parametrize("k,k8", [(256, 0), (256, 128), (256, 256), (384, 128)])
 @pytest.mark.parametrize("smooth", [False, True])
 @pytest.mark.parametrize("m", [1, 6])
-@pytest.mark.parametrize("rotate", [False, True])
-def test_quantize_act_w4ax_bit_exact(k, k8, smooth, m, rotate, seeded):
+@pytest.mark.parametrize("rotation", ["none", "hadamard", "hadamard64"])
+def test_quantize_act_w4ax_bit_exact(k, k8, smooth, m, rotation, seeded):
     x = _act(m, k, seeded, torch.bfloat16)
     perm = torch.randperm(k, generator=seeded).to(DEV)
     sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV) if smooth else None
-    rot = F.hadamard() if rotate else None
-    got = tg.quantize_act_w4ax(x, perm, k8, sm, None if rot is None else rot.to(DEV))
-    expect = ref.quantize_act_w4ax(x.cpu(), perm.cpu(), k8, None if sm is None else sm.cpu(), rot)
+    got = tg.quantize_act_w4ax(x, perm, k8, sm, rotation)
+    expect = ref.quantize_act_w4ax(x.cpu(), perm.cpu(), k8, None if sm is None else sm.cpu(), rotation)
     for name, a, b in zip(("x8", "s8", "x4", "s4"), got, expect):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(a.cpu(), b), name
@@ -211,17 +210,17 @@ def test_quantize_act_w4ax_all_8bit_skips_the_rotation_pass(seeded, monkeypatch)
     x = _act(3, 256, seeded, torch.bfloat16)
     perm = torch.randperm(256, generator=seeded).to(DEV)
     sm = (torch.rand(256, generator=seeded) + 0.5).to(DEV)
-    plain = tg.quantize_act_w4ax(x, perm, 256, sm, None)
+    plain = tg.quantize_act_w4ax(x, perm, 256, sm)
 
     def no_pass(*args):
         raise AssertionError("the torch rotation pass ran for a layer with no 4-bit block")
 
     monkeypatch.setattr(tg, "_launch_act_input", no_pass)
-    got = tg.quantize_act_w4ax(x, perm, 256, sm, F.hadamard().to(DEV))
+    got = tg.quantize_act_w4ax(x, perm, 256, sm, "hadamard")
     for a, b in zip(got, plain):
         assert torch.equal(a, b)
     with pytest.raises(AssertionError, match="rotation pass ran"):
-        tg.quantize_act_w4ax(x, perm, 128, sm, F.hadamard().to(DEV))
+        tg.quantize_act_w4ax(x, perm, 128, sm, "hadamard")
 
 
 @pytest.mark.parametrize("m,k,k8", [(1, 256, 0), (17, 384, 128), (5, 512, 256), (3, 256, 256)])
@@ -229,16 +228,15 @@ def test_quantize_act_w4ax_all_8bit_skips_the_rotation_pass(seeded, monkeypatch)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_w4ax_act_input_is_the_reference(m, k, k8, rotation, dtype, seeded):
     """The fused rotation kernel against reference.w4ax_act_input, bit for bit: permuted,
-    smoothed, each 4-bit block rotated (rows past a multiple of 16 masked; a NaN row stays NaN
-    where the reference's does)."""
+    smoothed, each 4-bit block rotated by the fast transform (rows past a multiple of 16 masked;
+    a NaN row stays NaN where the reference's does)."""
     x = _act(m, k, seeded, dtype)
     if m > 3:
         x[2, 7] = float("nan")
     perm = torch.randperm(k, generator=seeded).to(DEV)
     sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV)
-    rot = F.act_rotation_matrix(rotation)
-    got = tg.w4ax_act_input(x, perm, k8, sm, None if rot is None else rot.to(DEV))
-    expect = ref.w4ax_act_input(x.cpu(), perm.cpu(), k8, sm.cpu(), rot)
+    got = tg.w4ax_act_input(x, perm, k8, sm, rotation)
+    expect = ref.w4ax_act_input(x.cpu(), perm.cpu(), k8, sm.cpu(), rotation)
     assert got.dtype == torch.float32 and got.shape == (m, k)
     assert torch.equal(got.cpu().nan_to_num(7.0), expect.nan_to_num(7.0))
     assert torch.equal(got.cpu().isnan(), expect.isnan())
@@ -247,16 +245,14 @@ def test_w4ax_act_input_is_the_reference(m, k, k8, rotation, dtype, seeded):
 def test_w4ax_act_input_errors_and_empty(seeded):
     x = _act(2, 256, seeded, torch.bfloat16)
     perm = torch.randperm(256, generator=seeded).to(DEV)
-    h = F.hadamard().to(DEV)
-    assert tg.w4ax_act_input(x[:0], perm, 128, None, h).shape == (0, 256)
+    assert tg.w4ax_act_input(x[:0], perm, 128, None, "hadamard").shape == (0, 256)
     with pytest.raises(ValueError, match=r"perm has shape \(255,\); expected \(256,\)"):
-        tg.w4ax_act_input(x, perm[:255], 128, None, h)
+        tg.w4ax_act_input(x, perm[:255], 128, None, "hadamard")
     with pytest.raises(ValueError, match="k8=64"):
-        tg.w4ax_act_input(x, perm, 64, None, h)
-    with pytest.raises(TypeError, match="rotation has dtype torch.float64"):
-        tg.w4ax_act_input(x, perm, 128, None, h.double())
-    with pytest.raises(ValueError, match=r"rotation has shape \(64, 64\)"):
-        tg.w4ax_act_input(x, perm, 128, None, h[:64, :64].contiguous())
+        tg.w4ax_act_input(x, perm, 64, None, "hadamard")
+    for call in (tg.w4ax_act_input, tg.quantize_act_w4ax, ref.quantize_act_w4ax):
+        with pytest.raises(ValueError, match="act_rotation 'givens' is not one of"):
+            call(x, perm, 128, None, "givens")
 
 
 @pytest.mark.parametrize("k,k8", [(4096, 0), (4096, 1024), (4096, 4096), (14336, 3584),
@@ -630,15 +626,13 @@ def test_gpu_silu_mul_quantize_act(m, k, dtype):
                                             (200, 1024, "hadamard"), (1, 0, "hadamard64"),
                                             (1000, 2048, "hadamard64")])
 def test_gpu_w4ax(m, k8, rotation):
-    """Codes and scales bit for bit (the rotation by w4ax_act_input's float64 MMA against the
-    reference's float64 matmul), then the GEMM against float64."""
+    """Codes and scales bit for bit (the fast Hadamard transform in w4ax_act_input's kernel
+    against the reference's torch ops on the GPU), then the GEMM against float64."""
     n, k, g = 4096 + 64, 4096, 128
     t, x = _gpu_case(m, n, k, g, seed=m)
     perm = torch.randperm(k, device="cuda")
-    rot = F.act_rotation_matrix(rotation)
-    rot = None if rot is None else rot.cuda()
-    x8, s8, x4, s4 = tg.quantize_act_w4ax(x, perm, k8, None, rot)
-    for a, b in zip((x8, s8, x4, s4), ref.quantize_act_w4ax(x, perm, k8, None, rot)):
+    x8, s8, x4, s4 = tg.quantize_act_w4ax(x, perm, k8, None, rotation)
+    for a, b in zip((x8, s8, x4, s4), ref.quantize_act_w4ax(x, perm, k8, None, rotation)):
         assert torch.equal(a, b)
     y = tg.w4ax_gemm(x8, s8, x4, s4, t["qweight"], t["group_scale"], t["group_offset"],
                      t["channel_scale"], None, torch.float16, out=_poisoned(m, n, torch.float16))

@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from linear_helpers import load_tensors
-from vllm_mixprec import formats as F
 from vllm_mixprec import reference as ref
 from vllm_mixprec.quant_methods.config import MixPrecConfig
 
@@ -134,12 +133,10 @@ def test_w4ax_layer(vllm_tp1, seeded, rotation):
     load_tensors(layer, t, None)
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.mixprec_k8 == 128
-    rot = F.act_rotation_matrix(rotation)
-    assert (layer.act_rotation is None) == (rot is None)
-    assert rot is None or torch.equal(layer.act_rotation, rot)
+    assert layer.mixprec_act_rotation == rotation
     x = torch.randn(3, k, generator=seeded).half()
     y = layer.quant_method.apply(layer, x)
-    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, 128, rotation=rot)
+    x8, s8, x4, s4 = ref.quantize_act_w4ax(x, perm, 128, act_rotation=rotation)
     assert s8.shape == (3, 1) and s4.shape == (3, 3)  # one scale per (token, 128-channel block)
     expect = ref.w4ax_gemm(x8, s8, x4, s4, t["qweight"], t["group_scale"], t["group_offset"],
                            t["channel_scale"], out_dtype=torch.float64)

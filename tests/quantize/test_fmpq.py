@@ -113,7 +113,7 @@ def test_block_gains_match_the_per_block_errors_written_out(rot):
     x[:, [7, 260]] *= 30
     perm = fmpq.outlier_permutation(x.abs().amax(0))
     r = F.act_rotation_matrix(rot)
-    got = fmpq.block_gains(x, w, perm, r)
+    got = fmpq.block_gains(x, w, perm, rot)
     p = perm.long()
     xp, wp = x.double()[:, p], w[:, p]
     y2 = float((x.double() @ w.T).pow(2).sum())

@@ -239,18 +239,18 @@ def _(acc, x_scale, channel_scale, bias, out_dtype):
 def w4ax_linear(x: torch.Tensor, qweight: torch.Tensor, group_scale: torch.Tensor,
                 group_offset: torch.Tensor, channel_scale: torch.Tensor, act_perm: torch.Tensor,
                 k8: int, bias: torch.Tensor | None, smooth: torch.Tensor | None,
-                rotation: torch.Tensor | None, impl: str) -> torch.Tensor:
-    """W4Ax: permute (and rotate the 4-bit blocks), split 8/4-bit activations, two integer
-    GEMMs, one epilogue."""
+                act_rotation: str, impl: str) -> torch.Tensor:
+    """W4Ax: permute (and rotate the 4-bit blocks, formats.ACT_ROTATIONS), split 8/4-bit
+    activations, two integer GEMMs, one epilogue."""
     mod = _impl_module(impl)
-    x8, s8, x4, s4 = mod.quantize_act_w4ax(x, act_perm, k8, smooth, rotation)
+    x8, s8, x4, s4 = mod.quantize_act_w4ax(x, act_perm, k8, smooth, act_rotation)
     return mod.w4ax_gemm(x8, s8, x4, s4, qweight, group_scale, group_offset, channel_scale,
                          bias, x.dtype)
 
 
 @w4ax_linear.register_fake
-def _(x, qweight, group_scale, group_offset, channel_scale, act_perm, k8, bias, smooth, rotation,
-      impl):
+def _(x, qweight, group_scale, group_offset, channel_scale, act_perm, k8, bias, smooth,
+      act_rotation, impl):
     return x.new_empty((x.shape[0], channel_scale.shape[0]))
 
 
@@ -295,8 +295,8 @@ _PARAMS = ("qweight", "group_scale", "group_offset", "channel_scale", "input_smo
 def prepare_linear(layer: torch.nn.Module, weight_scheme: str, prefix: str,
                    act_rotation: str = "none") -> None:
     """After loading: pick the kernel, repack for it, and swap vLLM parameters for plain ones.
-    act_rotation (W4Ax, formats.ACT_ROTATIONS): "hadamard" registers the 4-bit blocks'
-    rotation as the buffer `act_rotation`; "none" registers None."""
+    act_rotation (W4Ax, formats.ACT_ROTATIONS): the 4-bit blocks' rotation, kept as
+    layer.mixprec_act_rotation."""
     impl = select_impl(layer.qweight.device, prefix)
     if weight_scheme == "w4ax" and impl == "cuda" and not _cuda.has_w4ax():
         if _FORCED == "cuda":
@@ -311,9 +311,7 @@ def prepare_linear(layer: torch.nn.Module, weight_scheme: str, prefix: str,
     if weight_scheme == "w4ax":
         layer.mixprec_k8 = int(layer.a8_blocks.data[0]) * F.ACT_BLOCK
         del layer.a8_blocks
-        rot = F.act_rotation_matrix(act_rotation)
-        rot = None if rot is None else rot.to(layer.qweight.device)
-        layer.register_buffer("act_rotation", rot, persistent=False)
+        layer.mixprec_act_rotation = act_rotation
     group_size = layer.mixprec_in_features // layer.group_scale.shape[-1]  # checkpoint layout [N, K/G]
     if impl == "cuda":
         _cuda.prepare_weights(layer)
@@ -375,9 +373,9 @@ def apply_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
         y = torch.ops.mixprec.w4a8_linear(x2, *weights, bias, smooth, layer.mixprec_impl)
     elif fused:
         y = torch.ops.mixprec.w4ax_gemm(
-            *ref.quantize_act_w4ax(x2, layer.act_perm, layer.mixprec_k8, smooth, layer.act_rotation),
+            *ref.quantize_act_w4ax(x2, layer.act_perm, layer.mixprec_k8, smooth, layer.mixprec_act_rotation),
             *weights, bias, x2.dtype, layer.mixprec_impl)
     else:
         y = torch.ops.mixprec.w4ax_linear(x2, *weights, layer.act_perm, layer.mixprec_k8, bias,
-                                          smooth, layer.act_rotation, layer.mixprec_impl)
+                                          smooth, layer.mixprec_act_rotation, layer.mixprec_impl)
     return y.reshape(*shape[:-1], y.shape[-1])

@@ -43,8 +43,7 @@ W4AX_DEFAULT_ALLOCATION = "layer-blocks"
 W4AX_DEFAULT_ROTATION = "hadamard64"
 
 
-def block_gains(x: torch.Tensor, w: torch.Tensor, perm: torch.Tensor,
-                rotation: torch.Tensor | None) -> torch.Tensor:
+def block_gains(x: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, act_rotation: str) -> torch.Tensor:
     """float64 [K/128]: what keeping block b (in permutation order) at 8 bits instead of 4
     saves in output error on these rows, (|D4_b W_b^T|^2 - |D8_b W_b^T|^2) / |x W^T|^2, with D
     the quantized minus the float x_b (4 bits in the rotated basis, mapped back). Every block
@@ -58,11 +57,12 @@ def block_gains(x: torch.Tensor, w: torch.Tensor, perm: torch.Tensor,
     gram_w = torch.einsum("nbi,nbj->bij", wb, wb)
     err = lambda d: (torch.einsum("mbi,mbj->bij", d, d) * gram_w).sum((1, 2))  # noqa: E731
     m, k = x.shape
-    xq = ref.w4ax_act_input(x, perm, 0, None, rotation)  # every block at 4 bits, rotated
-    d4 = ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, perm, 0, rotation=rotation)) - xq
+    xq = ref.w4ax_act_input(x, perm, 0, None, act_rotation)  # every block at 4 bits, rotated
+    d4 = ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, perm, 0, act_rotation=act_rotation)) - xq
+    rotation = F.act_rotation_matrix(act_rotation)
     if rotation is not None:
         d4 = ref.rotate_a4_blocks(d4, 0, rotation.double().T)
-    d8 = ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, perm, k, rotation=rotation)) - x[:, p]
+    d8 = ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, perm, k, act_rotation=act_rotation)) - x[:, p]
     y2 = (x @ w.T).pow(2).sum().clamp_min(torch.finfo(torch.float64).tiny)
     return (err(d4.reshape(m, -1, F.ACT_BLOCK)) - err(d8.reshape(m, -1, F.ACT_BLOCK))) / y2
 
@@ -145,7 +145,7 @@ def hessian_basis(h: torch.Tensor, perm: torch.Tensor, k8: int, rotation: torch.
 
 
 def fake_w4ax(x: torch.Tensor, w: torch.Tensor, group_size: int, perm: torch.Tensor, k8: int,
-              rotation: torch.Tensor | None = None) -> torch.Tensor:
+              act_rotation: str = "none") -> torch.Tensor:
     """Float simulation of a W4Ax layer (RTN LQQ weights on permuted, rotated K)."""
-    wq = lqq.fake_weight_lqq(weight_basis(w, perm, k8, rotation), group_size)
-    return ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, perm, k8, rotation=rotation)) @ wq.T
+    wq = lqq.fake_weight_lqq(weight_basis(w, perm, k8, F.act_rotation_matrix(act_rotation)), group_size)
+    return ref.dequantize_act_w4ax(*ref.quantize_act_w4ax(x, perm, k8, act_rotation=act_rotation)) @ wq.T

@@ -18,7 +18,7 @@ class MixPrecLinear(nn.Module):
         self.weight_scheme = weight_scheme
         for name, t in tensors.items():
             self.register_buffer(name, t.clone())
-        self.act_rotation = F.act_rotation_matrix(act_rotation)
+        self.act_rotation = act_rotation
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         self.out_features, self.in_features = self.qweight.shape[0], self.qweight.shape[1] * 2
 

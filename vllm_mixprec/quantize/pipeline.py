@@ -269,12 +269,12 @@ def a8_blocks_per_group(layer, stats: dict[str, C.LinearStats], opts: QuantOptio
     uniform = {g: fmpq.num_a8_blocks(stats[n].absmax.numel(), opts.a8_fraction) for g, n in first.items()}
     if opts.a8_allocation == "uniform":
         return uniform
-    rot = F.act_rotation_matrix(opts.act_rotation)
     gains, cost = {}, {}
     for g, d in C.LINEAR_GROUPS.items():
         st = stats[first[g]]
         w = torch.cat([layer.get_submodule(n).weight.detach() for n in d["linears"]])
-        gains[g] = fmpq.block_gains(st.sample, w, fmpq.act_permutation(st.absmax, opts.a8_select), rot)
+        gains[g] = fmpq.block_gains(st.sample, w, fmpq.act_permutation(st.absmax, opts.a8_select),
+                                    opts.act_rotation)
         cost[g] = float(w.shape[0]) if opts.a8_allocation == "layer" else 1.0
     return fmpq.allocate_a8_blocks(gains, cost, sum(uniform[g] * cost[g] for g in uniform))
 
@@ -293,7 +293,7 @@ def quantize_linear(w: torch.Tensor, st: C.LinearStats, opts: QuantOptions,
         blocks = fmpq.num_a8_blocks(w.shape[1], opts.a8_fraction) if a8_blocks is None else a8_blocks
         k8, rot = blocks * F.ACT_BLOCK, F.act_rotation_matrix(opts.act_rotation)
         w = fmpq.weight_basis(w, perm, k8, rot)
-        act_sq = ref.w4ax_act_input(st.sample.double(), perm, k8, None, rot).pow(2).mean(0)
+        act_sq = ref.w4ax_act_input(st.sample.double(), perm, k8, None, opts.act_rotation).pow(2).mean(0)
         h = None if h is None else fmpq.hessian_basis(h, perm, k8, rot)
         extra = {"act_perm": perm, "a8_blocks": torch.tensor([blocks], dtype=torch.int32)}
     ratio = lqq.clip_search(w, g, act_sq)[1] if opts.clip else 1.0
@@ -309,12 +309,10 @@ def quantize_linear(w: torch.Tensor, st: C.LinearStats, opts: QuantOptions,
 def fake_quant_fn(opts: QuantOptions):
     """The layer simulation the alpha search minimises the error of."""
     if opts.weight_scheme == "w4ax":
-        rot = F.act_rotation_matrix(opts.act_rotation)
-
         def fake(x, w):
             perm = fmpq.act_permutation(x.abs().amax(0), opts.a8_select)
             k8 = fmpq.num_a8_blocks(x.shape[1], opts.a8_fraction) * F.ACT_BLOCK
-            return fmpq.fake_w4ax(x, w, opts.group_size, perm, k8, rot)
+            return fmpq.fake_w4ax(x, w, opts.group_size, perm, k8, opts.act_rotation)
         return fake
     return lambda x, w: lqq.fake_w4a8(x, w, opts.group_size)
 

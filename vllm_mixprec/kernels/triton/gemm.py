@@ -560,31 +560,33 @@ def _quant_act_chunk_codes_kernel(v_ptr, stats_ptr, q_ptr, s_ptr, K, stride_v, s
 
 
 @triton.jit
-def _w4ax_act_input_kernel(x_ptr, perm_ptr, smooth_ptr, rot_ptr, out_ptr, M, K8, stride_x,
-                           stride_out, HAS_SMOOTH: tl.constexpr, BM: tl.constexpr,
-                           BLOCK: tl.constexpr):
+def _hadamard_rows(v, BM: tl.constexpr, BLOCK: tl.constexpr, LOG2_N: tl.constexpr,
+                   NORM: tl.constexpr):
+    """reference.hadamard_a4_blocks on v float32 [BM, BLOCK]: butterflies (a + b, a - b) on the
+    channel pairs (i, i + s), s = 1, 2, .., n/2 (n = 2^LOG2_N), then times NORM; the same float32
+    operations in the same order, so the same bits."""
+    for i in tl.static_range(LOG2_N):
+        pairs = tl.permute(tl.reshape(v, (BM, BLOCK // (2 << i), 2, 1 << i)), (0, 1, 3, 2))
+        a, b = tl.split(pairs)
+        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BM, BLOCK))
+    return v * NORM
+
+
+@triton.jit
+def _w4ax_act_input_kernel(x_ptr, perm_ptr, smooth_ptr, out_ptr, M, K8, stride_x, stride_out,
+                           HAS_SMOOTH: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr,
+                           LOG2_N: tl.constexpr, NORM: tl.constexpr):
     """reference.w4ax_act_input for BM rows and one BLOCK-channel block per program, grid
     (cdiv(M, BM), K / BLOCK): permuted channels divided by smooth (_act_values), and a block at or
-    past K8 times the rotation, summed in float64 and rounded once to float32 as the reference
-    does, so that the codes quantized from it are the reference's."""
+    past K8 rotated by its Hadamard transforms of width 2^LOG2_N (_hadamard_rows)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = tl.broadcast_to((rows < M)[:, None], (BM, BLOCK))
     xrows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     v = _act_values(xrows, perm_ptr, smooth_ptr, cols[None, :], mask, 0, True, HAS_SMOOTH, False)
-    out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-    tl.store(out, v, mask=mask)
     if tl.program_id(1) * BLOCK >= K8:
-        # the dot's operand is read back as float32: from a 16-bit x, Triton 3.6 would move the
-        # operand's layout to the 16-bit load, and its float64 MMA cannot take that ("fp64 don't
-        # support largeK MMA"); the barrier makes the CTA's stores visible to its loads
-        tl.debug_barrier()
-        a = tl.load(out, mask=mask, other=0.0).to(tl.float64)
-        k = tl.arange(0, BLOCK)
-        rot = tl.load(rot_ptr + k[:, None] * BLOCK + k[None, :]).to(tl.float64)
-        r = tl.dot(a, rot, input_precision="ieee", out_dtype=tl.float64).to(tl.float32)
-        tl.debug_barrier()  # every thread has read its operand before any overwrites it
-        tl.store(out, r, mask=mask)
+        v = _hadamard_rows(v, BM, BLOCK, LOG2_N, NORM)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], v, mask=mask)
 
 
 # ======================================================================================
@@ -968,48 +970,39 @@ W4AX_INPUT_ROWS = 16
 
 
 def w4ax_act_input(x: torch.Tensor, perm: torch.Tensor, k8: int, smooth: torch.Tensor | None,
-                   rotation: torch.Tensor | None) -> torch.Tensor:
+                   act_rotation: str = "none") -> torch.Tensor:
     """reference.w4ax_act_input in one kernel: the float32 values W4Ax quantizes (x / smooth,
-    channels permuted, each 4-bit block times `rotation`). Both sum the rotation in float64
-    and round once, so the two agree unless a float64 rounding error crosses a float32
-    rounding boundary (tests/kernels/test_triton_gemm.py compares them bit for bit). It
-    replaced six torch launches, 10-65 us a call at M <= 16 on the H200 (docs/BENCHMARKS.md,
-    session 34)."""
+    channels permuted, each 4-bit block rotated by the fast Hadamard transform), bit for bit.
+    It replaced six torch launches (10-65 us a call at M <= 16 on the H200, docs/BENCHMARKS.md,
+    session 34), and since session 66 the transform replaces a float64 128 x 128 MMA."""
     x = _check_act(x, smooth)
     _check_shape("perm", perm, (x.shape[1],))
     F.W4ActLayout.from_k8(x.shape[1], k8)
-    if rotation is None:  # nothing to fuse: the permuted, smoothed copy
-        rotation, k8 = torch.empty(0, dtype=torch.float32, device=x.device), x.shape[1]
-    else:
-        _check_rotation(rotation)
-    return _launch_act_input(x, perm, k8, smooth, rotation)
+    return _launch_act_input(x, perm, k8, smooth, F.act_rotation_size(act_rotation))
 
 
-def _check_rotation(rotation: torch.Tensor) -> None:
-    _check_dtype("rotation", rotation, (torch.float32,))
-    _check_shape("rotation", rotation, (F.ACT_BLOCK, F.ACT_BLOCK))
-
-
-def _launch_act_input(x, perm, k8, smooth, rotation) -> torch.Tensor:
-    """w4ax_act_input on arguments already checked (x row-major)."""
+def _launch_act_input(x, perm, k8, smooth, n) -> torch.Tensor:
+    """w4ax_act_input on arguments already checked (x row-major); n: the transform's width, 0
+    for none."""
     M, K = x.shape
     out = torch.empty((M, K), dtype=torch.float32, device=x.device)
     if M == 0:
         return out
     rows = W4AX_INPUT_ROWS
     _w4ax_act_input_kernel[(triton.cdiv(M, rows), K // F.ACT_BLOCK)](
-        x, perm.contiguous(), smooth.contiguous() if smooth is not None else x,
-        rotation.contiguous(), out, M, k8, x.stride(0), out.stride(0),
-        HAS_SMOOTH=smooth is not None, BM=rows, BLOCK=F.ACT_BLOCK, num_warps=4)
+        x, perm.contiguous(), smooth.contiguous() if smooth is not None else x, out, M,
+        k8 if n else K, x.stride(0), out.stride(0), HAS_SMOOTH=smooth is not None, BM=rows,
+        BLOCK=F.ACT_BLOCK, LOG2_N=max(n, 1).bit_length() - 1, NORM=F.hadamard_norm(n) if n else 1.0,
+        num_warps=4)
     return out
 
 
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
-                      smooth: torch.Tensor | None = None, rotation: torch.Tensor | None = None
+                      smooth: torch.Tensor | None = None, act_rotation: str = "none"
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W4Ax activations: permute channels, first k8 to int8, the rest (each block rotated by
-    `rotation` [128, 128] when given) to packed int4, one scale per (token, ACT_BLOCK-channel
-    block); bit-exact with the reference.
+    """W4Ax activations: permute channels, first k8 to int8, the rest (each block rotated as
+    act_rotation says, formats.ACT_ROTATIONS) to packed int4, one scale per (token,
+    ACT_BLOCK-channel block); bit-exact with the reference.
 
     With a rotation, w4ax_act_input (one kernel, one more pass over x) builds the rotated
     float32 input that the quantize kernel then reads without perm or smooth. With no 4-bit
@@ -1023,11 +1016,10 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     if perm.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"perm has dtype {perm.dtype}; expected torch.int32 or torch.int64")
     lay = F.W4ActLayout.from_k8(K, k8)
-    if rotation is not None:
-        _check_rotation(rotation)
-        if k8 < K:
-            x = _launch_act_input(x, perm, k8, smooth, rotation)
-            perm = smooth = None
+    n = F.act_rotation_size(act_rotation)
+    if n and k8 < K:
+        x = _launch_act_input(x, perm, k8, smooth, n)
+        perm = smooth = None
     dev = x.device
     x8 = torch.empty((M, k8), dtype=torch.int8, device=dev)
     x4 = torch.empty((M, lay.k4 // 2), dtype=torch.uint8, device=dev)
