@@ -19,8 +19,8 @@ Measured in the same run, on the same random data sizes:
                      (W4Ax, COMET's FMPQ; Hopper widens the int4 blocks to int8 in registers;
                      --w4ax-a8-share sets the share)
   ours_w4ax_rot_triton_q  the same with act_rotation "hadamard" (--w4ax-rotation; the quantizer's
-                     W4Ax default is "hadamard64"): w4ax_act_input's kernel rotates each 4-bit block, then
-                     the quantize kernel runs
+                     W4Ax default is "hadamard64"): the quantize kernel rotates each 4-bit block in
+                     registers (a fast Hadamard transform), then quantizes it
   ours_w4ax_rot_torch_triton_q  the same with the rotation as session 33 ran it: torch ops
                      (float32 gather, divide, matmul, concatenate) before the quantize kernel
   marlin_w4a16       Marlin, uint4b8 group 128, fp16 activations (apply_gptq_marlin_linear)

@@ -202,55 +202,49 @@ def test_quantize_act_w4ax_bit_exact(k, k8, smooth, m, rotation, seeded):
         assert torch.equal(a.cpu(), b), name
 
 
-def test_quantize_act_w4ax_all_8bit_skips_the_rotation_pass(seeded, monkeypatch):
-    """k8 == K (a layer the per-layer allocation keeps at 8 bits): there is no 4-bit block to
-    rotate, so the kernel reads x with perm and smooth itself, without the rotation pass (the
-    torch one cost 11 us a call at M = 1 on the H200, session 34), and the codes are the
-    unrotated ones."""
+def test_quantize_act_w4ax_rotates_in_its_one_kernel(seeded, monkeypatch):
+    """The rotation runs inside the quantize kernel (one launch, no float32 round trip); a layer
+    with no 4-bit block (k8 == K) has nothing to rotate, and its codes are the unrotated ones."""
     x = _act(3, 256, seeded, torch.bfloat16)
     perm = torch.randperm(256, generator=seeded).to(DEV)
     sm = (torch.rand(256, generator=seeded) + 0.5).to(DEV)
     plain = tg.quantize_act_w4ax(x, perm, 256, sm)
-
-    def no_pass(*args):
-        raise AssertionError("the torch rotation pass ran for a layer with no 4-bit block")
-
-    monkeypatch.setattr(tg, "_launch_act_input", no_pass)
-    got = tg.quantize_act_w4ax(x, perm, 256, sm, "hadamard")
-    for a, b in zip(got, plain):
+    launches = []
+    real = tg._launch_quant
+    monkeypatch.setattr(tg, "_launch_quant", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
+    for a, b in zip(tg.quantize_act_w4ax(x, perm, 256, sm, "hadamard"), plain):
         assert torch.equal(a, b)
-    with pytest.raises(AssertionError, match="rotation pass ran"):
-        tg.quantize_act_w4ax(x, perm, 128, sm, "hadamard")
+    tg.quantize_act_w4ax(x, perm, 128, sm, "hadamard64")
+    assert [kw["rotation_size"] for kw in launches] == [0, 64]
 
 
-@pytest.mark.parametrize("m,k,k8", [(1, 256, 0), (17, 384, 128), (5, 512, 256), (3, 256, 256)])
-@pytest.mark.parametrize("rotation", ["hadamard", "hadamard64", "none"])
+@pytest.mark.parametrize("m,k,k8", [(1, 256, 0), (17, 384, 128), (5, 512, 256), (3, 256, 256),
+                                    (2, 8448, 0), (2, 9216, 512)])
+@pytest.mark.parametrize("rotation", ["hadamard", "hadamard64"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_w4ax_act_input_is_the_reference(m, k, k8, rotation, dtype, seeded):
-    """The fused rotation kernel against reference.w4ax_act_input, bit for bit: permuted,
-    smoothed, each 4-bit block rotated by the fast transform (rows past a multiple of 16 masked;
-    a NaN row stays NaN where the reference's does)."""
+def test_quantize_act_w4ax_rotated_every_dtype_and_pass(m, k, k8, rotation, dtype, seeded):
+    """The rotated codes and scales bit for bit, each input dtype, in one pass over the row and
+    in two (more than ROTATED_CHUNK_BLOCKS 4-bit blocks: K - k8 > 8192); a row holding a NaN
+    gets NaN scales and zero codes, as in the reference."""
     x = _act(m, k, seeded, dtype)
     if m > 3:
         x[2, 7] = float("nan")
     perm = torch.randperm(k, generator=seeded).to(DEV)
     sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV)
-    got = tg.w4ax_act_input(x, perm, k8, sm, rotation)
-    expect = ref.w4ax_act_input(x.cpu(), perm.cpu(), k8, sm.cpu(), rotation)
-    assert got.dtype == torch.float32 and got.shape == (m, k)
-    assert torch.equal(got.cpu().nan_to_num(7.0), expect.nan_to_num(7.0))
-    assert torch.equal(got.cpu().isnan(), expect.isnan())
+    consts, _ = tg._quant_launch(k, k8, True, rotation_size=F.act_rotation_size(rotation))
+    assert consts["ONE_PASS"] == ((k - k8) // F.ACT_BLOCK <= tg.ROTATED_CHUNK_BLOCKS)
+    got = tg.quantize_act_w4ax(x, perm, k8, sm, rotation)
+    expect = ref.quantize_act_w4ax(x.cpu(), perm.cpu(), k8, sm.cpu(), rotation)
+    for name, a, b in zip(("x8", "s8", "x4", "s4"), got, expect):
+        assert torch.equal(a.cpu().nan_to_num(7.0), b.nan_to_num(7.0)), name
+        assert torch.equal(a.cpu().isnan(), b.isnan()), name
 
 
-def test_w4ax_act_input_errors_and_empty(seeded):
+def test_quantize_act_w4ax_rotation_errors_and_empty(seeded):
     x = _act(2, 256, seeded, torch.bfloat16)
     perm = torch.randperm(256, generator=seeded).to(DEV)
-    assert tg.w4ax_act_input(x[:0], perm, 128, None, "hadamard").shape == (0, 256)
-    with pytest.raises(ValueError, match=r"perm has shape \(255,\); expected \(256,\)"):
-        tg.w4ax_act_input(x, perm[:255], 128, None, "hadamard")
-    with pytest.raises(ValueError, match="k8=64"):
-        tg.w4ax_act_input(x, perm, 64, None, "hadamard")
-    for call in (tg.w4ax_act_input, tg.quantize_act_w4ax, ref.quantize_act_w4ax):
+    assert [t.shape[0] for t in tg.quantize_act_w4ax(x[:0], perm, 128, None, "hadamard")] == [0] * 4
+    for call in (tg.quantize_act_w4ax, ref.quantize_act_w4ax):
         with pytest.raises(ValueError, match="act_rotation 'givens' is not one of"):
             call(x, perm, 128, None, "givens")
 
@@ -626,7 +620,7 @@ def test_gpu_silu_mul_quantize_act(m, k, dtype):
                                             (200, 1024, "hadamard"), (1, 0, "hadamard64"),
                                             (1000, 2048, "hadamard64")])
 def test_gpu_w4ax(m, k8, rotation):
-    """Codes and scales bit for bit (the fast Hadamard transform in w4ax_act_input's kernel
+    """Codes and scales bit for bit (the fast Hadamard transform inside the quantize kernel
     against the reference's torch ops on the GPU), then the GEMM against float64."""
     n, k, g = 4096 + 64, 4096, 128
     t, x = _gpu_case(m, n, k, g, seed=m)
@@ -639,6 +633,24 @@ def test_gpu_w4ax(m, k8, rotation):
     assert_close_to_f64(y, ref.w4ax_gemm(x8, s8, x4, s4, t["qweight"], t["group_scale"],
                                          t["group_offset"], t["channel_scale"], None, torch.float64),
                         torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 300])
+@pytest.mark.parametrize("k,k8", [(14336, 0), (14336, 3584), (28672, 0), (1536, 384)])
+@pytest.mark.parametrize("rotation", ["hadamard", "hadamard64"])
+def test_gpu_w4ax_rotation_long_rows(m, k, k8, rotation):
+    """The rotation in the compiled kernel on rows of more than ROTATED_CHUNK_BLOCKS 4-bit blocks
+    (two passes, the second from L2) and a short one, a NaN row included: bit for bit the
+    reference's torch ops on the GPU."""
+    gen = torch.Generator().manual_seed(m + k + k8)
+    x = _act(m, k, gen, torch.bfloat16).cuda()
+    x[-1, 3] = float("nan")
+    perm = torch.randperm(k, generator=gen).cuda()
+    smooth = (torch.rand(k, generator=gen) + 0.5).cuda()
+    for a, b in zip(tg.quantize_act_w4ax(x, perm, k8, smooth, rotation),
+                    ref.quantize_act_w4ax(x, perm, k8, smooth, rotation)):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(a.isnan(), b.isnan())
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
-"""The W4Ax activation kernel compiled for sm_90 and sm_80 without a GPU (aot_helpers): its fast
-Hadamard transform reshapes, permutes, splits and joins register tiles, layouts the CPU
-interpreter never builds."""
+"""The W4Ax quantize kernel with its rotation, compiled for sm_90 and sm_80 without a GPU
+(aot_helpers): the fast Hadamard transform reshapes, permutes, splits and joins register tiles,
+layouts the CPU interpreter never builds."""
 from __future__ import annotations
 
 import textwrap
@@ -15,22 +15,24 @@ SCRIPT = textwrap.dedent(r'''
     from vllm_mixprec.kernels.triton import gemm as G
 
     arch = int(sys.argv[1])
-    for rotation in ("hadamard", "hadamard64"):
-        n = F.act_rotation_size(rotation)
-        for dt in ("bf16", "fp32"):
-            k = compile_kernel(G._w4ax_act_input_kernel,
-                               {"x_ptr": f"*{dt}", "perm_ptr": "*i32", "smooth_ptr": "*fp32", "out_ptr": "*fp32"},
-                               dict(HAS_SMOOTH=True, BM=G.W4AX_INPUT_ROWS, BLOCK=F.ACT_BLOCK,
-                                    LOG2_N=n.bit_length() - 1, NORM=F.hadamard_norm(n)), arch, num_warps=4)
-            assert ptxas_usage(k, arch)[1] == 0, ptxas_usage(k, arch)
-            ptx = k.asm["ptx"]
+    ptrs = {"x_ptr": "*bf16", "perm_ptr": "*i32", "smooth_ptr": "*bf16", "x8_ptr": "*i8",
+            "s8_ptr": "*fp32", "x4_ptr": "*u8", "s4_ptr": "*fp32"}
+    # Llama-3-8B's down and QKV inputs, all 4-bit (two passes) and a quarter at 8 bits, and a
+    # short row in one pass
+    for k, k8 in ((14336, 0), (4096, 1024), (1536, 384)):
+        for rotation in ("hadamard", "hadamard64"):
+            consts, warps = G._quant_launch(k, k8, True, rotation_size=F.act_rotation_size(rotation))
+            kern = compile_kernel(G._quant_act_kernel, ptrs, dict(consts, HAS_PERM=True, HAS_SMOOTH=True),
+                                  arch, num_warps=warps)
+            assert ptxas_usage(kern, arch)[1] == 0, (k, k8, rotation, ptxas_usage(kern, arch))
+            ptx = kern.asm["ptx"]
             # the transform's bits are the reference's: additions, then one multiply, no FMA
-            assert "fma" not in ptx and ptx.count("add.f32") == ptx.count("sub.f32") > 0, rotation
+            assert "fma" not in ptx and ptx.count("sub.f32") > 0, (k, k8, rotation)
     print("compiled")
 ''')
 
 
 @pytest.mark.skipif(not ptxas_available(), reason="triton's bundled ptxas is missing")
 @pytest.mark.parametrize("arch", [90, 80])
-def test_w4ax_act_input_compiles_for_gpu(arch):
+def test_w4ax_quantize_with_rotation_compiles_for_gpu(arch):
     run_aot(SCRIPT, arch)

@@ -68,7 +68,7 @@ def test_basis_changes_keep_the_product_and_the_hessian():
     x = torch.randn(40, k, generator=g, dtype=torch.float64)
     perm = torch.randperm(k, generator=g).to(torch.int32)
     rot = F.act_rotation_matrix("hadamard").double()
-    xb = ref.rotate_a4_blocks(x[:, perm.long()], k8, rot)  # float64 (w4ax_act_input: float32)
+    xb = ref.rotate_a4_blocks(x[:, perm.long()], k8, rot)  # float64 (w4ax_act_input: float32, fast)
     assert torch.allclose(xb @ fmpq.weight_basis(w, perm, k8, rot).T, x @ w.T, atol=1e-5)  # H from float32
     assert torch.allclose(fmpq.hessian_basis(x.T @ x, perm, k8, rot), xb.T @ xb, rtol=1e-9, atol=1e-9)
 

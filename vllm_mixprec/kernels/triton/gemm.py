@@ -395,28 +395,54 @@ def _amax(v0, v1):
 
 
 @triton.jit
+def _butterflies(v, BM: tl.constexpr, BLOCK: tl.constexpr, LOG2_N: tl.constexpr):
+    """reference.hadamard_a4_blocks' butterflies on v float32 [BM, BLOCK]: (a + b, a - b) on the
+    channel pairs (i, i + s), s = 1, 2, .., 2^(LOG2_N - 1); the same float32 operations in the
+    same order, so the same bits (the norm's multiply is the caller's)."""
+    for i in tl.static_range(LOG2_N):
+        pairs = tl.permute(tl.reshape(v, (BM, BLOCK // (2 << i), 2, 1 << i)), (0, 1, 3, 2))
+        a, b = tl.split(pairs)
+        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BM, BLOCK))
+    return v
+
+
+@triton.jit
+def _hadamard_pairs(v0, v1, R: tl.constexpr, BB: tl.constexpr, LOG2_N: tl.constexpr,
+                    NORM: tl.constexpr):
+    """reference.hadamard_a4_blocks on blocks held as their even (v0) and odd (v1) channels,
+    [R, BB] each, a block a row: the stride-1 butterfly pairs v0 with v1, and the stride-s ones
+    (s >= 2) pair channel j with j + s/2 within each."""
+    return (_butterflies(v0 + v1, R, BB, LOG2_N - 1) * NORM,
+            _butterflies(v0 - v1, R, BB, LOG2_N - 1) * NORM)
+
+
+@triton.jit
 def _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, up, R: tl.constexpr, BB: tl.constexpr,
                   PAIRS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                  GATED: tl.constexpr):
+                  GATED: tl.constexpr, ROT_LOG2: tl.constexpr, ROT_NORM: tl.constexpr):
     """Chunk c of a segment of nb output bytes at column j0: R rows of BB bytes. Returns the
-    values behind the bytes (v0, v1 [R, BB], zero where masked), the byte offsets and mask."""
+    values behind the bytes (v0, v1 [R, BB], zero where masked), the byte offsets and mask.
+    ROT_LOG2 > 0 (4-bit pairs, a row a block): each block rotated (_hadamard_pairs)."""
     bb = (c * R + tl.arange(0, R))[:, None] * BB + tl.arange(0, BB)[None, :]
     mask = bb < nb
     v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, bb, mask, up, PAIRS, HAS_PERM,
                              HAS_SMOOTH, GATED)
+    if PAIRS and ROT_LOG2 > 0:
+        v0, v1 = _hadamard_pairs(v0, v1, R, BB, ROT_LOG2, ROT_NORM)
     return v0, v1, bb, mask
 
 
 @triton.jit
 def _segment_stats(xrow, perm_ptr, smooth_ptr, j0, nb, up, R: tl.constexpr, BB: tl.constexpr,
                    NCHUNK: tl.constexpr, PAIRS: tl.constexpr, HAS_PERM: tl.constexpr,
-                   HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr):
+                   HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr, ROT_LOG2: tl.constexpr,
+                   ROT_NORM: tl.constexpr):
     """(max |x|, number of NaN/Inf) over a whole segment, chunk by chunk."""
     amax = 0.0
     bad = 0
     for c in range(NCHUNK):
         v0, v1, bb, mask = _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, up, R, BB,
-                                         PAIRS, HAS_PERM, HAS_SMOOTH, GATED)
+                                         PAIRS, HAS_PERM, HAS_SMOOTH, GATED, ROT_LOG2, ROT_NORM)
         amax = tl.maximum(amax, _amax(v0, v1))
         bad += _num_nonfinite(v0, v1)
     return amax, bad
@@ -448,11 +474,12 @@ def _encode_chunk(v0, v1, bb, mask, c, nb, qrow, srow, amax, bad, QMAX: tl.const
 def _encode_segment(xrow, perm_ptr, smooth_ptr, j0, nb, qrow, srow, amax, bad, up,
                     QMAX: tl.constexpr, PAIRS: tl.constexpr, PER_BLOCK: tl.constexpr,
                     R: tl.constexpr, BB: tl.constexpr, NCHUNK: tl.constexpr,
-                    HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr):
+                    HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr,
+                    ROT_LOG2: tl.constexpr, ROT_NORM: tl.constexpr):
     """_encode_chunk over a whole segment, reading it chunk by chunk."""
     for c in range(NCHUNK):
         v0, v1, bb, mask = _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, up, R, BB,
-                                         PAIRS, HAS_PERM, HAS_SMOOTH, GATED)
+                                         PAIRS, HAS_PERM, HAS_SMOOTH, GATED, ROT_LOG2, ROT_NORM)
         _encode_chunk(v0, v1, bb, mask, c, nb, qrow, srow, amax, bad, QMAX, PAIRS, PER_BLOCK,
                       R, BB)
 
@@ -464,13 +491,15 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
                       HAS_A8: tl.constexpr, HAS_A4: tl.constexpr, PER_BLOCK: tl.constexpr,
                       ONE_PASS: tl.constexpr, R8: tl.constexpr, BB8: tl.constexpr,
                       NCHUNK8: tl.constexpr, R4: tl.constexpr, BB4: tl.constexpr,
-                      NCHUNK4: tl.constexpr):
+                      NCHUNK4: tl.constexpr, ROT_LOG2: tl.constexpr = 0,
+                      ROT_NORM: tl.constexpr = 1.0):
     """One row per program: columns [0, K8) -> int8 (x8, s8), [K8, K) -> packed int4 (x4, s4).
 
     Scales: one per segment (quantize_act), or one per ACT_BLOCK-channel block (PER_BLOCK,
     W4Ax: chunk rows are blocks). ONE_PASS keeps the whole row in registers (x is read once);
     longer rows are read twice, the second time mostly from L2. GATED: x rows are [gate | up]
-    of width 2K, quantized as SiluAndMul(x) (_act_values)."""
+    of width 2K, quantized as SiluAndMul(x) (_act_values). ROT_LOG2 > 0 (W4Ax act_rotation):
+    each 4-bit block rotated by Hadamard transforms of width 2^ROT_LOG2, norm ROT_NORM."""
     row = tl.program_id(0).to(tl.int64)
     xrow = x_ptr + row * stride_x
     q8 = x8_ptr + row * stride_x8
@@ -484,12 +513,12 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
     if ONE_PASS:
         if HAS_A8:
             a0, a1, ab, am = _chunk_values(xrow, perm_ptr, smooth_ptr, 0, K8, 0, K, R8, BB8,
-                                           False, HAS_PERM, HAS_SMOOTH, GATED)
+                                           False, HAS_PERM, HAS_SMOOTH, GATED, 0, 1.0)
             amax8 = _amax(a0, a1)
             bad += _num_nonfinite(a0, a1)
         if HAS_A4:
             b0, b1, bb, bm = _chunk_values(xrow, perm_ptr, smooth_ptr, K8, N4, 0, K, R4, BB4,
-                                           True, HAS_PERM, HAS_SMOOTH, GATED)
+                                           True, HAS_PERM, HAS_SMOOTH, GATED, ROT_LOG2, ROT_NORM)
             amax4 = _amax(b0, b1)
             bad += _num_nonfinite(b0, b1)
         if HAS_A8:
@@ -501,18 +530,19 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
     else:
         if HAS_A8:
             amax8, bad8 = _segment_stats(xrow, perm_ptr, smooth_ptr, 0, K8, K, R8, BB8, NCHUNK8,
-                                         False, HAS_PERM, HAS_SMOOTH, GATED)
+                                         False, HAS_PERM, HAS_SMOOTH, GATED, 0, 1.0)
             bad += bad8
         if HAS_A4:
             amax4, bad4 = _segment_stats(xrow, perm_ptr, smooth_ptr, K8, N4, K, R4, BB4, NCHUNK4,
-                                         True, HAS_PERM, HAS_SMOOTH, GATED)
+                                         True, HAS_PERM, HAS_SMOOTH, GATED, ROT_LOG2, ROT_NORM)
             bad += bad4
         if HAS_A8:
             _encode_segment(xrow, perm_ptr, smooth_ptr, 0, K8, q8, sr8, amax8, bad, K, 127,
-                            False, PER_BLOCK, R8, BB8, NCHUNK8, HAS_PERM, HAS_SMOOTH, GATED)
+                            False, PER_BLOCK, R8, BB8, NCHUNK8, HAS_PERM, HAS_SMOOTH, GATED, 0, 1.0)
         if HAS_A4:
             _encode_segment(xrow, perm_ptr, smooth_ptr, K8, N4, q4, sr4, amax4, bad, K, 7.5, True,
-                            PER_BLOCK, R4, BB4, NCHUNK4, HAS_PERM, HAS_SMOOTH, GATED)
+                            PER_BLOCK, R4, BB4, NCHUNK4, HAS_PERM, HAS_SMOOTH, GATED, ROT_LOG2,
+                            ROT_NORM)
 
 
 @triton.jit
@@ -557,36 +587,6 @@ def _quant_act_chunk_codes_kernel(v_ptr, stats_ptr, q_ptr, s_ptr, K, stride_v, s
     tl.store(q_ptr + row * stride_q + cols, _codes(v, scale, 127, False), mask=mask)
     if c == 0:
         tl.store(s_ptr + row, scale)
-
-
-@triton.jit
-def _hadamard_rows(v, BM: tl.constexpr, BLOCK: tl.constexpr, LOG2_N: tl.constexpr,
-                   NORM: tl.constexpr):
-    """reference.hadamard_a4_blocks on v float32 [BM, BLOCK]: butterflies (a + b, a - b) on the
-    channel pairs (i, i + s), s = 1, 2, .., n/2 (n = 2^LOG2_N), then times NORM; the same float32
-    operations in the same order, so the same bits."""
-    for i in tl.static_range(LOG2_N):
-        pairs = tl.permute(tl.reshape(v, (BM, BLOCK // (2 << i), 2, 1 << i)), (0, 1, 3, 2))
-        a, b = tl.split(pairs)
-        v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BM, BLOCK))
-    return v * NORM
-
-
-@triton.jit
-def _w4ax_act_input_kernel(x_ptr, perm_ptr, smooth_ptr, out_ptr, M, K8, stride_x, stride_out,
-                           HAS_SMOOTH: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr,
-                           LOG2_N: tl.constexpr, NORM: tl.constexpr):
-    """reference.w4ax_act_input for BM rows and one BLOCK-channel block per program, grid
-    (cdiv(M, BM), K / BLOCK): permuted channels divided by smooth (_act_values), and a block at or
-    past K8 rotated by its Hadamard transforms of width 2^LOG2_N (_hadamard_rows)."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = tl.broadcast_to((rows < M)[:, None], (BM, BLOCK))
-    xrows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
-    v = _act_values(xrows, perm_ptr, smooth_ptr, cols[None, :], mask, 0, True, HAS_SMOOTH, False)
-    if tl.program_id(1) * BLOCK >= K8:
-        v = _hadamard_rows(v, BM, BLOCK, LOG2_N, NORM)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], v, mask=mask)
 
 
 # ======================================================================================
@@ -834,18 +834,23 @@ def w4ax_gemm(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Te
 # --- activation quantisation ------------------------------------------------------------
 
 _MAX_ROW_VALUES = 32768  # values held in registers per chunk; longer rows take two passes
+# 4-bit blocks a chunk holds when they are rotated: the butterflies move values between threads
+# through shared memory (Triton's layout conversions: 16 KB at 64 blocks, sm_90 ptxas, no spill),
+# so a row with more (K - k8 > 8192) takes two passes, the second mostly from L2. Not tuned on a GPU.
+ROTATED_CHUNK_BLOCKS = 64
 
 
-def _segment_chunks(n_bytes: int, values_per_byte: int, block_bytes: int | None
-                    ) -> tuple[int, int, int]:
+def _segment_chunks(n_bytes: int, values_per_byte: int, block_bytes: int | None,
+                    max_rows: int | None = None) -> tuple[int, int, int]:
     """(rows R, bytes per row BB, chunks) of a segment of n_bytes output bytes. block_bytes:
-    a row is one scale block (W4Ax) and a chunk holds whole blocks; None: one row per chunk."""
+    a row is one scale block (W4Ax) and a chunk holds whole blocks, at most max_rows of them;
+    None: one row per chunk."""
     budget = _MAX_ROW_VALUES // values_per_byte  # bytes
     if block_bytes is None:
         bb = min(_pow2_at_least(n_bytes, 16), budget)
         return 1, bb, max(1, triton.cdiv(n_bytes, bb))
     n_blocks = n_bytes // block_bytes
-    r = max(1, min(_pow2_at_least(n_blocks, 1), budget // block_bytes))
+    r = max(1, min(_pow2_at_least(n_blocks, 1), budget // block_bytes, max_rows or _MAX_ROW_VALUES))
     return r, block_bytes, max(1, triton.cdiv(n_blocks, r))
 
 
@@ -855,19 +860,32 @@ def _num_warps_for(values: int) -> int:
     return 1 << max(0, min(4, (values // 512).bit_length() - 1))
 
 
-def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool, gated: bool = False
-                  ) -> None:
-    """gated: x is [M, 2K] = [gate | up], quantized as SiluAndMul(x) [M, K]."""
+def _quant_launch(K: int, k8: int, per_block: bool, gated: bool = False, rotation_size: int = 0
+                  ) -> tuple[dict, int]:
+    """_quant_act_kernel's chunking constexprs and num_warps for rows of K values, the first k8
+    of them int8 (scripts/triton_aot.py compiles the kernel with them too)."""
+    r8, b8, c8 = _segment_chunks(k8, 1 + gated, F.ACT_BLOCK if per_block else None)
+    r4, b4, c4 = _segment_chunks((K - k8) // 2, 2 * (1 + gated), F.ACT_BLOCK // 2 if per_block else None,
+                                 ROTATED_CHUNK_BLOCKS if rotation_size else None)
+    # values loaded per chunk, of each segment (gated: gate and up)
+    values = [(1 + gated) * r8 * b8] * (k8 > 0) + [2 * (1 + gated) * r4 * b4] * (k8 < K)
+    one_pass = c8 == 1 and c4 == 1 and sum(values) <= _MAX_ROW_VALUES
+    consts = dict(GATED=gated, HAS_A8=k8 > 0, HAS_A4=k8 < K, PER_BLOCK=per_block, ONE_PASS=one_pass,
+                  R8=r8, BB8=b8, NCHUNK8=c8, R4=r4, BB4=b4, NCHUNK4=c4,
+                  ROT_LOG2=max(rotation_size, 1).bit_length() - 1,
+                  ROT_NORM=F.hadamard_norm(rotation_size) if rotation_size else 1.0)
+    return consts, _num_warps_for(sum(values) if one_pass else max(values))
+
+
+def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool, gated: bool = False,
+                  rotation_size: int = 0) -> None:
+    """gated: x is [M, 2K] = [gate | up], quantized as SiluAndMul(x) [M, K]. rotation_size
+    (per_block): each 4-bit block rotated by Hadamard transforms of that width (0: none)."""
     M, K = x.shape
     K //= 1 + gated
     if M == 0:
         return
-    r8, b8, c8 = _segment_chunks(k8, 1 + gated, F.ACT_BLOCK if per_block else None)
-    r4, b4, c4 = _segment_chunks((K - k8) // 2, 2 * (1 + gated),
-                                 F.ACT_BLOCK // 2 if per_block else None)
-    # values loaded per chunk, of each segment (gated: gate and up)
-    values = [(1 + gated) * r8 * b8] * (k8 > 0) + [2 * (1 + gated) * r4 * b4] * (k8 < K)
-    one_pass = c8 == 1 and c4 == 1 and sum(values) <= _MAX_ROW_VALUES
+    consts, num_warps = _quant_launch(K, k8, per_block, gated, rotation_size)
     x8 = x8 if x8.numel() else x4.view(torch.int8)  # placeholders of empty parts (unread)
     x4 = x4 if x4.numel() else x8.view(torch.uint8)
     s8 = s8 if s8.numel() else s4
@@ -875,10 +893,8 @@ def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool, gated: b
     _quant_act_kernel[(M,)](
         x, perm if perm is not None else x, smooth if smooth is not None else x,
         x8, s8, x4, s4, K, k8, x.stride(0), x8.stride(0), x4.stride(0), s8.stride(0),
-        s4.stride(0), HAS_PERM=perm is not None, HAS_SMOOTH=smooth is not None, GATED=gated,
-        HAS_A8=k8 > 0, HAS_A4=k8 < K, PER_BLOCK=per_block, ONE_PASS=one_pass,
-        R8=r8, BB8=b8, NCHUNK8=c8, R4=r4, BB4=b4, NCHUNK4=c4,
-        num_warps=_num_warps_for(sum(values) if one_pass else max(values)))
+        s4.stride(0), HAS_PERM=perm is not None, HAS_SMOOTH=smooth is not None, **consts,
+        num_warps=num_warps)
 
 
 def _check_act(x: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
@@ -965,38 +981,6 @@ def _launch_split_rows(x, smooth, K, q, s, gated: bool = True) -> None:
         **({"launch_pdl": True} if pdl else {}))
 
 
-# rows per program of w4ax_act_input: tl.dot's smallest M (rows past M are masked)
-W4AX_INPUT_ROWS = 16
-
-
-def w4ax_act_input(x: torch.Tensor, perm: torch.Tensor, k8: int, smooth: torch.Tensor | None,
-                   act_rotation: str = "none") -> torch.Tensor:
-    """reference.w4ax_act_input in one kernel: the float32 values W4Ax quantizes (x / smooth,
-    channels permuted, each 4-bit block rotated by the fast Hadamard transform), bit for bit.
-    It replaced six torch launches (10-65 us a call at M <= 16 on the H200, docs/BENCHMARKS.md,
-    session 34), and since session 66 the transform replaces a float64 128 x 128 MMA."""
-    x = _check_act(x, smooth)
-    _check_shape("perm", perm, (x.shape[1],))
-    F.W4ActLayout.from_k8(x.shape[1], k8)
-    return _launch_act_input(x, perm, k8, smooth, F.act_rotation_size(act_rotation))
-
-
-def _launch_act_input(x, perm, k8, smooth, n) -> torch.Tensor:
-    """w4ax_act_input on arguments already checked (x row-major); n: the transform's width, 0
-    for none."""
-    M, K = x.shape
-    out = torch.empty((M, K), dtype=torch.float32, device=x.device)
-    if M == 0:
-        return out
-    rows = W4AX_INPUT_ROWS
-    _w4ax_act_input_kernel[(triton.cdiv(M, rows), K // F.ACT_BLOCK)](
-        x, perm.contiguous(), smooth.contiguous() if smooth is not None else x, out, M,
-        k8 if n else K, x.stride(0), out.stride(0), HAS_SMOOTH=smooth is not None, BM=rows,
-        BLOCK=F.ACT_BLOCK, LOG2_N=max(n, 1).bit_length() - 1, NORM=F.hadamard_norm(n) if n else 1.0,
-        num_warps=4)
-    return out
-
-
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
                       smooth: torch.Tensor | None = None, act_rotation: str = "none"
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1004,9 +988,10 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     act_rotation says, formats.ACT_ROTATIONS) to packed int4, one scale per (token,
     ACT_BLOCK-channel block); bit-exact with the reference.
 
-    With a rotation, w4ax_act_input (one kernel, one more pass over x) builds the rotated
-    float32 input that the quantize kernel then reads without perm or smooth. With no 4-bit
-    block (k8 == K) there is nothing to rotate, and the quantize kernel reads x itself.
+    One kernel: the rotation (reference.hadamard_a4_blocks' butterflies) runs on the 4-bit
+    blocks in registers between the load and the amax (_hadamard_pairs). Until session 66 a
+    second kernel built the rotated float32 input first (a float64 MMA, then a float32 round
+    trip through memory).
 
     Returns (x8 int8 [M, k8], s8 float32 [M, k8/128], x4 uint8 [M, (K-k8)/2],
     s4 float32 [M, (K-k8)/128])."""
@@ -1017,15 +1002,11 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
         raise TypeError(f"perm has dtype {perm.dtype}; expected torch.int32 or torch.int64")
     lay = F.W4ActLayout.from_k8(K, k8)
     n = F.act_rotation_size(act_rotation)
-    if n and k8 < K:
-        x = _launch_act_input(x, perm, k8, smooth, n)
-        perm = smooth = None
     dev = x.device
     x8 = torch.empty((M, k8), dtype=torch.int8, device=dev)
     x4 = torch.empty((M, lay.k4 // 2), dtype=torch.uint8, device=dev)
     s8 = torch.empty((M, lay.num_a8_blocks), dtype=torch.float32, device=dev)
     s4 = torch.empty((M, lay.num_a4_blocks), dtype=torch.float32, device=dev)
-    _launch_quant(x, perm.contiguous() if perm is not None else None,
-                  smooth.contiguous() if smooth is not None else None,
-                  k8, x8, s8, x4, s4, per_block=True)
+    _launch_quant(x, perm.contiguous(), smooth.contiguous() if smooth is not None else None,
+                  k8, x8, s8, x4, s4, per_block=True, rotation_size=n if k8 < K else 0)
     return x8, s8, x4, s4
