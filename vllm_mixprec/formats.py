@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from typing import NamedTuple
 
 import torch
@@ -257,8 +258,9 @@ def act_rotation_size(act_rotation: str) -> int:
 
 def hadamard_norm(n: int) -> float:
     """1 / sqrt(n) rounded to float32: the one multiply after the fast transform's butterflies
-    (reference.hadamard_a4_blocks), exact for even powers of two (n = 64: 1/8)."""
-    return float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))
+    (reference.hadamard_a4_blocks), exact for even powers of two (n = 64: 1/8). Plain Python, so
+    that torch.compile traces it as a constant (a tensor's .item() would break the graph)."""
+    return struct.unpack("f", struct.pack("f", 1.0 / math.sqrt(n)))[0]
 
 
 def act_rotation_matrix(act_rotation: str) -> torch.Tensor | None:

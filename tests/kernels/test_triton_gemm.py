@@ -251,7 +251,7 @@ def test_quantize_act_w4ax_rotation_errors_and_empty(seeded):
 
 @pytest.mark.parametrize("k,k8", [(4096, 0), (4096, 1024), (4096, 4096), (14336, 3584),
                                   (8192, 2048), (28672, 7168), (1536, 384)])
-@pytest.mark.parametrize("w4ax", [False, True])
+@pytest.mark.parametrize("w4ax", [False, "none", "hadamard64"])
 def test_quant_launch_num_warps_is_power_of_two(k, k8, w4ax, monkeypatch):
     """The interpreter ignores num_warps; the GPU compiler refuses any that is not a power of
     two (found on the H100, 2026-11-23: K=4096 with 25% 8-bit blocks asked for 10 warps)."""
@@ -264,7 +264,7 @@ def test_quant_launch_num_warps_is_power_of_two(k, k8, w4ax, monkeypatch):
     monkeypatch.setattr(tg, "_quant_act_kernel", Capture())
     x = torch.randn(2, k, dtype=torch.bfloat16)
     if w4ax:
-        tg.quantize_act_w4ax(x, torch.arange(k), k8)
+        tg.quantize_act_w4ax(x, torch.arange(k), k8, None, w4ax)
     else:
         tg.quantize_act(x)
     assert len(seen) == 1 and seen[0] in (1, 2, 4, 8, 16), seen

@@ -491,8 +491,7 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
                       HAS_A8: tl.constexpr, HAS_A4: tl.constexpr, PER_BLOCK: tl.constexpr,
                       ONE_PASS: tl.constexpr, R8: tl.constexpr, BB8: tl.constexpr,
                       NCHUNK8: tl.constexpr, R4: tl.constexpr, BB4: tl.constexpr,
-                      NCHUNK4: tl.constexpr, ROT_LOG2: tl.constexpr = 0,
-                      ROT_NORM: tl.constexpr = 1.0):
+                      NCHUNK4: tl.constexpr, ROT_LOG2: tl.constexpr, ROT_NORM: tl.constexpr):
     """One row per program: columns [0, K8) -> int8 (x8, s8), [K8, K) -> packed int4 (x4, s4).
 
     Scales: one per segment (quantize_act), or one per ACT_BLOCK-channel block (PER_BLOCK,
@@ -850,7 +849,8 @@ def _segment_chunks(n_bytes: int, values_per_byte: int, block_bytes: int | None,
         bb = min(_pow2_at_least(n_bytes, 16), budget)
         return 1, bb, max(1, triton.cdiv(n_bytes, bb))
     n_blocks = n_bytes // block_bytes
-    r = max(1, min(_pow2_at_least(n_blocks, 1), budget // block_bytes, max_rows or _MAX_ROW_VALUES))
+    r = max(1, min(_pow2_at_least(n_blocks, 1), budget // block_bytes,
+                   max_rows or _MAX_ROW_VALUES))
     return r, block_bytes, max(1, triton.cdiv(n_blocks, r))
 
 
@@ -863,15 +863,16 @@ def _num_warps_for(values: int) -> int:
 def _quant_launch(K: int, k8: int, per_block: bool, gated: bool = False, rotation_size: int = 0
                   ) -> tuple[dict, int]:
     """_quant_act_kernel's chunking constexprs and num_warps for rows of K values, the first k8
-    of them int8 (scripts/triton_aot.py compiles the kernel with them too)."""
+    of them int8 (tests/kernels/test_triton_gemm_compile.py compiles the kernel with them too)."""
     r8, b8, c8 = _segment_chunks(k8, 1 + gated, F.ACT_BLOCK if per_block else None)
-    r4, b4, c4 = _segment_chunks((K - k8) // 2, 2 * (1 + gated), F.ACT_BLOCK // 2 if per_block else None,
+    r4, b4, c4 = _segment_chunks((K - k8) // 2, 2 * (1 + gated),
+                                 F.ACT_BLOCK // 2 if per_block else None,
                                  ROTATED_CHUNK_BLOCKS if rotation_size else None)
     # values loaded per chunk, of each segment (gated: gate and up)
     values = [(1 + gated) * r8 * b8] * (k8 > 0) + [2 * (1 + gated) * r4 * b4] * (k8 < K)
     one_pass = c8 == 1 and c4 == 1 and sum(values) <= _MAX_ROW_VALUES
-    consts = dict(GATED=gated, HAS_A8=k8 > 0, HAS_A4=k8 < K, PER_BLOCK=per_block, ONE_PASS=one_pass,
-                  R8=r8, BB8=b8, NCHUNK8=c8, R4=r4, BB4=b4, NCHUNK4=c4,
+    consts = dict(GATED=gated, HAS_A8=k8 > 0, HAS_A4=k8 < K, PER_BLOCK=per_block,
+                  ONE_PASS=one_pass, R8=r8, BB8=b8, NCHUNK8=c8, R4=r4, BB4=b4, NCHUNK4=c4,
                   ROT_LOG2=max(rotation_size, 1).bit_length() - 1,
                   ROT_NORM=F.hadamard_norm(rotation_size) if rotation_size else 1.0)
     return consts, _num_warps_for(sum(values) if one_pass else max(values))
