@@ -301,7 +301,7 @@ stage_merge_rows_bench() {
 }
 # W4Ax with the block rotation (act_rotation "hadamard"): its GPU tests, then its cost against W4Ax
 # without rotation, W4A8 and Marlin on two Llama-3-8B shapes
-stage_w4ax_tests() { pytest_gpu pytest-gpu-w4ax 240 tests/kernels/test_triton_gemm.py -k w4ax; }
+stage_w4ax_tests() { pytest_gpu pytest-gpu-w4ax 360 tests/kernels/test_triton_gemm.py -k w4ax; }
 stage_w4ax() {
   local rc=0
   stage_w4ax_tests || rc=1

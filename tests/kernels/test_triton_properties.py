@@ -22,6 +22,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from mixprec_strategies import activations, float_tensor, poison_rows  # noqa: E402
 
+from vllm_mixprec import formats as F  # noqa: E402
 from vllm_mixprec import reference as ref  # noqa: E402
 from vllm_mixprec.kernels.triton import gemm as tg  # noqa: E402
 
@@ -58,15 +59,16 @@ def test_quantize_act_matches_reference(xbs):
 
 @settings(max_examples=40)
 @given(xbs=activations(st.integers(1, 4), st.sampled_from((128, 256, 384))),
-       seed=st.integers(0, 2**16))
-def test_quantize_act_w4ax_matches_reference(xbs, seed):
+       seed=st.integers(0, 2**16), rotation=st.sampled_from(F.ACT_ROTATIONS))
+def test_quantize_act_w4ax_matches_reference(xbs, seed, rotation):
     x, bad, smooth = xbs
     k = x.shape[1]
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(k, generator=g).to(torch.int32)
     k8 = 128 * int(torch.randint(0, k // 128 + 1, (1,), generator=g))
-    want = ref.quantize_act_w4ax(x, perm, k8, smooth)
-    got = tg.quantize_act_w4ax(x.to(DEV), perm.to(DEV), k8, None if smooth is None else smooth.to(DEV))
+    want = ref.quantize_act_w4ax(x, perm, k8, smooth, rotation)
+    got = tg.quantize_act_w4ax(x.to(DEV), perm.to(DEV), k8, None if smooth is None else smooth.to(DEV),
+                               rotation)
     # one scale per (token, 128-channel block); a poisoned row: NaN in all of them
     assert got[1].shape == (x.shape[0], k8 // 128) and got[3].shape == (x.shape[0], (k - k8) // 128)
     _same_codes_and_scales(got, want, bad)
