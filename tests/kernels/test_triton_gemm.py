@@ -231,7 +231,7 @@ def test_quantize_act_w4ax_rotated_every_dtype_and_pass(m, k, k8, rotation, dtyp
         x[2, 7] = float("nan")
     perm = torch.randperm(k, generator=seeded).to(DEV)
     sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV)
-    consts, _ = tg._quant_launch(k, k8, True, rotation_size=F.act_rotation_size(rotation))
+    consts, _ = tg._quant_launch_config(k, k8, True, rotation_size=F.act_rotation_size(rotation))
     assert consts["ONE_PASS"] == ((k - k8) // F.ACT_BLOCK <= tg.ROTATED_CHUNK_BLOCKS)
     got = tg.quantize_act_w4ax(x, perm, k8, sm, rotation)
     expect = ref.quantize_act_w4ax(x.cpu(), perm.cpu(), k8, sm.cpu(), rotation)

@@ -21,7 +21,8 @@ SCRIPT = textwrap.dedent(r'''
     # short row in one pass
     for k, k8 in ((14336, 0), (4096, 1024), (1536, 384)):
         for rotation in ("hadamard", "hadamard64"):
-            consts, warps = G._quant_launch(k, k8, True, rotation_size=F.act_rotation_size(rotation))
+            consts, warps = G._quant_launch_config(k, k8, True,
+                                                   rotation_size=F.act_rotation_size(rotation))
             kern = compile_kernel(G._quant_act_kernel, ptrs, dict(consts, HAS_PERM=True, HAS_SMOOTH=True),
                                   arch, num_warps=warps)
             assert ptxas_usage(kern, arch)[1] == 0, (k, k8, rotation, ptxas_usage(kern, arch))

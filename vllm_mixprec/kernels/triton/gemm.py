@@ -860,8 +860,8 @@ def _num_warps_for(values: int) -> int:
     return 1 << max(0, min(4, (values // 512).bit_length() - 1))
 
 
-def _quant_launch(K: int, k8: int, per_block: bool, gated: bool = False, rotation_size: int = 0
-                  ) -> tuple[dict, int]:
+def _quant_launch_config(K: int, k8: int, per_block: bool, gated: bool = False,
+                         rotation_size: int = 0) -> tuple[dict, int]:
     """_quant_act_kernel's chunking constexprs and num_warps for rows of K values, the first k8
     of them int8 (tests/kernels/test_triton_gemm_compile.py compiles the kernel with them too)."""
     r8, b8, c8 = _segment_chunks(k8, 1 + gated, F.ACT_BLOCK if per_block else None)
@@ -886,7 +886,7 @@ def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool, gated: b
     K //= 1 + gated
     if M == 0:
         return
-    consts, num_warps = _quant_launch(K, k8, per_block, gated, rotation_size)
+    consts, num_warps = _quant_launch_config(K, k8, per_block, gated, rotation_size)
     x8 = x8 if x8.numel() else x4.view(torch.int8)  # placeholders of empty parts (unread)
     x4 = x4 if x4.numel() else x8.view(torch.uint8)
     s8 = s8 if s8.numel() else s4
