@@ -23,6 +23,8 @@ Measured in the same run, on the same random data sizes:
                      registers (a fast Hadamard transform), then quantizes it
   ours_w4ax_rot_torch_triton_q  the same with the rotation as session 33 ran it: torch ops
                      (float32 gather, divide, matmul, concatenate) before the quantize kernel
+  ours_w4ax_rot_quant  ours_w4ax_rot_triton_q's quantizer alone (quantize_act_w4ax with the
+                     rotation; --w4ax-rotated-chunk-blocks sets how many rotated blocks a pass holds)
   marlin_w4a16       Marlin, uint4b8 group 128, fp16 activations (apply_gptq_marlin_linear)
   marlin_w4a8        Marlin with its own int8 activations (VLLM_MARLIN_INPUT_DTYPE=int8 path)
   machete_w4a16      Machete, uint4b8 group 128, fp16 activations
@@ -65,9 +67,10 @@ L2_BYTES = 50 * 2 ** 20
 MAX_COPIES = 16
 GROUP = 128  # Marlin/Machete group size (ours: --group-size, 128 by default, same bytes)
 
+QUANT_ONLY = ("ours_cuda_quant", "ours_w4ax_rot_quant")  # no GEMM: no TFLOP/s, no speed-up
 METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "ours_cuda_gemm", "ours_cuda_gemm_xw", "ours_cuda_quant",
            "ours_w4ax_triton_q",
-           "ours_w4ax_rot_triton_q", "ours_w4ax_rot_torch_triton_q", "marlin_w4a16", "marlin_w4a8", "machete_w4a16", "cublas_bf16", "int8_mm",
+           "ours_w4ax_rot_triton_q", "ours_w4ax_rot_torch_triton_q", "ours_w4ax_rot_quant", "marlin_w4a16", "marlin_w4a8", "machete_w4a16", "cublas_bf16", "int8_mm",
            "fp8_w8a8")
 
 
@@ -97,6 +100,9 @@ def parse_args(argv=None):
                         "and layer give each linear its own)")
     p.add_argument("--w4ax-rotation", choices=("hadamard", "hadamard64"), default="hadamard",
                    help="ours_w4ax_rot_triton_q's act_rotation (formats.ACT_ROTATIONS)")
+    p.add_argument("--w4ax-rotated-chunk-blocks", type=int, default=None, metavar="R",
+                   help="rotated 4-bit blocks the W4Ax quantizer holds in one pass (a power of two; "
+                        "default: the kernel's ROTATED_CHUNK_BLOCKS): its tuning A/B")
     p.add_argument("--flush", choices=("write", "read"), default="write",
                    help="L2 flush before each replay: do_bench's (writes 256 MB: the L2 is left full of "
                         "dirty lines, whose write-backs the timed kernel pays) or one that reads 256 MB "
@@ -110,6 +116,9 @@ def parse_args(argv=None):
     args.methods = [m for m in args.methods.split(",") if m]
     if not 0.0 <= args.w4ax_a8_share <= 1.0:
         p.error(f"--w4ax-a8-share={args.w4ax_a8_share}: expected a share in [0, 1]")
+    r = args.w4ax_rotated_chunk_blocks
+    if r is not None and (r < 1 or r & (r - 1)):
+        p.error(f"--w4ax-rotated-chunk-blocks={r}: expected a power of two")
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         p.error(f"unknown methods {sorted(unknown)}")
@@ -361,6 +370,9 @@ class Methods:
                 if name == "ours_w4ax_rot_torch_triton_q":
                     quant = functools.partial(_w4ax_quant_torch_rotation, ident=torch.arange(
                         K, device=dev, dtype=torch.int32))
+                if name == "ours_w4ax_rot_quant":  # the quantizer alone (no weights read)
+                    out.append(lambda xb=xb, perm=perm, k8=k8, rot=rot: quant(xb, perm, k8, None, rot))
+                    continue
                 out.append(lambda t=t, xb=xb, perm=perm, k8=k8, rot=rot, quant=quant: tg.w4ax_gemm(
                     *quant(xb, perm, k8, None, rot), t["qweight"], t["group_scale"],
                     t["group_offset"], t["channel_scale"], None, torch.bfloat16, config=config))
@@ -429,6 +441,8 @@ class Methods:
         """Weight bytes + activation bytes (input and output) of one call."""
         if name == "ours_cuda_quant":  # bf16 in, int8 codes and a float32 scale a row out
             return M * self.K * 3 + M * 4
+        if name == "ours_w4ax_rot_quant":  # bf16 in; codes (8 or 4 bits) and a scale a block out
+            return M * (self.K * 2 + self.w4ax_k8 + (self.K - self.w4ax_k8) // 2 + self.K // 32)
         base = setup_of(name)
         wbytes = self.setups[base][0]
         a_in = {"cublas_bf16": 2, "fp8_w8a8": 2, "marlin_w4a16": 2, "machete_w4a16": 2, "marlin_w4a8": 2,
@@ -451,7 +465,7 @@ def check_ours(meth: Methods, M: int, config=None, w4ax: bool = False) -> float:
     x = torch.randn(M, meth.K, device="cuda", dtype=torch.bfloat16)
     if w4ax:
         ident = torch.arange(meth.K, device="cuda", dtype=torch.int32)
-        acts = tg.quantize_act_w4ax(x, ident, meth.w4ax_k8, None, None)
+        acts = tg.quantize_act_w4ax(x, ident, meth.w4ax_k8)
         gemm, ref_gemm = tg.w4ax_gemm, ref.w4ax_gemm
     else:
         acts = tg.quantize_act(x)
@@ -504,6 +518,8 @@ def main(argv=None) -> int:
     from vllm_mixprec.kernels.triton import gemm as tg
 
     os.makedirs(args.out, exist_ok=True)
+    if args.w4ax_rotated_chunk_blocks:
+        tg.ROTATED_CHUNK_BLOCKS = args.w4ax_rotated_chunk_blocks  # read at each launch
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
     report = {"device": dev, "torch": torch.__version__, "vllm": vllm.__version__,
@@ -513,7 +529,8 @@ def main(argv=None) -> int:
               "dtypes": {"ours": "bf16 in/out, int8 x int4 (LiquidQuant)", "marlin/machete": "fp16",
                          "cublas": "bf16", "int8_mm": "int8 -> int32"},
               "group_size": {"ours": args.group_size, "marlin/machete": GROUP},
-              "w4ax": {"a8_share": args.w4ax_a8_share, "rotation": args.w4ax_rotation},
+              "w4ax": {"a8_share": args.w4ax_a8_share, "rotation": args.w4ax_rotation,
+                       "rotated_chunk_blocks": tg.ROTATED_CHUNK_BLOCKS},
               "results": [], "sweep": []}
     t_start = time.time()
     for K, N in args.shapes:
@@ -538,14 +555,14 @@ def main(argv=None) -> int:
                     ms = time_calls(meth.calls(name, M), args.rep_ms)
                     nbytes = meth.bytes_moved(name, M)
                     row["methods"][name] = {"ms": ms, "gbs": nbytes / ms / 1e6, "bytes": nbytes}
-                    if name != "ours_cuda_quant":  # a GEMM's rate, not the quantizer's
+                    if name not in QUANT_ONLY:  # a GEMM's rate, not the quantizer's
                         row["methods"][name]["tflops"] = row["flop"] / ms / 1e9
                 except Exception as e:
                     row["methods"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 torch.cuda.empty_cache()
             base_ms = row["methods"].get("marlin_w4a16", {}).get("ms")
             for name, v in row["methods"].items():
-                if base_ms and "ms" in v and name != "ours_cuda_quant":
+                if base_ms and "ms" in v and name not in QUANT_ONLY:
                     v["speedup_vs_marlin_w4a16"] = base_ms / v["ms"]
             if args.sweep and "ours" in meth.setups:
                 report["sweep"].append(run_sweep(meth, K, N, M, args.rep_ms, base_ms, args.sweep_method))
@@ -601,7 +618,7 @@ def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms, method="ours_triton"):
 _SHORT = {"ours_triton": "tri", "ours_triton_q": "tri+q", "ours_cuda": "cuda", "ours_cuda_gemm": "cuda-g",
           "ours_cuda_gemm_xw": "cuda-gx", "ours_cuda_quant": "cuda-q",
           "ours_w4ax_triton_q": "w4ax", "ours_w4ax_rot_triton_q": "w4ax+rot",
-          "ours_w4ax_rot_torch_triton_q": "w4ax+rot(torch)",
+          "ours_w4ax_rot_torch_triton_q": "w4ax+rot(torch)", "ours_w4ax_rot_quant": "w4ax-rq",
           "marlin_w4a16": "mar16",
           "marlin_w4a8": "mar8", "machete_w4a16": "mach", "cublas_bf16": "bf16", "int8_mm": "i8mm", "fp8_w8a8": "fp8"}
 _RATIOS = (("ours_cuda", "marlin_w4a16"), ("ours_cuda_gemm", "marlin_w4a16"), ("ours_cuda", "fp8_w8a8"),

@@ -19,7 +19,7 @@
 # decode_dp4a_per_chunk_c3 decode_m64 decode_m64_auto decode_groups decode_groups_rows16
 # decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto x_wgmma_tests
 # x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more x_input_order
-# x_input_order_piece x_input_order_layers
+# x_input_order_piece x_input_order_layers w4ax_rot_chunks
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -735,6 +735,22 @@ stage_w4ax_alloc() {
     run_bench "bench_gemm_w4ax_$share" 240 python3 benchmarks/bench_gemm.py --shapes "$shapes" \
       --ms 1,16,256,1024 --methods $methods --w4ax-a8-share "$share" --w4ax-rotation hadamard64 \
       --out "$OUT/w4ax-alloc-$share" || rc=1
+  done
+  return $rc
+}
+# Session 67: how many rotated 4-bit blocks the W4Ax quantizer holds in one pass
+# (gemm.ROTATED_CHUNK_BLOCKS), A-B-A (W4AX_ROT_CHUNKS), all-4-bit rows: 8B down (112 blocks: two
+# passes at 64, one at 128) and gate_up's input to down on Qwen2.5-1.5B (70), 70B down (224: two
+# passes either way), the linear with and without rotation and the quantizer alone.
+stage_w4ax_rot_chunks() {
+  local rc=0 r i=0
+  for r in ${W4AX_ROT_CHUNKS:-64 128 64}; do
+    i=$((i + 1))
+    mkdir -p "$OUT/w4ax-rot-chunks-$i-$r"
+    run_bench "bench_w4ax_rot_chunks_$i-$r" 200 python3 benchmarks/bench_gemm.py \
+      --shapes 8960x1536,14336x4096,28672x8192 --ms 1,16,256,1024 \
+      --methods ours_w4ax_triton_q,ours_w4ax_rot_triton_q,ours_w4ax_rot_quant --w4ax-a8-share 0.0 \
+      --w4ax-rotation hadamard64 --w4ax-rotated-chunk-blocks "$r" --out "$OUT/w4ax-rot-chunks-$i-$r" || rc=1
   done
   return $rc
 }

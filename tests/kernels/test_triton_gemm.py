@@ -219,12 +219,12 @@ def test_quantize_act_w4ax_rotates_in_its_one_kernel(seeded, monkeypatch):
 
 
 @pytest.mark.parametrize("m,k,k8", [(1, 256, 0), (17, 384, 128), (5, 512, 256), (3, 256, 256),
-                                    (2, 8448, 0), (2, 9216, 512)])
+                                    (2, 16512, 0), (2, 17408, 512)])
 @pytest.mark.parametrize("rotation", ["hadamard", "hadamard64"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_quantize_act_w4ax_rotated_every_dtype_and_pass(m, k, k8, rotation, dtype, seeded):
     """The rotated codes and scales bit for bit, each input dtype, in one pass over the row and
-    in two (more than ROTATED_CHUNK_BLOCKS 4-bit blocks: K - k8 > 8192); a row holding a NaN
+    in two (more than ROTATED_CHUNK_BLOCKS 4-bit blocks: K - k8 > 16384); a row holding a NaN
     gets NaN scales and zero codes, as in the reference."""
     x = _act(m, k, seeded, dtype)
     if m > 3:
@@ -640,9 +640,9 @@ def test_gpu_w4ax(m, k8, rotation):
 @pytest.mark.parametrize("k,k8", [(14336, 0), (14336, 3584), (28672, 0), (1536, 384)])
 @pytest.mark.parametrize("rotation", ["hadamard", "hadamard64"])
 def test_gpu_w4ax_rotation_long_rows(m, k, k8, rotation):
-    """The rotation in the compiled kernel on rows of more than ROTATED_CHUNK_BLOCKS 4-bit blocks
-    (two passes, the second from L2) and a short one, a NaN row included: bit for bit the
-    reference's torch ops on the GPU."""
+    """The rotation in the compiled kernel on a row of more than ROTATED_CHUNK_BLOCKS 4-bit blocks
+    (K = 28672: two passes, the second from L2), long rows in one pass (K = 14336) and a short
+    one, a NaN row included: bit for bit the reference's torch ops on the GPU."""
     gen = torch.Generator().manual_seed(m + k + k8)
     x = _act(m, k, gen, torch.bfloat16).cuda()
     x[-1, 3] = float("nan")
@@ -701,6 +701,10 @@ def test_bench_gemm_w4ax_options_and_bad_share(repo_module, capsys):
     with pytest.raises(SystemExit):
         mod.parse_args(["--w4ax-a8-share", "1.5"])
     assert "--w4ax-a8-share=1.5: expected a share in [0, 1]" in capsys.readouterr().err
+    assert mod.parse_args(["--w4ax-rotated-chunk-blocks", "128"]).w4ax_rotated_chunk_blocks == 128
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--w4ax-rotated-chunk-blocks", "96"])
+    assert "--w4ax-rotated-chunk-blocks=96: expected a power of two" in capsys.readouterr().err
 
 
 def test_bench_gemm_replot_skips_methods_not_run(repo_module, tmp_path):
@@ -723,6 +727,8 @@ def test_bench_gemm_quantizer_column(repo_module, tmp_path, capsys):
     meth = object.__new__(mod.Methods)
     meth.K = 4096
     assert meth.bytes_moved("ours_cuda_quant", 16) == 16 * 4096 * 3 + 16 * 4
+    meth.w4ax_k8 = 1024  # W4Ax's quantizer: bf16 in, 1024 int8 + 3072 4-bit codes, 32 scales out
+    assert meth.bytes_moved("ours_w4ax_rot_quant", 2) == 2 * (4096 * 2 + 1024 + 1536 + 32 * 4)
     row = {"K": 4096, "N": 4096, "M": 16, "methods": {
         "ours_cuda": {"ms": 0.008, "speedup_vs_marlin_w4a16": 1.25}, "ours_cuda_quant": {"ms": 0.002},
         "marlin_w4a16": {"ms": 0.010}}}

@@ -17,12 +17,13 @@ SCRIPT = textwrap.dedent(r'''
     arch = int(sys.argv[1])
     ptrs = {"x_ptr": "*bf16", "perm_ptr": "*i32", "smooth_ptr": "*bf16", "x8_ptr": "*i8",
             "s8_ptr": "*fp32", "x4_ptr": "*u8", "s4_ptr": "*fp32"}
-    # Llama-3-8B's down and QKV inputs, all 4-bit (two passes) and a quarter at 8 bits, and a
-    # short row in one pass
-    for k, k8 in ((14336, 0), (4096, 1024), (1536, 384)):
+    # Llama-3-70B's down input all 4-bit (two passes), Llama-3-8B's down (the longest row in one
+    # pass) and QKV inputs, all 4-bit and a quarter at 8 bits, and a short row
+    for k, k8 in ((28672, 0), (14336, 0), (4096, 1024), (1536, 384)):
         for rotation in ("hadamard", "hadamard64"):
             consts, warps = G._quant_launch_config(k, k8, True,
                                                    rotation_size=F.act_rotation_size(rotation))
+            assert consts["ONE_PASS"] == (k != 28672), (k, k8, consts)
             kern = compile_kernel(G._quant_act_kernel, ptrs, dict(consts, HAS_PERM=True, HAS_SMOOTH=True),
                                   arch, num_warps=warps)
             assert ptxas_usage(kern, arch)[1] == 0, (k, k8, rotation, ptxas_usage(kern, arch))

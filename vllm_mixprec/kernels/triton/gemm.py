@@ -834,9 +834,10 @@ def w4ax_gemm(x8: torch.Tensor, s8: torch.Tensor, x4: torch.Tensor, s4: torch.Te
 
 _MAX_ROW_VALUES = 32768  # values held in registers per chunk; longer rows take two passes
 # 4-bit blocks a chunk holds when they are rotated: the butterflies move values between threads
-# through shared memory (Triton's layout conversions: 16 KB at 64 blocks, sm_90 ptxas, no spill),
-# so a row with more (K - k8 > 8192) takes two passes, the second mostly from L2. Not tuned on a GPU.
-ROTATED_CHUNK_BLOCKS = 64
+# through shared memory (Triton's layout conversions: 32 KB at 128 blocks; sm_90 and sm_80 ptxas,
+# no spill; 256 spills), so a row with more (K - k8 > 16384) takes two passes, the second mostly
+# from L2. Session 66 had 64, which sent Llama-3-8B's down projection (K = 14336) through two passes.
+ROTATED_CHUNK_BLOCKS = 128
 
 
 def _segment_chunks(n_bytes: int, values_per_byte: int, block_bytes: int | None,
