@@ -739,9 +739,9 @@ stage_w4ax_alloc() {
   return $rc
 }
 # Session 67: how many rotated 4-bit blocks the W4Ax quantizer holds in one pass
-# (gemm.ROTATED_CHUNK_BLOCKS), A-B-A (W4AX_ROT_CHUNKS), all-4-bit rows: 8B down (112 blocks: two
-# passes at 64, one at 128) and gate_up's input to down on Qwen2.5-1.5B (70), 70B down (224: two
-# passes either way), the linear with and without rotation and the quantizer alone.
+# (gemm.ROTATED_CHUNK_BLOCKS), A-B-A (W4AX_ROT_CHUNKS), on all-4-bit down projections: Llama-3-8B's
+# (112 blocks: two passes at 64, one at 128), Qwen2.5-1.5B's (70: the same) and Llama-3-70B's (224:
+# two passes either way); the linear with and without rotation, and the quantizer alone.
 stage_w4ax_rot_chunks() {
   local rc=0 r i=0
   for r in ${W4AX_ROT_CHUNKS:-64 128 64}; do
