@@ -24,7 +24,8 @@ Measured in the same run, on the same random data sizes:
   ours_w4ax_rot_torch_triton_q  the same with the rotation as session 33 ran it: torch ops
                      (float32 gather, divide, matmul, concatenate) before the quantize kernel
   ours_w4ax_rot_quant  ours_w4ax_rot_triton_q's quantizer alone (quantize_act_w4ax with the
-                     rotation; --w4ax-rotated-chunk-blocks sets how many rotated blocks a pass holds)
+                     rotation; --w4ax-split-blocks sets the blocks a program quantizes, 0 one
+                     program a row, and then --w4ax-rotated-chunk-blocks the rotated blocks a pass holds)
   marlin_w4a16       Marlin, uint4b8 group 128, fp16 activations (apply_gptq_marlin_linear)
   marlin_w4a8        Marlin with its own int8 activations (VLLM_MARLIN_INPUT_DTYPE=int8 path)
   machete_w4a16      Machete, uint4b8 group 128, fp16 activations
@@ -103,6 +104,9 @@ def parse_args(argv=None):
     p.add_argument("--w4ax-rotated-chunk-blocks", type=int, default=None, metavar="R",
                    help="rotated 4-bit blocks the W4Ax quantizer holds in one pass (a power of two; "
                         "default: the kernel's ROTATED_CHUNK_BLOCKS): its tuning A/B")
+    p.add_argument("--w4ax-split-blocks", type=int, default=None, metavar="R",
+                   help="scale blocks each program of the W4Ax quantizer takes (a power of two, or 0: "
+                        "one program a row; default: the kernel's W4AX_SPLIT_BLOCKS): its tuning A/B")
     p.add_argument("--flush", choices=("write", "read"), default="write",
                    help="L2 flush before each replay: do_bench's (writes 256 MB: the L2 is left full of "
                         "dirty lines, whose write-backs the timed kernel pays) or one that reads 256 MB "
@@ -119,6 +123,9 @@ def parse_args(argv=None):
     r = args.w4ax_rotated_chunk_blocks
     if r is not None and (r < 1 or r & (r - 1)):
         p.error(f"--w4ax-rotated-chunk-blocks={r}: expected a power of two")
+    r = args.w4ax_split_blocks
+    if r is not None and (r < 0 or r & (r - 1)):
+        p.error(f"--w4ax-split-blocks={r}: expected 0 or a power of two")
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         p.error(f"unknown methods {sorted(unknown)}")
@@ -520,6 +527,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     if args.w4ax_rotated_chunk_blocks:
         tg.ROTATED_CHUNK_BLOCKS = args.w4ax_rotated_chunk_blocks  # read at each launch
+    if args.w4ax_split_blocks is not None:
+        tg.W4AX_SPLIT_BLOCKS = args.w4ax_split_blocks  # read at each launch
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
     report = {"device": dev, "torch": torch.__version__, "vllm": vllm.__version__,
@@ -530,7 +539,8 @@ def main(argv=None) -> int:
                          "cublas": "bf16", "int8_mm": "int8 -> int32"},
               "group_size": {"ours": args.group_size, "marlin/machete": GROUP},
               "w4ax": {"a8_share": args.w4ax_a8_share, "rotation": args.w4ax_rotation,
-                       "rotated_chunk_blocks": tg.ROTATED_CHUNK_BLOCKS},
+                       "rotated_chunk_blocks": tg.ROTATED_CHUNK_BLOCKS,
+                       "split_blocks": tg.W4AX_SPLIT_BLOCKS},
               "results": [], "sweep": []}
     t_start = time.time()
     for K, N in args.shapes:

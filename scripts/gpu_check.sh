@@ -19,7 +19,7 @@
 # decode_dp4a_per_chunk_c3 decode_m64 decode_m64_auto decode_groups decode_groups_rows16
 # decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto x_wgmma_tests
 # x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more x_input_order
-# x_input_order_piece x_input_order_layers w4ax_rot_chunks
+# x_input_order_piece x_input_order_layers w4ax_rot_chunks w4ax_split
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -751,6 +751,22 @@ stage_w4ax_rot_chunks() {
       --shapes 8960x1536,14336x4096,28672x8192 --ms 1,16,256,1024 \
       --methods ours_w4ax_triton_q,ours_w4ax_rot_triton_q,ours_w4ax_rot_quant --w4ax-a8-share 0.0 \
       --w4ax-rotation hadamard64 --w4ax-rotated-chunk-blocks "$r" --out "$OUT/w4ax-rot-chunks-$i-$r" || rc=1
+  done
+  return $rc
+}
+# Session 68: the W4Ax quantizer's rows split over programs of R blocks (gemm.W4AX_SPLIT_BLOCKS; 0 is
+# one program a row, session 67's), A-B-A over W4AX_SPLITS, after its GPU tests: the quantizer
+# alone and the W4Ax linear, all-4-bit rows (a short one, the 8B and 70B down projections).
+stage_w4ax_split() {
+  local rc=0 r i=0
+  [ -n "${W4AX_SPLIT_SKIP_TESTS:-}" ] || pytest_gpu pytest-w4ax-split 300 tests/kernels/test_triton_gemm.py -k w4ax || rc=1
+  for r in ${W4AX_SPLITS:-8 0 8}; do
+    i=$((i + 1))
+    mkdir -p "$OUT/w4ax-split-$i-$r"
+    run_bench "bench_w4ax_split_$i-$r" 200 python3 benchmarks/bench_gemm.py \
+      --shapes "${W4AX_SPLIT_SHAPES:-4096x6144,8960x1536,14336x4096,28672x8192}" --ms "${W4AX_SPLIT_MS:-1,16,256,1024,4096}" \
+      --methods ours_w4ax_triton_q,ours_w4ax_rot_triton_q,ours_w4ax_rot_quant --w4ax-a8-share 0.0 \
+      --w4ax-rotation hadamard64 --w4ax-split-blocks "$r" --out "$OUT/w4ax-split-$i-$r" || rc=1
   done
   return $rc
 }

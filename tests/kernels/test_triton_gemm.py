@@ -52,6 +52,20 @@ def assert_close_to_f64(y, expect, out_dtype):
     assert float(err.norm() / r.norm()) < 1e-3 + _EPS_OUT[out_dtype]
 
 
+def _captured(fn, static_x):
+    """(CUDA graph of fn(static_x), its output), fn run once before on a side stream so that
+    its kernels compile outside the capture."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(static_x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(static_x)
+    return graph, out
+
+
 def _poisoned(m, n, dtype, device=DEV):
     return torch.full((m, n), float("nan"), dtype=dtype, device=device)
 
@@ -102,9 +116,11 @@ def test_quantize_act_ties_and_zero_rows():
 
 @pytest.mark.parametrize("budget", [64, 256])
 def test_quantize_act_two_pass(monkeypatch, budget, seeded):
-    """Rows longer than the register budget take two passes; same bits. W4Ax chunks hold
-    whole blocks: one per chunk (budget 64), or two with the last chunk half masked (256)."""
+    """Rows longer than the register budget take two passes; same bits. W4Ax chunks (one
+    program a row) hold whole blocks: one per chunk (budget 64), or two with the last chunk
+    half masked (256)."""
     monkeypatch.setattr(tg, "_MAX_ROW_VALUES", budget)
+    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", 0)
     x = _act(3, 256, seeded, torch.float16)
     sm = (torch.rand(256, generator=seeded) + 0.5).to(DEV)
     q, s = tg.quantize_act(x, sm)
@@ -191,7 +207,10 @@ def test_silu_mul_quantize_act_two_pass_and_errors(monkeypatch, seeded):
 @pytest.mark.parametrize("smooth", [False, True])
 @pytest.mark.parametrize("m", [1, 6])
 @pytest.mark.parametrize("rotation", ["none", "hadamard", "hadamard64"])
-def test_quantize_act_w4ax_bit_exact(k, k8, smooth, m, rotation, seeded):
+@pytest.mark.parametrize("split_blocks", [0, 1, tg.W4AX_SPLIT_BLOCKS])
+def test_quantize_act_w4ax_bit_exact(k, k8, smooth, m, rotation, split_blocks, seeded, monkeypatch):
+    """One program a row (0), and rows split over programs of 1 block and of the default."""
+    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", split_blocks)
     x = _act(m, k, seeded, torch.bfloat16)
     perm = torch.randperm(k, generator=seeded).to(DEV)
     sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV) if smooth else None
@@ -210,22 +229,29 @@ def test_quantize_act_w4ax_rotates_in_its_one_kernel(seeded, monkeypatch):
     sm = (torch.rand(256, generator=seeded) + 0.5).to(DEV)
     plain = tg.quantize_act_w4ax(x, perm, 256, sm)
     launches = []
-    real = tg._launch_quant
-    monkeypatch.setattr(tg, "_launch_quant", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
+    for name in ("_launch_quant", "_launch_quant_blocks"):
+        real = getattr(tg, name)
+        monkeypatch.setattr(tg, name, lambda *a, real=real, name=name, **kw:
+                            launches.append((name, kw["rotation_size"])) or real(*a, **kw))
     for a, b in zip(tg.quantize_act_w4ax(x, perm, 256, sm, "hadamard"), plain):
         assert torch.equal(a, b)
     tg.quantize_act_w4ax(x, perm, 128, sm, "hadamard64")
-    assert [kw["rotation_size"] for kw in launches] == [0, 64]
+    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", 0)
+    tg.quantize_act_w4ax(x, perm, 128, sm, "hadamard64")
+    assert launches == [("_launch_quant_blocks", 0), ("_launch_quant_blocks", 64),
+                        ("_launch_quant", 64)]
 
 
 @pytest.mark.parametrize("m,k,k8", [(1, 256, 0), (17, 384, 128), (5, 512, 256), (3, 256, 256),
                                     (2, 16512, 0), (2, 17408, 512)])
 @pytest.mark.parametrize("rotation", ["hadamard", "hadamard64"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_quantize_act_w4ax_rotated_every_dtype_and_pass(m, k, k8, rotation, dtype, seeded):
-    """The rotated codes and scales bit for bit, each input dtype, in one pass over the row and
-    in two (more than ROTATED_CHUNK_BLOCKS 4-bit blocks: K - k8 > 16384); a row holding a NaN
-    gets NaN scales and zero codes, as in the reference."""
+def test_quantize_act_w4ax_rotated_every_dtype_and_pass(m, k, k8, rotation, dtype, seeded,
+                                                        monkeypatch):
+    """One program a row: the rotated codes and scales bit for bit, each input dtype, in one
+    pass over the row and in two (more than ROTATED_CHUNK_BLOCKS 4-bit blocks: K - k8 > 16384);
+    a row holding a NaN gets NaN scales and zero codes, as in the reference."""
+    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", 0)
     x = _act(m, k, seeded, dtype)
     if m > 3:
         x[2, 7] = float("nan")
@@ -236,6 +262,32 @@ def test_quantize_act_w4ax_rotated_every_dtype_and_pass(m, k, k8, rotation, dtyp
     got = tg.quantize_act_w4ax(x, perm, k8, sm, rotation)
     expect = ref.quantize_act_w4ax(x.cpu(), perm.cpu(), k8, sm.cpu(), rotation)
     for name, a, b in zip(("x8", "s8", "x4", "s4"), got, expect):
+        assert torch.equal(a.cpu().nan_to_num(7.0), b.nan_to_num(7.0)), name
+        assert torch.equal(a.cpu().isnan(), b.isnan()), name
+
+
+@pytest.mark.parametrize("split_blocks", [2, 4, 16])
+@pytest.mark.parametrize("rotation", ["none", "hadamard64"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_act_w4ax_split_rows_poison_whole_rows(split_blocks, rotation, dtype, seeded,
+                                                        monkeypatch):
+    """Rows split over programs of split_blocks blocks (the last chunk of each part partly
+    masked): a NaN or Inf in one program's blocks still gives its whole row NaN scales and zero
+    codes in both parts (the second pass), as in the reference; other rows are untouched."""
+    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", split_blocks)
+    m, k, k8 = 5, 2560, 640  # 5 8-bit blocks, 15 4-bit blocks
+    x = _act(m, k, seeded, dtype)
+    perm = torch.randperm(k, generator=seeded).to(DEV)
+    sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV)
+    x[1, perm[3]] = float("nan")  # the first 8-bit block
+    x[3, perm[k - 1]] = float("-inf")  # the last 4-bit block
+    got = tg.quantize_act_w4ax(x, perm, k8, sm, rotation)
+    want = ref.quantize_act_w4ax(x.cpu(), perm.cpu(), k8, sm.cpu(), rotation)
+    for r in (1, 3):
+        assert torch.isnan(want[1][r]).all() and torch.isnan(want[3][r]).all()
+        assert not want[0][r].any() and not want[2][r].any()
+    assert not torch.isnan(want[3][(0, 2, 4), :]).any()
+    for name, a, b in zip(("x8", "s8", "x4", "s4"), got, want):
         assert torch.equal(a.cpu().nan_to_num(7.0), b.nan_to_num(7.0)), name
         assert torch.equal(a.cpu().isnan(), b.isnan()), name
 
@@ -262,12 +314,28 @@ def test_quant_launch_num_warps_is_power_of_two(k, k8, w4ax, monkeypatch):
             return lambda *a, **kw: seen.append(kw["num_warps"])
 
     monkeypatch.setattr(tg, "_quant_act_kernel", Capture())
+    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", 0)  # the split rows' warps: test below
     x = torch.randn(2, k, dtype=torch.bfloat16)
     if w4ax:
         tg.quantize_act_w4ax(x, torch.arange(k), k8, None, w4ax)
     else:
         tg.quantize_act(x)
     assert len(seen) == 1 and seen[0] in (1, 2, 4, 8, 16), seen
+
+
+@pytest.mark.parametrize("split_blocks", [1, 2, 8, 16, 32])
+def test_quant_blocks_num_warps_is_power_of_two(split_blocks, monkeypatch):
+    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", split_blocks)
+    consts, warps = tg._quant_blocks_config(64)
+    assert consts["R"] == split_blocks and warps in (1, 2, 4, 8, 16)
+
+
+@pytest.mark.parametrize("split_blocks", [3, -2])
+def test_quant_blocks_rejects_other_than_powers_of_two(split_blocks, monkeypatch):
+    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", split_blocks)
+    x = torch.randn(2, 512, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match=f"W4AX_SPLIT_BLOCKS={split_blocks}: expected a power"):
+        tg.quantize_act_w4ax(x, torch.arange(512, device=DEV), 128)
 
 
 # --- GEMM (CPU interpreter and GPU) -----------------------------------------------------
@@ -619,9 +687,12 @@ def test_gpu_silu_mul_quantize_act(m, k, dtype):
                                             (1000, 4096, "none"), (1, 1024, "hadamard"),
                                             (200, 1024, "hadamard"), (1, 0, "hadamard64"),
                                             (1000, 2048, "hadamard64")])
-def test_gpu_w4ax(m, k8, rotation):
+@pytest.mark.parametrize("split_blocks", [0, tg.W4AX_SPLIT_BLOCKS])
+def test_gpu_w4ax(m, k8, rotation, split_blocks, monkeypatch):
     """Codes and scales bit for bit (the fast Hadamard transform inside the quantize kernel
-    against the reference's torch ops on the GPU), then the GEMM against float64."""
+    against the reference's torch ops on the GPU; one program a row, and rows split over
+    programs), then the GEMM against float64."""
+    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", split_blocks)
     n, k, g = 4096 + 64, 4096, 128
     t, x = _gpu_case(m, n, k, g, seed=m)
     perm = torch.randperm(k, device="cuda")
@@ -639,10 +710,13 @@ def test_gpu_w4ax(m, k8, rotation):
 @pytest.mark.parametrize("m", [1, 300])
 @pytest.mark.parametrize("k,k8", [(14336, 0), (14336, 3584), (28672, 0), (1536, 384)])
 @pytest.mark.parametrize("rotation", ["hadamard", "hadamard64"])
-def test_gpu_w4ax_rotation_long_rows(m, k, k8, rotation):
-    """The rotation in the compiled kernel on a row of more than ROTATED_CHUNK_BLOCKS 4-bit blocks
-    (K = 28672: two passes, the second from L2), long rows in one pass (K = 14336) and a short
-    one, a NaN row included: bit for bit the reference's torch ops on the GPU."""
+@pytest.mark.parametrize("split_blocks", [0, tg.W4AX_SPLIT_BLOCKS])
+def test_gpu_w4ax_rotation_long_rows(m, k, k8, rotation, split_blocks, monkeypatch):
+    """The rotation in the compiled kernels: one program a row on a row of more than
+    ROTATED_CHUNK_BLOCKS 4-bit blocks (K = 28672: two passes, the second from L2), long rows in
+    one pass (K = 14336) and a short one; rows split over programs (a programmatic dependent
+    second pass on Hopper); a NaN row included: bit for bit the reference's torch ops."""
+    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", split_blocks)
     gen = torch.Generator().manual_seed(m + k + k8)
     x = _act(m, k, gen, torch.bfloat16).cuda()
     x[-1, 3] = float("nan")
@@ -669,20 +743,43 @@ def test_gpu_cuda_graph_replay_and_determinism(m):
 
     eager = layer(static_x)
     assert torch.equal(eager, layer(static_x))  # deterministic (split-K is integer)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        layer(static_x)  # warm-up: compile outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = layer(static_x)
+    graph, static_y = _captured(layer, static_x)
     for seed in (11, 12):
         new = _act(m, k, torch.Generator().manual_seed(seed), torch.bfloat16, "cuda")
         static_x.copy_(new)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_y, layer(new))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 300])
+def test_gpu_w4ax_cuda_graph_replay(m):
+    """The W4Ax quantizer's split rows (two launches, the second a programmatic dependent one on
+    Hopper) and the GEMM captured in a graph: replays with new inputs, a NaN row included,
+    match eager bit for bit."""
+    n, k, k8 = 4096, 4096, 1024
+    t, x = _gpu_case(m, n, k, 128, seed=6)
+    perm = torch.randperm(k, device="cuda")
+    static_x = x.clone()
+
+    def layer(inp):
+        q = tg.quantize_act_w4ax(inp, perm, k8, None, "hadamard64")
+        return q, tg.w4ax_gemm(*q, t["qweight"], t["group_scale"], t["group_offset"],
+                               t["channel_scale"], None, torch.bfloat16)
+
+    graph, (static_q, static_y) = _captured(layer, static_x)
+    for seed in (11, 12):
+        new = _act(m, k, torch.Generator().manual_seed(seed), torch.bfloat16, "cuda")
+        new[-1, seed] = float("nan")
+        static_x.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_q, want_y = layer(new)
+        for a, b in zip(static_q, want_q):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+        assert torch.equal(static_y.nan_to_num(7.0), want_y.nan_to_num(7.0))
+        assert torch.isnan(static_y[-1]).all() and not torch.isnan(static_y[:-1]).any()
 
 
 def test_bench_gemm_imports_without_gpu(repo_module):
@@ -705,6 +802,11 @@ def test_bench_gemm_w4ax_options_and_bad_share(repo_module, capsys):
     with pytest.raises(SystemExit):
         mod.parse_args(["--w4ax-rotated-chunk-blocks", "96"])
     assert "--w4ax-rotated-chunk-blocks=96: expected a power of two" in capsys.readouterr().err
+    assert mod.parse_args(["--w4ax-split-blocks", "0"]).w4ax_split_blocks == 0
+    assert mod.parse_args([]).w4ax_split_blocks is None
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--w4ax-split-blocks", "12"])
+    assert "--w4ax-split-blocks=12: expected 0 or a power of two" in capsys.readouterr().err
 
 
 def test_bench_gemm_replot_skips_methods_not_run(repo_module, tmp_path):

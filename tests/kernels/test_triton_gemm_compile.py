@@ -1,6 +1,7 @@
 """The W4Ax quantize kernel with its rotation, compiled for sm_90 and sm_80 without a GPU
 (aot_helpers): the fast Hadamard transform reshapes, permutes, splits and joins register tiles,
-layouts the CPU interpreter never builds."""
+layouts the CPU interpreter never builds; the split-row kernel's two branches hold tiles of
+different shapes, which only the compiler checks."""
 from __future__ import annotations
 
 import textwrap
@@ -30,6 +31,19 @@ SCRIPT = textwrap.dedent(r'''
             ptx = kern.asm["ptx"]
             # the transform's bits are the reference's: additions, then one multiply, no FMA
             assert "fma" not in ptx and ptx.count("sub.f32") > 0, (k, k8, rotation)
+    # the split rows (W4AX_SPLIT_BLOCKS blocks a program) and their poisoning pass
+    for r in (4, 8, 16):
+        G.W4AX_SPLIT_BLOCKS = r
+        for rotation in ("none", "hadamard64"):
+            consts, warps = G._quant_blocks_config(F.act_rotation_size(rotation))
+            kern = compile_kernel(G._quant_act_blocks_kernel, dict(ptrs, bad_ptr="*i32"),
+                                  dict(consts, HAS_SMOOTH=True, PDL=arch >= 90), arch,
+                                  num_warps=warps)
+            assert ptxas_usage(kern, arch)[1] == 0, (r, rotation, ptxas_usage(kern, arch))
+    kern = compile_kernel(G._quant_act_blocks_poison_kernel, dict(ptrs, bad_ptr="*i32"),
+                          dict(ACT_BLOCK=F.ACT_BLOCK, CHUNKS_P2=32, BLOCK=1024, PDL=arch >= 90),
+                          arch, num_warps=1)
+    assert "st.global" in kern.asm["ptx"]
     print("compiled")
 ''')
 

@@ -545,6 +545,71 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
 
 
 @triton.jit
+def _quant_act_blocks_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_ptr, bad_ptr,
+                             K, K8, CHUNKS8, CHUNKS, stride_x, stride_x8, stride_x4, stride_s8,
+                             stride_s4, HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                             R: tl.constexpr, BB8: tl.constexpr, BB4: tl.constexpr,
+                             ROT_LOG2: tl.constexpr, ROT_NORM: tl.constexpr, PDL: tl.constexpr):
+    """W4Ax split rows, pass 1, grid (M, CHUNKS): program c quantizes R scale blocks of a row,
+    the 8-bit ones first (c < CHUNKS8), and stores its count of NaN/Inf values to bad
+    [M, CHUNKS]. Blocks have their own scales, so programs share nothing but the row's
+    poisoning, which pass 2 (_quant_act_blocks_poison_kernel) applies."""
+    if PDL:  # pass 2 may be scheduled now; it waits for this grid before reading (split_rows_pdl)
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    xrow = x_ptr + row * stride_x
+    if c < CHUNKS8:
+        v0, v1, bb, mask = _chunk_values(xrow, perm_ptr, smooth_ptr, 0, K8, c, K, R, BB8, False,
+                                         HAS_PERM, HAS_SMOOTH, False, 0, 1.0)
+        bad = _num_nonfinite(v0, v1)
+        _encode_chunk(v0, v1, bb, mask, c, K8, x8_ptr + row * stride_x8,
+                      s8_ptr + row * stride_s8, 0.0, bad, 127, False, True, R, BB8)
+    else:
+        n4 = (K - K8) // 2
+        # other names than the 8-bit branch's: Triton merges same-named values of the branches
+        b0, b1, bb4, mask4 = _chunk_values(xrow, perm_ptr, smooth_ptr, K8, n4, c - CHUNKS8, K,
+                                           R, BB4, True, HAS_PERM, HAS_SMOOTH, False, ROT_LOG2,
+                                           ROT_NORM)
+        bad = _num_nonfinite(b0, b1)
+        _encode_chunk(b0, b1, bb4, mask4, c - CHUNKS8, n4, x4_ptr + row * stride_x4,
+                      s4_ptr + row * stride_s4, 0.0, bad, 7.5, True, True, R, BB4)
+    tl.store(bad_ptr + row * CHUNKS + c, bad)
+
+
+@triton.jit
+def _poison_row(qrow, srow, n_bytes, n_scales, BLOCK: tl.constexpr):
+    """Zero codes and NaN scales over a row's segment (reference._quantize_sym)."""
+    j = tl.arange(0, BLOCK)
+    for j0 in range(0, n_bytes, BLOCK):
+        tl.store(qrow + j0 + j, tl.zeros([BLOCK], dtype=qrow.dtype.element_ty),
+                 mask=j0 + j < n_bytes)
+    for j0 in range(0, n_scales, BLOCK):
+        tl.store(srow + j0 + j, tl.full([BLOCK], float("nan"), tl.float32),
+                 mask=j0 + j < n_scales)
+
+
+@triton.jit
+def _quant_act_blocks_poison_kernel(bad_ptr, x8_ptr, s8_ptr, x4_ptr, s4_ptr, K, K8, CHUNKS,
+                                    stride_x8, stride_x4, stride_s8, stride_s4,
+                                    ACT_BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr,
+                                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """W4Ax split rows, pass 2, grid (M,): a row with a NaN/Inf anywhere gets NaN in every
+    scale and zero codes, as the reference (and the one-program kernel) give it; other rows
+    read CHUNKS counts and stop."""
+    if PDL:
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, CHUNKS_P2)
+    bad = tl.sum(tl.load(bad_ptr + row * CHUNKS + k, mask=k < CHUNKS, other=0))
+    if bad > 0:
+        _poison_row(x8_ptr + row * stride_x8, s8_ptr + row * stride_s8, K8, K8 // ACT_BLOCK,
+                    BLOCK)
+        _poison_row(x4_ptr + row * stride_x4, s4_ptr + row * stride_s4, (K - K8) // 2,
+                    (K - K8) // ACT_BLOCK, BLOCK)
+
+
+@triton.jit
 def _quant_act_chunk_stats_kernel(x_ptr, smooth_ptr, v_ptr, stats_ptr, K, stride_x, stride_v,
                                   CHUNKS, BLOCK: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                                   GATED: tl.constexpr, PDL: tl.constexpr):
@@ -874,9 +939,25 @@ def _quant_launch_config(K: int, k8: int, per_block: bool, gated: bool = False,
     one_pass = c8 == 1 and c4 == 1 and sum(values) <= _MAX_ROW_VALUES
     consts = dict(GATED=gated, HAS_A8=k8 > 0, HAS_A4=k8 < K, PER_BLOCK=per_block,
                   ONE_PASS=one_pass, R8=r8, BB8=b8, NCHUNK8=c8, R4=r4, BB4=b4, NCHUNK4=c4,
-                  ROT_LOG2=max(rotation_size, 1).bit_length() - 1,
-                  ROT_NORM=F.hadamard_norm(rotation_size) if rotation_size else 1.0)
+                  **_rotation_consts(rotation_size))
     return consts, _num_warps_for(sum(values) if one_pass else max(values))
+
+
+def _rotation_consts(rotation_size: int) -> dict:
+    """The quantize kernels' ROT_LOG2 and ROT_NORM for Hadamard transforms of rotation_size
+    channels (0: no rotation)."""
+    return dict(ROT_LOG2=max(rotation_size, 1).bit_length() - 1,
+                ROT_NORM=F.hadamard_norm(rotation_size) if rotation_size else 1.0)
+
+
+def _quant_blocks_config(rotation_size: int) -> tuple[dict, int]:
+    """_quant_act_blocks_kernel's constexprs (but HAS_SMOOTH and PDL) and num_warps."""
+    r = W4AX_SPLIT_BLOCKS
+    if r < 1 or r & (r - 1):
+        raise ValueError(f"W4AX_SPLIT_BLOCKS={r}: expected a power of two (a program's blocks "
+                         "are one Triton tile), or 0 for one program a row")
+    return (dict(HAS_PERM=True, R=r, BB8=F.ACT_BLOCK, BB4=F.ACT_BLOCK // 2,
+                 **_rotation_consts(rotation_size)), _num_warps_for(r * F.ACT_BLOCK))
 
 
 def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool, gated: bool = False,
@@ -983,6 +1064,38 @@ def _launch_split_rows(x, smooth, K, q, s, gated: bool = True) -> None:
         **({"launch_pdl": True} if pdl else {}))
 
 
+# W4Ax rows are quantized by programs of this many scale blocks each (_launch_quant_blocks), or
+# by one program a row when 0 (_quant_act_kernel). Session 67 (H200): one program a row took
+# 19.3 / 22.9 us at M = 1 on the all-4-bit rows of 8960 / 14336 channels, the whole row on one SM.
+W4AX_SPLIT_BLOCKS = 8
+
+
+def _launch_quant_blocks(x, perm, smooth, k8, x8, s8, x4, s4, rotation_size: int) -> None:
+    """quantize_act_w4ax's kernels when W4AX_SPLIT_BLOCKS > 0: pass 1 over (M, chunks of
+    W4AX_SPLIT_BLOCKS blocks), pass 2 over M rows (a programmatic dependent launch where
+    split_rows_pdl says so)."""
+    M, K = x.shape
+    r = W4AX_SPLIT_BLOCKS
+    chunks8 = triton.cdiv(k8 // F.ACT_BLOCK, r)
+    chunks = chunks8 + triton.cdiv((K - k8) // F.ACT_BLOCK, r)
+    bad = torch.empty((M, chunks), dtype=torch.int32, device=x.device)
+    x8 = x8 if x8.numel() else x4.view(torch.int8)  # placeholders of empty parts (unread)
+    x4 = x4 if x4.numel() else x8.view(torch.uint8)
+    s8 = s8 if s8.numel() else s4
+    s4 = s4 if s4.numel() else s8
+    strides = (x8.stride(0), x4.stride(0), s8.stride(0), s4.stride(0))
+    pdl = split_rows_pdl(x.device)
+    consts, num_warps = _quant_blocks_config(rotation_size)
+    _quant_act_blocks_kernel[(M, chunks)](
+        x, perm, smooth if smooth is not None else x, x8, s8, x4, s4, bad, K, k8, chunks8,
+        chunks, x.stride(0), *strides, HAS_SMOOTH=smooth is not None, PDL=pdl, **consts,
+        num_warps=num_warps)
+    _quant_act_blocks_poison_kernel[(M,)](
+        bad, x8, s8, x4, s4, K, k8, chunks, *strides, ACT_BLOCK=F.ACT_BLOCK,
+        CHUNKS_P2=_pow2_at_least(chunks, 2), BLOCK=1024, PDL=pdl, num_warps=1,
+        **({"launch_pdl": True} if pdl else {}))
+
+
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
                       smooth: torch.Tensor | None = None, act_rotation: str = "none"
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -990,10 +1103,11 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     act_rotation says, formats.ACT_ROTATIONS) to packed int4, one scale per (token,
     ACT_BLOCK-channel block); bit-exact with the reference.
 
-    One kernel: the rotation (reference.hadamard_a4_blocks' butterflies) runs on the 4-bit
-    blocks in registers between the load and the amax (_hadamard_pairs). Until session 66 a
-    second kernel built the rotated float32 input first (a float64 MMA, then a float32 round
-    trip through memory).
+    The rotation (reference.hadamard_a4_blocks' butterflies) runs on the 4-bit blocks in
+    registers between the load and the amax (_hadamard_pairs); until session 66 a separate
+    kernel built the rotated float32 input first. Since session 68 a row is split over
+    programs of W4AX_SPLIT_BLOCKS blocks, and a second, tiny launch gives the rows holding a
+    NaN/Inf their NaN scales and zero codes (W4AX_SPLIT_BLOCKS = 0: one program a row).
 
     Returns (x8 int8 [M, k8], s8 float32 [M, k8/128], x4 uint8 [M, (K-k8)/2],
     s4 float32 [M, (K-k8)/128])."""
@@ -1009,6 +1123,10 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     x4 = torch.empty((M, lay.k4 // 2), dtype=torch.uint8, device=dev)
     s8 = torch.empty((M, lay.num_a8_blocks), dtype=torch.float32, device=dev)
     s4 = torch.empty((M, lay.num_a4_blocks), dtype=torch.float32, device=dev)
-    _launch_quant(x, perm.contiguous(), smooth.contiguous() if smooth is not None else None,
-                  k8, x8, s8, x4, s4, per_block=True, rotation_size=n if k8 < K else 0)
+    if M == 0:
+        return x8, s8, x4, s4
+    launch = _launch_quant_blocks if W4AX_SPLIT_BLOCKS else functools.partial(_launch_quant,
+                                                                               per_block=True)
+    launch(x, perm.contiguous(), smooth.contiguous() if smooth is not None else None, k8, x8, s8,
+           x4, s4, rotation_size=n if k8 < K else 0)
     return x8, s8, x4, s4
