@@ -756,7 +756,7 @@ stage_w4ax_rot_chunks() {
 }
 # Session 68: the W4Ax quantizer's rows split over programs of R blocks (gemm.W4AX_SPLIT_BLOCKS; 0 is
 # one program a row, session 67's), A-B-A over W4AX_SPLITS, after its GPU tests: the quantizer
-# alone and the W4Ax linear, all-4-bit rows (a short one, the 8B and 70B down projections).
+# alone and the W4Ax linear, all-4-bit rows (QKV, the 8B and 70B down projections).
 stage_w4ax_split() {
   local rc=0 r i=0
   [ -n "${W4AX_SPLIT_SKIP_TESTS:-}" ] || pytest_gpu pytest-w4ax-split 300 tests/kernels/test_triton_gemm.py -k w4ax || rc=1
@@ -764,7 +764,7 @@ stage_w4ax_split() {
     i=$((i + 1))
     mkdir -p "$OUT/w4ax-split-$i-$r"
     run_bench "bench_w4ax_split_$i-$r" 200 python3 benchmarks/bench_gemm.py \
-      --shapes "${W4AX_SPLIT_SHAPES:-4096x6144,8960x1536,14336x4096,28672x8192}" --ms "${W4AX_SPLIT_MS:-1,16,256,1024,4096}" \
+      --shapes "${W4AX_SPLIT_SHAPES:-4096x6144,14336x4096,28672x8192}" --ms "${W4AX_SPLIT_MS:-1,16,256,1024,4096}" \
       --methods ours_w4ax_triton_q,ours_w4ax_rot_triton_q,ours_w4ax_rot_quant --w4ax-a8-share 0.0 \
       --w4ax-rotation hadamard64 --w4ax-split-blocks "$r" --out "$OUT/w4ax-split-$i-$r" || rc=1
   done
