@@ -207,9 +207,9 @@ def test_silu_mul_quantize_act_two_pass_and_errors(monkeypatch, seeded):
 @pytest.mark.parametrize("smooth", [False, True])
 @pytest.mark.parametrize("m", [1, 6])
 @pytest.mark.parametrize("rotation", ["none", "hadamard", "hadamard64"])
-@pytest.mark.parametrize("split_blocks", [0, 1, tg.W4AX_SPLIT_BLOCKS])
+@pytest.mark.parametrize("split_blocks", [0, 1, 8])
 def test_quantize_act_w4ax_bit_exact(k, k8, smooth, m, rotation, split_blocks, seeded, monkeypatch):
-    """One program a row (0), and rows split over programs of 1 block and of the default."""
+    """One program a row (0), and rows split over programs of 1 and 8 blocks."""
     monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", split_blocks)
     x = _act(m, k, seeded, torch.bfloat16)
     perm = torch.randperm(k, generator=seeded).to(DEV)
@@ -222,11 +222,13 @@ def test_quantize_act_w4ax_bit_exact(k, k8, smooth, m, rotation, split_blocks, s
 
 
 def test_quantize_act_w4ax_rotates_in_its_one_kernel(seeded, monkeypatch):
-    """The rotation runs inside the quantize kernel (one launch, no float32 round trip); a layer
-    with no 4-bit block (k8 == K) has nothing to rotate, and its codes are the unrotated ones."""
+    """The rotation runs inside the quantize kernel (no float32 round trip; the split rows'
+    second launch only poisons NaN rows), split or one program a row; a layer with no 4-bit
+    block (k8 == K) has nothing to rotate, and its codes are the unrotated ones."""
     x = _act(3, 256, seeded, torch.bfloat16)
     perm = torch.randperm(256, generator=seeded).to(DEV)
     sm = (torch.rand(256, generator=seeded) + 0.5).to(DEV)
+    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", 8)
     plain = tg.quantize_act_w4ax(x, perm, 256, sm)
     launches = []
     for name in ("_launch_quant", "_launch_quant_blocks"):
@@ -687,7 +689,7 @@ def test_gpu_silu_mul_quantize_act(m, k, dtype):
                                             (1000, 4096, "none"), (1, 1024, "hadamard"),
                                             (200, 1024, "hadamard"), (1, 0, "hadamard64"),
                                             (1000, 2048, "hadamard64")])
-@pytest.mark.parametrize("split_blocks", [0, tg.W4AX_SPLIT_BLOCKS])
+@pytest.mark.parametrize("split_blocks", [0, 8])
 def test_gpu_w4ax(m, k8, rotation, split_blocks, monkeypatch):
     """Codes and scales bit for bit (the fast Hadamard transform inside the quantize kernel
     against the reference's torch ops on the GPU; one program a row, and rows split over
@@ -710,7 +712,7 @@ def test_gpu_w4ax(m, k8, rotation, split_blocks, monkeypatch):
 @pytest.mark.parametrize("m", [1, 300])
 @pytest.mark.parametrize("k,k8", [(14336, 0), (14336, 3584), (28672, 0), (1536, 384)])
 @pytest.mark.parametrize("rotation", ["hadamard", "hadamard64"])
-@pytest.mark.parametrize("split_blocks", [0, tg.W4AX_SPLIT_BLOCKS])
+@pytest.mark.parametrize("split_blocks", [0, 8])
 def test_gpu_w4ax_rotation_long_rows(m, k, k8, rotation, split_blocks, monkeypatch):
     """The rotation in the compiled kernels: one program a row on a row of more than
     ROTATED_CHUNK_BLOCKS 4-bit blocks (K = 28672: two passes, the second from L2), long rows in
@@ -754,7 +756,7 @@ def test_gpu_cuda_graph_replay_and_determinism(m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 300])
-def test_gpu_w4ax_cuda_graph_replay(m):
+def test_gpu_w4ax_cuda_graph_replay(m, monkeypatch):
     """The W4Ax quantizer's split rows (two launches, the second a programmatic dependent one on
     Hopper) and the GEMM captured in a graph: replays with new inputs, a NaN row included,
     match eager bit for bit."""
@@ -762,6 +764,7 @@ def test_gpu_w4ax_cuda_graph_replay(m):
     t, x = _gpu_case(m, n, k, 128, seed=6)
     perm = torch.randperm(k, device="cuda")
     static_x = x.clone()
+    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", 8)
 
     def layer(inp):
         q = tg.quantize_act_w4ax(inp, perm, k8, None, "hadamard64")
