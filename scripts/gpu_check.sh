@@ -738,36 +738,38 @@ stage_w4ax_alloc() {
   done
   return $rc
 }
-# Session 67: how many rotated 4-bit blocks the W4Ax quantizer holds in one pass
-# (gemm.ROTATED_CHUNK_BLOCKS), A-B-A (W4AX_ROT_CHUNKS), on all-4-bit down projections: Llama-3-8B's
-# (112 blocks: two passes at 64, one at 128), Qwen2.5-1.5B's (70: the same) and Llama-3-70B's (224:
-# two passes either way); the linear with and without rotation, and the quantizer alone.
-stage_w4ax_rot_chunks() {
-  local rc=0 r i=0
-  for r in ${W4AX_ROT_CHUNKS:-64 128 64}; do
+# The W4Ax quantizer's A-B-A over one bench_gemm.py tuning option: NAME OPTION SHAPES MS VALUE...;
+# the linear with and without rotation, and the quantizer alone, on all-4-bit rows.
+w4ax_quant_aba() {
+  local name=$1 option=$2 shapes=$3 ms=$4 rc=0 r i=0
+  shift 4
+  for r in "$@"; do
     i=$((i + 1))
-    mkdir -p "$OUT/w4ax-rot-chunks-$i-$r"
-    run_bench "bench_w4ax_rot_chunks_$i-$r" 200 python3 benchmarks/bench_gemm.py \
-      --shapes 8960x1536,14336x4096,28672x8192 --ms 1,16,256,1024 \
+    mkdir -p "$OUT/$name-$i-$r"
+    run_bench "bench_${name//-/_}_$i-$r" 200 python3 benchmarks/bench_gemm.py --shapes "$shapes" --ms "$ms" \
       --methods ours_w4ax_triton_q,ours_w4ax_rot_triton_q,ours_w4ax_rot_quant --w4ax-a8-share 0.0 \
-      --w4ax-rotation hadamard64 --w4ax-rotated-chunk-blocks "$r" --out "$OUT/w4ax-rot-chunks-$i-$r" || rc=1
+      --w4ax-rotation hadamard64 "$option" "$r" --out "$OUT/$name-$i-$r" || rc=1
   done
   return $rc
 }
+# Session 67: how many rotated 4-bit blocks the W4Ax quantizer holds in one pass
+# (gemm.ROTATED_CHUNK_BLOCKS), A-B-A (W4AX_ROT_CHUNKS), on all-4-bit down projections: Llama-3-8B's
+# (112 blocks: two passes at 64, one at 128), Qwen2.5-1.5B's (70: the same) and Llama-3-70B's (224:
+# two passes either way).
+stage_w4ax_rot_chunks() {
+  # shellcheck disable=SC2086  # the values are words
+  w4ax_quant_aba w4ax-rot-chunks --w4ax-rotated-chunk-blocks 8960x1536,14336x4096,28672x8192 \
+    1,16,256,1024 ${W4AX_ROT_CHUNKS:-64 128 64}
+}
 # Session 68: the W4Ax quantizer's rows split over programs of R blocks (gemm.W4AX_SPLIT_BLOCKS; 0 is
-# one program a row, session 67's), A-B-A over W4AX_SPLITS, after its GPU tests: the quantizer
-# alone and the W4Ax linear, all-4-bit rows (QKV, the 8B and 70B down projections).
+# one program a row, session 67's), A-B-A over W4AX_SPLITS, after its GPU tests, on QKV and the 8B
+# and 70B down projections.
 stage_w4ax_split() {
-  local rc=0 r i=0
+  local rc=0
   [ -n "${W4AX_SPLIT_SKIP_TESTS:-}" ] || pytest_gpu pytest-w4ax-split 300 tests/kernels/test_triton_gemm.py -k w4ax || rc=1
-  for r in ${W4AX_SPLITS:-8 0 8}; do
-    i=$((i + 1))
-    mkdir -p "$OUT/w4ax-split-$i-$r"
-    run_bench "bench_w4ax_split_$i-$r" 200 python3 benchmarks/bench_gemm.py \
-      --shapes "${W4AX_SPLIT_SHAPES:-4096x6144,14336x4096,28672x8192}" --ms "${W4AX_SPLIT_MS:-1,16,256,1024,4096}" \
-      --methods ours_w4ax_triton_q,ours_w4ax_rot_triton_q,ours_w4ax_rot_quant --w4ax-a8-share 0.0 \
-      --w4ax-rotation hadamard64 --w4ax-split-blocks "$r" --out "$OUT/w4ax-split-$i-$r" || rc=1
-  done
+  # shellcheck disable=SC2086
+  w4ax_quant_aba w4ax-split --w4ax-split-blocks "${W4AX_SPLIT_SHAPES:-4096x6144,14336x4096,28672x8192}" \
+    "${W4AX_SPLIT_MS:-1,16,256,1024,4096}" ${W4AX_SPLITS:-8 0 8} || rc=1
   return $rc
 }
 # The Triton W4Ax GEMM's tile configs at M = 256 and 1024 (bench_gemm.py --sweep over

@@ -547,8 +547,7 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
 @triton.jit
 def _quant_act_blocks_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_ptr, bad_ptr,
                              K, K8, CHUNKS8, CHUNKS, stride_x, stride_x8, stride_x4, stride_s8,
-                             stride_s4, HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                             R: tl.constexpr, BB8: tl.constexpr, BB4: tl.constexpr,
+                             stride_s4, HAS_SMOOTH: tl.constexpr, R: tl.constexpr, BB8: tl.constexpr, BB4: tl.constexpr,
                              ROT_LOG2: tl.constexpr, ROT_NORM: tl.constexpr, PDL: tl.constexpr):
     """W4Ax split rows, pass 1, grid (M, CHUNKS): program c quantizes R scale blocks of a row,
     the 8-bit ones first (c < CHUNKS8), and stores its count of NaN/Inf values to bad
@@ -561,7 +560,7 @@ def _quant_act_blocks_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr
     xrow = x_ptr + row * stride_x
     if c < CHUNKS8:
         v0, v1, bb, mask = _chunk_values(xrow, perm_ptr, smooth_ptr, 0, K8, c, K, R, BB8, False,
-                                         HAS_PERM, HAS_SMOOTH, False, 0, 1.0)
+                                         True, HAS_SMOOTH, False, 0, 1.0)
         bad = _num_nonfinite(v0, v1)
         _encode_chunk(v0, v1, bb, mask, c, K8, x8_ptr + row * stride_x8,
                       s8_ptr + row * stride_s8, 0.0, bad, 127, False, True, R, BB8)
@@ -569,7 +568,7 @@ def _quant_act_blocks_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr
         n4 = (K - K8) // 2
         # other names than the 8-bit branch's: Triton merges same-named values of the branches
         b0, b1, bb4, mask4 = _chunk_values(xrow, perm_ptr, smooth_ptr, K8, n4, c - CHUNKS8, K,
-                                           R, BB4, True, HAS_PERM, HAS_SMOOTH, False, ROT_LOG2,
+                                           R, BB4, True, True, HAS_SMOOTH, False, ROT_LOG2,
                                            ROT_NORM)
         bad = _num_nonfinite(b0, b1)
         _encode_chunk(b0, b1, bb4, mask4, c - CHUNKS8, n4, x4_ptr + row * stride_x4,
@@ -956,8 +955,18 @@ def _quant_blocks_config(rotation_size: int) -> tuple[dict, int]:
     if r < 1 or r & (r - 1):
         raise ValueError(f"W4AX_SPLIT_BLOCKS={r}: expected a power of two (a program's blocks "
                          "are one Triton tile), or 0 for one program a row")
-    return (dict(HAS_PERM=True, R=r, BB8=F.ACT_BLOCK, BB4=F.ACT_BLOCK // 2,
+    return (dict(R=r, BB8=F.ACT_BLOCK, BB4=F.ACT_BLOCK // 2,
                  **_rotation_consts(rotation_size)), _num_warps_for(r * F.ACT_BLOCK))
+
+
+def _placeholders_for_empty(x8, s8, x4, s4):
+    """(x8, s8, x4, s4) with an empty part replaced by the other's tensors: the kernels never
+    read it, but the launcher wants a real pointer of the right type."""
+    x8 = x8 if x8.numel() else x4.view(torch.int8)
+    x4 = x4 if x4.numel() else x8.view(torch.uint8)
+    s8 = s8 if s8.numel() else s4
+    s4 = s4 if s4.numel() else s8
+    return x8, s8, x4, s4
 
 
 def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool, gated: bool = False,
@@ -969,10 +978,7 @@ def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool, gated: b
     if M == 0:
         return
     consts, num_warps = _quant_launch_config(K, k8, per_block, gated, rotation_size)
-    x8 = x8 if x8.numel() else x4.view(torch.int8)  # placeholders of empty parts (unread)
-    x4 = x4 if x4.numel() else x8.view(torch.uint8)
-    s8 = s8 if s8.numel() else s4
-    s4 = s4 if s4.numel() else s8
+    x8, s8, x4, s4 = _placeholders_for_empty(x8, s8, x4, s4)
     _quant_act_kernel[(M,)](
         x, perm if perm is not None else x, smooth if smooth is not None else x,
         x8, s8, x4, s4, K, k8, x.stride(0), x8.stride(0), x4.stride(0), s8.stride(0),
@@ -1082,10 +1088,7 @@ def _launch_quant_blocks(x, perm, smooth, k8, x8, s8, x4, s4, rotation_size: int
     chunks8 = triton.cdiv(k8 // F.ACT_BLOCK, r)
     chunks = chunks8 + triton.cdiv((K - k8) // F.ACT_BLOCK, r)
     bad = torch.empty((M, chunks), dtype=torch.int32, device=x.device)
-    x8 = x8 if x8.numel() else x4.view(torch.int8)  # placeholders of empty parts (unread)
-    x4 = x4 if x4.numel() else x8.view(torch.uint8)
-    s8 = s8 if s8.numel() else s4
-    s4 = s4 if s4.numel() else s8
+    x8, s8, x4, s4 = _placeholders_for_empty(x8, s8, x4, s4)
     strides = (x8.stride(0), x4.stride(0), s8.stride(0), s4.stride(0))
     pdl = split_rows_pdl(x.device)
     consts, num_warps = _quant_blocks_config(rotation_size)
