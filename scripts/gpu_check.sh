@@ -19,7 +19,7 @@
 # decode_dp4a_per_chunk_c3 decode_m64 decode_m64_auto decode_groups decode_groups_rows16
 # decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto x_wgmma_tests
 # x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more x_input_order
-# x_input_order_piece x_input_order_layers w4ax_rot_chunks w4ax_split
+# x_input_order_piece x_input_order_layers w4ax_rot_chunks w4ax_split w4ax_compiled
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -771,6 +771,16 @@ stage_w4ax_split() {
   w4ax_quant_aba w4ax-split --w4ax-split-blocks "${W4AX_SPLIT_SHAPES:-4096x6144,14336x4096,28672x8192}" \
     "${W4AX_SPLIT_MS:-1,16,256,1024,4096}" ${W4AX_SPLITS:-8 0 8} || rc=1
   return $rc
+}
+# Session 69: W4Ax compiled as vLLM compiles it, by default (the op before, then the opaque
+# w4ax_linear: the Triton quantizer and GEMM) and traced (MIXPREC_W4AX_QUANT=traced: Inductor's
+# 5-15 quantize kernels), against W4A8 compiled the same way (the csrc GEMM: after `build`), a
+# quarter of the blocks at 8 bits. W4AX_COMPILED_SPLIT sets the kernel arm's W4AX_SPLIT_BLOCKS.
+stage_w4ax_compiled() {
+  # shellcheck disable=SC2086  # the values are words
+  run_bench bench_compiled_w4ax 540 python3 benchmarks/bench_compiled_linear.py --compare w4ax \
+    --out "$OUT/w4ax-compiled" --layers ${W4AX_COMPILED_LAYERS:-qkv gate_up down o_proj} \
+    --ms ${W4AX_COMPILED_MS:-1 16 256 1024 4096} --w4ax-split-blocks "${W4AX_COMPILED_SPLIT:-0}"
 }
 # The Triton W4Ax GEMM's tile configs at M = 256 and 1024 (bench_gemm.py --sweep over
 # --sweep-method ours_w4ax_triton_q), all-8-bit and at 25 % 8-bit blocks (session 45)

@@ -435,3 +435,17 @@ def test_wgmma_input_order_on_a_decoder_piece(seeded, fused_act_quant, repo_modu
         torch.testing.assert_close(got, codes, rtol=0, atol=0)
     for got, want in zip(outs[True], fn(*x, *w)):  # eager: the same numbers up to codes moved by one
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.05  # (1-2 % seen)
+
+
+def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):
+    """bench_compiled_linear's order A/B (order_bad): a row is bad when a compile rewrote not every
+    GEMM, moved not every quantizer, or ended further from the eager layer than the natural one."""
+    bench = repo_module("benchmarks/bench_compiled_linear.py")
+    good = {"gemms": 4, "rewritten": 8, "input_rewritten": 8, "input_ordered": 8,
+            "natural_rel_err_vs_eager": 0.01, "wgmma_order_rel_err_vs_eager": 0.012,
+            "wgmma_input_order_rel_err_vs_eager": 0.0}
+    assert not bench.order_bad(good)
+    for change in ({"rewritten": 0, "input_rewritten": 0, "input_ordered": 0}, {"rewritten": 6},
+                   {"input_ordered": 4}, {"wgmma_order_rel_err_vs_eager": 0.03},
+                   {"wgmma_input_order_rel_err_vs_eager": 0.5}):
+        assert bench.order_bad({**good, **change}), change

@@ -265,7 +265,9 @@ def wgmma_order_pays(n: int, k: int) -> bool:
     The pass does not see which op the quantizer is fused into; in Llama-like models the layers
     after RMSNorm (QKV, gate_up) are the ones with N > K. So: K >= N (o_proj, down), or N >= 8192
     (the RMSNorm layers whose GEMM gain outweighs the extra kernel); the 8B-sized QKV stays
-    natural. input_order (WgmmaActOrder) keeps one kernel and needs no rule (session 65)."""
+    natural. input_order (WgmmaActOrder) keeps one kernel on each layer alone and needs no rule
+    (session 65); in a decoder piece the QKV's quantizer after the second add + RMSNorm is a
+    kernel of its own (session 67's served graph; scripts/inductor_kernels.py shows why)."""
     return k >= n or n >= 8192
 
 

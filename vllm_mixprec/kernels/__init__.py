@@ -8,12 +8,13 @@ The choice is made per layer, once, in prepare_linear (after weight loading), an
 logged at debug level. The ops are torch custom ops with fake implementations, so that
 torch.compile and CUDA graphs in vLLM see opaque, shape-known calls.
 
-Under torch.compile (vLLM's default) a layer is traced as reference.quantize_act (W4Ax:
-quantize_act_w4ax) in plain torch ops followed by the `mixprec::w4a8_gemm` (`w4ax_gemm`)
-op, so that Inductor fuses the activation quantization into the op that produced x
-(RMSNorm, SiLU-and-mul, which vLLM compiles natively) instead of launching a quantize
-kernel per layer. Eager runs (and MIXPREC_FUSE_ACT_QUANT=0) call `mixprec::w4a8_linear`
-(`w4ax_linear`), whose quantize kernel does the same math in one pass.
+Under torch.compile (vLLM's default) a W4A8 layer is traced as reference.quantize_act in
+plain torch ops followed by the `mixprec::w4a8_gemm` op, so that Inductor fuses the activation
+quantization into the op that produced x (RMSNorm, SiLU-and-mul, which vLLM compiles natively)
+instead of launching a quantize kernel per layer. Eager runs (and MIXPREC_FUSE_ACT_QUANT=0) call
+`mixprec::w4a8_linear`, whose quantize kernel does the same math in one pass. A W4Ax layer calls
+`mixprec::w4ax_linear` compiled too: traced, its quantizer is 5-15 kernels, not one (w4ax_quant;
+MIXPREC_W4AX_QUANT=traced traces it as quantize_act_w4ax + `w4ax_gemm`).
 """
 from __future__ import annotations
 
@@ -56,6 +57,27 @@ def fuse_act_quant(environ=os.environ) -> bool:
 
 
 _FUSE_ACT_QUANT = fuse_act_quant()
+
+W4AX_QUANT_MODES = ("kernel", "traced")
+
+
+def w4ax_quant(environ=os.environ) -> str:
+    """MIXPREC_W4AX_QUANT: how a compiled W4Ax layer quantizes its activations. "kernel" (the
+    default): the opaque mixprec::w4ax_linear, whose quantize kernel gathers, rotates and
+    quantizes a row in one pass. "traced": reference.quantize_act_w4ax in torch ops, as W4A8's.
+    Inductor cannot put the norm's row reduction, the per-block amaxes (reductions of another
+    shape) and the rotation's butterfly stages (each reads values other threads wrote) in one
+    kernel: it compiles 5 Triton kernels without a rotation, 15 with hadamard and 14 with
+    hadamard64, with float32 [M, K] buffers between them (scripts/inductor_kernels.py, session 69)."""
+    v = environ.get("MIXPREC_W4AX_QUANT", "kernel").strip()
+    if v not in W4AX_QUANT_MODES:
+        raise ValueError(f"MIXPREC_W4AX_QUANT={v!r}: expected kernel (the default: compiled W4Ax "
+                         "layers quantize in the one-pass Triton kernel) or traced (in torch ops "
+                         "that torch.compile fuses into the previous op, in several kernels)")
+    return v
+
+
+_W4AX_QUANT = w4ax_quant()
 
 
 def tp_act_scale(environ=os.environ) -> str:
@@ -371,7 +393,7 @@ def apply_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
                                         layer.mixprec_impl)
     elif layer.mixprec_scheme == "w4a8":
         y = torch.ops.mixprec.w4a8_linear(x2, *weights, bias, smooth, layer.mixprec_impl)
-    elif fused:
+    elif fused and _W4AX_QUANT == "traced":
         y = torch.ops.mixprec.w4ax_gemm(
             *ref.quantize_act_w4ax(x2, layer.act_perm, layer.mixprec_k8, smooth, layer.mixprec_act_rotation),
             *weights, bias, x2.dtype, layer.mixprec_impl)

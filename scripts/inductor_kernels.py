@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Which Triton kernels Inductor generates for a compiled layer, without a GPU.
+
+Inductor partitions a graph into kernels in its scheduler, before any kernel is compiled. With
+`cpu_backend="triton"` a CPU compile goes through the Triton scheduling a CUDA one does, and the
+generated wrapper shows the kernels a GPU compile launches; only compiling them needs a driver.
+This module keeps the wrapper's source and lets the compile fail. What it stubs for the
+duration: the Triton backend's hash (needs a driver), and Inductor's CPU-only heuristics, which
+GPU compiles skip (a reused exp or sigmoid, SiLU's, is realized rather than recomputed; no loop
+reordering in fusion). Left as it is: mix-order reduction fusion, which Inductor allows on CUDA
+only.
+
+Checked against the GPU: for the six layers session 65 compiled three ways on an H200
+(bench_compiled_linear, code kept), the same kernels of the same kinds in the same order
+(tests/test_inductor_kernels.py); for the decoder piece vLLM served with MIXPREC_X_WGMMA_ORDER=
+input in session 67, the same split of the QKV's quantizer from its add + RMSNorm.
+
+  python scripts/inductor_kernels.py [--rotation none|hadamard|hadamard64] [--k 1024] [--m 7]
+
+prints the kernels of a W4A8 layer and of a W4Ax layer, traced and as compiled by default, after
+add + RMSNorm. torch is pinned (2.11); the names stubbed are private to it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import re
+import sys
+import warnings
+from unittest import mock
+
+import torch
+
+LAUNCH = re.compile(r"^\s+(triton_\w+)\.run\(", re.M)
+
+
+@contextlib.contextmanager
+def _gpu_scheduling_on_the_cpu():
+    import torch._inductor.codegen.triton as codegen_triton
+    import torch._inductor.config as inductor_config
+    import torch._inductor.ir as inductor_ir
+    import torch._inductor.scheduler as inductor_scheduler
+    import torch.utils._triton as utils_triton
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(inductor_config.patch(cpu_backend="triton"))
+        # the CPU-only heuristics GPU compiles skip: realizing a reused exp/sigmoid (SiLU) instead
+        # of recomputing it, and no loop reordering or index inversion in fusion
+        stack.enter_context(mock.patch.object(inductor_ir, "is_cpu", lambda x: False))
+        stack.enter_context(mock.patch.object(inductor_scheduler.BaseSchedulerNode, "is_cpu",
+                                              lambda self: False))
+        # the kernels' compile fails by design; Inductor logs it as an error
+        quiet = logging.getLogger("torch._inductor.runtime.triton_heuristics")
+        stack.callback(quiet.setLevel, quiet.level)
+        quiet.setLevel(logging.CRITICAL)
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message="Could not find an active CPU backend")
+        for module in (utils_triton, codegen_triton):
+            if hasattr(module, "triton_hash_with_backend"):
+                stack.enter_context(mock.patch.object(module, "triton_hash_with_backend",
+                                                      lambda: "no-driver"))
+        yield
+
+
+def triton_wrapper(fn, *args, options: dict | None = None) -> str:
+    """The Python wrapper Inductor generates for fn(*args) (CPU tensors) with Triton kernels;
+    options: more Inductor options (a post-grad pass)."""
+    from torch._inductor import graph
+
+    sources = []
+    codegen = graph.GraphLowering.codegen
+
+    def keep(self, *a, **k):
+        out = codegen(self, *a, **k)
+        src = out[0] if isinstance(out, tuple) else out
+        sources.append(str(getattr(src, "value", src)))
+        return out
+
+    torch._dynamo.reset()
+    with _gpu_scheduling_on_the_cpu(), mock.patch.object(graph.GraphLowering, "codegen", keep):
+        try:
+            torch.compile(fn, fullgraph=True, options={**(options or {}), "fx_graph_cache": False})(*args)
+        except Exception:  # compiling the kernels needs a driver; the source is what we want
+            if not sources:
+                raise
+    torch._dynamo.reset()
+    return "\n".join(sources)
+
+
+def launches(wrapper: str) -> list[str]:
+    """The Triton kernels the wrapper launches, in order."""
+    return LAUNCH.findall(wrapper)
+
+
+def main() -> int:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_compiled_linear as bench
+    from vllm_mixprec import formats as F
+    from vllm_mixprec import kernels
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--k", type=int, default=1024, help="input channels (a multiple of 128)")
+    ap.add_argument("--m", type=int, default=7, help="tokens")
+    ap.add_argument("--rotation", choices=F.ACT_ROTATIONS, default="hadamard64",
+                    help="the W4Ax layer's 4-bit blocks' rotation")
+    ap.add_argument("--code", help="write the wrappers to this prefix (PREFIX_w4a8.py, ...)")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    x, res = ((torch.randn(args.m, args.k, generator=gen)).to(torch.bfloat16) for _ in range(2))
+    w = (torch.rand(args.k, generator=gen) + 0.5).to(torch.bfloat16)
+    kernels._FUSE_ACT_QUANT = True
+    for name, w4ax, mode in (("w4a8", None, "traced"),
+                             ("w4ax_traced", {"share": 0.25, "rotation": args.rotation}, "traced"),
+                             ("w4ax_kernel", {"share": 0.25, "rotation": args.rotation}, "kernel")):
+        kernels._W4AX_QUANT = mode
+        layer = bench.layer_of(256, args.k, gen, w4ax, device="cpu", impl="reference")
+        wrapper = triton_wrapper(bench.layer_fn("norm", layer), x, res, w)
+        ops = sorted(set(re.findall(r"torch\.ops\.mixprec\.(\w+)\.default\(", wrapper)))
+        found = launches(wrapper)
+        print(f"{name:12s} {len(found):2d} Triton kernels, then {' '.join(ops)}: {' '.join(found)}")
+        if args.code:
+            with open(f"{args.code}_{name}.py", "w") as f:
+                f.write(wrapper)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""scripts/inductor_kernels.py: the Triton kernels Inductor generates for a compiled layer, read
+on the CPU. It is what kernels.w4ax_quant's default rests on, so these are the numbers its
+docstring gives."""
+import pathlib
+import re
+import tarfile
+
+import pytest
+import torch
+
+from vllm_mixprec import compile_passes as cp
+from vllm_mixprec import kernels
+
+# Inductor's code for six layers compiled three ways on an H200 (session 65, bench_compiled_linear)
+S65_CODE = (pathlib.Path(__file__).resolve().parents[1]
+            / "benchmarks/results/2026-12-04-s65/compiled-3way/inductor-code.tgz")
+
+
+@pytest.fixture
+def tool(repo_module, monkeypatch):
+    monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", True)
+    return repo_module("scripts/inductor_kernels.py"), repo_module("benchmarks/bench_compiled_linear.py")
+
+
+def _launches(tool, seeded, w4ax):
+    script, bench = tool
+    layer = bench.layer_of(128, 1024, seeded, w4ax, device="cpu", impl="reference")
+    x, res = ((torch.randn(5, 1024, generator=seeded)).to(torch.bfloat16) for _ in range(2))
+    w = (torch.rand(1024, generator=seeded) + 0.5).to(torch.bfloat16)
+    wrapper = script.triton_wrapper(bench.layer_fn("norm", layer), x, res, w)
+    return script.launches(wrapper), wrapper
+
+
+def test_w4a8_quantizer_is_fused_into_the_norm(tool, seeded):
+    """As every GPU compile since session 12: add + RMSNorm + quantize in one kernel."""
+    found, wrapper = _launches(tool, seeded, None)
+    assert len(found) == 1 and "rsqrt" in found[0] and "amax" in found[0], found
+    assert "torch.ops.mixprec.w4a8_gemm.default(" in wrapper
+
+
+@pytest.mark.parametrize("rotation, kernels_traced", [("none", 5), ("hadamard", 15), ("hadamard64", 14)])
+def test_w4ax_quantizer_traced_is_many_kernels(tool, seeded, monkeypatch, rotation, kernels_traced):
+    """Traced, the W4Ax quantizer is 5-15 kernels (the gather, the per-block amaxes, one per
+    butterfly stage); by default a compiled W4Ax layer is the norm's kernel plus w4ax_linear."""
+    w4ax = {"share": 0.25, "rotation": rotation}
+    monkeypatch.setattr(kernels, "_W4AX_QUANT", "traced")
+    found, wrapper = _launches(tool, seeded, w4ax)
+    assert len(found) == kernels_traced and "torch.ops.mixprec.w4ax_gemm.default(" in wrapper, found
+    monkeypatch.setattr(kernels, "_W4AX_QUANT", "kernel")
+    found, wrapper = _launches(tool, seeded, w4ax)
+    assert len(found) == 1 and "torch.ops.mixprec.w4ax_linear.default(" in wrapper, found
+
+
+def _kinds(names):
+    """triton_red / triton_per / triton_poi of each kernel, in launch order."""
+    return [n.split("_fused")[0] for n in names]
+
+
+@pytest.mark.parametrize("name", ["qkv", "down", "o_proj"])
+@pytest.mark.parametrize("variant", ["natural", "wgmma_order", "wgmma_input_order"])
+def test_tool_matches_a_gpu_compile(tool, seeded, name, variant):
+    """The tool against what Inductor generated on an H200 for the same function (session 65's
+    stored code): the same kernels, of the same kinds, in the same order. The batch dimension is
+    dynamic, as there. (Kernel names may differ by an op: the GPU's down projection codes kernel
+    has a `_to_copy` this one has not.)"""
+    script, bench = tool
+    before, _, k = bench.CASES[name]
+    layer = bench.layer_of(128, k, seeded, None, device="cpu", impl="reference")
+    r = lambda *shape: torch.randn(*shape, generator=seeded).to(torch.bfloat16)  # noqa: E731
+    x = {"norm": (r(80, k), r(80, k), r(k)), "none": (r(80, k),), "silu": (r(80, 2 * k),)}[before]
+    for t in x:
+        if t.dim() == 2:
+            torch._dynamo.mark_dynamic(t, 0)
+    passes = [] if variant == "natural" else [cp.WgmmaActOrder(
+        impls=("reference",), all_shapes=True, input_order=variant == "wgmma_input_order")]
+    found = script.launches(script.triton_wrapper(bench.layer_fn(before, layer), *x,
+                                                  options={cp.HOOK: cp.MixprecPostGrad(passes)}))
+    with tarfile.open(S65_CODE) as tar:
+        gpu = tar.extractfile(f"inductor-code/{name}_{variant}.py").read().decode()
+    gpu = script.launches(gpu)
+    assert _kinds(found) == _kinds(gpu), (found, gpu)
+    strip = lambda n: re.sub(r"(_to_copy_|_w4a8_gemm|_\d+$)", "", n)  # noqa: E731
+    assert [strip(n) for n in found][:1] == [strip(n) for n in gpu][:1], (found, gpu)
+
+
+def test_piece_with_input_order_splits_the_qkv_quantizer(tool, seeded):
+    """A decoder piece (o_proj .. QKV) with the quantizers' input permuted: the QKV's quantizer
+    is not fused into the add + RMSNorm before it (the norm writes the permuted float32 values,
+    a second kernel quantizes them), as in the graph vLLM served in session 67; the natural order
+    keeps four kernels, the codes order takes seven."""
+    script, bench = tool
+    hidden, n_qkv, inter = 256, 384, 512
+    fn = bench.piece_fn(*(bench.layer_of(n, k, seeded, None, device="cpu", impl="reference") for n, k in
+                          ((hidden, hidden), (2 * inter, hidden), (hidden, inter), (n_qkv, hidden))))
+    x = [(torch.randn(80, hidden, generator=seeded)).to(torch.bfloat16) for _ in range(2)]
+    w = [(torch.rand(hidden, generator=seeded) + 0.5).to(torch.bfloat16) for _ in range(2)]
+    counts = {}
+    for variant in ("natural", "wgmma_order", "wgmma_input_order"):
+        passes = [] if variant == "natural" else [cp.WgmmaActOrder(
+            impls=("reference",), all_shapes=True, input_order=variant == "wgmma_input_order")]
+        found = script.launches(script.triton_wrapper(fn, *x, *w, options={cp.HOOK: cp.MixprecPostGrad(passes)}))
+        counts[variant] = len(found)
+    assert counts == {"natural": 4, "wgmma_order": 7, "wgmma_input_order": 5}, counts
+    assert "amax" not in found[3] and "rsqrt" in found[3], found
