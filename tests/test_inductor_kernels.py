@@ -32,7 +32,7 @@ def _launches(tool, seeded, w4ax):
 
 
 def test_w4a8_quantizer_is_fused_into_the_norm(tool, seeded):
-    """As every GPU compile since session 12: add + RMSNorm + quantize in one kernel."""
+    """As in session 65's GPU code: add + RMSNorm + quantize in one kernel."""
     found, wrapper = _launches(tool, seeded, None)
     assert len(found) == 1 and "rsqrt" in found[0] and "amax" in found[0], found
     assert "torch.ops.mixprec.w4a8_gemm.default(" in wrapper
@@ -60,9 +60,10 @@ def _kinds(names):
 @pytest.mark.parametrize("variant", ["natural", "wgmma_order", "wgmma_input_order"])
 def test_tool_matches_a_gpu_compile(tool, seeded, name, variant):
     """The tool against what Inductor generated on an H200 for the same function (session 65's
-    stored code): the same kernels, of the same kinds, in the same order. The batch dimension is
-    dynamic, as there. (Kernel names may differ by an op: the GPU's down projection codes kernel
-    has a `_to_copy` this one has not.)"""
+    stored code): as many kernels, of the same kinds (red / per / poi), in the same order, the
+    first (the fused quantizer) of the same name. The batch dimension is dynamic, as there. (A
+    second kernel's name may differ by an op: the GPU's down projection codes kernel has a
+    `_to_copy` this one has not.)"""
     script, bench = tool
     before, _, k = bench.CASES[name]
     layer = bench.layer_of(128, k, seeded, None, device="cpu", impl="reference")
