@@ -16,9 +16,11 @@ Checked against the GPU: for the six layers session 65 compiled three ways on an
 input in session 67, the same split of the QKV's quantizer from its add + RMSNorm.
 
   python scripts/inductor_kernels.py [--rotation none|hadamard|hadamard64] [--k 1024] [--m 7]
+  python scripts/inductor_kernels.py --served-graph benchmarks/results/2026-12-05-s67/serve/compile-code.tgz
 
-prints the kernels of a W4A8 layer and of a W4Ax layer, traced and as compiled by default, after
-add + RMSNorm. torch is pinned (2.11); the names stubbed are private to it.
+The first prints the kernels of a W4A8 layer and of a W4Ax layer, traced and as compiled by
+default, after add + RMSNorm; the second those of a piece of the graph vLLM served (its Dynamo
+graph, kept in its compile cache) in each MIXPREC_X_WGMMA_ORDER mode. torch is pinned (2.11); the names stubbed are private to it.
 """
 from __future__ import annotations
 
@@ -94,6 +96,69 @@ def launches(wrapper: str) -> list[str]:
     return LAUNCH.findall(wrapper)
 
 
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "u8": torch.uint8,
+          "i8": torch.int8, "i32": torch.int32, "i64": torch.int64}
+
+
+def served_submodule(path: str, index: int, tokens: int = 80):
+    """vLLM's piecewise submodule `submod_{index}` from the Dynamo graph it keeps in its compile
+    cache (backbone/computation_graph.py, in a folder or a .tgz of one), made to compile on the
+    CPU: vLLM IR ops called as their native implementations (what vLLM's lowering pass does with
+    the native provider), tensors on the CPU. Returns (forward, args): random CPU tensors of the
+    annotated shapes, `tokens` rows where the batch is symbolic (marked dynamic)."""
+    import inspect
+    import tarfile
+    import textwrap
+
+    import vllm.ir.ops as ir_ops
+
+    if path.endswith((".tgz", ".tar.gz")):
+        with tarfile.open(path) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith("backbone/computation_graph.py"))
+            source = tar.extractfile(member).read().decode()
+    else:
+        with open(os.path.join(path, "computation_graph.py") if os.path.isdir(path) else path) as f:
+            source = f.read()
+    start = source.index(f"    class submod_{index}(torch.nn.Module):")
+    end = source.find("    class submod_", start + 1)
+    body = textwrap.dedent(source[start:end if end > 0 else len(source)])
+    body = re.sub(r"torch\._C\._autograd\._get_data_attr\((\w+)\)", r"\1", body)  # .data
+    body = re.sub(r"device\(type='cuda', index=\d+\)", "'cpu'", body)
+    body = re.sub(r"torch\.ops\.vllm_ir\.(\w+)(?:\.\w+)?\(", r"_vllm_ir_native['\1'](", body)
+    native = {name: getattr(ir_ops, name).impls["native"].impl_fn
+              for name in set(re.findall(r"_vllm_ir_native\['(\w+)'\]", body))}
+    body = re.sub(r"(?<![\w.'\"])(nan|inf)(?![\w'\"])", r"float('\1')", body)  # printed floats
+    scope = {"torch": torch, "_vllm_ir_native": native}
+    exec("from __future__ import annotations\n" + body, scope)
+    module = scope[f"submod_{index}"]()
+    args = []
+    for name, param in inspect.signature(module.forward).parameters.items():
+        note = str(param.annotation).strip("'\"")
+        if note.startswith("Sym("):
+            args.append(tokens)
+            continue
+        m = re.fullmatch(r"(\w+)\[(.*)\]", note)
+        if m is None or m.group(1) not in DTYPES:
+            raise ValueError(f"submod_{index}: argument {name} has annotation {note!r}, not a tensor "
+                             f"of {sorted(DTYPES)}")
+        dims = [int(d) if d.strip().isdigit() else tokens for d in m.group(2).split(",")]
+        dtype = DTYPES[m.group(1)]
+        t = torch.randn(*dims).to(dtype) if dtype.is_floating_point else torch.randint(0, 100, dims, dtype=dtype)
+        if dims and not m.group(2).split(",")[0].strip().isdigit():
+            torch._dynamo.mark_dynamic(t, 0)
+        args.append(t)
+    return module.forward, args
+
+
+def order_modes(cp) -> list:
+    """(MIXPREC_X_WGMMA_ORDER mode, post-grad passes, Inductor options), as compile_passes.install
+    sets them on a GPU that runs the wgmma kernels."""
+    return [("0", [], {}), ("1", [cp.WgmmaActOrder()], {}),
+            ("input", [cp.WgmmaActOrder(all_shapes=True, input_order=True)], {}),
+            ("input_fused", [cp.WgmmaActOrder(all_shapes=True, input_order=True)],
+             {"realize_reads_threshold": cp.INPUT_FUSED_REALIZE_READS})]
+
+
 def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -107,7 +172,20 @@ def main() -> int:
     ap.add_argument("--rotation", choices=F.ACT_ROTATIONS, default="hadamard64",
                     help="the W4Ax layer's 4-bit blocks' rotation")
     ap.add_argument("--code", help="write the wrappers to this prefix (PREFIX_w4a8.py, ...)")
+    ap.add_argument("--served-graph", metavar="PATH",
+                    help="instead: vLLM's compile cache (a folder or .tgz with backbone/"
+                         "computation_graph.py); prints submodule --submod's kernels per "
+                         "MIXPREC_X_WGMMA_ORDER mode")
+    ap.add_argument("--submod", type=int, default=2, help="the piecewise submodule (2: layer 0's "
+                    "o_proj .. layer 1's QKV in a Llama)")
     args = ap.parse_args()
+    if args.served_graph:
+        from vllm_mixprec import compile_passes as cp
+        fn, inputs = served_submodule(args.served_graph, args.submod, args.m)
+        for mode, passes, options in order_modes(cp):
+            found = launches(triton_wrapper(fn, *inputs, options={**options, cp.HOOK: cp.MixprecPostGrad(passes)}))
+            print(f"{mode:12s} {len(found):2d} Triton kernels: {' '.join(found)}")
+        return 0
     gen = torch.Generator().manual_seed(0)
     x, res = ((torch.randn(args.m, args.k, generator=gen)).to(torch.bfloat16) for _ in range(2))
     w = (torch.rand(args.k, generator=gen) + 0.5).to(torch.bfloat16)

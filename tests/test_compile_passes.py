@@ -175,6 +175,13 @@ def test_install_with_the_wgmma_order(monkeypatch):
     cc = SimpleNamespace(inductor_compile_config={}, compile_ranges_endpoints=[8192])
     assert cp.install(cc) and cc.inductor_compile_config[cp.HOOK].passes[-1].input_order
     assert cc.inductor_compile_config[cp.HOOK].passes[-1].all_shapes
+    assert "realize_reads_threshold" not in cc.inductor_compile_config
+    monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", "input_fused")  # input order, and Inductor's option
+    cc = SimpleNamespace(inductor_compile_config={}, compile_ranges_endpoints=[8192])
+    assert cp.install(cc) and cc.inductor_compile_config[cp.HOOK].passes[-1].input_order
+    assert cc.inductor_compile_config["realize_reads_threshold"] == cp.INPUT_FUSED_REALIZE_READS
+    cc = SimpleNamespace(inductor_compile_config={"realize_reads_threshold": 8}, compile_ranges_endpoints=[8192])
+    assert cp.install(cc) and cc.inductor_compile_config["realize_reads_threshold"] == 8  # the user's stays
     monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", "0")
     assert not cp._wgmma_order_applies()
     monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", "on")

@@ -1,6 +1,6 @@
 """scripts/inductor_kernels.py: the Triton kernels Inductor generates for a compiled layer, read
-on the CPU. It is what kernels.w4ax_quant's default rests on, so these are the numbers its
-docstring gives."""
+on the CPU, checked against Inductor code kept from GPU runs. kernels.w4ax_quant's default and
+compile_passes.INPUT_FUSED_REALIZE_READS rest on these counts; their docstrings give them."""
 import pathlib
 import re
 import tarfile
@@ -14,6 +14,10 @@ from vllm_mixprec import kernels
 # Inductor's code for six layers compiled three ways on an H200 (session 65, bench_compiled_linear)
 S65_CODE = (pathlib.Path(__file__).resolve().parents[1]
             / "benchmarks/results/2026-12-04-s65/compiled-3way/inductor-code.tgz")
+# vLLM's compile cache from session 67's served input-order arm (H200): its Dynamo graph and
+# Inductor's code for it
+S67_SERVED = (pathlib.Path(__file__).resolve().parents[1]
+              / "benchmarks/results/2026-12-05-s67/serve/compile-code.tgz")
 
 
 @pytest.fixture
@@ -87,19 +91,44 @@ def test_tool_matches_a_gpu_compile(tool, seeded, name, variant):
 def test_piece_with_input_order_splits_the_qkv_quantizer(tool, seeded):
     """A decoder piece (o_proj .. QKV) with the quantizers' input permuted: the QKV's quantizer
     is not fused into the add + RMSNorm before it (the norm writes the permuted float32 values,
-    a second kernel quantizes them), as in the graph vLLM served in session 67; the natural order
-    keeps four kernels, the codes order takes seven."""
+    a second kernel quantizes them), as in the graph vLLM served in session 67. With Inductor's
+    realize_reads_threshold at compile_passes.INPUT_FUSED_REALIZE_READS (MIXPREC_X_WGMMA_ORDER=
+    input_fused) it is, and the piece has the natural order's four kernels; the codes order
+    takes seven."""
     script, bench = tool
     hidden, n_qkv, inter = 256, 384, 512
     fn = bench.piece_fn(*(bench.layer_of(n, k, seeded, None, device="cpu", impl="reference") for n, k in
                           ((hidden, hidden), (2 * inter, hidden), (hidden, inter), (n_qkv, hidden))))
     x = [(torch.randn(80, hidden, generator=seeded)).to(torch.bfloat16) for _ in range(2)]
     w = [(torch.rand(hidden, generator=seeded) + 0.5).to(torch.bfloat16) for _ in range(2)]
-    counts = {}
-    for variant in ("natural", "wgmma_order", "wgmma_input_order"):
+    found = {}
+    for variant in ("natural", "wgmma_order", "wgmma_input_order", "input_fused"):
         passes = [] if variant == "natural" else [cp.WgmmaActOrder(
-            impls=("reference",), all_shapes=True, input_order=variant == "wgmma_input_order")]
-        found = script.launches(script.triton_wrapper(fn, *x, *w, options={cp.HOOK: cp.MixprecPostGrad(passes)}))
-        counts[variant] = len(found)
-    assert counts == {"natural": 4, "wgmma_order": 7, "wgmma_input_order": 5}, counts
-    assert "amax" not in found[3] and "rsqrt" in found[3], found
+            impls=("reference",), all_shapes=True, input_order=variant != "wgmma_order")]
+        options = {cp.HOOK: cp.MixprecPostGrad(passes)}
+        if variant == "input_fused":
+            options["realize_reads_threshold"] = cp.INPUT_FUSED_REALIZE_READS
+        found[variant] = script.launches(script.triton_wrapper(fn, *x, *w, options=options))
+    assert {v: len(f) for v, f in found.items()} == {
+        "natural": 4, "wgmma_order": 7, "wgmma_input_order": 5, "input_fused": 4}, found
+    split = found["wgmma_input_order"][3]  # the second norm alone: no amax, no codes
+    assert "amax" not in split and "rsqrt" in split, found
+
+
+def test_served_piece_per_order_mode(tool):
+    """The piece of the graph vLLM served (layer 0's o_proj .. layer 1's QKV and rotary, vLLM's
+    own norm and SiLU-and-mul) in each MIXPREC_X_WGMMA_ORDER mode: natural 6 kernels, the codes
+    order by the shape rule (the default) 8, input order 7, input_fused 6. Input order's kernels
+    are those the H200 compiled for it when it was served: the same kinds in the same order."""
+    script, _ = tool
+    fn, args = script.served_submodule(str(S67_SERVED), 2)
+    found = {mode: script.launches(script.triton_wrapper(
+        fn, *args, options={**options, cp.HOOK: cp.MixprecPostGrad(passes)}))
+        for mode, passes, options in script.order_modes(cp)}
+    assert {mode: len(f) for mode, f in found.items()} == {"0": 6, "1": 8, "input": 7, "input_fused": 6}, found
+    with tarfile.open(S67_SERVED) as tar:
+        codes = [tar.extractfile(m).read().decode() for m in tar.getmembers()
+                 if m.isfile() and "/inductor_cache/" in m.name and m.name.endswith(".py")]
+    served = next(f for f in map(script.launches, codes)  # the wrapper, not a kernel's own file
+                  if "triton_red_fused__to_copy_fused_add_rms_norm_3" in f)
+    assert _kinds(found["input"]) == _kinds(served[:7]), (found["input"], served)

@@ -224,20 +224,31 @@ def _order_patterns():
 WGMMA_ORDER_AFTER_TOKENS = DECODE_MAX_M
 
 
-WGMMA_ORDER_MODES = {"1": "codes", "0": None, "input": "input"}
+WGMMA_ORDER_MODES = {"1": "codes", "0": None, "input": "input", "input_fused": "input_fused"}
+# Inductor's realize_reads_threshold for MIXPREC_X_WGMMA_ORDER=input_fused (Inductor's default: 4).
+# In vLLM's decoder piece the second add + RMSNorm recomputes the first one's residual, so its
+# output, read at permuted places by the QKV's quantizer, reads more buffers than 4 and Inductor
+# writes it out: one more kernel and a float32 [M, K] round trip. At 16 the piece compiles to as
+# many kernels as the natural order (scripts/inductor_kernels.py on session 67's served graph:
+# natural 6, codes by the rule 8, input 7, input_fused 6). Global to the compile; untimed.
+INPUT_FUSED_REALIZE_READS = 16
 
 
 def wgmma_order_mode(environ=os.environ) -> str | None:
     """MIXPREC_X_WGMMA_ORDER: 1 (default: "codes", WgmmaActOrder permutes the traced quantizer's
     codes, on the shapes of wgmma_order_pays), input ("input": it permutes the quantizer's input,
-    on every shape; under test, see WgmmaActOrder) or 0 (None: the natural order)."""
+    on every shape; under test, see WgmmaActOrder), input_fused (the same, with Inductor's
+    realize_reads_threshold at INPUT_FUSED_REALIZE_READS; under test) or 0 (None: the natural
+    order)."""
     v = environ.get("MIXPREC_X_WGMMA_ORDER", "1").strip()
     if v not in WGMMA_ORDER_MODES:
         raise ValueError(
             f"MIXPREC_X_WGMMA_ORDER={v!r}: expected 1 (the default: compiled graphs for batches of more "
             "than 64 tokens quantize the W4A8 activations in the wgmma k order, which the sm_90a GEMM "
             "copies by TMA; compile_passes.py), input (the same, the quantizer permuting its input "
-            "rather than its codes, on every layer) or 0 (the natural order everywhere)")
+            "rather than its codes, on every layer), input_fused (input, with Inductor's "
+            "realize_reads_threshold raised so that every quantizer stays in its norm's kernel) or 0 "
+            "(the natural order everywhere)")
     return WGMMA_ORDER_MODES[v]
 
 
@@ -413,7 +424,8 @@ def install(compilation_config) -> bool:
     it applies) in vLLM's custom post-grad hook, once, and split the compile ranges where they
     stop applying. Returns whether they are there. A pass the user set keeps the hook: ours are
     then left out, with a warning."""
-    order = wgmma_order_mode() == "input"
+    mode = wgmma_order_mode()
+    order = mode in ("input", "input_fused")
     passes = ([SiluMulQuantFusion()] if enabled() else []) + (
         [WgmmaActOrder(all_shapes=order, input_order=order)] if _wgmma_order_applies() else [])
     if not passes:
@@ -428,6 +440,10 @@ def install(compilation_config) -> bool:
                        ", ".join(type(p).__name__ for p in passes))
         return False
     cfg[HOOK] = MixprecPostGrad(passes)
+    if mode == "input_fused" and any(isinstance(p, WgmmaActOrder) for p in passes):
+        reads = cfg.setdefault("realize_reads_threshold", INPUT_FUSED_REALIZE_READS)  # a user's stays
+        logger.info("vllm_mixprec: MIXPREC_X_WGMMA_ORDER=input_fused: Inductor's "
+                    "realize_reads_threshold is %s (compile_passes.INPUT_FUSED_REALIZE_READS)", reads)
     for p in passes:
         end = FUSE_MAX_TOKENS if isinstance(p, SiluMulQuantFusion) else WGMMA_ORDER_AFTER_TOKENS
         _add_compile_range_end(compilation_config, end)

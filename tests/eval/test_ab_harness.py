@@ -48,6 +48,7 @@ def test_arm_table():
     assert a["w4a8kv4-naturalorder"].flags == a["w4a8kv4"].flags
     assert dict(a["w4a8kv4-naturalorder"].env) == {"MIXPREC_X_WGMMA_ORDER": "0"}
     assert dict(a["w4a8kv4-inputorder"].env) == {"MIXPREC_X_WGMMA_ORDER": "input"}
+    assert dict(a["w4a8kv4-inputfused"].env) == {"MIXPREC_X_WGMMA_ORDER": "input_fused"}
     assert all(arm.ckpt in syn.CKPT_KINDS for arm in a.values())
 
 
