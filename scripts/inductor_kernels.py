@@ -129,7 +129,7 @@ def served_submodule(path: str, index: int, tokens: int = 80):
               for name in set(re.findall(r"_vllm_ir_native\['(\w+)'\]", body))}
     body = re.sub(r"(?<![\w.'\"])(nan|inf)(?![\w'\"])", r"float('\1')", body)  # printed floats
     scope = {"torch": torch, "_vllm_ir_native": native}
-    exec("from __future__ import annotations\n" + body, scope)
+    exec("from __future__ import annotations\n" + body, scope)  # Python that vLLM's cache holds
     module = scope[f"submod_{index}"]()
     args = []
     for name, param in inspect.signature(module.forward).parameters.items():
@@ -141,10 +141,11 @@ def served_submodule(path: str, index: int, tokens: int = 80):
         if m is None or m.group(1) not in DTYPES:
             raise ValueError(f"submod_{index}: argument {name} has annotation {note!r}, not a tensor "
                              f"of {sorted(DTYPES)}")
-        dims = [int(d) if d.strip().isdigit() else tokens for d in m.group(2).split(",")]
+        sizes = [d.strip() for d in m.group(2).split(",") if d.strip()]  # "f32[]": a scalar
+        dims = [int(d) if d.isdigit() else tokens for d in sizes]
         dtype = DTYPES[m.group(1)]
         t = torch.randn(*dims).to(dtype) if dtype.is_floating_point else torch.randint(0, 100, dims, dtype=dtype)
-        if dims and not m.group(2).split(",")[0].strip().isdigit():
+        if sizes and not sizes[0].isdigit():
             torch._dynamo.mark_dynamic(t, 0)
         args.append(t)
     return module.forward, args
