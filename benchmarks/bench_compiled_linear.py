@@ -20,7 +20,9 @@ A "piece" is what vLLM compiles between two attentions of a Llama decoder: o_pro
 gate_up, SiLU-and-mul, down, add + RMSNorm, QKV (four GEMMs, three fused quantizers and one
 standalone). --vllm-inductor compiles with vLLM's own Inductor options (combo kernels among them),
 and every row is also timed launched, not replayed ("launch_us"): vLLM runs batches past its
-largest CUDA graph (512 tokens) so, as in a saturated decode of 1000 requests.
+largest CUDA graph (512 tokens) so, as in a saturated decode of 1000 requests. --input-fused adds
+"wgmma_input_fused": input order with Inductor's realize_reads_threshold raised
+(MIXPREC_X_WGMMA_ORDER=input_fused), which keeps a piece's QKV quantizer in its norm's kernel.
 
 --compare w4ax times W4Ax as it is served against W4A8 instead (issue #4's "W4Ax against W4A8,
 honestly"): "w4a8" is the natural compile above; "w4ax_kernel" the same function over W4Ax
@@ -33,7 +35,7 @@ layer has --w4ax-share of its 128-channel blocks at 8 bits and --w4ax-rotation (
 defaults).
 
   python benchmarks/bench_compiled_linear.py --out DIR [--ms 128 256 1024 4096] [--layers o_proj qkv_70b piece ...]
-      [--code] [--vllm-inductor]
+      [--code] [--vllm-inductor] [--input-fused]
       [--compare order|w4ax [--w4ax-share 0.25] [--w4ax-rotation hadamard64] [--w4ax-split-blocks R]]
 """
 from __future__ import annotations
@@ -179,13 +181,20 @@ def build(name: str, gen: torch.Generator, w4ax: dict | None = None):
 
 
 def order_variants(name: str, gen: torch.Generator, args) -> tuple:
-    """The wgmma k order A/B: (op before, N, K, {variant: (fn, passes, modes)}, extras)."""
+    """The wgmma k order A/B: (op before, N, K, {variant: (fn, passes, modes, Inductor options)},
+    extras). --input-fused adds MIXPREC_X_WGMMA_ORDER=input_fused's compile."""
     before, n, k, fn = build(name, gen)
     # the A/B on every shape, the pass's rule aside; the codes permuted, or the quantizer's input
     order = compile_passes.WgmmaActOrder(all_shapes=True)
     input_order = compile_passes.WgmmaActOrder(all_shapes=True, input_order=True)
-    return before, n, k, {"natural": (fn, [], {}), "wgmma_order": (fn, [order], {}),
-                          "wgmma_input_order": (fn, [input_order], {})}, (order, input_order)
+    variants = {"natural": (fn, [], {}, {}), "wgmma_order": (fn, [order], {}, {}),
+                "wgmma_input_order": (fn, [input_order], {}, {})}
+    extras = {"wgmma_order": order, "wgmma_input_order": input_order}
+    if args.input_fused:
+        extras["wgmma_input_fused"] = compile_passes.WgmmaActOrder(all_shapes=True, input_order=True)
+        variants["wgmma_input_fused"] = (fn, [extras["wgmma_input_fused"]], {},
+                                         {"realize_reads_threshold": compile_passes.INPUT_FUSED_REALIZE_READS})
+    return before, n, k, variants, extras
 
 
 def w4ax_variants(name: str, gen: torch.Generator, args) -> tuple:
@@ -194,13 +203,13 @@ def w4ax_variants(name: str, gen: torch.Generator, args) -> tuple:
     before, n, k, fn = build(name, gen)
     _, _, _, fn_x = build(name, gen, {"share": args.w4ax_share, "rotation": args.w4ax_rotation})
     ops = {v: MixprecOps() for v in ("w4a8", "w4ax_kernel", "w4ax_traced")}
-    return before, n, k, {"w4a8": (fn, [ops["w4a8"]], {}),
-                          "w4ax_kernel": (fn_x, [ops["w4ax_kernel"]], {"_W4AX_QUANT": "kernel"}),
-                          "w4ax_traced": (fn_x, [ops["w4ax_traced"]], {"_W4AX_QUANT": "traced"})}, ops
+    return before, n, k, {"w4a8": (fn, [ops["w4a8"]], {}, {}),
+                          "w4ax_kernel": (fn_x, [ops["w4ax_kernel"]], {"_W4AX_QUANT": "kernel"}, {}),
+                          "w4ax_traced": (fn_x, [ops["w4ax_traced"]], {"_W4AX_QUANT": "traced"}, {})}, ops
 
 
 def order_fields(row: dict, extras, outs: dict) -> str:
-    order, input_order = extras
+    order, input_order = extras["wgmma_order"], extras["wgmma_input_order"]
     same = torch.equal(outs["natural"], outs["wgmma_order"])
     row.update({"rewritten": order.rewritten, "input_rewritten": input_order.rewritten, "equal": same,
                 "input_ordered": input_order.input_ordered,
@@ -208,17 +217,30 @@ def order_fields(row: dict, extras, outs: dict) -> str:
                 "speedup": row["natural_us"] / row["wgmma_order_us"],
                 "input_order_speedup": row["natural_us"] / row["wgmma_input_order_us"],
                 "launch_input_over_codes": row["wgmma_order_launch_us"] / row["wgmma_input_order_launch_us"]})
-    return (f"x{row['speedup']:.3f} / x{row['input_order_speedup']:.3f}  equal={same}/{row['input_order_equal']} "
+    fused = extras.get("wgmma_input_fused")
+    if fused is not None:
+        row.update({"fused_rewritten": fused.rewritten, "fused_input_ordered": fused.input_ordered,
+                    "input_fused_equal": torch.equal(outs["wgmma_order"], outs["wgmma_input_fused"]),
+                    "input_fused_speedup": row["natural_us"] / row["wgmma_input_fused_us"]})
+    return (f"x{row['speedup']:.3f} / x{row['input_order_speedup']:.3f}"
+            + (f" / x{row['input_fused_speedup']:.3f}" if fused is not None else "")
+            + f"  equal={same}/{row['input_order_equal']} "
             f"rewritten={order.rewritten}/{input_order.rewritten} input_ordered={input_order.input_ordered}")
 
 
 def order_bad(row: dict) -> bool:
-    """Not every GEMM rewritten, or a quantizer not moved (once per compile: Dynamo may compile
-    twice), or further from the eager layer than the natural compile."""
-    return (not (row["rewritten"] and row["rewritten"] % row["gemms"] == 0
-                 and row["input_ordered"] == row["input_rewritten"] == row["rewritten"])
+    """A compile that did not rewrite every GEMM, or (input order) move every quantizer, each
+    time it compiled (Dynamo may compile a variant twice: a later variant's reset drops its code),
+    or ended further from the eager layer than the natural compile."""
+    def all_gemms(n: int) -> bool:
+        return n > 0 and n % row["gemms"] == 0
+    fused = "fused_rewritten" in row
+    return (not all_gemms(row["rewritten"])
+            or not (all_gemms(row["input_rewritten"]) and row["input_ordered"] == row["input_rewritten"])
+            or (fused and not (all_gemms(row["fused_rewritten"])
+                               and row["fused_input_ordered"] == row["fused_rewritten"]))
             or any(row[f"{v}_rel_err_vs_eager"] > min(5e-2, 2 * row["natural_rel_err_vs_eager"] + 1e-4)
-                   for v in ("wgmma_order", "wgmma_input_order")))
+                   for v in ("wgmma_order", "wgmma_input_order") + (("wgmma_input_fused",) if fused else ())))
 
 
 def w4ax_fields(row: dict, ops: dict, outs: dict) -> str:
@@ -230,11 +252,13 @@ def w4ax_fields(row: dict, ops: dict, outs: dict) -> str:
 
 def w4ax_bad(row: dict) -> bool:
     """The kernel-mode W4Ax compile must launch w4ax_linear only, the traced one w4ax_gemm after
-    its traced quantizer only, and each stay near its eager layer."""
+    its traced quantizer only, and each stay within 10 % of its eager layer: the compiled norm
+    rounds differently and 4-bit codes move by one (3.4 % on a CPU piece), where a wrong channel
+    order or rotation is off by order 1."""
     kernel, traced = row["w4ax_kernel_ops"], row["w4ax_traced_ops"]
     return (not kernel.get("w4ax_linear") or "w4ax_gemm" in kernel
             or not traced.get("w4ax_gemm") or "w4ax_linear" in traced
-            or any(row[f"{v}_rel_err_vs_eager"] > 5e-2 for v in ("w4a8", "w4ax_kernel", "w4ax_traced")))
+            or any(row[f"{v}_rel_err_vs_eager"] > 0.1 for v in ("w4a8", "w4ax_kernel", "w4ax_traced")))
 
 
 COMPARE = {"order": (order_variants, order_fields, order_bad),
@@ -252,6 +276,9 @@ def main() -> int:
                     help="write the Triton code Inductor generated for each compile to OUT/inductor-code/")
     ap.add_argument("--vllm-inductor", action="store_true",
                     help="compile with vLLM's Inductor options (CompilationConfig's defaults on this GPU)")
+    ap.add_argument("--input-fused", action="store_true",
+                    help="--compare order: also MIXPREC_X_WGMMA_ORDER=input_fused's compile (input order, "
+                         "Inductor's realize_reads_threshold raised; compile_passes.py)")
     ap.add_argument("--compare", choices=sorted(COMPARE), default="order",
                     help="order: the wgmma k order A/B (default); w4ax: W4Ax served against W4A8")
     ap.add_argument("--w4ax-share", type=float, default=0.25,
@@ -286,15 +313,15 @@ def main() -> int:
     for name in args.layers:
         before, n, k, variants, extras = variants_of(name, gen, args)
         code = (lambda v: os.path.join(code_dir, f"{name}_{v}.py") if args.code else None)  # noqa: E731
-        fns = {v: compiled(fn, before, k, passes, code(v), options, modes)
-               for v, (fn, passes, modes) in variants.items()}
+        fns = {v: compiled(fn, before, k, passes, code(v), {**options, **extra_options}, modes)
+               for v, (fn, passes, modes, extra_options) in variants.items()}
         for m in args.ms:
             x = inputs(before, m, k)
             first = lambda o: o[0] if isinstance(o, tuple) else o  # noqa: E731
             outs = {v: first(f(*x)).double() for v, f in fns.items()}
             row = {"layer": name, "N": n, "K": k, "M": m, "gemms": 4 if before == "piece" else 1}
             eager = {}  # one eager run per function (the variants of a scheme share one)
-            for v, (fn, _, _) in variants.items():
+            for v, (fn, *_) in variants.items():
                 if id(fn) not in eager:
                     eager[id(fn)] = first(fn(*x)).double()
                 want = eager[id(fn)]

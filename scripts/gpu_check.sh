@@ -20,6 +20,7 @@
 # decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto x_wgmma_tests
 # x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more x_input_order
 # x_input_order_piece x_input_order_layers w4ax_rot_chunks w4ax_split w4ax_compiled
+# x_input_fused_piece
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -1228,6 +1229,16 @@ stage_x_input_order_piece() {
   run_bench bench_compiled_linear_piece 540 python3 benchmarks/bench_compiled_linear.py --out "$OUT/piece" \
     --layers piece piece_70b --ms 256 1024 4096 --vllm-inductor --code || rc=1
   tar czf "$OUT/piece-code.tgz" -C "$OUT/piece" inductor-code && rm -r "$OUT/piece/inductor-code"
+  return $rc
+}
+# Session 69: the same piece with MIXPREC_X_WGMMA_ORDER=input_fused beside the three orders (the QKV's
+# quantizer kept in its norm's kernel: 6 kernels besides the GEMMs where input order has 7, on the CPU).
+stage_x_input_fused_piece() {
+  local rc=0
+  run_bench bench_compiled_linear_input_fused 540 python3 benchmarks/bench_compiled_linear.py \
+    --out "$OUT/input-fused" --layers ${X_INPUT_FUSED_LAYERS:-piece} --ms 256 1024 4096 --vllm-inductor \
+    --input-fused --code || rc=1
+  tar czf "$OUT/input-fused-code.tgz" -C "$OUT/input-fused" inductor-code && rm -r "$OUT/input-fused/inductor-code"
   return $rc
 }
 stage_x_input_order_layers() {

@@ -416,7 +416,8 @@ def test_wgmma_input_order_on_a_decoder_piece(seeded, fused_act_quant, repo_modu
     """What vLLM compiles between two attentions of a Llama decoder (bench_compiled_linear's
     piece: o_proj, add + RMSNorm, gate_up, SiLU-and-mul, down, add + RMSNorm, QKV): all four GEMMs
     read the wgmma order and all four quantizers permute their input (the standalone one of o_proj
-    and the three fused ones), with the codes-permuting compile's numbers bit for bit."""
+    and the three fused ones), with the codes-permuting compile's numbers bit for bit; so does
+    input_fused (Inductor's realize_reads_threshold raised: the same ops, fused further)."""
     import vllm.ir.ops as ir_ops
 
     bench = repo_module("benchmarks/bench_compiled_linear.py")
@@ -428,19 +429,23 @@ def test_wgmma_input_order_on_a_decoder_piece(seeded, fused_act_quant, repo_modu
     x = [(torch.randn(80, hidden, generator=seeded) * 2).to(torch.bfloat16) for _ in range(2)]
     w = [(torch.rand(hidden, generator=seeded) + 0.5).to(torch.bfloat16) for _ in range(2)]
     outs = {}
-    for input_order in (False, True):
+    for mode in ("codes", "input", "input_fused"):
+        input_order = mode != "codes"
         order = cp.WgmmaActOrder(impls=("reference",), all_shapes=True, input_order=input_order)
         seen = _PermuteDtypes()
         torch._dynamo.reset()
         for a in x:
             torch._dynamo.mark_dynamic(a, 0)
-        outs[input_order] = torch.compile(fn, fullgraph=True, options={
-            cp.HOOK: cp.MixprecPostGrad([order, seen]), "fx_graph_cache": False})(*x, *w)
+        options = {cp.HOOK: cp.MixprecPostGrad([order, seen]), "fx_graph_cache": False}
+        if mode == "input_fused":
+            options["realize_reads_threshold"] = cp.INPUT_FUSED_REALIZE_READS
+        outs[mode] = torch.compile(fn, fullgraph=True, options=options)(*x, *w)
         assert (order.rewritten, order.input_ordered) == (4, 4 if input_order else 0)
         assert seen.dtypes == [torch.float32 if input_order else torch.int8] * 4
-    for got, codes in zip(outs[True], outs[False]):
-        torch.testing.assert_close(got, codes, rtol=0, atol=0)
-    for got, want in zip(outs[True], fn(*x, *w)):  # eager: the same numbers up to codes moved by one
+    for mode in ("input", "input_fused"):
+        for got, codes in zip(outs[mode], outs["codes"]):
+            torch.testing.assert_close(got, codes, rtol=0, atol=0)
+    for got, want in zip(outs["input"], fn(*x, *w)):  # eager: the same numbers up to codes moved by one
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.05  # (1-2 % seen)
 
 
@@ -453,6 +458,13 @@ def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):
             "wgmma_input_order_rel_err_vs_eager": 0.0}
     assert not bench.order_bad(good)
     for change in ({"rewritten": 0, "input_rewritten": 0, "input_ordered": 0}, {"rewritten": 6},
-                   {"input_ordered": 4}, {"wgmma_order_rel_err_vs_eager": 0.03},
-                   {"wgmma_input_order_rel_err_vs_eager": 0.5}):
+                   {"input_ordered": 4}, {"input_rewritten": 6, "input_ordered": 6},
+                   {"wgmma_order_rel_err_vs_eager": 0.03}, {"wgmma_input_order_rel_err_vs_eager": 0.5}):
         assert bench.order_bad({**good, **change}), change
+    # a variant compiled once where another compiled twice (Dynamo resets between compiles)
+    assert not bench.order_bad({**good, "input_rewritten": 4, "input_ordered": 4})
+    fused = {**good, "fused_rewritten": 4, "fused_input_ordered": 4, "wgmma_input_fused_rel_err_vs_eager": 0.0}
+    assert not bench.order_bad(fused)  # --input-fused
+    for change in ({"fused_input_ordered": 0}, {"fused_rewritten": 2, "fused_input_ordered": 2},
+                   {"wgmma_input_fused_rel_err_vs_eager": 0.2}):
+        assert bench.order_bad({**fused, **change}), change

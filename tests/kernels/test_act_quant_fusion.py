@@ -238,7 +238,7 @@ def test_compiled_linear_benchmark_flags_w4ax_not_compiled_as_timed(repo_module)
     assert not bench.w4ax_bad(good)
     for change in ({"w4ax_traced_ops": {"w4ax_gemm": 1, "w4ax_linear": 1}}, {"w4ax_traced_ops": {}},
                    {"w4ax_kernel_ops": {"w4ax_gemm": 1}}, {"w4ax_kernel_ops": {"w4ax_linear": 1, "w4ax_gemm": 1}},
-                   {"w4ax_traced_rel_err_vs_eager": 0.4}, {"w4a8_rel_err_vs_eager": 0.06}):
+                   {"w4ax_traced_rel_err_vs_eager": 0.4}, {"w4a8_rel_err_vs_eager": 0.2}):
         assert bench.w4ax_bad({**good, **change}), change
 
 
