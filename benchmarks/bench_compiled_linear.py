@@ -68,12 +68,19 @@ MEASURED = ("qkv", "gate_up", "down")  # session 63's run
 PIECES = {"piece": (4096, 6144, 14336), "piece_70b": (8192, 10240, 28672)}
 
 
-def layer_of(n: int, k: int, gen: torch.Generator, w4ax: dict | None = None, device: str = "cuda",
-             impl: str = "cuda") -> SimpleNamespace:
+# Where the benchmark runs, and the W4A8 layers' implementation: the CPU test of main() sets
+# "cpu" and "reference" (the timings then mean nothing; the plumbing and the checks run)
+DEVICE = "cuda"
+IMPL = "cuda"
+
+
+def layer_of(n: int, k: int, gen: torch.Generator, w4ax: dict | None = None, device: str | None = None,
+             impl: str | None = None) -> SimpleNamespace:
     """Random weights of the layer's shape, quantized on the device (the 70B ones are 0.5 G
     values). W4A8 with impl "cuda": packed for the csrc GEMM. w4ax={"share": s, "rotation": r}:
     a W4Ax layer (the Triton GEMM, or impl), its input channels in a random order, round(s * k
     / 128) blocks at 8 bits."""
+    device, impl = device or DEVICE, impl or IMPL
     w = ref.quantize_weight_lqq(torch.randn(n, k, device=device, generator=gen) * 0.02, 128)
     names = ("qweight", "group_scale", "group_offset", "channel_scale")
     if w4ax is None:
@@ -112,7 +119,7 @@ def piece_fn(o_proj, gate_up, down, qkv, add_rms_norm=baq.add_rms_norm):
 
 
 def inputs(before: str, m: int, k: int):
-    r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    r = lambda *s: torch.randn(*s, device=DEVICE, dtype=torch.bfloat16)  # noqa: E731
     return {"norm": (r(m, k), r(m, k), r(k)), "none": (r(m, k),),
             "piece": (r(m, k), r(m, k), r(k), r(k))}.get(before, (r(m, 2 * k),))
 
@@ -261,11 +268,15 @@ def w4ax_bad(row: dict) -> bool:
             or any(row[f"{v}_rel_err_vs_eager"] > 0.1 for v in ("w4a8", "w4ax_kernel", "w4ax_traced")))
 
 
+def gpu_ready() -> bool:
+    return torch.cuda.is_available() and cuda.has_wgmma()
+
+
 COMPARE = {"order": (order_variants, order_fields, order_bad),
            "w4ax": (w4ax_variants, w4ax_fields, w4ax_bad)}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out")
     ap.add_argument("--ms", type=int, nargs="+", default=[128, 256, 1024, 4096])
@@ -288,7 +299,7 @@ def main() -> int:
     ap.add_argument("--w4ax-split-blocks", type=int, default=None, metavar="R",
                     help="--compare w4ax: the kernel arm's kernels.triton.gemm.W4AX_SPLIT_BLOCKS "
                          "(0: one program a row; a power of two: R blocks a program)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not 0.0 <= args.w4ax_share <= 1.0:
         ap.error(f"--w4ax-share={args.w4ax_share}: expected a share in [0, 1]")
     r = args.w4ax_split_blocks
@@ -305,10 +316,10 @@ def main() -> int:
     code_dir = os.path.join(args.out, "inductor-code")
     if args.code:
         os.makedirs(code_dir, exist_ok=True)
-    if not (torch.cuda.is_available() and cuda.has_wgmma()):
+    if not gpu_ready():
         raise SystemExit("bench_compiled_linear needs an sm_90 GPU and a csrc build with sm_90a")
     variants_of, fields, is_bad = COMPARE[args.compare]
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     rows = []
     for name in args.layers:
         before, n, k, variants, extras = variants_of(name, gen, args)
@@ -339,7 +350,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     out_name = "bench_compiled_linear.json" if args.compare == "order" else f"bench_compiled_{args.compare}.json"
     with open(os.path.join(args.out, out_name), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "inductor_options": options,
+        json.dump({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "torch": torch.__version__, "inductor_options": options,
                    "compare": args.compare, "args": vars(args),
                    "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": rows}, f, indent=1)
     # a wrong permutation or GEMM reads scrambled k: errors of order 1, not a rounding's 1e-3

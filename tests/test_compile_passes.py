@@ -468,3 +468,36 @@ def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):
     for change in ({"fused_input_ordered": 0}, {"fused_rewritten": 2, "fused_input_ordered": 2},
                    {"wgmma_input_fused_rel_err_vs_eager": 0.2}):
         assert bench.order_bad({**fused, **change}), change
+
+
+@pytest.mark.parametrize("layers, extra", [(["qkv", "piece"], ["--input-fused"]),
+                                          (["down"], ["--compare", "w4ax"])])
+def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monkeypatch, tmp_path, layers, extra):
+    """bench_compiled_linear's main() on the CPU at small shapes, its GPU parts stubbed (the
+    reference GEMM, a 1 us timer): every variant compiles, runs, is compared and checked, and
+    the JSON is written, so that a GPU session does not find a broken script."""
+    import functools
+    import json
+
+    import triton
+
+    bench = repo_module("benchmarks/bench_compiled_linear.py")
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "IMPL", "reference")
+    monkeypatch.setattr(bench, "gpu_ready", lambda: True)
+    monkeypatch.setattr(bench, "CASES", {"qkv": ("norm", 384, 256), "down": ("silu", 256, 512)})
+    monkeypatch.setattr(bench, "PIECES", {"piece": (256, 384, 512)})
+    monkeypatch.setattr(bench.baq, "PROFILE_TOKENS", 96)
+    monkeypatch.setattr(bench.baq, "time_us", lambda f, x: (f(*x), 1.0)[1])
+    monkeypatch.setattr(triton.testing, "do_bench", lambda f, **kw: (f(), 1e-3)[1])
+    monkeypatch.setattr(cp, "WgmmaActOrder", functools.partial(cp.WgmmaActOrder, impls=("reference",)))
+    monkeypatch.setattr(kernels, "_W4AX_QUANT", kernels._W4AX_QUANT)  # the W4Ax arms set these
+    monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", kernels._FUSE_ACT_QUANT)
+    assert bench.main(["--out", str(tmp_path), "--ms", "80", "--layers", *layers, *extra]) == 0
+    report = json.loads(next(tmp_path.glob("bench_compiled_*.json")).read_text())
+    rows = report["rows"]
+    assert report["device"] == "cpu" and [r["layer"] for r in rows] == layers
+    if "w4ax" in extra:
+        assert set(rows[0]["w4ax_kernel_ops"]) == {"w4ax_linear"} and set(rows[0]["w4ax_traced_ops"]) == {"w4ax_gemm"}
+    else:
+        assert all(r["fused_rewritten"] % r["gemms"] == 0 and "input_fused_speedup" in r for r in rows)
