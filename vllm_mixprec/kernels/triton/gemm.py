@@ -1073,9 +1073,10 @@ def _launch_split_rows(x, smooth, K, q, s, gated: bool = True) -> None:
 # W4Ax rows are quantized by programs of this many scale blocks each (_launch_quant_blocks), or
 # by one program a row when 0 (_quant_act_kernel). Session 67 (H200): one program a row took
 # 19.3 / 22.9 us at M = 1 on the all-4-bit rows of 8960 / 14336 channels, the whole row on one SM.
-# The split rows (session 68) passed the CPU interpreter and sm_90/sm_80 compiles but have not run
-# on a GPU (no machine was lent): 0 stays the default until `gpu_check.sh w4ax_split` (its GPU
-# tests, then A-B-A against 0) says 8, or another power of two, is right.
+# The split rows (session 68) passed their GPU tests on an H100 (session 69), and at R = 8 the
+# quantizer was 1.4-7x faster at M <= 16; but the unrotated linear was up to 1.22x slower at large
+# M in one A-then-B run (docs/BENCHMARKS.md "Session 69 (H100)"): 0 stays the default until an
+# A-B-A (`W4AX_SPLITS="8 0 8" bash scripts/gpu_check.sh w4ax_split`) settles it.
 W4AX_SPLIT_BLOCKS = 0
 
 
@@ -1113,7 +1114,7 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     registers between the load and the amax (_hadamard_pairs); until session 66 a separate
     kernel built the rotated float32 input first. W4AX_SPLIT_BLOCKS > 0 splits a row over
     programs of that many blocks, and a second, tiny launch gives the rows holding a NaN/Inf
-    their NaN scales and zero codes; 0 (the default until it is timed) is one program a row.
+    their NaN scales and zero codes; 0 (the default until an A-B-A) is one program a row.
 
     Returns (x8 int8 [M, k8], s8 float32 [M, k8/128], x4 uint8 [M, (K-k8)/2],
     s4 float32 [M, (K-k8)/128])."""
