@@ -26,6 +26,7 @@ Measured in the same run, on the same random data sizes:
   ours_w4ax_rot_quant  ours_w4ax_rot_triton_q's quantizer alone (quantize_act_w4ax with the
                      rotation; --w4ax-split-blocks sets the blocks a program quantizes, 0 one
                      program a row, and then --w4ax-rotated-chunk-blocks the rotated blocks a pass holds)
+  ours_w4ax_quant    ours_w4ax_triton_q's quantizer alone (no rotation; --w4ax-split-blocks as above)
   marlin_w4a16       Marlin, uint4b8 group 128, fp16 activations (apply_gptq_marlin_linear)
   marlin_w4a8        Marlin with its own int8 activations (VLLM_MARLIN_INPUT_DTYPE=int8 path)
   machete_w4a16      Machete, uint4b8 group 128, fp16 activations
@@ -68,10 +69,11 @@ L2_BYTES = 50 * 2 ** 20
 MAX_COPIES = 16
 GROUP = 128  # Marlin/Machete group size (ours: --group-size, 128 by default, same bytes)
 
-QUANT_ONLY = ("ours_cuda_quant", "ours_w4ax_rot_quant")  # no GEMM: no TFLOP/s, no speed-up
+QUANT_ONLY = ("ours_cuda_quant", "ours_w4ax_rot_quant", "ours_w4ax_quant")  # no GEMM: no TFLOP/s, no speed-up
 METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "ours_cuda_gemm", "ours_cuda_gemm_xw", "ours_cuda_quant",
            "ours_w4ax_triton_q",
-           "ours_w4ax_rot_triton_q", "ours_w4ax_rot_torch_triton_q", "ours_w4ax_rot_quant", "marlin_w4a16", "marlin_w4a8", "machete_w4a16", "cublas_bf16", "int8_mm",
+           "ours_w4ax_rot_triton_q", "ours_w4ax_rot_torch_triton_q", "ours_w4ax_rot_quant", "ours_w4ax_quant",
+           "marlin_w4a16", "marlin_w4a8", "machete_w4a16", "cublas_bf16", "int8_mm",
            "fp8_w8a8")
 
 
@@ -372,12 +374,12 @@ class Methods:
                 xb = x16.bfloat16()
                 perm = torch.randperm(K, device=dev).to(torch.int32)
                 k8 = self.w4ax_k8
-                rot = self.w4ax_rotation if name != "ours_w4ax_triton_q" else "none"
+                rot = "none" if name in ("ours_w4ax_triton_q", "ours_w4ax_quant") else self.w4ax_rotation
                 quant = tg.quantize_act_w4ax
                 if name == "ours_w4ax_rot_torch_triton_q":
                     quant = functools.partial(_w4ax_quant_torch_rotation, ident=torch.arange(
                         K, device=dev, dtype=torch.int32))
-                if name == "ours_w4ax_rot_quant":  # the quantizer alone (no weights read)
+                if name in ("ours_w4ax_rot_quant", "ours_w4ax_quant"):  # the quantizer alone (no weights read)
                     out.append(lambda xb=xb, perm=perm, k8=k8, rot=rot: quant(xb, perm, k8, None, rot))
                     continue
                 out.append(lambda t=t, xb=xb, perm=perm, k8=k8, rot=rot, quant=quant: tg.w4ax_gemm(
@@ -448,7 +450,7 @@ class Methods:
         """Weight bytes + activation bytes (input and output) of one call."""
         if name == "ours_cuda_quant":  # bf16 in, int8 codes and a float32 scale a row out
             return M * self.K * 3 + M * 4
-        if name == "ours_w4ax_rot_quant":  # bf16 in; codes (8 or 4 bits) and a scale a block out
+        if name in ("ours_w4ax_rot_quant", "ours_w4ax_quant"):  # bf16 in; codes (8 or 4 bits), a scale a block out
             return M * (self.K * 2 + self.w4ax_k8 + (self.K - self.w4ax_k8) // 2 + self.K // 32)
         base = setup_of(name)
         wbytes = self.setups[base][0]
@@ -629,6 +631,7 @@ _SHORT = {"ours_triton": "tri", "ours_triton_q": "tri+q", "ours_cuda": "cuda", "
           "ours_cuda_gemm_xw": "cuda-gx", "ours_cuda_quant": "cuda-q",
           "ours_w4ax_triton_q": "w4ax", "ours_w4ax_rot_triton_q": "w4ax+rot",
           "ours_w4ax_rot_torch_triton_q": "w4ax+rot(torch)", "ours_w4ax_rot_quant": "w4ax-rq",
+          "ours_w4ax_quant": "w4ax-q",
           "marlin_w4a16": "mar16",
           "marlin_w4a8": "mar8", "machete_w4a16": "mach", "cublas_bf16": "bf16", "int8_mm": "i8mm", "fp8_w8a8": "fp8"}
 _RATIOS = (("ours_cuda", "marlin_w4a16"), ("ours_cuda_gemm", "marlin_w4a16"), ("ours_cuda", "fp8_w8a8"),

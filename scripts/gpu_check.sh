@@ -748,7 +748,7 @@ w4ax_quant_aba() {
     i=$((i + 1))
     mkdir -p "$OUT/$name-$i-$r"
     run_bench "bench_${name//-/_}_$i-$r" 200 python3 benchmarks/bench_gemm.py --shapes "$shapes" --ms "$ms" \
-      --methods ours_w4ax_triton_q,ours_w4ax_rot_triton_q,ours_w4ax_rot_quant --w4ax-a8-share 0.0 \
+      --methods ours_w4ax_triton_q,ours_w4ax_quant,ours_w4ax_rot_triton_q,ours_w4ax_rot_quant --w4ax-a8-share 0.0 \
       --w4ax-rotation hadamard64 "$option" "$r" --out "$OUT/$name-$i-$r" || rc=1
   done
   return $rc

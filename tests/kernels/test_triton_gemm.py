@@ -834,6 +834,8 @@ def test_bench_gemm_quantizer_column(repo_module, tmp_path, capsys):
     assert meth.bytes_moved("ours_cuda_quant", 16) == 16 * 4096 * 3 + 16 * 4
     meth.w4ax_k8 = 1024  # W4Ax's quantizer: bf16 in, 1024 int8 + 3072 4-bit codes, 32 scales out
     assert meth.bytes_moved("ours_w4ax_rot_quant", 2) == 2 * (4096 * 2 + 1024 + 1536 + 32 * 4)
+    assert meth.bytes_moved("ours_w4ax_quant", 2) == meth.bytes_moved("ours_w4ax_rot_quant", 2)
+    assert {"ours_w4ax_quant", "ours_w4ax_rot_quant"} <= set(mod.QUANT_ONLY)
     row = {"K": 4096, "N": 4096, "M": 16, "methods": {
         "ours_cuda": {"ms": 0.008, "speedup_vs_marlin_w4a16": 1.25}, "ours_cuda_quant": {"ms": 0.002},
         "marlin_w4a16": {"ms": 0.010}}}
