@@ -27,8 +27,8 @@ largest CUDA graph (512 tokens) so, as in a saturated decode of 1000 requests. -
 --compare w4ax times W4Ax as it is served against W4A8 instead (issue #4's "W4Ax against W4A8,
 honestly"): "w4a8" is the natural compile above; "w4ax_kernel" the same function over W4Ax
 layers as the plugin compiles them by default (the op before, then the opaque
-mixprec::w4ax_linear: the Triton quantize kernel, at kernels.triton.gemm.W4AX_SPLIT_BLOCKS or
---w4ax-split-blocks, and the Triton GEMM); "w4ax_traced" with MIXPREC_W4AX_QUANT=traced (the
+mixprec::w4ax_linear: the Triton quantize kernel, split as kernels.triton.gemm.w4ax_split_blocks_for
+says or at --w4ax-split-blocks, and the Triton GEMM); "w4ax_traced" with MIXPREC_W4AX_QUANT=traced (the
 quantizer in torch ops: Inductor compiles the op before, the channel gather, the 4-bit blocks'
 rotation and both quantizations into 5-15 kernels, scripts/inductor_kernels.py). Every W4Ax
 layer has --w4ax-share of its 128-channel blocks at 8 bits and --w4ax-rotation (the quantizer's
@@ -297,8 +297,8 @@ def main(argv=None) -> int:
     ap.add_argument("--w4ax-rotation", choices=F.ACT_ROTATIONS, default="hadamard64",
                     help="--compare w4ax: the 4-bit blocks' rotation (the quantizer's default)")
     ap.add_argument("--w4ax-split-blocks", type=int, default=None, metavar="R",
-                    help="--compare w4ax: the kernel arm's kernels.triton.gemm.W4AX_SPLIT_BLOCKS "
-                         "(0: one program a row; a power of two: R blocks a program)")
+                    help="--compare w4ax: the kernel arm's split at every M (0: one program a row; "
+                         "a power of two: R blocks a program; default: w4ax_split_blocks_for)")
     args = ap.parse_args(argv)
     if not 0.0 <= args.w4ax_share <= 1.0:
         ap.error(f"--w4ax-share={args.w4ax_share}: expected a share in [0, 1]")
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
         ap.error(f"--w4ax-split-blocks={r}: expected 0 or a power of two")
     if r is not None:
         from vllm_mixprec.kernels.triton import gemm as tg
-        tg.W4AX_SPLIT_BLOCKS = r  # read at each launch
+        tg.force_w4ax_split_blocks(r)  # read at each launch
     options = {}
     if args.vllm_inductor:
         from vllm.config import CompilationConfig

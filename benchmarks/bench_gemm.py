@@ -107,8 +107,9 @@ def parse_args(argv=None):
                    help="rotated 4-bit blocks the W4Ax quantizer holds in one pass (a power of two; "
                         "default: the kernel's ROTATED_CHUNK_BLOCKS): its tuning A/B")
     p.add_argument("--w4ax-split-blocks", type=int, default=None, metavar="R",
-                   help="scale blocks each program of the W4Ax quantizer takes (a power of two, or 0: "
-                        "one program a row; default: the kernel's W4AX_SPLIT_BLOCKS): its tuning A/B")
+                   help="scale blocks each program of the W4Ax quantizer takes at every M (a power of "
+                        "two, or 0: one program a row; default: the kernel's rule, "
+                        "w4ax_split_blocks_for): its tuning A/B")
     p.add_argument("--flush", choices=("write", "read"), default="write",
                    help="L2 flush before each replay: do_bench's (writes 256 MB: the L2 is left full of "
                         "dirty lines, whose write-backs the timed kernel pays) or one that reads 256 MB "
@@ -530,7 +531,7 @@ def main(argv=None) -> int:
     if args.w4ax_rotated_chunk_blocks:
         tg.ROTATED_CHUNK_BLOCKS = args.w4ax_rotated_chunk_blocks  # read at each launch
     if args.w4ax_split_blocks is not None:
-        tg.W4AX_SPLIT_BLOCKS = args.w4ax_split_blocks  # read at each launch
+        tg.force_w4ax_split_blocks(args.w4ax_split_blocks)  # read at each launch
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
     report = {"device": dev, "torch": torch.__version__, "vllm": vllm.__version__,
@@ -542,7 +543,8 @@ def main(argv=None) -> int:
               "group_size": {"ours": args.group_size, "marlin/machete": GROUP},
               "w4ax": {"a8_share": args.w4ax_a8_share, "rotation": args.w4ax_rotation,
                        "rotated_chunk_blocks": tg.ROTATED_CHUNK_BLOCKS,
-                       "split_blocks": tg.W4AX_SPLIT_BLOCKS},
+                       "split_blocks": tg.W4AX_SPLIT_BLOCKS,
+                       "split_unrotated_max_m": tg.W4AX_SPLIT_UNROTATED_MAX_M},
               "results": [], "sweep": []}
     t_start = time.time()
     for K, N in args.shapes:

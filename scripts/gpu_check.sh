@@ -762,26 +762,27 @@ stage_w4ax_rot_chunks() {
   w4ax_quant_aba w4ax-rot-chunks --w4ax-rotated-chunk-blocks 8960x1536,14336x4096,28672x8192 \
     1,16,256,1024 ${W4AX_ROT_CHUNKS:-64 128 64}
 }
-# Session 68: the W4Ax quantizer's rows split over programs of R blocks (gemm.W4AX_SPLIT_BLOCKS; 0 is
-# one program a row, session 67's), A-B-A over W4AX_SPLITS, after its GPU tests, on QKV and the 8B
-# and 70B down projections.
+# Session 68: the W4Ax quantizer's rows split over programs of R blocks at every M (bench_gemm
+# --w4ax-split-blocks; 0 is one program a row, session 67's), A-B-A over W4AX_SPLITS, after its GPU
+# tests, on QKV and the 8B and 70B down projections: the check of gemm.w4ax_split_blocks_for.
 stage_w4ax_split() {
   local rc=0
   [ -n "${W4AX_SPLIT_SKIP_TESTS:-}" ] || pytest_gpu pytest-w4ax-split 300 tests/kernels/test_triton_gemm.py -k w4ax || rc=1
   # shellcheck disable=SC2086
   w4ax_quant_aba w4ax-split --w4ax-split-blocks "${W4AX_SPLIT_SHAPES:-4096x6144,14336x4096,28672x8192}" \
-    "${W4AX_SPLIT_MS:-1,16,256,1024,4096}" ${W4AX_SPLITS:-8 0 8} || rc=1
+    "${W4AX_SPLIT_MS:-1,16,64,256,1024,4096}" ${W4AX_SPLITS:-8 0 8} || rc=1
   return $rc
 }
 # Session 69: W4Ax compiled as vLLM compiles it, by default (the op before, then the opaque
 # w4ax_linear: the Triton quantizer and GEMM) and traced (MIXPREC_W4AX_QUANT=traced: Inductor's
 # 5-15 quantize kernels), against W4A8 compiled the same way (the csrc GEMM: after `build`), a
-# quarter of the blocks at 8 bits. W4AX_COMPILED_SPLIT sets the kernel arm's W4AX_SPLIT_BLOCKS.
+# quarter of the blocks at 8 bits. The kernel arm splits rows as gemm.w4ax_split_blocks_for says
+# (session 70's default), or over W4AX_COMPILED_SPLIT blocks at every M (0: one program a row).
 stage_w4ax_compiled() {
   # shellcheck disable=SC2086  # the values are words
   run_bench bench_compiled_w4ax 540 python3 benchmarks/bench_compiled_linear.py --compare w4ax \
     --out "$OUT/w4ax-compiled" --layers ${W4AX_COMPILED_LAYERS:-qkv gate_up down o_proj} \
-    --ms ${W4AX_COMPILED_MS:-1 16 256 1024 4096} --w4ax-split-blocks "${W4AX_COMPILED_SPLIT:-0}"
+    --ms ${W4AX_COMPILED_MS:-1 16 256 1024 4096} ${W4AX_COMPILED_SPLIT:+--w4ax-split-blocks "$W4AX_COMPILED_SPLIT"}
 }
 # The Triton W4Ax GEMM's tile configs at M = 256 and 1024 (bench_gemm.py --sweep over
 # --sweep-method ours_w4ax_triton_q), all-8-bit and at 25 % 8-bit blocks (session 45)

@@ -40,6 +40,13 @@ def _act(m, k, gen, dtype=torch.float32, device=DEV):
     return x.to(dtype).to(device)
 
 
+def _force_split(monkeypatch, blocks: int) -> None:
+    """The W4Ax quantizer's rows split over programs of `blocks` blocks (0: one program a row)
+    at every M and rotation (gemm.force_w4ax_split_blocks), for this test only."""
+    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", blocks)
+    monkeypatch.setattr(tg, "W4AX_SPLIT_UNROTATED_MAX_M", None)
+
+
 def assert_close_to_f64(y, expect, out_dtype):
     """|y - r| <= one rounding of out_dtype + 1e-6 of the output scale, and no NaN/Inf."""
     assert y.dtype == out_dtype
@@ -120,7 +127,7 @@ def test_quantize_act_two_pass(monkeypatch, budget, seeded):
     program a row) hold whole blocks: one per chunk (budget 64), or two with the last chunk
     half masked (256)."""
     monkeypatch.setattr(tg, "_MAX_ROW_VALUES", budget)
-    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", 0)
+    _force_split(monkeypatch, 0)
     x = _act(3, 256, seeded, torch.float16)
     sm = (torch.rand(256, generator=seeded) + 0.5).to(DEV)
     q, s = tg.quantize_act(x, sm)
@@ -210,7 +217,7 @@ def test_silu_mul_quantize_act_two_pass_and_errors(monkeypatch, seeded):
 @pytest.mark.parametrize("split_blocks", [0, 1, 8])
 def test_quantize_act_w4ax_bit_exact(k, k8, smooth, m, rotation, split_blocks, seeded, monkeypatch):
     """One program a row (0), and rows split over programs of 1 and 8 blocks."""
-    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", split_blocks)
+    _force_split(monkeypatch, split_blocks)
     x = _act(m, k, seeded, torch.bfloat16)
     perm = torch.randperm(k, generator=seeded).to(DEV)
     sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV) if smooth else None
@@ -228,7 +235,7 @@ def test_quantize_act_w4ax_rotates_in_its_one_kernel(seeded, monkeypatch):
     x = _act(3, 256, seeded, torch.bfloat16)
     perm = torch.randperm(256, generator=seeded).to(DEV)
     sm = (torch.rand(256, generator=seeded) + 0.5).to(DEV)
-    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", 8)
+    _force_split(monkeypatch, 8)
     plain = tg.quantize_act_w4ax(x, perm, 256, sm)
     launches = []
     for name in ("_launch_quant", "_launch_quant_blocks"):
@@ -238,10 +245,34 @@ def test_quantize_act_w4ax_rotates_in_its_one_kernel(seeded, monkeypatch):
     for a, b in zip(tg.quantize_act_w4ax(x, perm, 256, sm, "hadamard"), plain):
         assert torch.equal(a, b)
     tg.quantize_act_w4ax(x, perm, 128, sm, "hadamard64")
-    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", 0)
+    _force_split(monkeypatch, 0)
     tg.quantize_act_w4ax(x, perm, 128, sm, "hadamard64")
     assert launches == [("_launch_quant_blocks", 0), ("_launch_quant_blocks", 64),
                         ("_launch_quant", 64)]
+
+
+@pytest.mark.parametrize("m,k8,rotation,split", [
+    (1, 128, "none", True), (64, 128, "none", True), (65, 128, "none", False),
+    (4096, 0, "none", False), (1, 128, "hadamard64", True), (4096, 128, "hadamard64", True),
+    (65, 256, "hadamard64", False),  # every block at 8 bits: nothing rotated
+])
+def test_quantize_act_w4ax_split_rule(m, k8, rotation, split, monkeypatch):
+    """By default rows are split over programs of W4AX_SPLIT_BLOCKS blocks, except unrotated
+    ones past W4AX_SPLIT_UNROTATED_MAX_M tokens (one program a row there: session 69's
+    A-then-B); force_w4ax_split_blocks splits at every M, or nowhere."""
+    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", 8)
+    monkeypatch.setattr(tg, "W4AX_SPLIT_UNROTATED_MAX_M", 64)
+    launches = []
+    for name in ("_launch_quant", "_launch_quant_blocks"):
+        monkeypatch.setattr(tg, name, lambda *a, name=name, **kw: launches.append(name))
+    x = torch.randn(m, 256, dtype=torch.bfloat16)
+    tg.quantize_act_w4ax(x, torch.arange(256), k8, None, rotation)
+    assert launches == ["_launch_quant_blocks" if split else "_launch_quant"]
+    assert tg.w4ax_split_blocks_for(m, F.act_rotation_size(rotation) if k8 < 256 else 0) == 8 * split
+    for forced in (8, 0):
+        tg.force_w4ax_split_blocks(forced)
+        assert (tg.W4AX_SPLIT_BLOCKS, tg.W4AX_SPLIT_UNROTATED_MAX_M) == (forced, None)
+        assert tg.w4ax_split_blocks_for(m, 0) == forced  # (monkeypatch restores both)
 
 
 @pytest.mark.parametrize("m,k,k8", [(1, 256, 0), (17, 384, 128), (5, 512, 256), (3, 256, 256),
@@ -253,7 +284,7 @@ def test_quantize_act_w4ax_rotated_every_dtype_and_pass(m, k, k8, rotation, dtyp
     """One program a row: the rotated codes and scales bit for bit, each input dtype, in one
     pass over the row and in two (more than ROTATED_CHUNK_BLOCKS 4-bit blocks: K - k8 > 16384);
     a row holding a NaN gets NaN scales and zero codes, as in the reference."""
-    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", 0)
+    _force_split(monkeypatch, 0)
     x = _act(m, k, seeded, dtype)
     if m > 3:
         x[2, 7] = float("nan")
@@ -276,7 +307,7 @@ def test_quantize_act_w4ax_split_rows_poison_whole_rows(split_blocks, rotation, 
     """Rows split over programs of split_blocks blocks (the last chunk of each part partly
     masked): a NaN or Inf in one program's blocks still gives its whole row NaN scales and zero
     codes in both parts (the second pass), as in the reference; other rows are untouched."""
-    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", split_blocks)
+    _force_split(monkeypatch, split_blocks)
     m, k, k8 = 5, 2560, 640  # 5 8-bit blocks, 15 4-bit blocks
     x = _act(m, k, seeded, dtype)
     perm = torch.randperm(k, generator=seeded).to(DEV)
@@ -316,7 +347,7 @@ def test_quant_launch_num_warps_is_power_of_two(k, k8, w4ax, monkeypatch):
             return lambda *a, **kw: seen.append(kw["num_warps"])
 
     monkeypatch.setattr(tg, "_quant_act_kernel", Capture())
-    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", 0)  # the split rows' warps: test below
+    _force_split(monkeypatch, 0)  # the split rows' warps: test below
     x = torch.randn(2, k, dtype=torch.bfloat16)
     if w4ax:
         tg.quantize_act_w4ax(x, torch.arange(k), k8, None, w4ax)
@@ -327,14 +358,14 @@ def test_quant_launch_num_warps_is_power_of_two(k, k8, w4ax, monkeypatch):
 
 @pytest.mark.parametrize("split_blocks", [1, 2, 8, 16, 32])
 def test_quant_blocks_num_warps_is_power_of_two(split_blocks, monkeypatch):
-    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", split_blocks)
+    _force_split(monkeypatch, split_blocks)
     consts, warps = tg._quant_blocks_config(64)
     assert consts["R"] == split_blocks and warps in (1, 2, 4, 8, 16)
 
 
 @pytest.mark.parametrize("split_blocks", [3, -2])
 def test_quant_blocks_rejects_other_than_powers_of_two(split_blocks, monkeypatch):
-    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", split_blocks)
+    _force_split(monkeypatch, split_blocks)
     x = torch.randn(2, 512, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(ValueError, match=f"W4AX_SPLIT_BLOCKS={split_blocks}: expected a power"):
         tg.quantize_act_w4ax(x, torch.arange(512, device=DEV), 128)
@@ -694,7 +725,7 @@ def test_gpu_w4ax(m, k8, rotation, split_blocks, monkeypatch):
     """Codes and scales bit for bit (the fast Hadamard transform inside the quantize kernel
     against the reference's torch ops on the GPU; one program a row, and rows split over
     programs), then the GEMM against float64."""
-    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", split_blocks)
+    _force_split(monkeypatch, split_blocks)
     n, k, g = 4096 + 64, 4096, 128
     t, x = _gpu_case(m, n, k, g, seed=m)
     perm = torch.randperm(k, device="cuda")
@@ -718,7 +749,7 @@ def test_gpu_w4ax_rotation_long_rows(m, k, k8, rotation, split_blocks, monkeypat
     ROTATED_CHUNK_BLOCKS 4-bit blocks (K = 28672: two passes, the second from L2), long rows in
     one pass (K = 14336) and a short one; rows split over programs (a programmatic dependent
     second pass on Hopper); a NaN row included: bit for bit the reference's torch ops."""
-    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", split_blocks)
+    _force_split(monkeypatch, split_blocks)
     gen = torch.Generator().manual_seed(m + k + k8)
     x = _act(m, k, gen, torch.bfloat16).cuda()
     x[-1, 3] = float("nan")
@@ -764,7 +795,7 @@ def test_gpu_w4ax_cuda_graph_replay(m, monkeypatch):
     t, x = _gpu_case(m, n, k, 128, seed=6)
     perm = torch.randperm(k, device="cuda")
     static_x = x.clone()
-    monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", 8)
+    _force_split(monkeypatch, 8)
 
     def layer(inp):
         q = tg.quantize_act_w4ax(inp, perm, k8, None, "hadamard64")

@@ -1073,11 +1073,34 @@ def _launch_split_rows(x, smooth, K, q, s, gated: bool = True) -> None:
 # W4Ax rows are quantized by programs of this many scale blocks each (_launch_quant_blocks), or
 # by one program a row when 0 (_quant_act_kernel). Session 67 (H200): one program a row took
 # 19.3 / 22.9 us at M = 1 on the all-4-bit rows of 8960 / 14336 channels, the whole row on one SM.
-# The split rows (session 68) passed their GPU tests on an H100 (session 69), and at R = 8 the
-# quantizer was 1.4-7x faster at M <= 16; but the unrotated linear was up to 1.22x slower at large
-# M in one A-then-B run (docs/BENCHMARKS.md "Session 69 (H100)"): 0 stays the default until an
-# A-B-A (`W4AX_SPLITS="8 0 8" bash scripts/gpu_check.sh w4ax_split`) settles it.
-W4AX_SPLIT_BLOCKS = 0
+# Session 69 (H100, docs/BENCHMARKS.md "Session 69 (H100)"): the split rows passed their GPU
+# tests; at R = 8 the rotated quantizer was 1.3-7x faster at M <= 16 and within 6 % or faster at
+# M >= 256, the rotated linear 1.46-1.59x faster at M <= 16 on the 8B and 70B down projections and
+# faster or within 1.3 % everywhere, and the compiled W4Ax down / QKV 1.43-2.16x faster than
+# traced (0.90x at M = 1 with one program a row). The unrotated linear was 1.03-1.44x faster at
+# M <= 16 but up to 1.22x slower at M >= 256 in that one A-then-B run (run first, the split arm may
+# carry warm-up drift: its unrotated rows there were slower than its rotated ones, which do more
+# work): past W4AX_SPLIT_UNROTATED_MAX_M tokens they keep one program a row until an A-B-A
+# (`bash scripts/gpu_check.sh w4ax_split`) says otherwise.
+W4AX_SPLIT_BLOCKS = 8
+# Rows with no rotated block (act_rotation "none", or every block at 8 bits) split only up to this
+# many tokens (64: fewer rows than an H100's 132 SMs, where one program a row leaves SMs idle);
+# None: at every M (force_w4ax_split_blocks).
+W4AX_SPLIT_UNROTATED_MAX_M: int | None = 64
+
+
+def w4ax_split_blocks_for(m: int, rotation_size: int) -> int:
+    """The scale blocks a program of quantize_act_w4ax takes for m rows whose 4-bit blocks are
+    rotated in rotation_size-channel groups (0: not rotated); 0 is one program a row."""
+    cap = W4AX_SPLIT_UNROTATED_MAX_M
+    return 0 if rotation_size == 0 and cap is not None and m > cap else W4AX_SPLIT_BLOCKS
+
+
+def force_w4ax_split_blocks(r: int) -> None:
+    """W4Ax rows split over programs of r blocks (0: one program a row) at every M and rotation:
+    the benchmarks' A/B arms."""
+    global W4AX_SPLIT_BLOCKS, W4AX_SPLIT_UNROTATED_MAX_M
+    W4AX_SPLIT_BLOCKS, W4AX_SPLIT_UNROTATED_MAX_M = r, None
 
 
 def _launch_quant_blocks(x, perm, smooth, k8, x8, s8, x4, s4, rotation_size: int) -> None:
@@ -1112,9 +1135,9 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
 
     The rotation (reference.hadamard_a4_blocks' butterflies) runs on the 4-bit blocks in
     registers between the load and the amax (_hadamard_pairs); until session 66 a separate
-    kernel built the rotated float32 input first. W4AX_SPLIT_BLOCKS > 0 splits a row over
-    programs of that many blocks, and a second, tiny launch gives the rows holding a NaN/Inf
-    their NaN scales and zero codes; 0 (the default until an A-B-A) is one program a row.
+    kernel built the rotated float32 input first. Rows are split over programs of
+    w4ax_split_blocks_for(M, rotation) blocks, and a second, tiny launch gives the rows holding a
+    NaN/Inf their NaN scales and zero codes; 0 is one program a row.
 
     Returns (x8 int8 [M, k8], s8 float32 [M, k8/128], x4 uint8 [M, (K-k8)/2],
     s4 float32 [M, (K-k8)/128])."""
@@ -1132,8 +1155,9 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     s4 = torch.empty((M, lay.num_a4_blocks), dtype=torch.float32, device=dev)
     if M == 0:
         return x8, s8, x4, s4
-    launch = _launch_quant_blocks if W4AX_SPLIT_BLOCKS else functools.partial(_launch_quant,
-                                                                               per_block=True)
+    rotation_size = n if k8 < K else 0
+    launch = (_launch_quant_blocks if w4ax_split_blocks_for(M, rotation_size)
+              else functools.partial(_launch_quant, per_block=True))
     launch(x, perm.contiguous(), smooth.contiguous() if smooth is not None else None, k8, x8, s8,
-           x4, s4, rotation_size=n if k8 < K else 0)
+           x4, s4, rotation_size=rotation_size)
     return x8, s8, x4, s4
