@@ -69,7 +69,8 @@ L2_BYTES = 50 * 2 ** 20
 MAX_COPIES = 16
 GROUP = 128  # Marlin/Machete group size (ours: --group-size, 128 by default, same bytes)
 
-QUANT_ONLY = ("ours_cuda_quant", "ours_w4ax_rot_quant", "ours_w4ax_quant")  # no GEMM: no TFLOP/s, no speed-up
+W4AX_QUANT_ONLY = ("ours_w4ax_rot_quant", "ours_w4ax_quant")  # quantize_act_w4ax alone, rotated or not
+QUANT_ONLY = ("ours_cuda_quant",) + W4AX_QUANT_ONLY  # no GEMM: no TFLOP/s, no speed-up
 METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "ours_cuda_gemm", "ours_cuda_gemm_xw", "ours_cuda_quant",
            "ours_w4ax_triton_q",
            "ours_w4ax_rot_triton_q", "ours_w4ax_rot_torch_triton_q", "ours_w4ax_rot_quant", "ours_w4ax_quant",
@@ -380,7 +381,7 @@ class Methods:
                 if name == "ours_w4ax_rot_torch_triton_q":
                     quant = functools.partial(_w4ax_quant_torch_rotation, ident=torch.arange(
                         K, device=dev, dtype=torch.int32))
-                if name in ("ours_w4ax_rot_quant", "ours_w4ax_quant"):  # the quantizer alone (no weights read)
+                if name in W4AX_QUANT_ONLY:  # the quantizer alone (no weights read)
                     out.append(lambda xb=xb, perm=perm, k8=k8, rot=rot: quant(xb, perm, k8, None, rot))
                     continue
                 out.append(lambda t=t, xb=xb, perm=perm, k8=k8, rot=rot, quant=quant: tg.w4ax_gemm(
@@ -451,7 +452,7 @@ class Methods:
         """Weight bytes + activation bytes (input and output) of one call."""
         if name == "ours_cuda_quant":  # bf16 in, int8 codes and a float32 scale a row out
             return M * self.K * 3 + M * 4
-        if name in ("ours_w4ax_rot_quant", "ours_w4ax_quant"):  # bf16 in; codes (8 or 4 bits), a scale a block out
+        if name in W4AX_QUANT_ONLY:  # bf16 in; codes (8 or 4 bits) and a scale a block out
             return M * (self.K * 2 + self.w4ax_k8 + (self.K - self.w4ax_k8) // 2 + self.K // 32)
         base = setup_of(name)
         wbytes = self.setups[base][0]
