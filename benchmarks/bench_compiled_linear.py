@@ -77,9 +77,9 @@ IMPL = "cuda"
 def layer_of(n: int, k: int, gen: torch.Generator, w4ax: dict | None = None, device: str | None = None,
              impl: str | None = None) -> SimpleNamespace:
     """Random weights of the layer's shape, quantized on the device (the 70B ones are 0.5 G
-    values). W4A8 with impl "cuda": packed for the csrc GEMM. w4ax={"share": s, "rotation": r}:
-    a W4Ax layer (the Triton GEMM, or impl), its input channels in a random order, round(s * k
-    / 128) blocks at 8 bits."""
+    values). W4A8 with impl "cuda": packed for the csrc GEMM. w4ax={"share": s, "rotation": r,
+    "perm": form}: a W4Ax layer (the Triton GEMM, or impl), its input channels in a random order
+    (formats.random_act_perm), round(s * k / 128) blocks at 8 bits."""
     device, impl = device or DEVICE, impl or IMPL
     w = ref.quantize_weight_lqq(torch.randn(n, k, device=device, generator=gen) * 0.02, 128)
     names = ("qweight", "group_scale", "group_offset", "channel_scale")
@@ -88,7 +88,7 @@ def layer_of(n: int, k: int, gen: torch.Generator, w4ax: dict | None = None, dev
         return SimpleNamespace(**packed, mixprec_impl=impl, mixprec_scheme="w4a8", input_smooth=None)
     return SimpleNamespace(**{m: w[m] for m in names}, mixprec_impl="triton" if impl == "cuda" else impl,
                            mixprec_scheme="w4ax", input_smooth=None,
-                           act_perm=torch.randperm(k, device=device, generator=gen).to(torch.int32),
+                           act_perm=F.random_act_perm(k, w4ax["perm"], gen, device),
                            mixprec_k8=F.ACT_BLOCK * round(w4ax["share"] * k / F.ACT_BLOCK),
                            mixprec_act_rotation=w4ax["rotation"])
 
@@ -208,7 +208,8 @@ def w4ax_variants(name: str, gen: torch.Generator, args) -> tuple:
     """W4Ax as served against W4A8 (module docstring), each compile with its op counter (the
     extras)."""
     before, n, k, fn = build(name, gen)
-    _, _, _, fn_x = build(name, gen, {"share": args.w4ax_share, "rotation": args.w4ax_rotation})
+    _, _, _, fn_x = build(name, gen, {"share": args.w4ax_share, "rotation": args.w4ax_rotation,
+                                      "perm": args.w4ax_perm})
     ops = {v: MixprecOps() for v in ("w4a8", "w4ax_kernel", "w4ax_traced")}
     return before, n, k, {"w4a8": (fn, [ops["w4a8"]], {}, {}),
                           "w4ax_kernel": (fn_x, [ops["w4ax_kernel"]], {"_W4AX_QUANT": "kernel"}, {}),
@@ -296,6 +297,10 @@ def main(argv=None) -> int:
                     help="--compare w4ax: the share of each layer's 128-channel blocks at 8 bits")
     ap.add_argument("--w4ax-rotation", choices=F.ACT_ROTATIONS, default="hadamard64",
                     help="--compare w4ax: the 4-bit blocks' rotation (the quantizer's default)")
+    ap.add_argument("--w4ax-perm", choices=F.ACT_PERM_FORMS, default="blocks",
+                    help="--compare w4ax: the layers' random act_perm, whole 128-channel blocks moved "
+                         "(a `quantize --a8-select blocks` checkpoint, the default) or any channel "
+                         "anywhere (--a8-select channels)")
     ap.add_argument("--w4ax-split-blocks", type=int, default=None, metavar="R",
                     help="--compare w4ax: the kernel arm's split at every M (0: one program a row; "
                          "a power of two: R blocks a program; default: w4ax_split_blocks_for)")

@@ -27,6 +27,7 @@ Measured in the same run, on the same random data sizes:
                      rotation; --w4ax-split-blocks sets the blocks a program quantizes, 0 one
                      program a row, and then --w4ax-rotated-chunk-blocks the rotated blocks a pass holds)
   ours_w4ax_quant    ours_w4ax_triton_q's quantizer alone (no rotation; --w4ax-split-blocks as above)
+                     (every ours_w4ax method permutes its input channels as --w4ax-perm says)
   marlin_w4a16       Marlin, uint4b8 group 128, fp16 activations (apply_gptq_marlin_linear)
   marlin_w4a8        Marlin with its own int8 activations (VLLM_MARLIN_INPUT_DTYPE=int8 path)
   machete_w4a16      Machete, uint4b8 group 128, fp16 activations
@@ -104,6 +105,12 @@ def parse_args(argv=None):
                         "and layer give each linear its own)")
     p.add_argument("--w4ax-rotation", choices=("hadamard", "hadamard64"), default="hadamard",
                    help="ours_w4ax_rot_triton_q's act_rotation (formats.ACT_ROTATIONS)")
+    p.add_argument("--w4ax-perm", choices=W4AX_PERMS, default="blocks",
+                   help="W4Ax methods' random act_perm: whole 128-channel blocks moved, as "
+                        "`quantize --a8-select blocks` (the default) writes, held as a block table "
+                        "(blocks) or as the channel table a checkpoint stores (blocks-as-channels: "
+                        "the kernel's block path A/B); or any channel anywhere (channels, "
+                        "--a8-select channels)")
     p.add_argument("--w4ax-rotated-chunk-blocks", type=int, default=None, metavar="R",
                    help="rotated 4-bit blocks the W4Ax quantizer holds in one pass (a power of two; "
                         "default: the kernel's ROTATED_CHUNK_BLOCKS): its tuning A/B")
@@ -246,24 +253,39 @@ def _w4ax_quant_torch_rotation(x, perm, k8, smooth, act_rotation, ident):
     from vllm_mixprec.kernels.triton import gemm as tg
     rotation = F.act_rotation_matrix(act_rotation).to(x.device)
     m, k = x.shape
-    xp = x.float()[:, perm.long()]
+    perm = F.act_channel_perm(perm, x.shape[1])
+    xp = x.float()[:, perm]
     if smooth is not None:
-        xp = xp / smooth.float()[perm.long()]
+        xp = xp / smooth.float()[perm]
     a4 = xp[:, k8:].reshape(m, (k - k8) // 128, 128) @ rotation
     xr = torch.cat([xp[:, :k8], a4.reshape(m, k - k8)], dim=1)
     return tg.quantize_act_w4ax(xr, ident, k8, None)
+
+
+W4AX_PERMS = ("blocks", "blocks-as-channels", "channels")
+
+
+def w4ax_perm(k: int, kind: str, device):
+    """A random act_perm of a W4AX_PERMS kind, in the form the quantize kernel is handed."""
+    import torch
+    from vllm_mixprec import formats as F
+    if kind == "blocks-as-channels":
+        return F.act_channel_perm(F.random_act_perm(k, "blocks", device=device), k).to(torch.int32)
+    return F.random_act_perm(k, kind, device=device)
 
 
 class Methods:
     """Builds, per shape, each method's weights; per M, a callable per weight copy."""
 
     def __init__(self, K: int, N: int, wanted, errors: dict, group_size: int = GROUP,
-                 w4ax_a8_share: float = 0.25, w4ax_rotation: str = "hadamard"):
+                 w4ax_a8_share: float = 0.25, w4ax_rotation: str = "hadamard",
+                 w4ax_perm: str = "blocks"):
         import torch
         self.K, self.N, self.dev, self.errors = K, N, "cuda", errors
         self.group_size = group_size
         self.w4ax_k8 = 128 * round(w4ax_a8_share * K / 128)
         self.w4ax_rotation = w4ax_rotation
+        self.w4ax_perm = w4ax_perm
         self.wanted = wanted
         self.w16 = (torch.randn(N, K, device=self.dev) / math.sqrt(K)).half()  # [N, K]
         self.setups = {}
@@ -374,7 +396,7 @@ class Methods:
                 if K % 128:
                     raise RuntimeError("W4Ax needs K to be a multiple of 128")
                 xb = x16.bfloat16()
-                perm = torch.randperm(K, device=dev).to(torch.int32)
+                perm = w4ax_perm(K, self.w4ax_perm, dev)
                 k8 = self.w4ax_k8
                 rot = "none" if name in ("ours_w4ax_triton_q", "ours_w4ax_quant") else self.w4ax_rotation
                 quant = tg.quantize_act_w4ax
@@ -543,6 +565,7 @@ def main(argv=None) -> int:
                          "cublas": "bf16", "int8_mm": "int8 -> int32"},
               "group_size": {"ours": args.group_size, "marlin/machete": GROUP},
               "w4ax": {"a8_share": args.w4ax_a8_share, "rotation": args.w4ax_rotation,
+                       "perm": args.w4ax_perm,
                        "rotated_chunk_blocks": tg.ROTATED_CHUNK_BLOCKS,
                        "split_blocks": tg.W4AX_SPLIT_BLOCKS,
                        "split_unrotated_max_m": tg.W4AX_SPLIT_UNROTATED_MAX_M},
@@ -551,7 +574,7 @@ def main(argv=None) -> int:
     for K, N in args.shapes:
         errors: dict = {}
         meth = Methods(K, N, args.methods, errors, args.group_size, args.w4ax_a8_share,
-                       args.w4ax_rotation)
+                       args.w4ax_rotation, args.w4ax_perm)
         for M in args.ms:
             row = {"K": K, "N": N, "M": M, "flop": 2 * M * N * K, "methods": {}}
             if "ours" in meth.setups:

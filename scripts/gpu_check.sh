@@ -20,7 +20,7 @@
 # decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto x_wgmma_tests
 # x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more x_input_order
 # x_input_order_piece x_input_order_layers w4ax_rot_chunks w4ax_split w4ax_compiled
-# x_input_fused_piece
+# x_input_fused_piece w4ax_perm
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -772,6 +772,15 @@ stage_w4ax_split() {
   w4ax_quant_aba w4ax-split --w4ax-split-blocks "${W4AX_SPLIT_SHAPES:-4096x6144,14336x4096,28672x8192}" \
     "${W4AX_SPLIT_MS:-1,16,64,256,1024,4096}" ${W4AX_SPLITS:-8 0 8} || rc=1
   return $rc
+}
+# Session 71: the W4Ax quantizer over its input permutation's forms (bench_gemm --w4ax-perm), A-B-A:
+# whole blocks moved as a block table (a --a8-select blocks layer, the default, since session 71),
+# the same as its [K] channel table (the kernel's read before), and any channel anywhere
+# (--a8-select channels; every W4Ax table before session 71 timed this one).
+stage_w4ax_perm() {
+  # shellcheck disable=SC2086
+  w4ax_quant_aba w4ax-perm --w4ax-perm "${W4AX_PERM_SHAPES:-4096x6144,14336x4096,28672x8192}" \
+    "${W4AX_PERM_MS:-1,16,256,1024,4096}" ${W4AX_PERMS:-blocks blocks-as-channels channels blocks}
 }
 # Session 69: W4Ax compiled as vLLM compiles it, by default (the op before, then the opaque
 # w4ax_linear: the Triton quantizer and GEMM) and traced (MIXPREC_W4AX_QUANT=traced: Inductor's

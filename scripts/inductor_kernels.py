@@ -172,6 +172,9 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=7, help="tokens")
     ap.add_argument("--rotation", choices=F.ACT_ROTATIONS, default="hadamard64",
                     help="the W4Ax layer's 4-bit blocks' rotation")
+    ap.add_argument("--perm", choices=F.ACT_PERM_FORMS, default="blocks",
+                    help="the W4Ax layer's act_perm: whole blocks moved (a default checkpoint) or "
+                         "any channel anywhere (--a8-select channels)")
     ap.add_argument("--code", help="write the wrappers to this prefix (PREFIX_w4a8.py, ...)")
     ap.add_argument("--served-graph", metavar="PATH",
                     help="instead: vLLM's compile cache (a folder or .tgz with backbone/"
@@ -191,9 +194,9 @@ def main() -> int:
     x, res = ((torch.randn(args.m, args.k, generator=gen)).to(torch.bfloat16) for _ in range(2))
     w = (torch.rand(args.k, generator=gen) + 0.5).to(torch.bfloat16)
     kernels._FUSE_ACT_QUANT = True
-    for name, w4ax, mode in (("w4a8", None, "traced"),
-                             ("w4ax_traced", {"share": 0.25, "rotation": args.rotation}, "traced"),
-                             ("w4ax_kernel", {"share": 0.25, "rotation": args.rotation}, "kernel")):
+    w4ax = {"share": 0.25, "rotation": args.rotation, "perm": args.perm}
+    for name, w4ax, mode in (("w4a8", None, "traced"), ("w4ax_traced", w4ax, "traced"),
+                             ("w4ax_kernel", w4ax, "kernel")):
         kernels._W4AX_QUANT = mode
         layer = bench.layer_of(256, args.k, gen, w4ax, device="cpu", impl="reference")
         wrapper = triton_wrapper(bench.layer_fn("norm", layer), x, res, w)

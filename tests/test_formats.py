@@ -146,6 +146,38 @@ def test_act_rotation_matrix_names():
     assert F.hadamard_norm(64) == 0.125 and F.hadamard_norm(128) == float(torch.tensor(0.5 ** 3.5))
 
 
+def test_act_block_perm_finds_whole_block_moves(seeded):
+    """W4Ax act_perm's runtime forms: a permutation moving whole blocks, channels in order (what
+    `--a8-select blocks` writes), becomes its block table and back; any other stays [K]."""
+    k = 4 * F.ACT_BLOCK
+    blocks = F.random_act_perm(k, "blocks", seeded)
+    assert blocks.dtype == torch.int32 and sorted(blocks.tolist()) == [0, 1, 2, 3]
+    channels = F.act_channel_perm(blocks, k)
+    assert torch.equal(channels.view(4, -1)[:, 0], blocks.long() * F.ACT_BLOCK)
+    assert torch.equal(F.act_block_perm(channels.to(torch.int32)), blocks)
+    assert torch.equal(F.act_channel_perm(channels, k), channels)
+    assert [F.act_perm_unit(p, k) for p in (channels, blocks)] == [1, F.ACT_BLOCK]
+    # the quantizer's own block selection is such a permutation
+    from vllm_mixprec.quantize import fmpq
+    chosen = fmpq.act_permutation(torch.rand(k, generator=seeded), "blocks")
+    assert F.act_block_perm(chosen) is not None
+    swapped = channels.clone()
+    swapped[[5, 6]] = swapped[[6, 5]]  # two channels of one block out of order
+    shifted = torch.roll(torch.arange(k), 1)  # whole runs, not on block boundaries
+    for other in (swapped, shifted, F.random_act_perm(k, "channels", seeded), torch.arange(100)):
+        assert F.act_block_perm(other) is None
+    assert torch.equal(F.act_block_perm(torch.arange(k)), torch.arange(4, dtype=torch.int32))
+
+
+def test_act_perm_forms_errors():
+    with pytest.raises(ValueError, match=r"expected \(256,\) channels or \(2,\) blocks of 128"):
+        F.act_perm_unit(torch.arange(3), 256)
+    with pytest.raises(ValueError, match="act_perm form 'rows' is not one of"):
+        F.random_act_perm(256, "rows")
+    with pytest.raises(ValueError, match="k=200 is not divisible by 128"):
+        F.random_act_perm(200, "blocks")
+
+
 @pytest.mark.parametrize("k", [64, 192, 4096])
 def test_wgmma_act_k_order_is_the_unit_transpose(k):
     """In every 64 k, 4-byte unit 4a + b lands at unit 4b + a (the packing's k permutation, as the

@@ -42,11 +42,14 @@ def test_w4a8_quantizer_is_fused_into_the_norm(tool, seeded):
     assert "torch.ops.mixprec.w4a8_gemm.default(" in wrapper
 
 
+@pytest.mark.parametrize("perm", ["blocks", "channels"])
 @pytest.mark.parametrize("rotation, kernels_traced", [("none", 5), ("hadamard", 15), ("hadamard64", 14)])
-def test_w4ax_quantizer_traced_is_many_kernels(tool, seeded, monkeypatch, rotation, kernels_traced):
+def test_w4ax_quantizer_traced_is_many_kernels(tool, seeded, monkeypatch, rotation, kernels_traced,
+                                               perm):
     """Traced, the W4Ax quantizer is 5-15 kernels (the gather, the per-block amaxes, one per
-    butterfly stage); by default a compiled W4Ax layer is the norm's kernel plus w4ax_linear."""
-    w4ax = {"share": 0.25, "rotation": rotation}
+    butterfly stage), whichever form its permutation has; by default a compiled W4Ax layer is
+    the norm's kernel plus w4ax_linear."""
+    w4ax = {"share": 0.25, "rotation": rotation, "perm": perm}
     monkeypatch.setattr(kernels, "_W4AX_QUANT", "traced")
     found, wrapper = _launches(tool, seeded, w4ax)
     assert len(found) == kernels_traced and "torch.ops.mixprec.w4ax_gemm.default(" in wrapper, found

@@ -22,6 +22,8 @@ A8/A4 (W4Ax): channels permuted, then K is cut into ACT_BLOCK-channel blocks; th
   (A4_TOP: nibble q in [-8, 7] stands for (q + 1/2) * scale, scale = block amax / 7.5), two
   per byte (k even in the low nibble, two's complement nibbles). One scale per
   (token, block): float32 [M, num_a8_blocks] and [M, num_a4_blocks] (W4ActLayout).
+  The permutation act_perm is stored as [K] channels; at run time one that moves whole blocks
+  is held as [K/ACT_BLOCK] blocks (act_block_perm), so the quantizer reads an index a block.
   act_rotation "hadamard": before quantization each 4-bit block is multiplied by the
   orthonormal Hadamard matrix hadamard(ACT_BLOCK) (x_b <- x_b H); the exporter stored that
   block's weight columns as W_b H, so x_b H (W_b H)^T = x_b W_b^T and the GEMM is unchanged.
@@ -231,6 +233,55 @@ class W4ActLayout:
     @property
     def num_a4_blocks(self) -> int:
         return self.k4 // ACT_BLOCK
+
+
+def act_block_perm(perm: torch.Tensor) -> torch.Tensor | None:
+    """W4Ax act_perm [K] as the block permutation it is, or None: int32 [K/ACT_BLOCK] whose
+    entry b is the source block of permuted block b, when every permuted block is one whole
+    source block with its channels in order (what `quantize --a8-select blocks`, the default,
+    writes). A runtime form only: checkpoints keep the [K] channel permutation."""
+    k = perm.numel()
+    if k % ACT_BLOCK or perm.dim() != 1:
+        return None
+    blocks = perm.view(-1, ACT_BLOCK).long()
+    first = blocks[:, 0]
+    whole = (first % ACT_BLOCK == 0) & (blocks == first[:, None] + torch.arange(
+        ACT_BLOCK, device=perm.device)).all(dim=1)
+    return (first // ACT_BLOCK).to(torch.int32) if bool(whole.all()) else None
+
+
+def act_perm_unit(perm: torch.Tensor, k: int) -> int:
+    """Channels one entry of a runtime W4Ax act_perm stands for, over K = k: 1 ([k] channels)
+    or ACT_BLOCK ([k/ACT_BLOCK] blocks, act_block_perm); ValueError for any other shape."""
+    if perm.dim() == 1 and perm.numel() == k:
+        return 1
+    if k % ACT_BLOCK == 0 and perm.dim() == 1 and perm.numel() == k // ACT_BLOCK:
+        return ACT_BLOCK
+    raise ValueError(f"perm has shape {tuple(perm.shape)}; expected ({k},) channels or "
+                     f"({k // ACT_BLOCK},) blocks of {ACT_BLOCK} (formats.act_block_perm) for K={k}")
+
+
+ACT_PERM_FORMS = ("blocks", "channels")  # act_perm at run time: [K/ACT_BLOCK] or [K] entries
+
+
+def random_act_perm(k: int, form: str, generator: torch.Generator | None = None,
+                    device=None) -> torch.Tensor:
+    """A random W4Ax act_perm in a runtime form (ACT_PERM_FORMS), int32, for benchmarks and
+    tests: "blocks" moves whole blocks (a `--a8-select blocks` checkpoint, the default),
+    "channels" any channel anywhere (`--a8-select channels`)."""
+    if form not in ACT_PERM_FORMS:
+        raise ValueError(f"act_perm form {form!r} is not one of {ACT_PERM_FORMS}")
+    if form == "blocks":
+        check_divisible("k", k, ACT_BLOCK)
+    n = k // ACT_BLOCK if form == "blocks" else k
+    return torch.randperm(n, generator=generator, device=device).to(torch.int32)
+
+
+def act_channel_perm(perm: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [k] channel permutation from either runtime form of W4Ax act_perm (act_perm_unit)."""
+    if act_perm_unit(perm, k) == 1:
+        return perm.long()
+    return (perm.long()[:, None] * ACT_BLOCK + torch.arange(ACT_BLOCK, device=perm.device)).reshape(k)
 
 
 def hadamard(n: int = ACT_BLOCK) -> torch.Tensor:

@@ -256,17 +256,19 @@ def hadamard_a4_blocks(xp: torch.Tensor, k8: int, act_rotation: str) -> torch.Te
 
 def w4ax_act_input(x: torch.Tensor, perm: torch.Tensor, k8: int, smooth: torch.Tensor | None,
                    act_rotation: str = "none") -> torch.Tensor:
-    """The float32 values W4Ax quantizes: x / smooth, channels permuted, 4-bit blocks rotated
+    """The float32 values W4Ax quantizes: x / smooth, channels permuted (perm: [K] channels
+    or [K/ACT_BLOCK] blocks, formats.act_channel_perm), 4-bit blocks rotated
     (hadamard_a4_blocks)."""
-    return hadamard_a4_blocks(_act_input(x, smooth)[:, perm.long()], k8, act_rotation)
+    perm = F.act_channel_perm(perm, x.shape[-1])
+    return hadamard_a4_blocks(_act_input(x, smooth)[:, perm], k8, act_rotation)
 
 
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
                       smooth: torch.Tensor | None = None, act_rotation: str = "none"
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W4Ax activations: permute channels, first k8 to int8, the rest (each block rotated as
-    act_rotation says, formats.ACT_ROTATIONS) to packed int4 on the half-integer grid
-    (formats.A4_TOP), with one symmetric scale per
+    """W4Ax activations: permute channels (perm: [K] channels or [K/ACT_BLOCK] blocks), first
+    k8 to int8, the rest (each block rotated as act_rotation says, formats.ACT_ROTATIONS) to
+    packed int4 on the half-integer grid (formats.A4_TOP), with one symmetric scale per
     (token, ACT_BLOCK-channel block) (COMET's FMPQ: an outlier-free 4-bit block keeps its own
     resolution instead of sharing the token's largest 4-bit value).
 

@@ -209,10 +209,11 @@ def test_compiled_linear_benchmark_compiles_w4ax_as_meant(seeded, repo_module, m
     from vllm_mixprec import compile_passes as cp
 
     bench = repo_module("benchmarks/bench_compiled_linear.py")
-    layer = bench.layer_of(96, 512, seeded, {"share": 0.25, "rotation": "hadamard64"}, device="cpu",
-                           impl="reference")
+    layer = bench.layer_of(96, 512, seeded, {"share": 0.25, "rotation": "hadamard64", "perm": "blocks"},
+                           device="cpu", impl="reference")
     assert (layer.mixprec_scheme, layer.mixprec_k8, layer.mixprec_act_rotation) == ("w4ax", 128, "hadamard64")
-    assert sorted(layer.act_perm.tolist()) == list(range(512)) and layer.act_perm.dtype == torch.int32
+    # the block table a --a8-select blocks checkpoint is held as
+    assert sorted(layer.act_perm.tolist()) == list(range(4)) and layer.act_perm.dtype == torch.int32
     fn = bench.layer_fn("norm", layer)
     x, res = ((torch.randn(7, 512, generator=seeded) * 2).to(torch.bfloat16) for _ in range(2))
     w = (torch.rand(512, generator=seeded) + 0.5).to(torch.bfloat16)

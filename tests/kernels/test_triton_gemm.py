@@ -228,6 +228,36 @@ def test_quantize_act_w4ax_bit_exact(k, k8, smooth, m, rotation, split_blocks, s
         assert torch.equal(a.cpu(), b), name
 
 
+@pytest.mark.parametrize("k,k8", [(384, 128), (512, 0)])
+@pytest.mark.parametrize("rotation", ["none", "hadamard64"])
+@pytest.mark.parametrize("split_blocks", [0, 2])
+def test_quantize_act_w4ax_block_perm(k, k8, rotation, split_blocks, seeded, monkeypatch):
+    """A permutation of whole blocks handed over as the block table (formats.act_block_perm,
+    what a --a8-select blocks layer holds) and as its [K] channel table: the kernels' two reads
+    of it give the reference's codes and scales bit for bit."""
+    _force_split(monkeypatch, split_blocks)
+    x = _act(3, k, seeded, torch.bfloat16)
+    blocks = F.random_act_perm(k, "blocks", seeded)
+    channels = F.act_channel_perm(blocks, k)
+    assert torch.equal(F.act_block_perm(channels), blocks)
+    sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV)
+    expect = ref.quantize_act_w4ax(x.cpu(), channels, k8, sm.cpu(), rotation)
+    for perm in (blocks, channels):
+        got = tg.quantize_act_w4ax(x, perm.to(DEV), k8, sm, rotation)
+        for name, a, b in zip(("x8", "s8", "x4", "s4"), got, expect):
+            assert torch.equal(a.cpu(), b), (name, perm.numel())
+
+
+def test_quantize_act_w4ax_perm_shape_errors(seeded):
+    """A perm of neither K nor K/ACT_BLOCK entries is refused by the kernel and the reference,
+    naming both forms."""
+    x = _act(2, 256, seeded, torch.bfloat16)
+    for bad in (torch.arange(255), torch.arange(4), torch.arange(256).view(2, 128)):
+        for call in (tg.quantize_act_w4ax, ref.quantize_act_w4ax):
+            with pytest.raises(ValueError, match=r"expected \(256,\) channels or \(2,\) blocks"):
+                call(x, bad.to(x.device), 128, None)
+
+
 def test_quantize_act_w4ax_rotates_in_its_one_kernel(seeded, monkeypatch):
     """The rotation runs inside the quantize kernel (no float32 round trip; the split rows'
     second launch only poisons NaN rows), split or one program a row; a layer with no 4-bit
@@ -744,16 +774,18 @@ def test_gpu_w4ax(m, k8, rotation, split_blocks, monkeypatch):
 @pytest.mark.parametrize("k,k8", [(14336, 0), (14336, 3584), (28672, 0), (1536, 384)])
 @pytest.mark.parametrize("rotation", ["hadamard", "hadamard64"])
 @pytest.mark.parametrize("split_blocks", [0, 8])
-def test_gpu_w4ax_rotation_long_rows(m, k, k8, rotation, split_blocks, monkeypatch):
+@pytest.mark.parametrize("perm_form", F.ACT_PERM_FORMS)
+def test_gpu_w4ax_rotation_long_rows(m, k, k8, rotation, split_blocks, perm_form, monkeypatch):
     """The rotation in the compiled kernels: one program a row on a row of more than
     ROTATED_CHUNK_BLOCKS 4-bit blocks (K = 28672: two passes, the second from L2), long rows in
     one pass (K = 14336) and a short one; rows split over programs (a programmatic dependent
-    second pass on Hopper); a NaN row included: bit for bit the reference's torch ops."""
+    second pass on Hopper); the permutation a block table or a channel one; a NaN row included:
+    bit for bit the reference's torch ops."""
     _force_split(monkeypatch, split_blocks)
     gen = torch.Generator().manual_seed(m + k + k8)
     x = _act(m, k, gen, torch.bfloat16).cuda()
     x[-1, 3] = float("nan")
-    perm = torch.randperm(k, generator=gen).cuda()
+    perm = F.random_act_perm(k, perm_form, gen).cuda()
     smooth = (torch.rand(k, generator=gen) + 0.5).cuda()
     for a, b in zip(tg.quantize_act_w4ax(x, perm, k8, smooth, rotation),
                     ref.quantize_act_w4ax(x, perm, k8, smooth, rotation)):
@@ -787,13 +819,14 @@ def test_gpu_cuda_graph_replay_and_determinism(m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 300])
-def test_gpu_w4ax_cuda_graph_replay(m, monkeypatch):
+@pytest.mark.parametrize("perm_form", F.ACT_PERM_FORMS)
+def test_gpu_w4ax_cuda_graph_replay(m, perm_form, monkeypatch):
     """The W4Ax quantizer's split rows (two launches, the second a programmatic dependent one on
     Hopper) and the GEMM captured in a graph: replays with new inputs, a NaN row included,
     match eager bit for bit."""
     n, k, k8 = 4096, 4096, 1024
     t, x = _gpu_case(m, n, k, 128, seed=6)
-    perm = torch.randperm(k, device="cuda")
+    perm = F.random_act_perm(k, perm_form, device="cuda")
     static_x = x.clone()
     _force_split(monkeypatch, 8)
 
@@ -841,6 +874,15 @@ def test_bench_gemm_w4ax_options_and_bad_share(repo_module, capsys):
     with pytest.raises(SystemExit):
         mod.parse_args(["--w4ax-split-blocks", "12"])
     assert "--w4ax-split-blocks=12: expected 0 or a power of two" in capsys.readouterr().err
+    # the W4Ax methods' permutation: by default a block table, as a default checkpoint runs
+    assert mod.parse_args([]).w4ax_perm == "blocks"
+    k = 512
+    perms = {kind: mod.w4ax_perm(k, kind, "cpu") for kind in mod.W4AX_PERMS}
+    assert [F.act_perm_unit(perms[kind], k) for kind in mod.W4AX_PERMS] == [F.ACT_BLOCK, 1, 1]
+    assert F.act_block_perm(perms["blocks-as-channels"]) is not None
+    assert F.act_block_perm(perms["channels"]) is None
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--w4ax-perm", "rows"])
 
 
 def test_bench_gemm_replot_skips_methods_not_run(repo_module, tmp_path):

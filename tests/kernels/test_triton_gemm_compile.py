@@ -21,13 +21,14 @@ SCRIPT = textwrap.dedent(r'''
     # Llama-3-70B's down input all 4-bit (two passes), Llama-3-8B's down (the longest row in one
     # pass) and QKV inputs, all 4-bit and a quarter at 8 bits, and a short row
     for k, k8 in ((28672, 0), (14336, 0), (4096, 1024), (1536, 384)):
-        for rotation in ("hadamard", "hadamard64"):
+        # the permutation read a channel an entry, and (default layers) a block an entry
+        for rotation, unit in (("hadamard", 1), ("hadamard64", 1), ("hadamard64", F.ACT_BLOCK)):
             consts, warps = G._quant_launch_config(k, k8, True,
                                                    rotation_size=F.act_rotation_size(rotation))
             assert consts["ONE_PASS"] == (k != 28672), (k, k8, consts)
-            kern = compile_kernel(G._quant_act_kernel, ptrs, dict(consts, HAS_PERM=True, HAS_SMOOTH=True),
+            kern = compile_kernel(G._quant_act_kernel, ptrs, dict(consts, PERM_UNIT=unit, HAS_SMOOTH=True),
                                   arch, num_warps=warps)
-            assert ptxas_usage(kern, arch)[1] == 0, (k, k8, rotation, ptxas_usage(kern, arch))
+            assert ptxas_usage(kern, arch)[1] == 0, (k, k8, rotation, unit, ptxas_usage(kern, arch))
             ptx = kern.asm["ptx"]
             # the transform's bits are the reference's: additions, then one multiply, no FMA
             assert "fma" not in ptx and ptx.count("sub.f32") > 0, (k, k8, rotation)
@@ -36,10 +37,11 @@ SCRIPT = textwrap.dedent(r'''
         G.W4AX_SPLIT_BLOCKS = r
         for rotation in ("none", "hadamard64"):
             consts, warps = G._quant_blocks_config(F.act_rotation_size(rotation))
-            kern = compile_kernel(G._quant_act_blocks_kernel, dict(ptrs, bad_ptr="*i32"),
-                                  dict(consts, HAS_SMOOTH=True, PDL=arch >= 90), arch,
-                                  num_warps=warps)
-            assert ptxas_usage(kern, arch)[1] == 0, (r, rotation, ptxas_usage(kern, arch))
+            for unit in (1, F.ACT_BLOCK) if r == 8 else (F.ACT_BLOCK,):
+                kern = compile_kernel(G._quant_act_blocks_kernel, dict(ptrs, bad_ptr="*i32"),
+                                      dict(consts, PERM_UNIT=unit, HAS_SMOOTH=True, PDL=arch >= 90),
+                                      arch, num_warps=warps)
+                assert ptxas_usage(kern, arch)[1] == 0, (r, rotation, unit, ptxas_usage(kern, arch))
     kern = compile_kernel(G._quant_act_blocks_poison_kernel, dict(ptrs, bad_ptr="*i32"),
                           dict(ACT_BLOCK=F.ACT_BLOCK, CHUNKS_P2=32, BLOCK=1024, PDL=arch >= 90),
                           arch, num_warps=1)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from linear_helpers import load_tensors
+from vllm_mixprec import formats as F
 from vllm_mixprec import reference as ref
 from vllm_mixprec.quant_methods.config import MixPrecConfig
 
@@ -118,8 +119,11 @@ def test_group_size_must_divide_k(vllm_tp1):
                           prefix="model.layers.0.mlp.down_proj")
 
 
+@pytest.mark.parametrize("perm_form", F.ACT_PERM_FORMS)
 @pytest.mark.parametrize("rotation", ["none", "hadamard", "hadamard64"])
-def test_w4ax_layer(vllm_tp1, seeded, rotation):
+def test_w4ax_layer(vllm_tp1, seeded, rotation, perm_form):
+    """A W4Ax layer against the reference; a checkpoint permutation of whole blocks is held as
+    the block table after loading (formats.act_block_perm), a channel one as it came."""
     from vllm.model_executor.layers.linear import RowParallelLinear
     cfg = MixPrecConfig.from_config(dict(BASE, weight_scheme="w4ax", act_bits="4/8", a8_fraction=0.25,
                                          act_rotation=rotation))
@@ -127,12 +131,15 @@ def test_w4ax_layer(vllm_tp1, seeded, rotation):
     layer = RowParallelLinear(k, n, bias=False, quant_config=cfg, params_dtype=torch.float16,
                               prefix="model.layers.0.mlp.down_proj")
     w = torch.randn(n, k, generator=seeded)
-    perm = torch.randperm(k, generator=seeded).to(torch.int32)
+    perm = F.act_channel_perm(F.random_act_perm(k, perm_form, seeded), k).to(torch.int32)
     t = ref.quantize_weight_lqq(w[:, perm.long()], 64)
     t.update(act_perm=perm, a8_blocks=torch.tensor([1], dtype=torch.int32))
     load_tensors(layer, t, None)
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.mixprec_k8 == 128
+    held = layer.act_perm.data
+    assert held.dtype == torch.int32 and torch.equal(F.act_channel_perm(held, k), perm.long())
+    assert held.shape == ((k // F.ACT_BLOCK,) if perm_form == "blocks" else (k,))
     assert layer.mixprec_act_rotation == rotation
     x = torch.randn(3, k, generator=seeded).half()
     y = layer.quant_method.apply(layer, x)

@@ -262,8 +262,9 @@ def w4ax_linear(x: torch.Tensor, qweight: torch.Tensor, group_scale: torch.Tenso
                 group_offset: torch.Tensor, channel_scale: torch.Tensor, act_perm: torch.Tensor,
                 k8: int, bias: torch.Tensor | None, smooth: torch.Tensor | None,
                 act_rotation: str, impl: str) -> torch.Tensor:
-    """W4Ax: permute (and rotate the 4-bit blocks, formats.ACT_ROTATIONS), split 8/4-bit
-    activations, two integer GEMMs, one epilogue."""
+    """W4Ax: permute (act_perm: [K] channels or [K/ACT_BLOCK] blocks, formats.act_perm_unit;
+    and rotate the 4-bit blocks, formats.ACT_ROTATIONS), split 8/4-bit activations, two integer
+    GEMMs, one epilogue."""
     mod = _impl_module(impl)
     x8, s8, x4, s4 = mod.quantize_act_w4ax(x, act_perm, k8, smooth, act_rotation)
     return mod.w4ax_gemm(x8, s8, x4, s4, qweight, group_scale, group_offset, channel_scale,
@@ -334,6 +335,12 @@ def prepare_linear(layer: torch.nn.Module, weight_scheme: str, prefix: str,
         layer.mixprec_k8 = int(layer.a8_blocks.data[0]) * F.ACT_BLOCK
         del layer.a8_blocks
         layer.mixprec_act_rotation = act_rotation
+        # a permutation of whole blocks (--a8-select blocks) is read once a block, not a channel
+        blocks = F.act_block_perm(layer.act_perm.data)
+        if blocks is not None:
+            layer.act_perm = torch.nn.Parameter(blocks, requires_grad=False)
+        logger.debug("vllm_mixprec: %s act_perm: %s", prefix,
+                     "whole blocks" if blocks is not None else "channels")
     group_size = layer.mixprec_in_features // layer.group_scale.shape[-1]  # checkpoint layout [N, K/G]
     if impl == "cuda":
         _cuda.prepare_weights(layer)

@@ -103,7 +103,7 @@ def block_outlier_permutation(act_absmax: torch.Tensor) -> torch.Tensor:
     if a.numel() % F.ACT_BLOCK:
         raise ValueError(f"block selection needs K a multiple of {F.ACT_BLOCK}, got {a.numel()}")
     order = torch.argsort(a.reshape(-1, F.ACT_BLOCK).amax(1), descending=True, stable=True)
-    return (order[:, None] * F.ACT_BLOCK + torch.arange(F.ACT_BLOCK)).flatten().to(torch.int32)
+    return F.act_channel_perm(order, a.numel()).to(torch.int32)
 
 
 # How the 8-bit activation blocks are chosen (QuantOptions.a8_select, `quantize --a8-select`):

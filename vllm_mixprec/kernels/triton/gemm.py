@@ -317,12 +317,19 @@ def _rounded_as(v, like):
 
 
 @triton.jit
-def _act_values(xrow, perm_ptr, smooth_ptr, j, mask, up, HAS_PERM: tl.constexpr,
+def _act_values(xrow, perm_ptr, smooth_ptr, j, mask, up, PERM_UNIT: tl.constexpr,
                 HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr):
     """fp32 values of (permuted) columns j of one row, divided by smooth (as the reference).
-    GATED: the row is [gate | up] (up at column offset `up`) and the value is vLLM's
-    SiluAndMul, silu(gate) * up, rounded to the row's dtype after each op as torch does."""
-    c = tl.load(perm_ptr + j, mask=mask, other=0) if HAS_PERM else j
+    PERM_UNIT: 0 no permutation, else the channels of one perm_ptr entry (1, or ACT_BLOCK for
+    a block permutation). GATED: the row is [gate | up] (up at column offset `up`) and the
+    value is vLLM's SiluAndMul, silu(gate) * up, rounded to the row's dtype after each op as
+    torch does."""
+    if PERM_UNIT == 0:  # no permutation
+        c = j
+    elif PERM_UNIT == 1:  # an entry a channel
+        c = tl.load(perm_ptr + j, mask=mask, other=0)
+    else:  # an entry a block of PERM_UNIT channels (formats.act_block_perm): a broadcast load
+        c = tl.load(perm_ptr + j // PERM_UNIT, mask=mask, other=0) * PERM_UNIT + j % PERM_UNIT
     v = tl.load(xrow + c, mask=mask, other=0.0)
     if GATED:
         u = tl.load(xrow + up + c, mask=mask, other=0.0)
@@ -365,15 +372,15 @@ def _scale_of(amax, nonfinite, QMAX: tl.constexpr):
 
 @triton.jit
 def _segment_values(xrow, perm_ptr, smooth_ptr, j0, bb, mask, up, PAIRS: tl.constexpr,
-                    HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr):
+                    PERM_UNIT: tl.constexpr, HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr):
     """Values behind output bytes bb: columns j0+2bb and j0+2bb+1 (PAIRS), else j0+bb twice."""
     if PAIRS:
-        v0 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + 2 * bb, mask, up, HAS_PERM,
+        v0 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + 2 * bb, mask, up, PERM_UNIT,
                          HAS_SMOOTH, GATED)
-        v1 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + 2 * bb + 1, mask, up, HAS_PERM,
+        v1 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + 2 * bb + 1, mask, up, PERM_UNIT,
                          HAS_SMOOTH, GATED)
     else:
-        v0 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + bb, mask, up, HAS_PERM, HAS_SMOOTH,
+        v0 = _act_values(xrow, perm_ptr, smooth_ptr, j0 + bb, mask, up, PERM_UNIT, HAS_SMOOTH,
                          GATED)
         v1 = v0
     return v0, v1
@@ -418,14 +425,14 @@ def _hadamard_pairs(v0, v1, R: tl.constexpr, BB: tl.constexpr, LOG2_N: tl.conste
 
 @triton.jit
 def _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, up, R: tl.constexpr, BB: tl.constexpr,
-                  PAIRS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                  PAIRS: tl.constexpr, PERM_UNIT: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                   GATED: tl.constexpr, ROT_LOG2: tl.constexpr, ROT_NORM: tl.constexpr):
     """Chunk c of a segment of nb output bytes at column j0: R rows of BB bytes. Returns the
     values behind the bytes (v0, v1 [R, BB], zero where masked), the byte offsets and mask.
     ROT_LOG2 > 0 (4-bit pairs, a row a block): each block rotated (_hadamard_pairs)."""
     bb = (c * R + tl.arange(0, R))[:, None] * BB + tl.arange(0, BB)[None, :]
     mask = bb < nb
-    v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, bb, mask, up, PAIRS, HAS_PERM,
+    v0, v1 = _segment_values(xrow, perm_ptr, smooth_ptr, j0, bb, mask, up, PAIRS, PERM_UNIT,
                              HAS_SMOOTH, GATED)
     if PAIRS and ROT_LOG2 > 0:
         v0, v1 = _hadamard_pairs(v0, v1, R, BB, ROT_LOG2, ROT_NORM)
@@ -434,7 +441,7 @@ def _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, up, R: tl.constexpr, BB
 
 @triton.jit
 def _segment_stats(xrow, perm_ptr, smooth_ptr, j0, nb, up, R: tl.constexpr, BB: tl.constexpr,
-                   NCHUNK: tl.constexpr, PAIRS: tl.constexpr, HAS_PERM: tl.constexpr,
+                   NCHUNK: tl.constexpr, PAIRS: tl.constexpr, PERM_UNIT: tl.constexpr,
                    HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr, ROT_LOG2: tl.constexpr,
                    ROT_NORM: tl.constexpr):
     """(max |x|, number of NaN/Inf) over a whole segment, chunk by chunk."""
@@ -442,7 +449,7 @@ def _segment_stats(xrow, perm_ptr, smooth_ptr, j0, nb, up, R: tl.constexpr, BB: 
     bad = 0
     for c in range(NCHUNK):
         v0, v1, bb, mask = _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, up, R, BB,
-                                         PAIRS, HAS_PERM, HAS_SMOOTH, GATED, ROT_LOG2, ROT_NORM)
+                                         PAIRS, PERM_UNIT, HAS_SMOOTH, GATED, ROT_LOG2, ROT_NORM)
         amax = tl.maximum(amax, _amax(v0, v1))
         bad += _num_nonfinite(v0, v1)
     return amax, bad
@@ -474,12 +481,12 @@ def _encode_chunk(v0, v1, bb, mask, c, nb, qrow, srow, amax, bad, QMAX: tl.const
 def _encode_segment(xrow, perm_ptr, smooth_ptr, j0, nb, qrow, srow, amax, bad, up,
                     QMAX: tl.constexpr, PAIRS: tl.constexpr, PER_BLOCK: tl.constexpr,
                     R: tl.constexpr, BB: tl.constexpr, NCHUNK: tl.constexpr,
-                    HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr,
+                    PERM_UNIT: tl.constexpr, HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr,
                     ROT_LOG2: tl.constexpr, ROT_NORM: tl.constexpr):
     """_encode_chunk over a whole segment, reading it chunk by chunk."""
     for c in range(NCHUNK):
         v0, v1, bb, mask = _chunk_values(xrow, perm_ptr, smooth_ptr, j0, nb, c, up, R, BB,
-                                         PAIRS, HAS_PERM, HAS_SMOOTH, GATED, ROT_LOG2, ROT_NORM)
+                                         PAIRS, PERM_UNIT, HAS_SMOOTH, GATED, ROT_LOG2, ROT_NORM)
         _encode_chunk(v0, v1, bb, mask, c, nb, qrow, srow, amax, bad, QMAX, PAIRS, PER_BLOCK,
                       R, BB)
 
@@ -487,7 +494,7 @@ def _encode_segment(xrow, perm_ptr, smooth_ptr, j0, nb, qrow, srow, amax, bad, u
 @triton.jit
 def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_ptr,
                       K, K8, stride_x, stride_x8, stride_x4, stride_s8, stride_s4,
-                      HAS_PERM: tl.constexpr, HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr,
+                      PERM_UNIT: tl.constexpr, HAS_SMOOTH: tl.constexpr, GATED: tl.constexpr,
                       HAS_A8: tl.constexpr, HAS_A4: tl.constexpr, PER_BLOCK: tl.constexpr,
                       ONE_PASS: tl.constexpr, R8: tl.constexpr, BB8: tl.constexpr,
                       NCHUNK8: tl.constexpr, R4: tl.constexpr, BB4: tl.constexpr,
@@ -512,12 +519,12 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
     if ONE_PASS:
         if HAS_A8:
             a0, a1, ab, am = _chunk_values(xrow, perm_ptr, smooth_ptr, 0, K8, 0, K, R8, BB8,
-                                           False, HAS_PERM, HAS_SMOOTH, GATED, 0, 1.0)
+                                           False, PERM_UNIT, HAS_SMOOTH, GATED, 0, 1.0)
             amax8 = _amax(a0, a1)
             bad += _num_nonfinite(a0, a1)
         if HAS_A4:
             b0, b1, bb, bm = _chunk_values(xrow, perm_ptr, smooth_ptr, K8, N4, 0, K, R4, BB4,
-                                           True, HAS_PERM, HAS_SMOOTH, GATED, ROT_LOG2, ROT_NORM)
+                                           True, PERM_UNIT, HAS_SMOOTH, GATED, ROT_LOG2, ROT_NORM)
             amax4 = _amax(b0, b1)
             bad += _num_nonfinite(b0, b1)
         if HAS_A8:
@@ -529,25 +536,26 @@ def _quant_act_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_pt
     else:
         if HAS_A8:
             amax8, bad8 = _segment_stats(xrow, perm_ptr, smooth_ptr, 0, K8, K, R8, BB8, NCHUNK8,
-                                         False, HAS_PERM, HAS_SMOOTH, GATED, 0, 1.0)
+                                         False, PERM_UNIT, HAS_SMOOTH, GATED, 0, 1.0)
             bad += bad8
         if HAS_A4:
             amax4, bad4 = _segment_stats(xrow, perm_ptr, smooth_ptr, K8, N4, K, R4, BB4, NCHUNK4,
-                                         True, HAS_PERM, HAS_SMOOTH, GATED, ROT_LOG2, ROT_NORM)
+                                         True, PERM_UNIT, HAS_SMOOTH, GATED, ROT_LOG2, ROT_NORM)
             bad += bad4
         if HAS_A8:
             _encode_segment(xrow, perm_ptr, smooth_ptr, 0, K8, q8, sr8, amax8, bad, K, 127,
-                            False, PER_BLOCK, R8, BB8, NCHUNK8, HAS_PERM, HAS_SMOOTH, GATED, 0, 1.0)
+                            False, PER_BLOCK, R8, BB8, NCHUNK8, PERM_UNIT, HAS_SMOOTH, GATED, 0, 1.0)
         if HAS_A4:
             _encode_segment(xrow, perm_ptr, smooth_ptr, K8, N4, q4, sr4, amax4, bad, K, 7.5, True,
-                            PER_BLOCK, R4, BB4, NCHUNK4, HAS_PERM, HAS_SMOOTH, GATED, ROT_LOG2,
+                            PER_BLOCK, R4, BB4, NCHUNK4, PERM_UNIT, HAS_SMOOTH, GATED, ROT_LOG2,
                             ROT_NORM)
 
 
 @triton.jit
 def _quant_act_blocks_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr, s4_ptr, bad_ptr,
                              K, K8, CHUNKS8, CHUNKS, stride_x, stride_x8, stride_x4, stride_s8,
-                             stride_s4, HAS_SMOOTH: tl.constexpr, R: tl.constexpr, BB8: tl.constexpr, BB4: tl.constexpr,
+                             stride_s4, PERM_UNIT: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                             R: tl.constexpr, BB8: tl.constexpr, BB4: tl.constexpr,
                              ROT_LOG2: tl.constexpr, ROT_NORM: tl.constexpr, PDL: tl.constexpr):
     """W4Ax split rows, pass 1, grid (M, CHUNKS): program c quantizes R scale blocks of a row,
     the 8-bit ones first (c < CHUNKS8), and stores its count of NaN/Inf values to bad
@@ -560,7 +568,7 @@ def _quant_act_blocks_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr
     xrow = x_ptr + row * stride_x
     if c < CHUNKS8:
         v0, v1, bb, mask = _chunk_values(xrow, perm_ptr, smooth_ptr, 0, K8, c, K, R, BB8, False,
-                                         True, HAS_SMOOTH, False, 0, 1.0)
+                                         PERM_UNIT, HAS_SMOOTH, False, 0, 1.0)
         bad = _num_nonfinite(v0, v1)
         _encode_chunk(v0, v1, bb, mask, c, K8, x8_ptr + row * stride_x8,
                       s8_ptr + row * stride_s8, 0.0, bad, 127, False, True, R, BB8)
@@ -568,8 +576,8 @@ def _quant_act_blocks_kernel(x_ptr, perm_ptr, smooth_ptr, x8_ptr, s8_ptr, x4_ptr
         n4 = (K - K8) // 2
         # other names than the 8-bit branch's: Triton merges same-named values of the branches
         b0, b1, bb4, mask4 = _chunk_values(xrow, perm_ptr, smooth_ptr, K8, n4, c - CHUNKS8, K,
-                                           R, BB4, True, True, HAS_SMOOTH, False, ROT_LOG2,
-                                           ROT_NORM)
+                                           R, BB4, True, PERM_UNIT, HAS_SMOOTH, False,
+                                           ROT_LOG2, ROT_NORM)
         bad = _num_nonfinite(b0, b1)
         _encode_chunk(b0, b1, bb4, mask4, c - CHUNKS8, n4, x4_ptr + row * stride_x4,
                       s4_ptr + row * stride_s4, 0.0, bad, 7.5, True, True, R, BB4)
@@ -969,6 +977,11 @@ def _placeholders_for_empty(x8, s8, x4, s4):
     return x8, s8, x4, s4
 
 
+def _perm_unit(perm: torch.Tensor | None, k: int) -> int:
+    """The quantize kernels' PERM_UNIT: channels an entry of perm stands for (0: no perm)."""
+    return 0 if perm is None else F.act_perm_unit(perm, k)
+
+
 def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool, gated: bool = False,
                   rotation_size: int = 0) -> None:
     """gated: x is [M, 2K] = [gate | up], quantized as SiluAndMul(x) [M, K]. rotation_size
@@ -982,7 +995,7 @@ def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool, gated: b
     _quant_act_kernel[(M,)](
         x, perm if perm is not None else x, smooth if smooth is not None else x,
         x8, s8, x4, s4, K, k8, x.stride(0), x8.stride(0), x4.stride(0), s8.stride(0),
-        s4.stride(0), HAS_PERM=perm is not None, HAS_SMOOTH=smooth is not None, **consts,
+        s4.stride(0), PERM_UNIT=_perm_unit(perm, K), HAS_SMOOTH=smooth is not None, **consts,
         num_warps=num_warps)
 
 
@@ -1118,7 +1131,8 @@ def _launch_quant_blocks(x, perm, smooth, k8, x8, s8, x4, s4, rotation_size: int
     consts, num_warps = _quant_blocks_config(rotation_size)
     _quant_act_blocks_kernel[(M, chunks)](
         x, perm, smooth if smooth is not None else x, x8, s8, x4, s4, bad, K, k8, chunks8,
-        chunks, x.stride(0), *strides, HAS_SMOOTH=smooth is not None, PDL=pdl, **consts,
+        chunks, x.stride(0), *strides, PERM_UNIT=_perm_unit(perm, K),
+        HAS_SMOOTH=smooth is not None, PDL=pdl, **consts,
         num_warps=num_warps)
     _quant_act_blocks_poison_kernel[(M,)](
         bad, x8, s8, x4, s4, K, k8, chunks, *strides, ACT_BLOCK=F.ACT_BLOCK,
@@ -1129,8 +1143,9 @@ def _launch_quant_blocks(x, perm, smooth, k8, x8, s8, x4, s4, rotation_size: int
 def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
                       smooth: torch.Tensor | None = None, act_rotation: str = "none"
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W4Ax activations: permute channels, first k8 to int8, the rest (each block rotated as
-    act_rotation says, formats.ACT_ROTATIONS) to packed int4, one scale per (token,
+    """W4Ax activations: permute channels (perm: [K] channels, or [K/ACT_BLOCK] blocks,
+    formats.act_block_perm, read once a block), first k8 to int8, the rest (each block rotated
+    as act_rotation says, formats.ACT_ROTATIONS) to packed int4, one scale per (token,
     ACT_BLOCK-channel block); bit-exact with the reference.
 
     The rotation (reference.hadamard_a4_blocks' butterflies) runs on the 4-bit blocks in
@@ -1143,7 +1158,7 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     s4 float32 [M, (K-k8)/128])."""
     x = _check_act(x, smooth)
     M, K = x.shape
-    _check_shape("perm", perm, (K,))
+    F.act_perm_unit(perm, K)  # raises on any other shape
     if perm.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"perm has dtype {perm.dtype}; expected torch.int32 or torch.int64")
     lay = F.W4ActLayout.from_k8(K, k8)
