@@ -568,7 +568,7 @@ def main(argv=None) -> int:
                        "perm": args.w4ax_perm,
                        "rotated_chunk_blocks": tg.ROTATED_CHUNK_BLOCKS,
                        "split_blocks": tg.W4AX_SPLIT_BLOCKS,
-                       "split_unrotated_max_m": tg.W4AX_SPLIT_UNROTATED_MAX_M},
+                       "split_channel_gather_max_m": tg.W4AX_SPLIT_CHANNEL_GATHER_MAX_M},
               "results": [], "sweep": []}
     t_start = time.time()
     for K, N in args.shapes:

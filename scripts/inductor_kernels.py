@@ -194,9 +194,9 @@ def main() -> int:
     x, res = ((torch.randn(args.m, args.k, generator=gen)).to(torch.bfloat16) for _ in range(2))
     w = (torch.rand(args.k, generator=gen) + 0.5).to(torch.bfloat16)
     kernels._FUSE_ACT_QUANT = True
-    w4ax = {"share": 0.25, "rotation": args.rotation, "perm": args.perm}
-    for name, w4ax, mode in (("w4a8", None, "traced"), ("w4ax_traced", w4ax, "traced"),
-                             ("w4ax_kernel", w4ax, "kernel")):
+    w4ax_args = {"share": 0.25, "rotation": args.rotation, "perm": args.perm}
+    for name, w4ax, mode in (("w4a8", None, "traced"), ("w4ax_traced", w4ax_args, "traced"),
+                             ("w4ax_kernel", w4ax_args, "kernel")):
         kernels._W4AX_QUANT = mode
         layer = bench.layer_of(256, args.k, gen, w4ax, device="cpu", impl="reference")
         wrapper = triton_wrapper(bench.layer_fn("norm", layer), x, res, w)

@@ -44,7 +44,7 @@ def _force_split(monkeypatch, blocks: int) -> None:
     """The W4Ax quantizer's rows split over programs of `blocks` blocks (0: one program a row)
     at every M and rotation (gemm.force_w4ax_split_blocks), for this test only."""
     monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", blocks)
-    monkeypatch.setattr(tg, "W4AX_SPLIT_UNROTATED_MAX_M", None)
+    monkeypatch.setattr(tg, "W4AX_SPLIT_CHANNEL_GATHER_MAX_M", None)
 
 
 def assert_close_to_f64(y, expect, out_dtype):
@@ -281,28 +281,32 @@ def test_quantize_act_w4ax_rotates_in_its_one_kernel(seeded, monkeypatch):
                         ("_launch_quant", 64)]
 
 
-@pytest.mark.parametrize("m,k8,rotation,split", [
-    (1, 128, "none", True), (64, 128, "none", True), (65, 128, "none", False),
-    (4096, 0, "none", False), (1, 128, "hadamard64", True), (4096, 128, "hadamard64", True),
-    (65, 256, "hadamard64", False),  # every block at 8 bits: nothing rotated
+@pytest.mark.parametrize("m,k8,rotation,perm,split", [
+    (1, 128, "none", "channels", True), (64, 128, "none", "channels", True),
+    (65, 128, "none", "channels", False), (4096, 0, "none", "channels", False),
+    (65, 256, "hadamard64", "channels", False),  # every block at 8 bits: nothing rotated
+    (4096, 128, "hadamard64", "channels", True), (1, 128, "hadamard64", "channels", True),
+    (4096, 0, "none", "blocks", True), (65, 256, "hadamard64", "blocks", True),
 ])
-def test_quantize_act_w4ax_split_rule(m, k8, rotation, split, monkeypatch):
-    """By default rows are split over programs of W4AX_SPLIT_BLOCKS blocks, except unrotated
-    ones past W4AX_SPLIT_UNROTATED_MAX_M tokens (one program a row there: session 69's
-    A-then-B); force_w4ax_split_blocks splits at every M, or nowhere."""
+def test_quantize_act_w4ax_split_rule(m, k8, rotation, perm, split, monkeypatch):
+    """By default rows are split over programs of W4AX_SPLIT_BLOCKS blocks, except unrotated rows
+    read through a channel permutation past W4AX_SPLIT_CHANNEL_GATHER_MAX_M tokens (one program a
+    row there: session 71's A-B-A); force_w4ax_split_blocks splits at every M, or nowhere."""
     monkeypatch.setattr(tg, "W4AX_SPLIT_BLOCKS", 8)
-    monkeypatch.setattr(tg, "W4AX_SPLIT_UNROTATED_MAX_M", 64)
+    monkeypatch.setattr(tg, "W4AX_SPLIT_CHANNEL_GATHER_MAX_M", 64)
     launches = []
     for name in ("_launch_quant", "_launch_quant_blocks"):
         monkeypatch.setattr(tg, name, lambda *a, name=name, **kw: launches.append(name))
     x = torch.randn(m, 256, dtype=torch.bfloat16)
-    tg.quantize_act_w4ax(x, torch.arange(256), k8, None, rotation)
+    tg.quantize_act_w4ax(x, F.random_act_perm(256, perm), k8, None, rotation)
     assert launches == ["_launch_quant_blocks" if split else "_launch_quant"]
-    assert tg.w4ax_split_blocks_for(m, F.act_rotation_size(rotation) if k8 < 256 else 0) == 8 * split
+    unit = F.ACT_BLOCK if perm == "blocks" else 1
+    rotated = F.act_rotation_size(rotation) if k8 < 256 else 0
+    assert tg.w4ax_split_blocks_for(m, rotated, unit) == 8 * split
     for forced in (8, 0):
         tg.force_w4ax_split_blocks(forced)
-        assert (tg.W4AX_SPLIT_BLOCKS, tg.W4AX_SPLIT_UNROTATED_MAX_M) == (forced, None)
-        assert tg.w4ax_split_blocks_for(m, 0) == forced  # (monkeypatch restores both)
+        assert (tg.W4AX_SPLIT_BLOCKS, tg.W4AX_SPLIT_CHANNEL_GATHER_MAX_M) == (forced, None)
+        assert tg.w4ax_split_blocks_for(m, 0, 1) == forced  # (monkeypatch restores both)
 
 
 @pytest.mark.parametrize("m,k,k8", [(1, 256, 0), (17, 384, 128), (5, 512, 256), (3, 256, 256),

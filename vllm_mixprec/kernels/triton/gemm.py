@@ -1090,30 +1090,33 @@ def _launch_split_rows(x, smooth, K, q, s, gated: bool = True) -> None:
 # tests; at R = 8 the rotated quantizer was 1.3-7x faster at M <= 16 and within 6 % or faster at
 # M >= 256, the rotated linear 1.46-1.59x faster at M <= 16 on the 8B and 70B down projections and
 # faster or within 1.3 % everywhere, and the compiled W4Ax down / QKV 1.43-2.16x faster than
-# traced (0.90x at M = 1 with one program a row). The unrotated linear was 1.03-1.44x faster at
-# M <= 16 but up to 1.22x slower at M >= 256 in that one A-then-B run (run first, the split arm may
-# carry warm-up drift: its unrotated rows there were slower than its rotated ones, which do more
-# work): past W4AX_SPLIT_UNROTATED_MAX_M tokens they keep one program a row until an A-B-A
-# (`bash scripts/gpu_check.sh w4ax_split`) says otherwise.
+# traced (0.90x at M = 1 with one program a row). Session 71 (H100, A-B-A, benchmarks/results/
+# 2026-12-05-s71): with a block permutation (the default checkpoint's) R = 8 beat one program a
+# row at every M, rotated (the quantizer 1.25-6.5x, the linear 1.04-1.56x faster) or not (1.14-3.7x,
+# 1.02-1.40x). With a channel permutation, unrotated rows past 64 tokens were 1.17-2.38x slower
+# split (their linear 1.02-1.24x): a sector of the row is then fetched by up to 16 programs on
+# other SMs instead of once into one program's L1.
 W4AX_SPLIT_BLOCKS = 8
-# Rows with no rotated block (act_rotation "none", or every block at 8 bits) split only up to this
-# many tokens (64: fewer rows than an H100's 132 SMs, where one program a row leaves SMs idle);
-# None: at every M (force_w4ax_split_blocks).
-W4AX_SPLIT_UNROTATED_MAX_M: int | None = 64
+# Rows read through a channel permutation (--a8-select channels) with no rotated block (act_rotation
+# "none", or every block at 8 bits) split only up to this many tokens; None: at every M
+# (force_w4ax_split_blocks).
+W4AX_SPLIT_CHANNEL_GATHER_MAX_M: int | None = 64
 
 
-def w4ax_split_blocks_for(m: int, rotation_size: int) -> int:
+def w4ax_split_blocks_for(m: int, rotation_size: int, perm_unit: int) -> int:
     """The scale blocks a program of quantize_act_w4ax takes for m rows whose 4-bit blocks are
-    rotated in rotation_size-channel groups (0: not rotated); 0 is one program a row."""
-    cap = W4AX_SPLIT_UNROTATED_MAX_M
-    return 0 if rotation_size == 0 and cap is not None and m > cap else W4AX_SPLIT_BLOCKS
+    rotated in rotation_size-channel groups (0: not rotated), read through a permutation of
+    perm_unit channels an entry (formats.act_perm_unit); 0 is one program a row."""
+    cap = W4AX_SPLIT_CHANNEL_GATHER_MAX_M
+    gathered = rotation_size == 0 and perm_unit == 1
+    return 0 if gathered and cap is not None and m > cap else W4AX_SPLIT_BLOCKS
 
 
 def force_w4ax_split_blocks(r: int) -> None:
     """W4Ax rows split over programs of r blocks (0: one program a row) at every M and rotation:
     the benchmarks' A/B arms."""
-    global W4AX_SPLIT_BLOCKS, W4AX_SPLIT_UNROTATED_MAX_M
-    W4AX_SPLIT_BLOCKS, W4AX_SPLIT_UNROTATED_MAX_M = r, None
+    global W4AX_SPLIT_BLOCKS, W4AX_SPLIT_CHANNEL_GATHER_MAX_M
+    W4AX_SPLIT_BLOCKS, W4AX_SPLIT_CHANNEL_GATHER_MAX_M = r, None
 
 
 def _launch_quant_blocks(x, perm, smooth, k8, x8, s8, x4, s4, rotation_size: int) -> None:
@@ -1151,14 +1154,14 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     The rotation (reference.hadamard_a4_blocks' butterflies) runs on the 4-bit blocks in
     registers between the load and the amax (_hadamard_pairs); until session 66 a separate
     kernel built the rotated float32 input first. Rows are split over programs of
-    w4ax_split_blocks_for(M, rotation) blocks, and a second, tiny launch gives the rows holding a
-    NaN/Inf their NaN scales and zero codes; 0 is one program a row.
+    w4ax_split_blocks_for(M, rotation, perm) blocks, and a second, tiny launch gives the rows
+    holding a NaN/Inf their NaN scales and zero codes; 0 is one program a row.
 
     Returns (x8 int8 [M, k8], s8 float32 [M, k8/128], x4 uint8 [M, (K-k8)/2],
     s4 float32 [M, (K-k8)/128])."""
     x = _check_act(x, smooth)
     M, K = x.shape
-    F.act_perm_unit(perm, K)  # raises on any other shape
+    perm_unit = F.act_perm_unit(perm, K)  # raises on any other shape
     if perm.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"perm has dtype {perm.dtype}; expected torch.int32 or torch.int64")
     lay = F.W4ActLayout.from_k8(K, k8)
@@ -1171,7 +1174,7 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     if M == 0:
         return x8, s8, x4, s4
     rotation_size = n if k8 < K else 0
-    launch = (_launch_quant_blocks if w4ax_split_blocks_for(M, rotation_size)
+    launch = (_launch_quant_blocks if w4ax_split_blocks_for(M, rotation_size, perm_unit)
               else functools.partial(_launch_quant, per_block=True))
     launch(x, perm.contiguous(), smooth.contiguous() if smooth is not None else None, k8, x8, s8,
            x4, s4, rotation_size=rotation_size)
