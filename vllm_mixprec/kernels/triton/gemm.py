@@ -977,15 +977,11 @@ def _placeholders_for_empty(x8, s8, x4, s4):
     return x8, s8, x4, s4
 
 
-def _perm_unit(perm: torch.Tensor | None, k: int) -> int:
-    """The quantize kernels' PERM_UNIT: channels an entry of perm stands for (0: no perm)."""
-    return 0 if perm is None else F.act_perm_unit(perm, k)
-
-
 def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool, gated: bool = False,
-                  rotation_size: int = 0) -> None:
+                  rotation_size: int = 0, perm_unit: int = 0) -> None:
     """gated: x is [M, 2K] = [gate | up], quantized as SiluAndMul(x) [M, K]. rotation_size
-    (per_block): each 4-bit block rotated by Hadamard transforms of that width (0: none)."""
+    (per_block): each 4-bit block rotated by Hadamard transforms of that width (0: none).
+    perm_unit: channels an entry of perm stands for (formats.act_perm_unit; 0: no perm)."""
     M, K = x.shape
     K //= 1 + gated
     if M == 0:
@@ -995,7 +991,7 @@ def _launch_quant(x, perm, smooth, k8, x8, s8, x4, s4, per_block: bool, gated: b
     _quant_act_kernel[(M,)](
         x, perm if perm is not None else x, smooth if smooth is not None else x,
         x8, s8, x4, s4, K, k8, x.stride(0), x8.stride(0), x4.stride(0), s8.stride(0),
-        s4.stride(0), PERM_UNIT=_perm_unit(perm, K), HAS_SMOOTH=smooth is not None, **consts,
+        s4.stride(0), PERM_UNIT=perm_unit, HAS_SMOOTH=smooth is not None, **consts,
         num_warps=num_warps)
 
 
@@ -1119,7 +1115,8 @@ def force_w4ax_split_blocks(r: int) -> None:
     W4AX_SPLIT_BLOCKS, W4AX_SPLIT_CHANNEL_GATHER_MAX_M = r, None
 
 
-def _launch_quant_blocks(x, perm, smooth, k8, x8, s8, x4, s4, rotation_size: int) -> None:
+def _launch_quant_blocks(x, perm, smooth, k8, x8, s8, x4, s4, rotation_size: int,
+                         perm_unit: int) -> None:
     """quantize_act_w4ax's kernels when W4AX_SPLIT_BLOCKS > 0: pass 1 over (M, chunks of
     W4AX_SPLIT_BLOCKS blocks), pass 2 over M rows (a programmatic dependent launch where
     split_rows_pdl says so)."""
@@ -1134,8 +1131,8 @@ def _launch_quant_blocks(x, perm, smooth, k8, x8, s8, x4, s4, rotation_size: int
     consts, num_warps = _quant_blocks_config(rotation_size)
     _quant_act_blocks_kernel[(M, chunks)](
         x, perm, smooth if smooth is not None else x, x8, s8, x4, s4, bad, K, k8, chunks8,
-        chunks, x.stride(0), *strides, PERM_UNIT=_perm_unit(perm, K),
-        HAS_SMOOTH=smooth is not None, PDL=pdl, **consts,
+        chunks, x.stride(0), *strides, PERM_UNIT=perm_unit, HAS_SMOOTH=smooth is not None,
+        PDL=pdl, **consts,
         num_warps=num_warps)
     _quant_act_blocks_poison_kernel[(M,)](
         bad, x8, s8, x4, s4, K, k8, chunks, *strides, ACT_BLOCK=F.ACT_BLOCK,
@@ -1177,5 +1174,5 @@ def quantize_act_w4ax(x: torch.Tensor, perm: torch.Tensor, k8: int,
     launch = (_launch_quant_blocks if w4ax_split_blocks_for(M, rotation_size, perm_unit)
               else functools.partial(_launch_quant, per_block=True))
     launch(x, perm.contiguous(), smooth.contiguous() if smooth is not None else None, k8, x8, s8,
-           x4, s4, rotation_size=rotation_size)
+           x4, s4, rotation_size=rotation_size, perm_unit=perm_unit)
     return x8, s8, x4, s4
