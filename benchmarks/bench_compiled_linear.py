@@ -22,7 +22,9 @@ standalone). --vllm-inductor compiles with vLLM's own Inductor options (combo ke
 and every row is also timed launched, not replayed ("launch_us"): vLLM runs batches past its
 largest CUDA graph (512 tokens) so, as in a saturated decode of 1000 requests. --input-fused adds
 "wgmma_input_fused": input order with Inductor's realize_reads_threshold raised
-(MIXPREC_X_WGMMA_ORDER=input_fused), which keeps a piece's QKV quantizer in its norm's kernel.
+(MIXPREC_X_WGMMA_ORDER=input_fused), which keeps a piece's QKV quantizer in its norm's kernel;
+--rule adds "wgmma_rule", the plugin's default (the codes permuted where wgmma_order_pays). --rounds
+R times every variant R times, the order reversed every other round (R = 3: an A-B-A of each pair).
 
 --compare w4ax times W4Ax as it is served against W4A8 instead (issue #4's "W4Ax against W4A8,
 honestly"): "w4a8" is the natural compile above; "w4ax_kernel" the same function over W4Ax
@@ -35,7 +37,7 @@ layer has --w4ax-share of its 128-channel blocks at 8 bits and --w4ax-rotation (
 defaults).
 
   python benchmarks/bench_compiled_linear.py --out DIR [--ms 128 256 1024 4096] [--layers o_proj qkv_70b piece ...]
-      [--code] [--vllm-inductor] [--input-fused]
+      [--code] [--vllm-inductor] [--input-fused] [--rule] [--rounds 3]
       [--compare order|w4ax [--w4ax-share 0.25] [--w4ax-rotation hadamard64] [--w4ax-split-blocks R]]
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 from types import SimpleNamespace
 
@@ -201,6 +204,9 @@ def order_variants(name: str, gen: torch.Generator, args) -> tuple:
         extras["wgmma_input_fused"] = compile_passes.WgmmaActOrder(all_shapes=True, input_order=True)
         variants["wgmma_input_fused"] = (fn, [extras["wgmma_input_fused"]], {},
                                          {"realize_reads_threshold": compile_passes.INPUT_FUSED_REALIZE_READS})
+    if args.rule:  # what the plugin serves by default: the codes permuted where wgmma_order_pays
+        extras["wgmma_rule"] = compile_passes.WgmmaActOrder()
+        variants["wgmma_rule"] = (fn, [extras["wgmma_rule"]], {}, {})
     return before, n, k, variants, extras
 
 
@@ -230,8 +236,12 @@ def order_fields(row: dict, extras, outs: dict) -> str:
         row.update({"fused_rewritten": fused.rewritten, "fused_input_ordered": fused.input_ordered,
                     "input_fused_equal": torch.equal(outs["wgmma_order"], outs["wgmma_input_fused"]),
                     "input_fused_speedup": row["natural_us"] / row["wgmma_input_fused_us"]})
+    rule = extras.get("wgmma_rule")
+    if rule is not None:
+        row.update({"rule_rewritten": rule.rewritten, "rule_speedup": row["natural_us"] / row["wgmma_rule_us"]})
     return (f"x{row['speedup']:.3f} / x{row['input_order_speedup']:.3f}"
             + (f" / x{row['input_fused_speedup']:.3f}" if fused is not None else "")
+            + (f" / rule x{row['rule_speedup']:.3f}" if rule is not None else "")
             + f"  equal={same}/{row['input_order_equal']} "
             f"rewritten={order.rewritten}/{input_order.rewritten} input_ordered={input_order.input_ordered}")
 
@@ -248,7 +258,8 @@ def order_bad(row: dict) -> bool:
             or (fused and not (all_gemms(row["fused_rewritten"])
                                and row["fused_input_ordered"] == row["fused_rewritten"]))
             or any(row[f"{v}_rel_err_vs_eager"] > min(5e-2, 2 * row["natural_rel_err_vs_eager"] + 1e-4)
-                   for v in ("wgmma_order", "wgmma_input_order") + (("wgmma_input_fused",) if fused else ())))
+                   for v in ("wgmma_order", "wgmma_input_order") + (("wgmma_input_fused",) if fused else ())
+                   + (("wgmma_rule",) if "rule_rewritten" in row else ())))
 
 
 def w4ax_fields(row: dict, ops: dict, outs: dict) -> str:
@@ -267,6 +278,27 @@ def w4ax_bad(row: dict) -> bool:
     return (not kernel.get("w4ax_linear") or "w4ax_gemm" in kernel
             or not traced.get("w4ax_gemm") or "w4ax_linear" in traced
             or any(row[f"{v}_rel_err_vs_eager"] > 0.1 for v in ("w4a8", "w4ax_kernel", "w4ax_traced")))
+
+
+def time_rounds(row: dict, fns: dict, x: tuple, rounds: int) -> None:
+    """Each variant timed `rounds` times, the order reversed every other round (A-B-C, C-B-A, ...),
+    so that a clock or thermal drift over the run reaches every variant alike: {v}_us and
+    {v}_launch_us are the medians over the rounds, {v}_us_rounds the rounds' medians, and
+    "drift" the largest spread (max / min - 1) of any variant's rounds."""
+    names = list(fns)
+    replayed = {v: [] for v in names}
+    launched = {v: [] for v in names}
+    for r in range(rounds):
+        for v in (names if r % 2 == 0 else names[::-1]):
+            f = fns[v]
+            replayed[v].append(baq.time_us(f, x))
+            launched[v].append(triton.testing.do_bench(lambda: f(*x), rep=50, return_mode="median") * 1e3)
+    for v in names:
+        row[f"{v}_us"] = statistics.median(replayed[v])
+        row[f"{v}_launch_us"] = statistics.median(launched[v])
+        if rounds > 1:
+            row[f"{v}_us_rounds"] = replayed[v]
+    row["drift"] = max(max(t) / min(t) - 1 for t in replayed.values())
 
 
 def gpu_ready() -> bool:
@@ -291,6 +323,12 @@ def main(argv=None) -> int:
     ap.add_argument("--input-fused", action="store_true",
                     help="--compare order: also MIXPREC_X_WGMMA_ORDER=input_fused's compile (input order, "
                          "Inductor's realize_reads_threshold raised; compile_passes.py)")
+    ap.add_argument("--rule", action="store_true",
+                    help="--compare order: also the plugin's default compile (\"wgmma_rule\": the codes "
+                         "permuted where compile_passes.wgmma_order_pays)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every variant this many times, the order reversed every other round "
+                         "(A-B-C, C-B-A: 3 for an A-B-A of each pair); medians over the rounds")
     ap.add_argument("--compare", choices=sorted(COMPARE), default="order",
                     help="order: the wgmma k order A/B (default); w4ax: W4Ax served against W4A8")
     ap.add_argument("--w4ax-share", type=float, default=0.25,
@@ -305,6 +343,8 @@ def main(argv=None) -> int:
                     help="--compare w4ax: the kernel arm's split at every M (0: one program a row; "
                          "a power of two: R blocks a program; default: w4ax_split_blocks_for)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds={args.rounds}: expected at least 1")
     if not 0.0 <= args.w4ax_share <= 1.0:
         ap.error(f"--w4ax-share={args.w4ax_share}: expected a share in [0, 1]")
     r = args.w4ax_split_blocks
@@ -342,15 +382,15 @@ def main(argv=None) -> int:
                     eager[id(fn)] = first(fn(*x)).double()
                 want = eager[id(fn)]
                 row[f"{v}_rel_err_vs_eager"] = float((outs[v] - want).norm() / want.norm())
-            for v, f in fns.items():
-                row[f"{v}_us"] = baq.time_us(f, x)
-                row[f"{v}_launch_us"] = triton.testing.do_bench(lambda: f(*x), rep=50, return_mode="median") * 1e3
+            time_rounds(row, fns, x, args.rounds)
             summary = fields(row, extras, outs)
             rows.append(row)
             times = "  ".join(f"{v} {row[f'{v}_us']:8.2f} us" for v in fns)
             launched = "  ".join(f"{v} {row[f'{v}_launch_us']:8.2f} us" for v in fns)
             errs = " / ".join(f"{row[f'{v}_rel_err_vs_eager']:.1e}" for v in fns)
-            print(f"{name:11s} {n:>6}x{k:<6} M={m:<5d} {times}  {summary}  rel. err vs eager {errs}", flush=True)
+            drift = f"  drift {100 * row['drift']:.1f} %" if args.rounds > 1 else ""
+            print(f"{name:11s} {n:>6}x{k:<6} M={m:<5d} {times}  {summary}  rel. err vs eager {errs}{drift}",
+                  flush=True)
             print(f"{'':11s} launched, not replayed: {launched}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     out_name = "bench_compiled_linear.json" if args.compare == "order" else f"bench_compiled_{args.compare}.json"

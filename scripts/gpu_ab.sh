@@ -11,6 +11,7 @@
 #   bash scripts/gpu_ab.sh throughput,longctx fp8       # several workloads in one call
 #   bash scripts/gpu_ab.sh profile w4a8kv4 fp8 marlin   # one decode step's GPU time by op class, per arm
 #   bash scripts/gpu_ab.sh report                       # the table and the targets so far
+#   bash scripts/gpu_ab.sh aba throughput A B           # A, then B, then A again on this host, and their table
 # Arms: bf16 marlin machete fp8 w4a8 w4a8kv4 (default: all six), marlin-int8, and the w4a8kv4-*
 # arms that change one default each (docs/AB.md): -unfused -siluquant -cachedprefill
 # -tritonchunk -mergectx -pdl -tailprog -naturalorder -inputorder -inputfused.
@@ -147,6 +148,25 @@ stage_report() {
   return 0
 }
 
+# `aba WORKLOAD A B`: A, B, then A again, each round in a results folder of its own ($RES/aba-N,
+# $OUT/aba-N), so that --resume does not skip A's second run; repeating the command after a call
+# ran out of budget goes on where it stopped. Then `ab.py --aba-report`: each arm against the mean
+# of A's rounds, with A's drift (docs/AB.md).
+stage_aba() {
+  local wl=${1:-} a=${2:-} b=${3:-} i=0 arm rc=0
+  if [ -z "$b" ] || [ $# -gt 3 ]; then
+    echo "usage: gpu_ab.sh aba WORKLOAD ARM_A ARM_B (e.g. aba throughput w4a8kv4-inputfused w4a8kv4)" >&2
+    return 2
+  fi
+  for arm in "$a" "$b" "$a"; do
+    i=$((i + 1))
+    mkdir -p "$OUT/aba-$i"
+    RES=$RES/aba-$i OUT=$OUT/aba-$i run_workloads "$wl" "$arm" || { rc=$?; break; }
+  done
+  python3 benchmarks/ab.py --aba-report "$RES/aba-1" "$RES/aba-2" "$RES/aba-3" | tee "$OUT/aba.txt"
+  return "$rc"
+}
+
 stage_clean() {  # frees the disk: checkpoints go, results stay
   rm -rf "$WORK"/llama3-8b-L* "$WORK"/tokenizer && log "checkpoints removed from $WORK"
 }
@@ -156,10 +176,11 @@ stage=$1; shift
 case "$stage" in
   setup|ckpt|report|clean) "stage_$stage" ;;
   profile) stage_profile "$@" ;;
+  aba) stage_aba "$@" ;;
   *) for w in ${stage//,/ }; do
        case "$w" in
          throughput|serve|longctx) ;;
-         *) echo "unknown stage $w (setup ckpt throughput serve longctx profile report clean)" >&2; exit 2 ;;
+         *) echo "unknown stage $w (setup ckpt throughput serve longctx profile aba report clean)" >&2; exit 2 ;;
        esac
      done
      run_workloads "$stage" "$@" ;;

@@ -20,7 +20,7 @@
 # decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto x_wgmma_tests
 # x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more x_input_order
 # x_input_order_piece x_input_order_layers w4ax_rot_chunks w4ax_split w4ax_compiled
-# x_input_fused_piece w4ax_perm
+# x_input_fused_piece w4ax_perm x_order_piece_aba
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -1250,6 +1250,15 @@ stage_x_input_fused_piece() {
     --input-fused --code || rc=1
   tar czf "$OUT/input-fused-code.tgz" -C "$OUT/input-fused" inductor-code && rm -r "$OUT/input-fused/inductor-code"
   return $rc
+}
+# Session 72: the decoder pieces (8B and 70B) compiled five ways, vLLM's Inductor options: natural,
+# codes permuted everywhere, input order, input_fused, and the plugin's default (codes by the
+# wgmma_order_pays rule), each timed three times in A-B-C / C-B-A / A-B-C order (drift in the log).
+stage_x_order_piece_aba() {
+  # shellcheck disable=SC2086  # the values are words
+  run_bench bench_compiled_linear_order_aba 540 python3 benchmarks/bench_compiled_linear.py \
+    --out "$OUT/order-aba" --layers ${X_ORDER_ABA_LAYERS:-piece piece_70b} --ms ${X_ORDER_ABA_MS:-256 1024 4096} \
+    --vllm-inductor --input-fused --rule --rounds 3
 }
 stage_x_input_order_layers() {
   run_bench bench_compiled_linear_vllm_opts 300 python3 benchmarks/bench_compiled_linear.py --out "$OUT/layers" \

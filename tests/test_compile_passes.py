@@ -468,9 +468,12 @@ def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):
     for change in ({"fused_input_ordered": 0}, {"fused_rewritten": 2, "fused_input_ordered": 2},
                    {"wgmma_input_fused_rel_err_vs_eager": 0.2}):
         assert bench.order_bad({**fused, **change}), change
+    rule = {**good, "rule_rewritten": 3, "wgmma_rule_rel_err_vs_eager": 0.01}  # --rule: some GEMMs only
+    assert not bench.order_bad(rule)
+    assert bench.order_bad({**rule, "wgmma_rule_rel_err_vs_eager": 0.2})
 
 
-@pytest.mark.parametrize("layers, extra", [(["qkv", "piece"], ["--input-fused"]),
+@pytest.mark.parametrize("layers, extra", [(["qkv", "piece"], ["--input-fused", "--rule", "--rounds", "3"]),
                                           (["down"], ["--compare", "w4ax"])])
 def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monkeypatch, tmp_path, layers, extra):
     """bench_compiled_linear's main() on the CPU at small shapes, its GPU parts stubbed (the
@@ -501,3 +504,6 @@ def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monke
         assert set(rows[0]["w4ax_kernel_ops"]) == {"w4ax_linear"} and set(rows[0]["w4ax_traced_ops"]) == {"w4ax_gemm"}
     else:
         assert all(r["fused_rewritten"] % r["gemms"] == 0 and "input_fused_speedup" in r for r in rows)
+        # the rule (K >= N or N >= 8192) permutes the piece's o_proj and down only at these sizes
+        assert [r["rule_rewritten"] for r in rows] == [0, 2]
+        assert all(len(r["wgmma_rule_us_rounds"]) == 3 and r["drift"] == 0.0 for r in rows)

@@ -363,3 +363,29 @@ def test_sigterm_stops_children_and_keeps_results(fake_vllm, tmp_path):
     out = proc.communicate(timeout=60)[0]
     assert "interrupted" in out and proc.returncode != 0
     assert not any(_alive(int(p)) for p in pids.read_text().split())
+
+
+def test_aba_report(tmp_path, capsys):
+    """gpu_ab.sh aba's table: each arm against the mean of the first arm's rounds at the same
+    model, workload and concurrency, with that arm's drift; a round not run yet is named."""
+    rounds = [[_e("m", "w4a8kv4-inputfused", "throughput", output_tokens_per_second=1000.0)],
+              [_e("m", "w4a8kv4", "throughput", output_tokens_per_second=990.0),
+               _e("m", "w4a8kv4", "throughput", status="failed")],  # the last line of a key counts
+              [_e("m", "w4a8kv4-inputfused", "throughput", output_tokens_per_second=1020.0)]]
+    rounds[1] = rounds[1][::-1]  # the ok one last
+    rows = R.aba(rounds)
+    assert [(r["round"], r["arm"]) for r in rows] == [(1, "w4a8kv4-inputfused"), (2, "w4a8kv4"),
+                                                      (3, "w4a8kv4-inputfused")]
+    assert rows[1]["vs_first"] == pytest.approx(990 / 1010)
+    assert rows[0]["drift"] == pytest.approx(0.02) and rows[1]["drift"] == pytest.approx(0.02)
+    dirs = []
+    for i, entries in enumerate(rounds[:2], 1):
+        d = tmp_path / f"aba-{i}"
+        d.mkdir()
+        (d / "ab.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+        dirs.append(str(d))
+    assert ab.main(["--aba-report", *dirs, str(tmp_path / "aba-3")]) == 0
+    out = capsys.readouterr().out
+    assert "0.990x" in out and "round 3" in out and "no results yet" in out
+    with pytest.raises(SystemExit, match="no results"):
+        ab.main(["--aba-report", str(tmp_path / "aba-3")])

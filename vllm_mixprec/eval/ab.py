@@ -611,6 +611,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", action="store_true", help="draw the PNGs at the end (needs matplotlib)")
     p.add_argument("--dry-run", action="store_true", help="print each arm's command lines and exit")
     p.add_argument("--replot", metavar="OUT_DIR", help="table and PNGs from OUT_DIR/ab.jsonl; runs nothing")
+    p.add_argument("--aba-report", nargs="+", metavar="OUT_DIR",
+                   help="the A-B-A table of these results folders, in the order they ran (gpu_ab.sh aba); "
+                        "runs nothing")
     return p
 
 
@@ -633,6 +636,15 @@ def select_arms(spec: str) -> list[Arm]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.aba_report:
+        rounds = [R.load_jsonl(Path(d) / "ab.jsonl") for d in args.aba_report]  # [] where none yet
+        if not any(rounds):
+            raise SystemExit(f"--aba-report: no results in {', '.join(args.aba_report)}")
+        print(R.render_aba(R.aba(rounds)))
+        for i, (d, entries) in enumerate(zip(args.aba_report, rounds), 1):
+            if not entries:
+                print(f"round {i} ({d}): no results yet")
+        return 0
     if args.replot:
         src = Path(args.replot)
         entries = R.load_jsonl(src if src.is_file() else src / "ab.jsonl")
