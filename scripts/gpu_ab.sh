@@ -151,7 +151,7 @@ stage_report() {
 # `aba WORKLOAD A B`: A, B, then A again, each round in a results folder of its own ($RES/aba-N,
 # $OUT/aba-N), so that --resume does not skip A's second run; repeating the command after a call
 # ran out of budget goes on where it stopped. Then `ab.py --aba-report`: each arm against the mean
-# of A's rounds, with A's drift (docs/AB.md).
+# of A's rounds, with A's drift (docs/AB.md). AB_PRIOR is not merged: every round runs on this host.
 stage_aba() {
   local wl=${1:-} a=${2:-} b=${3:-} i=0 arm rc=0
   if [ -z "$b" ] || [ $# -gt 3 ]; then
@@ -161,7 +161,7 @@ stage_aba() {
   for arm in "$a" "$b" "$a"; do
     i=$((i + 1))
     mkdir -p "$OUT/aba-$i"
-    RES=$RES/aba-$i OUT=$OUT/aba-$i run_workloads "$wl" "$arm" || { rc=$?; break; }
+    AB_PRIOR='' RES=$RES/aba-$i OUT=$OUT/aba-$i run_workloads "$wl" "$arm" || { rc=$?; break; }
   done
   python3 benchmarks/ab.py --aba-report "$RES/aba-1" "$RES/aba-2" "$RES/aba-3" | tee "$OUT/aba.txt"
   return "$rc"

@@ -135,3 +135,17 @@ def test_served_piece_per_order_mode(tool):
     served = next(f for f in map(script.launches, codes)  # the wrapper, not a kernel's own file
                   if "triton_red_fused__to_copy_fused_add_rms_norm_3" in f)
     assert _kinds(found["input"]) == _kinds(served[:7]), (found["input"], served)
+
+
+def test_input_fused_threshold_keeps_the_decode_kernels(tool):
+    """MIXPREC_X_WGMMA_ORDER=input_fused raises realize_reads_threshold for the whole compile, so
+    the decode range (<= 64 tokens, no order pass) sees it too: the served piece at 16 tokens keeps
+    the same six kernels (the second add + RMSNorm recomputes the first residual instead of
+    writing float32 buffers for it)."""
+    script, _ = tool
+    fn, args = script.served_submodule(str(S67_SERVED), 2, tokens=16)
+    found = {reads: script.launches(script.triton_wrapper(
+        fn, *args, options={cp.HOOK: cp.MixprecPostGrad([]),
+                            **({"realize_reads_threshold": reads} if reads else {})}))
+        for reads in (None, cp.INPUT_FUSED_REALIZE_READS)}
+    assert len(found[None]) == 6 and found[None] == found[cp.INPUT_FUSED_REALIZE_READS], found

@@ -230,7 +230,10 @@ WGMMA_ORDER_MODES = {"1": "codes", "0": None, "input": "input", "input_fused": "
 # output, read at permuted places by the QKV's quantizer, reads more buffers than 4 and Inductor
 # writes it out: one more kernel and a float32 [M, K] round trip. At 16 the piece compiles to as
 # many kernels as the natural order (scripts/inductor_kernels.py on session 67's served graph:
-# natural 6, codes by the rule 8, input 7, input_fused 6). Global to the compile; untimed.
+# natural 6, codes by the rule 8, input 7, input_fused 6; the H100's code for a piece: 4, 7, 5, 4
+# as the tool said). Global to the compile: the decode range keeps its kernels, its second norm
+# recomputing the first residual instead of writing float32 buffers (test_inductor_kernels.py).
+# Not served yet; a piece alone: docs/BENCHMARKS.md "Session 72".
 INPUT_FUSED_REALIZE_READS = 16
 
 
