@@ -178,7 +178,6 @@ def aba(rounds: list[list[dict]]) -> list[dict]:
                 == (r["model"], r["workload"], r["concurrency"])]
         first = min(same, key=lambda x: x["round"])["arm"]
         ref = [x["out_tps"] for x in same if x["arm"] == first]
-        r["first_arm"] = first
         r["vs_first"] = r["out_tps"] / (sum(ref) / len(ref))
         r["drift"] = max(ref) / min(ref) - 1 if len(ref) > 1 else None
     return rows
