@@ -22,8 +22,9 @@ standalone). --vllm-inductor compiles with vLLM's own Inductor options (combo ke
 and every row is also timed launched, not replayed ("launch_us"): vLLM runs batches past its
 largest CUDA graph (512 tokens) so, as in a saturated decode of 1000 requests. --input-fused adds
 "wgmma_input_fused": input order with Inductor's realize_reads_threshold raised
-(MIXPREC_X_WGMMA_ORDER=input_fused), which keeps a piece's QKV quantizer in its norm's kernel;
---rule adds "wgmma_rule", the plugin's default (the codes permuted where wgmma_order_pays). --rounds
+(MIXPREC_X_WGMMA_ORDER=input_fused, the plugin's default), which keeps a piece's QKV quantizer in
+its norm's kernel; --rule adds "wgmma_rule" (MIXPREC_X_WGMMA_ORDER=codes, the default before
+session 73: the codes permuted where wgmma_order_pays). --rounds
 R times every variant R times, the order reversed every other round (R = 3: an A-B-A of each pair).
 
 --compare w4ax times W4Ax as it is served against W4A8 instead (issue #4's "W4Ax against W4A8,
@@ -321,11 +322,11 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-inductor", action="store_true",
                     help="compile with vLLM's Inductor options (CompilationConfig's defaults on this GPU)")
     ap.add_argument("--input-fused", action="store_true",
-                    help="--compare order: also MIXPREC_X_WGMMA_ORDER=input_fused's compile (input order, "
-                         "Inductor's realize_reads_threshold raised; compile_passes.py)")
+                    help="--compare order: also MIXPREC_X_WGMMA_ORDER=input_fused's compile, the default "
+                         "(input order, Inductor's realize_reads_threshold raised; compile_passes.py)")
     ap.add_argument("--rule", action="store_true",
-                    help="--compare order: also the plugin's default compile (\"wgmma_rule\": the codes "
-                         "permuted where compile_passes.wgmma_order_pays)")
+                    help="--compare order: also MIXPREC_X_WGMMA_ORDER=codes's compile (\"wgmma_rule\": the "
+                         "codes permuted where compile_passes.wgmma_order_pays)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times, the order reversed every other round "
                          "(A-B-C, C-B-A: 3 for an A-B-A of each pair); medians over the rounds")

@@ -14,7 +14,7 @@
 #   bash scripts/gpu_ab.sh aba throughput A B           # A, then B, then A again on this host, and their table
 # Arms: bf16 marlin machete fp8 w4a8 w4a8kv4 (default: all six), marlin-int8, and the w4a8kv4-*
 # arms that change one default each (docs/AB.md): -unfused -siluquant -cachedprefill
-# -tritonchunk -mergectx -pdl -tailprog -naturalorder -inputorder -inputfused.
+# -tritonchunk -mergectx -pdl -tailprog -naturalorder -inputorder -codesorder.
 # A workload stage resumes: what ab.jsonl already has as ok is skipped, so the same command can be
 # repeated after a call ran out of time. Results accumulate in $AB_RESULTS on the host and are
 # copied to $OUT after every finished run (ab.jsonl, ab.json, ab-logs.tar.gz): a killed call loses
@@ -155,7 +155,7 @@ stage_report() {
 stage_aba() {
   local wl=${1:-} a=${2:-} b=${3:-} i=0 arm rc=0
   if [ -z "$b" ] || [ $# -gt 3 ]; then
-    echo "usage: gpu_ab.sh aba WORKLOAD ARM_A ARM_B (e.g. aba throughput w4a8kv4-inputfused w4a8kv4)" >&2
+    echo "usage: gpu_ab.sh aba WORKLOAD ARM_A ARM_B (e.g. aba throughput w4a8kv4-codesorder w4a8kv4)" >&2
     return 2
   fi
   for arm in "$a" "$b" "$a"; do

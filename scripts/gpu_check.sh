@@ -1252,8 +1252,9 @@ stage_x_input_fused_piece() {
   return $rc
 }
 # Session 72: the decoder pieces (8B and 70B) compiled five ways, vLLM's Inductor options: natural,
-# codes permuted everywhere, input order, input_fused, and the plugin's default (codes by the
-# wgmma_order_pays rule), each timed three times in A-B-C / C-B-A / A-B-C order (drift in the log).
+# codes permuted everywhere, input order, input_fused (the default since session 73), and the
+# codes by the wgmma_order_pays rule (the default before), each timed three times in A-B-C /
+# C-B-A / A-B-C order (drift in the log).
 stage_x_order_piece_aba() {
   # shellcheck disable=SC2086  # the values are words
   run_bench bench_compiled_linear_order_aba 540 python3 benchmarks/bench_compiled_linear.py \

@@ -16,11 +16,14 @@ Checked against the GPU: for the six layers session 65 compiled three ways on an
 input in session 67, the same split of the QKV's quantizer from its add + RMSNorm.
 
   python scripts/inductor_kernels.py [--rotation none|hadamard|hadamard64] [--k 1024] [--m 7]
-  python scripts/inductor_kernels.py --served-graph benchmarks/results/2026-12-05-s67/serve/compile-code.tgz
+  python scripts/inductor_kernels.py --served-graph benchmarks/results/2026-12-05-s67/serve/compile-code.tgz \
+      --m 256 [--bytes]
 
 The first prints the kernels of a W4A8 layer and of a W4Ax layer, traced and as compiled by
 default, after add + RMSNorm; the second those of a piece of the graph vLLM served (its Dynamo
-graph, kept in its compile cache) in each MIXPREC_X_WGMMA_ORDER mode. torch is pinned (2.11); the names stubbed are private to it.
+graph, kept in its compile cache) in each MIXPREC_X_WGMMA_ORDER mode at --m tokens (the order
+pass only past 64, as vLLM's compile ranges have it), or with --bytes Inductor's estimate of the
+bytes its kernels move. torch is pinned (2.11); the names stubbed are private to it.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from unittest import mock
 import torch
 
 LAUNCH = re.compile(r"^\s+(triton_\w+)\.run\(", re.M)
+NUM_GB = re.compile(r"'kernel_num_gb': ([0-9.e+-]+)")
 
 
 @contextlib.contextmanager
@@ -96,6 +100,14 @@ def launches(wrapper: str) -> list[str]:
     return LAUNCH.findall(wrapper)
 
 
+def estimated_mb(wrapper: str) -> list[float]:
+    """Inductor's estimate of the bytes each Triton kernel reads and writes (MB, at the example
+    inputs' sizes), from the kernels' inductor_meta. Needs the Inductor option
+    benchmark_kernel=True, which also adds a benchmark harness to every kernel: launches() then
+    counts each kernel twice."""
+    return [1e3 * float(gb) for gb in NUM_GB.findall(wrapper)]
+
+
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "u8": torch.uint8,
           "i8": torch.int8, "i32": torch.int32, "i64": torch.int64}
 
@@ -154,7 +166,7 @@ def served_submodule(path: str, index: int, tokens: int = 80):
 def order_modes(cp) -> list:
     """(MIXPREC_X_WGMMA_ORDER mode, post-grad passes, Inductor options), as compile_passes.install
     sets them on a GPU that runs the wgmma kernels."""
-    return [("0", [], {}), ("1", [cp.WgmmaActOrder()], {}),
+    return [("0", [], {}), ("codes", [cp.WgmmaActOrder()], {}),
             ("input", [cp.WgmmaActOrder(all_shapes=True, input_order=True)], {}),
             ("input_fused", [cp.WgmmaActOrder(all_shapes=True, input_order=True)],
              {"realize_reads_threshold": cp.INPUT_FUSED_REALIZE_READS})]
@@ -182,12 +194,19 @@ def main() -> int:
                          "MIXPREC_X_WGMMA_ORDER mode")
     ap.add_argument("--submod", type=int, default=2, help="the piecewise submodule (2: layer 0's "
                     "o_proj .. layer 1's QKV in a Llama)")
+    ap.add_argument("--bytes", action="store_true", help="--served-graph: print Inductor's estimate "
+                    "of the bytes each mode's Triton kernels move (MB) instead of the kernels")
     args = ap.parse_args()
     if args.served_graph:
         from vllm_mixprec import compile_passes as cp
         fn, inputs = served_submodule(args.served_graph, args.submod, args.m)
         for mode, passes, options in order_modes(cp):
-            found = launches(triton_wrapper(fn, *inputs, options={**options, cp.HOOK: cp.MixprecPostGrad(passes)}))
+            options = {**options, cp.HOOK: cp.MixprecPostGrad(passes if args.m > 64 else [])}
+            if args.bytes:
+                mb = estimated_mb(triton_wrapper(fn, *inputs, options={**options, "benchmark_kernel": True}))
+                print(f"{mode:12s} {sum(mb):8.3f} MB: {' '.join(f'{x:.3f}' for x in mb)}")
+                continue
+            found = launches(triton_wrapper(fn, *inputs, options=options))
             print(f"{mode:12s} {len(found):2d} Triton kernels: {' '.join(found)}")
         return 0
     gen = torch.Generator().manual_seed(0)

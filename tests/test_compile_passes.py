@@ -144,10 +144,13 @@ def test_install_with_the_wgmma_order(monkeypatch):
     """Where the GPU runs the wgmma kernels, install() puts WgmmaActOrder in the hook (with the
     fusion when that is asked for too) and splits the ranges after 64 tokens; the hook runs each
     pass on its own ranges. MIXPREC_X_WGMMA_ORDER=input asks for the permuted input on every
-    shape, 0 leaves the pass out; other values are refused."""
+    shape; the default (1, input_fused) does too and raises Inductor's realize_reads_threshold;
+    codes permutes the codes on wgmma_order_pays's shapes; 0 leaves the pass out; other values
+    are refused."""
     from vllm.config.utils import Range
     monkeypatch.delenv("MIXPREC_FUSE_SILU_QUANT", raising=False)
     monkeypatch.delenv("MIXPREC_KERNEL", raising=False)
+    monkeypatch.delenv("MIXPREC_X_WGMMA_ORDER", raising=False)
     from vllm_mixprec.kernels import cuda
     monkeypatch.setattr(cuda, "has_wgmma", lambda device=None: True)
     monkeypatch.setattr(cuda, "x_wgmma_order_for", lambda m, n, k, device=None: m > 64)
@@ -170,7 +173,14 @@ def test_install_with_the_wgmma_order(monkeypatch):
     assert not cp._wgmma_order_applies()
     monkeypatch.setenv("MIXPREC_KERNEL", "cuda")
     assert cp._wgmma_order_applies()
-    assert not (hook.passes[0].input_order or hook.passes[0].all_shapes)
+    assert hook.passes[0].input_order and hook.passes[0].all_shapes  # the default: input_fused
+    assert cc.inductor_compile_config["realize_reads_threshold"] == cp.INPUT_FUSED_REALIZE_READS
+    monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", "codes")
+    cc = SimpleNamespace(inductor_compile_config={}, compile_ranges_endpoints=[8192])
+    assert cp.install(cc)
+    assert not (cc.inductor_compile_config[cp.HOOK].passes[-1].input_order
+                or cc.inductor_compile_config[cp.HOOK].passes[-1].all_shapes)
+    assert "realize_reads_threshold" not in cc.inductor_compile_config
     monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", "input")
     cc = SimpleNamespace(inductor_compile_config={}, compile_ranges_endpoints=[8192])
     assert cp.install(cc) and cc.inductor_compile_config[cp.HOOK].passes[-1].input_order
@@ -185,7 +195,7 @@ def test_install_with_the_wgmma_order(monkeypatch):
     monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", "0")
     assert not cp._wgmma_order_applies()
     monkeypatch.setenv("MIXPREC_X_WGMMA_ORDER", "on")
-    with pytest.raises(ValueError, match="MIXPREC_X_WGMMA_ORDER='on': expected 1"):
+    with pytest.raises(ValueError, match="MIXPREC_X_WGMMA_ORDER='on': expected 1 or input_fused"):
         cp._wgmma_order_applies()
 
 
@@ -198,6 +208,7 @@ def test_compile_cache_key_follows_the_wgmma_order_mode(monkeypatch):
     from vllm.config import CompilationConfig
     monkeypatch.delenv("MIXPREC_FUSE_SILU_QUANT", raising=False)
     monkeypatch.delenv("MIXPREC_KERNEL", raising=False)
+    monkeypatch.delenv("MIXPREC_X_WGMMA_ORDER", raising=False)
     from vllm_mixprec.kernels import cuda
     monkeypatch.setattr(cuda, "has_wgmma", lambda device=None: True)
     monkeypatch.setattr(cuda, "x_wgmma_order_for", lambda m, n, k, device=None: m > 64)
@@ -208,9 +219,9 @@ def test_compile_cache_key_follows_the_wgmma_order_mode(monkeypatch):
         cp.install(cc)
         return cc.compute_hash()
 
-    keys = {mode: key(mode) for mode in ("1", "input", "0")}
-    assert len(set(keys.values())) == 3, keys
-    assert key("input") == keys["input"] and key("1") == keys["1"]
+    keys = {mode: key(mode) for mode in ("1", "codes", "input", "0")}
+    assert len(set(keys.values())) == 4, keys
+    assert key("input") == keys["input"] and key("1") == keys["1"] and key("input_fused") == keys["1"]
     orders = [cp.WgmmaActOrder(), cp.WgmmaActOrder(all_shapes=True), cp.WgmmaActOrder(input_order=True),
               cp.WgmmaActOrder(impls=("cuda", "reference"))]
     assert len({p.uuid() for p in orders}) == len(orders)

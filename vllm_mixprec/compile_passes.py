@@ -224,7 +224,11 @@ def _order_patterns():
 WGMMA_ORDER_AFTER_TOKENS = DECODE_MAX_M
 
 
-WGMMA_ORDER_MODES = {"1": "codes", "0": None, "input": "input", "input_fused": "input_fused"}
+# MIXPREC_X_WGMMA_ORDER's values. The default (1, input_fused) served +4.5 % and +5.4 % output
+# tokens/s over the codes rule in an A-B-A and a B-A-B on one H100, against 0.4-0.7 % drift
+# (gpu_ab.sh aba throughput, docs/BENCHMARKS.md "Session 73"); "codes" was the default before.
+WGMMA_ORDER_MODES = {"1": "input_fused", "input_fused": "input_fused", "codes": "codes",
+                     "input": "input", "0": None}
 # Inductor's realize_reads_threshold for MIXPREC_X_WGMMA_ORDER=input_fused (Inductor's default: 4).
 # In vLLM's decoder piece the second add + RMSNorm recomputes the first one's residual, so its
 # output, read at permuted places by the QKV's quantizer, reads more buffers than 4 and Inductor
@@ -232,25 +236,26 @@ WGMMA_ORDER_MODES = {"1": "codes", "0": None, "input": "input", "input_fused": "
 # many kernels as the natural order (scripts/inductor_kernels.py on session 67's served graph:
 # natural 6, codes by the rule 8, input 7, input_fused 6; the H100's code for a piece: 4, 7, 5, 4
 # as the tool said). Global to the compile: the decode range keeps its kernels, its second norm
-# recomputing the first residual instead of writing float32 buffers (test_inductor_kernels.py).
-# Not served yet; a piece alone: docs/BENCHMARKS.md "Session 72".
+# recomputing the first residual instead of writing float32 buffers: Inductor's estimate of the
+# piece's bytes at 16 tokens drops from 3.03 to 2.77 MB (test_inductor_kernels.py); that range
+# is untimed on the GPU (the throughput A-B-A's batches are mostly past 64 tokens).
 INPUT_FUSED_REALIZE_READS = 16
 
 
 def wgmma_order_mode(environ=os.environ) -> str | None:
-    """MIXPREC_X_WGMMA_ORDER: 1 (default: "codes", WgmmaActOrder permutes the traced quantizer's
-    codes, on the shapes of wgmma_order_pays), input ("input": it permutes the quantizer's input,
-    on every shape; under test, see WgmmaActOrder), input_fused (the same, with Inductor's
-    realize_reads_threshold at INPUT_FUSED_REALIZE_READS; under test) or 0 (None: the natural
-    order)."""
+    """MIXPREC_X_WGMMA_ORDER: 1 or input_fused (the default: WgmmaActOrder permutes the traced
+    quantizer's input on every shape, and Inductor's realize_reads_threshold is
+    INPUT_FUSED_REALIZE_READS), input (the same, Inductor's threshold left alone), codes (the
+    quantizer's codes permuted, on the shapes of wgmma_order_pays: the default before session 73)
+    or 0 (None: the natural order)."""
     v = environ.get("MIXPREC_X_WGMMA_ORDER", "1").strip()
     if v not in WGMMA_ORDER_MODES:
         raise ValueError(
-            f"MIXPREC_X_WGMMA_ORDER={v!r}: expected 1 (the default: compiled graphs for batches of more "
-            "than 64 tokens quantize the W4A8 activations in the wgmma k order, which the sm_90a GEMM "
-            "copies by TMA; compile_passes.py), input (the same, the quantizer permuting its input "
-            "rather than its codes, on every layer), input_fused (input, with Inductor's "
-            "realize_reads_threshold raised so that every quantizer stays in its norm's kernel) or 0 "
+            f"MIXPREC_X_WGMMA_ORDER={v!r}: expected 1 or input_fused (the default: compiled graphs for "
+            "batches of more than 64 tokens quantize the W4A8 activations in the wgmma k order, which "
+            "the sm_90a GEMM copies by TMA, each quantizer permuting its input inside its norm's "
+            "kernel; compile_passes.py), input (the same, Inductor's realize_reads_threshold left "
+            "alone), codes (the quantizer's codes permuted, on the layers of wgmma_order_pays) or 0 "
             "(the natural order everywhere)")
     return WGMMA_ORDER_MODES[v]
 
@@ -266,7 +271,8 @@ def _wgmma_order_applies() -> bool:
 
 
 def wgmma_order_pays(n: int, k: int) -> bool:
-    """Whether an N x K layer's compiled quantizer should write the wgmma k order. Where Inductor
+    """MIXPREC_X_WGMMA_ORDER=codes: whether an N x K layer's compiled quantizer should write the
+    wgmma k order (the default, input_fused, permutes every layer's input). Where Inductor
     fuses it into RMSNorm or SiLU-and-mul, the permuted codes cannot be stored from the fused
     kernel: it writes them as float32 and a second kernel gathers them (session 64's generated
     code), a cost that grows with M x K while the GEMM's gain grows with M x N x K. Measured (H200,
@@ -291,13 +297,12 @@ class WgmmaActOrder(_pass_base()):
     is a view, a permute and a clone. Inductor folds it into a quantizer that stands alone (one
     kernel, a gathered load); a quantizer fused into the op before it instead writes float32
     codes for a second kernel to permute (wgmma_order_pays). impls: the nodes it rewrites (the
-    csrc op; the tests add "reference"); all_shapes: ignore wgmma_order_pays (tests).
+    csrc op; the tests add "reference"); all_shapes: ignore wgmma_order_pays.
     input_order: then move the permutation before the traced quantizer (_order_patterns), so
     that a quantizer fused into RMSNorm or SiLU-and-mul gathers its input in one kernel instead
     of writing float codes for a second kernel to permute: 1.00-1.31x natural and 0.99-1.38x the
-    codes permutation on six compiled layers (H200, docs/BENCHMARKS.md "Session 65"). Not the
-    default until served against the codes mode on one host (its one served run had no such
-    comparison)."""
+    codes permutation on six compiled layers (H200, docs/BENCHMARKS.md "Session 65"); with
+    INPUT_FUSED_REALIZE_READS, the default (wgmma_order_mode)."""
 
     def __init__(self, impls=("cuda",), all_shapes: bool = False, input_order: bool = False):
         from . import kernels  # noqa: F401  (the op, on a compile-cache hit too)
@@ -445,7 +450,7 @@ def install(compilation_config) -> bool:
     cfg[HOOK] = MixprecPostGrad(passes)
     if mode == "input_fused" and any(isinstance(p, WgmmaActOrder) for p in passes):
         reads = cfg.setdefault("realize_reads_threshold", INPUT_FUSED_REALIZE_READS)  # a user's stays
-        logger.info("vllm_mixprec: MIXPREC_X_WGMMA_ORDER=input_fused: Inductor's "
+        logger.info("vllm_mixprec: wgmma order input_fused (MIXPREC_X_WGMMA_ORDER): Inductor's "
                     "realize_reads_threshold is %s (compile_passes.INPUT_FUSED_REALIZE_READS)", reads)
     for p in passes:
         end = FUSE_MAX_TOKENS if isinstance(p, SiluMulQuantFusion) else WGMMA_ORDER_AFTER_TOKENS

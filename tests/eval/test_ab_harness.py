@@ -48,7 +48,7 @@ def test_arm_table():
     assert a["w4a8kv4-naturalorder"].flags == a["w4a8kv4"].flags
     assert dict(a["w4a8kv4-naturalorder"].env) == {"MIXPREC_X_WGMMA_ORDER": "0"}
     assert dict(a["w4a8kv4-inputorder"].env) == {"MIXPREC_X_WGMMA_ORDER": "input"}
-    assert dict(a["w4a8kv4-inputfused"].env) == {"MIXPREC_X_WGMMA_ORDER": "input_fused"}
+    assert dict(a["w4a8kv4-codesorder"].env) == {"MIXPREC_X_WGMMA_ORDER": "codes"}
     assert all(arm.ckpt in syn.CKPT_KINDS for arm in a.values())
 
 
@@ -367,17 +367,21 @@ def test_sigterm_stops_children_and_keeps_results(fake_vllm, tmp_path):
 
 def test_aba_report(tmp_path, capsys):
     """gpu_ab.sh aba's table: each arm against the mean of the first arm's rounds at the same
-    model, workload and concurrency, with that arm's drift; a round not run yet is named."""
-    rounds = [[_e("m", "w4a8kv4-inputfused", "throughput", output_tokens_per_second=1000.0)],
+    model, workload and concurrency, with that arm's drift and a serve row's median TPOT; a round
+    not run yet is named."""
+    rounds = [[_e("m", "w4a8kv4-codesorder", "throughput", output_tokens_per_second=1000.0),
+               _e("m", "w4a8kv4-codesorder", "serve", 1, output_throughput=100.0, median_tpot_ms=9.876)],
               [_e("m", "w4a8kv4", "throughput", output_tokens_per_second=990.0),
                _e("m", "w4a8kv4", "throughput", status="failed")],  # the last line of a key counts
-              [_e("m", "w4a8kv4-inputfused", "throughput", output_tokens_per_second=1020.0)]]
+              [_e("m", "w4a8kv4-codesorder", "throughput", output_tokens_per_second=1020.0)]]
     rounds[1] = rounds[1][::-1]  # the ok one last
     rows = R.aba(rounds)
-    assert [(r["round"], r["arm"]) for r in rows] == [(1, "w4a8kv4-inputfused"), (2, "w4a8kv4"),
-                                                      (3, "w4a8kv4-inputfused")]
-    assert rows[1]["vs_first"] == pytest.approx(990 / 1010)
-    assert rows[0]["drift"] == pytest.approx(0.02) and rows[1]["drift"] == pytest.approx(0.02)
+    assert [(r["round"], r["arm"], r["workload"]) for r in rows] == [
+        (1, "w4a8kv4-codesorder", "throughput"), (1, "w4a8kv4-codesorder", "serve"),
+        (2, "w4a8kv4", "throughput"), (3, "w4a8kv4-codesorder", "throughput")]
+    assert rows[2]["vs_first"] == pytest.approx(990 / 1010)
+    assert rows[0]["drift"] == pytest.approx(0.02) and rows[2]["drift"] == pytest.approx(0.02)
+    assert rows[1]["drift"] is None and rows[1]["tpot_ms"] == 9.876 and rows[0]["tpot_ms"] is None
     dirs = []
     for i, entries in enumerate(rounds[:2], 1):
         d = tmp_path / f"aba-{i}"
@@ -386,6 +390,6 @@ def test_aba_report(tmp_path, capsys):
         dirs.append(str(d))
     assert ab.main(["--aba-report", *dirs, str(tmp_path / "aba-3")]) == 0
     out = capsys.readouterr().out
-    assert "0.990x" in out and "round 3" in out and "no results yet" in out
+    assert "0.990x" in out and "9.88" in out and "round 3" in out and "no results yet" in out
     with pytest.raises(SystemExit, match="no results"):
         ab.main(["--aba-report", str(tmp_path / "aba-3")])

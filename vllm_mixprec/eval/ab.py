@@ -101,11 +101,11 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
         what="w4a8kv4 whose compiled graphs quantize every layer's activations in the natural k "
              "order (compile_passes.WgmmaActOrder off): what the wgmma order is worth served"),
     _w4a8kv4_with("inputorder", "MIXPREC_X_WGMMA_ORDER", "input",
-        what="w4a8kv4 whose compiled graphs past 64 tokens quantize every layer's activations in "
-             "the wgmma k order by permuting the quantizer's input (WgmmaActOrder input_order)"),
-    _w4a8kv4_with("inputfused", "MIXPREC_X_WGMMA_ORDER", "input_fused",
-        what="w4a8kv4-inputorder with Inductor's realize_reads_threshold raised, so that the QKV's "
-             "quantizer stays in the second add + RMSNorm's kernel (compile_passes.py)"),
+        what="w4a8kv4 with Inductor's realize_reads_threshold left at its default, so that the QKV's "
+             "quantizer is split from the second add + RMSNorm (compile_passes.py)"),
+    _w4a8kv4_with("codesorder", "MIXPREC_X_WGMMA_ORDER", "codes",
+        what="w4a8kv4 whose compiled graphs past 64 tokens permute the quantizer's codes, on the "
+             "layers of compile_passes.wgmma_order_pays (the default before session 73)"),
     _w4a8kv4_with("cachedprefill", "MIXPREC_ATTN_PREFILL_EXACT", "0",
         what="w4a8kv4 whose prefill reads the chunk's own keys back from the KV4 pages"),
     _w4a8kv4_with("tritonchunk", "MIXPREC_ATTN_CHUNK", "triton",

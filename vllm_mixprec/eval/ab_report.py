@@ -164,15 +164,17 @@ def render(entries: list[dict]) -> str:
 def aba(rounds: list[list[dict]]) -> list[dict]:
     """An A-B-A from results folders run one after another on one host (gpu_ab.sh aba): rounds[i]
     holds round i's entries. Every ok entry becomes a row (round, model, workload, concurrency,
-    arm, out tok/s); "vs_first" divides it by the mean of the rounds of the first round's arm at
-    the same model, workload and concurrency, and "drift" is that arm's spread (max / min - 1)
-    over its rounds: a gain smaller than the drift is not one."""
+    arm, out tok/s, median TPOT where `serve` measured one); "vs_first" divides the tokens/s by
+    the mean of the rounds of the first round's arm at the same model, workload and concurrency,
+    and "drift" is that arm's spread (max / min - 1) over its rounds: a gain smaller than the
+    drift is not one."""
     rows = []
     for i, entries in enumerate(rounds, 1):
         for e in latest(entries).values():
             if e.get("status") == "ok" and out_tps(e) is not None:
                 rows.append({"round": i, "model": e.get("model"), "workload": e.get("workload"),
-                             "concurrency": e.get("concurrency"), "arm": e["arm"], "out_tps": out_tps(e)})
+                             "concurrency": e.get("concurrency"), "arm": e["arm"], "out_tps": out_tps(e),
+                             "tpot_ms": (e.get("metrics") or {}).get("median_tpot_ms")})
     for r in rows:
         same = [x for x in rows if (x["model"], x["workload"], x["concurrency"])
                 == (r["model"], r["workload"], r["concurrency"])]
@@ -187,10 +189,11 @@ def render_aba(rows: list[dict]) -> str:
     if not rows:
         return "A-B-A: no finished run in these folders"
     table = [[r["round"], r["model"], r["workload"], "-" if r["concurrency"] is None else r["concurrency"],
-              r["arm"], _f(r["out_tps"]), f"{r['vs_first']:.3f}x",
+              r["arm"], _f(r["out_tps"]), _f(r.get("tpot_ms"), 2), f"{r['vs_first']:.3f}x",
               "-" if r["drift"] is None else f"{100 * r['drift']:.1f} %"] for r in rows]
     return ("A-B-A (vs A: out tok/s over the mean of A's rounds; drift: A's spread over its rounds)\n"
-            + _table(table, ["round", "model", "workload", "conc", "arm", "out tok/s", "vs A", "A drift"]))
+            + _table(table, ["round", "model", "workload", "conc", "arm", "out tok/s", "median TPOT ms",
+                             "vs A", "A drift"]))
 
 
 def write_summary(entries: list[dict], path: str | Path) -> None:
