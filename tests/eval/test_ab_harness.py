@@ -158,6 +158,15 @@ def test_log_facts():
             "(EngineCore pid=1) INFO [kv_cache_utils.py:2177] GPU KV cache size: 36,345,136 tokens\n")
     f = S.log_facts(text)
     assert f["silu_quant_fused"] is False
+    assert f["wgmma_order_first_graph"] is None and f["realize_reads_threshold"] is None
+    g = S.log_facts(text + (  # compile_passes' lines as session 73's served input_fused arm logged them
+        "(EngineCore pid=1499) INFO 12-05 18:38:53 [compile_passes.py:448] vllm_mixprec: "
+        "MIXPREC_X_WGMMA_ORDER=input_fused: Inductor's realize_reads_threshold is 16 "
+        "(compile_passes.INPUT_FUSED_REALIZE_READS)\n"
+        "(EngineCore pid=1499) INFO 12-05 18:39:17 [compile_passes.py:352] vllm_mixprec: W4A8 activations "
+        "in the wgmma k order for batches of more than 64 tokens (1 GEMMs in the first graph; 1 "
+        "quantizers permute their input)\n"))
+    assert g["wgmma_order_first_graph"] == [1, 1] and g["realize_reads_threshold"] == 16
     assert S.log_facts(text + "INFO [compile_passes.py:120] vllm_mixprec: SiLU-and-mul + quantize "
                        "fused into mixprec::silu_mul_quantize_act (1 in the first graph)\n"
                        )["silu_quant_fused"] is True

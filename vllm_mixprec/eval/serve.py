@@ -104,15 +104,22 @@ def log_facts(log_text: str) -> dict:
     kernels = sorted(set(re.findall(r"(?:Using|Selected) (\w+Kernel\w*) for (\w+)", log_text)))
     backend = re.search(r"Using AttentionBackendEnum\.(\w+) backend", log_text)
     mixprec = re.search(r"vllm_mixprec kernels: ([^\n]+)", log_text)
-    # compile_passes' line: absent when the pass is off, or the graph came from the cache
+    # compile_passes' lines: absent when the pass is off, or the graph came from the cache
     silu_quant = "SiLU-and-mul + quantize fused into" in log_text
+    order = re.search(r"wgmma k order for batches of more than \d+ tokens \((\d+) GEMMs in the first "
+                      r"graph; (\d+) quantizers permute their input\)", log_text)
+    reads = re.search(r"realize_reads_threshold is (\d+)", log_text)  # MIXPREC_X_WGMMA_ORDER=input_fused
     return {"plugin_logged": "vllm_mixprec" in log_text and "registered" in log_text,
             "kv_cache_line": kv.group(0) if kv else None,
             "kv_cache_tokens": int(kv.group(1).replace(",", "")) if kv else None,
             "kernels": [f"{k} for {m}" for k, m in kernels],
             "attention_backend": backend.group(1) if backend else None,
             "mixprec_kernels": mixprec.group(1).strip() if mixprec else None,
-            "silu_quant_fused": silu_quant}
+            "silu_quant_fused": silu_quant,
+            # [GEMMs in the wgmma k order, of them with the quantizer's input permuted] in the
+            # first graph past 64 tokens: what tells the activation-order modes apart in a log
+            "wgmma_order_first_graph": [int(order.group(1)), int(order.group(2))] if order else None,
+            "realize_reads_threshold": int(reads.group(1)) if reads else None}
 
 
 def serve_and_ask(model_dir: str, extra: list[str], log_path: str, port: int,
