@@ -205,7 +205,8 @@ def order_variants(name: str, gen: torch.Generator, args) -> tuple:
         extras["wgmma_input_fused"] = compile_passes.WgmmaActOrder(all_shapes=True, input_order=True)
         variants["wgmma_input_fused"] = (fn, [extras["wgmma_input_fused"]], {},
                                          {"realize_reads_threshold": compile_passes.INPUT_FUSED_REALIZE_READS})
-    if args.rule:  # what the plugin serves by default: the codes permuted where wgmma_order_pays
+    if args.rule:  # MIXPREC_X_WGMMA_ORDER=codes, the default before session 73
+        # (the codes permuted where wgmma_order_pays)
         extras["wgmma_rule"] = compile_passes.WgmmaActOrder()
         variants["wgmma_rule"] = (fn, [extras["wgmma_rule"]], {}, {})
     return before, n, k, variants, extras

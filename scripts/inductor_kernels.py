@@ -163,13 +163,17 @@ def served_submodule(path: str, index: int, tokens: int = 80):
     return module.forward, args
 
 
-def order_modes(cp) -> list:
+def order_modes(cp, tokens: int | None = None) -> list:
     """(MIXPREC_X_WGMMA_ORDER mode, post-grad passes, Inductor options), as compile_passes.install
-    sets them on a GPU that runs the wgmma kernels."""
-    return [("0", [], {}), ("codes", [cp.WgmmaActOrder()], {}),
-            ("input", [cp.WgmmaActOrder(all_shapes=True, input_order=True)], {}),
-            ("input_fused", [cp.WgmmaActOrder(all_shapes=True, input_order=True)],
-             {"realize_reads_threshold": cp.INPUT_FUSED_REALIZE_READS})]
+    sets them on a GPU that runs the wgmma kernels. Given the batch's tokens, the passes only
+    past WGMMA_ORDER_AFTER_TOKENS, as vLLM's compile ranges run them."""
+    modes = [("0", [], {}), ("codes", [cp.WgmmaActOrder()], {}),
+             ("input", [cp.WgmmaActOrder(all_shapes=True, input_order=True)], {}),
+             ("input_fused", [cp.WgmmaActOrder(all_shapes=True, input_order=True)],
+              {"realize_reads_threshold": cp.INPUT_FUSED_REALIZE_READS})]
+    if tokens is not None and tokens <= cp.WGMMA_ORDER_AFTER_TOKENS:
+        modes = [(mode, [], options) for mode, _, options in modes]
+    return modes
 
 
 def main() -> int:
@@ -200,8 +204,8 @@ def main() -> int:
     if args.served_graph:
         from vllm_mixprec import compile_passes as cp
         fn, inputs = served_submodule(args.served_graph, args.submod, args.m)
-        for mode, passes, options in order_modes(cp):
-            options = {**options, cp.HOOK: cp.MixprecPostGrad(passes if args.m > 64 else [])}
+        for mode, passes, options in order_modes(cp, args.m):
+            options = {**options, cp.HOOK: cp.MixprecPostGrad(passes)}
             if args.bytes:
                 mb = estimated_mb(triton_wrapper(fn, *inputs, options={**options, "benchmark_kernel": True}))
                 print(f"{mode:12s} {sum(mb):8.3f} MB: {' '.join(f'{x:.3f}' for x in mb)}")
