@@ -20,7 +20,7 @@
 # decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto x_wgmma_tests
 # x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more x_input_order
 # x_input_order_piece x_input_order_layers w4ax_rot_chunks w4ax_split w4ax_compiled
-# x_input_fused_piece w4ax_perm x_order_piece_aba
+# x_input_fused_piece w4ax_perm x_order_piece_aba triton_tiles
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -805,6 +805,15 @@ stage_w4ax_sweep() {
       --w4ax-a8-share "$share" --rep-ms 30 --out "$OUT/w4ax-sweep-$share" || rc=1
   done
   return $rc
+}
+# The Triton W4A8 GEMM's tile configs past 64 tokens (bench_gemm.py --sweep, the GEMM alone):
+# the default 128x128x128 4-warp tile spills 1136 B a thread on sm_90 (ptxas, session 72), the
+# 8-warp one none; the sweep times both beside the others (benchmarks/NOTES-gemm.md, "Tile choices").
+stage_triton_tiles() {
+  mkdir -p "$OUT/triton-tiles"
+  run_bench bench_gemm_triton_tiles 420 python3 benchmarks/bench_gemm.py \
+    --shapes "${TRITON_TILES_SHAPES:-4096x6144,14336x4096,8192x28672}" --ms "${TRITON_TILES_MS:-256,1024,4096}" \
+    --methods ours_triton,marlin_w4a16 --sweep --sweep-method ours_triton --rep-ms 30 --out "$OUT/triton-tiles"
 }
 # Session 46: the one-pass quantizer's lean arithmetic (act_quant_lean, on by default: 1 / scale,
 # the division only near half-integers; the same codes) against its per-element division: the

@@ -19,6 +19,9 @@ _registered = False
 def register() -> None:
     """Register the `mixprec` quantization method and the CUSTOM attention backend."""
     global _registered
+    from . import envs
+
+    envs.warn_unknown()  # a mistyped MIXPREC_* name would change nothing, silently
     if _registered:
         return
     # Importing the module runs @register_quantization_config("mixprec").

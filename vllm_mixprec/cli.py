@@ -171,6 +171,18 @@ def cmd_ab(args) -> int:
     return ab.main(args.ab_args)
 
 
+def cmd_env(args) -> int:
+    from . import envs
+
+    if args.all:
+        print(envs.markdown(), end="")
+        return 0
+    lines = envs.describe()
+    print("\n".join(lines) if lines else "no MIXPREC_* variable is set: every default is in force "
+          "(`vllm-mixprec env --all` lists them)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .eval.perplexity import KV_DTYPES
     from .quantize.fmpq import A8_ALLOCATIONS, A8_SELECTIONS
@@ -256,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quiet", action="store_true")
     e.add_argument("--json", help="write the result rows here")
     e.set_defaults(func=cmd_eval)
+
+    v = sub.add_parser("env", help="the MIXPREC_* settings in force (unknown names flagged); "
+                       "--all: every setting with its default (docs/ENVIRONMENT.md)")
+    v.add_argument("--all", action="store_true")
+    v.set_defaults(func=cmd_env)
 
     a = sub.add_parser("ab", add_help=False, help="A/B harness against bf16, Marlin, Machete and FP8 "
                        "through vLLM (GPU; `vllm-mixprec ab --help` lists its options)")

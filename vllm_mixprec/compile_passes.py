@@ -27,6 +27,7 @@ import os
 
 import torch
 
+from . import envs
 from . import formats as F
 from . import reference as ref
 from .kernels.cuda import DECODE_MAX_M
@@ -46,7 +47,7 @@ def enabled(environ=os.environ) -> bool:
     Off by default until served with its compile range (FUSE_MAX_TOKENS): on all sizes it
     matched Marlin's TPOT at concurrency 1 on the H100 (3.52 ms each, 2026-11-26) but would
     cost large batches, where Inductor's kernel is faster."""
-    v = environ.get("MIXPREC_FUSE_SILU_QUANT", "0").strip()
+    v = envs.get("MIXPREC_FUSE_SILU_QUANT", environ)
     if v not in ("0", "1"):
         raise ValueError(f"MIXPREC_FUSE_SILU_QUANT={v!r}: expected 0 (the default: Inductor fuses the down "
                          "projection's input quantization into SiLU-and-mul) or 1 "
@@ -248,7 +249,7 @@ def wgmma_order_mode(environ=os.environ) -> str | None:
     INPUT_FUSED_REALIZE_READS), input (the same, Inductor's threshold left alone), codes (the
     quantizer's codes permuted, on the shapes of wgmma_order_pays: the default before session 73)
     or 0 (None: the natural order)."""
-    v = environ.get("MIXPREC_X_WGMMA_ORDER", "1").strip()
+    v = envs.get("MIXPREC_X_WGMMA_ORDER", environ)
     if v not in WGMMA_ORDER_MODES:
         raise ValueError(
             f"MIXPREC_X_WGMMA_ORDER={v!r}: expected 1 or input_fused (the default: compiled graphs for "

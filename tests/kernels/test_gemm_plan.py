@@ -511,7 +511,9 @@ def test_launch_options_from_env():
         with pytest.raises(ValueError, match=rf"MIXPREC_GEMM_DECODE_PRELOAD_MAX_M='{bad}': expected an integer from "
                                              r"0 to 32"):
             cuda.launch_options_from_env({"MIXPREC_GEMM_DECODE_PRELOAD_MAX_M": bad})
-    for bad in ("", "+5", "\u0661"):  # int() takes the last two; the last is an Arabic-Indic digit
+    # an empty value is unset, as for every variable (vllm_mixprec/envs.py)
+    assert cuda.launch_options_from_env({"MIXPREC_GEMM_DECODE_PRELOAD_MAX_M": " "}) == {}
+    for bad in ("+5", "\u0661"):  # int() takes both; the last is an Arabic-Indic digit
         with pytest.raises(ValueError, match=r"MIXPREC_GEMM_DECODE_PRELOAD_MAX_M=.*: expected an integer from "
                                              r"0 to 32"):
             cuda.launch_options_from_env({"MIXPREC_GEMM_DECODE_PRELOAD_MAX_M": bad})

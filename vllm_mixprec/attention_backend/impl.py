@@ -32,13 +32,13 @@ the kernels add q . RoPE_p(b) back to every score. No checkpoint change: b is k_
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
+from .. import envs
 from .. import formats as F
 from ..kernels.chunk_attention import (chunk_attention, chunk_setting, context_attention,
                                        select_chunk_impl)
@@ -65,7 +65,7 @@ _CONTEXT_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def prefill_exact() -> bool:
     """MIXPREC_ATTN_PREFILL_EXACT: 1 (default) or 0 (module docstring)."""
-    v = os.environ.get(ENV_PREFILL_EXACT, "1").strip()
+    v = envs.get(ENV_PREFILL_EXACT)
     if v not in ("0", "1"):
         raise ValueError(f"{ENV_PREFILL_EXACT}={v!r}: expected 1 (a prefill chunk's new tokens "
                          "attend each other in 16 bits; the default) or 0 (every key through "
@@ -77,8 +77,8 @@ def context_tokens(vllm_config) -> int:
     """MIXPREC_ATTN_CONTEXT_TOKENS, else max_num_batched_tokens + max_model_len (one step's
     new tokens plus a full-length row's context), at most MAX_DEFAULT_CONTEXT_TOKENS; 0
     turns the context workspace off (module docstring)."""
-    v = os.environ.get(ENV_CONTEXT_TOKENS, "").strip()
-    if v:
+    v = envs.get(ENV_CONTEXT_TOKENS)
+    if v is not None:
         if not v.isdigit():
             raise ValueError(f"{ENV_CONTEXT_TOKENS}={v!r}: expected a token count >= 0 (the "
                              "16-bit context workspace of exact prefill; 0 turns it off)")

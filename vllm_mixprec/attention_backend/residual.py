@@ -54,10 +54,10 @@ sharing and decode context parallelism.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from .. import envs
 from ..kernels.triton import precompile
 from ..kernels.triton import residual_directory as _kernel
 
@@ -72,10 +72,9 @@ MAX_RESIDUAL_TOKENS = 128                 # one tail tile of the attention kerne
 
 def residual_tokens(vllm_config, block_size: int) -> int:
     """R: env MIXPREC_KV_RESIDUAL, else the quant config's kv_residual_tokens, else B."""
-    env = os.environ.get(ENV_TOKENS)
-    if env is not None and env.strip() != "":
-        r = int(env)
-        src = f"{ENV_TOKENS}={env}"
+    r = envs.integer(ENV_TOKENS, 0, MAX_RESIDUAL_TOKENS)
+    if r is not None:
+        src = f"{ENV_TOKENS}={r}"
     else:
         quant = getattr(vllm_config, "quant_config", None) if vllm_config is not None else None
         r = getattr(quant, "kv_residual_tokens", None)
@@ -98,11 +97,10 @@ def residual_slots(vllm_config, r: int, block_size: int) -> int:
     """P: every scheduled row's window fits, plus slack for rows not scheduled in a step."""
     if r <= 0:
         return 0
-    env = os.environ.get(ENV_SLOTS)
+    p = envs.integer(ENV_SLOTS, 1)
     max_seqs = vllm_config.scheduler_config.max_num_seqs
     need = max_seqs * window_blocks(r, block_size)
-    if env:
-        p = int(env)
+    if p is not None:
         if p < need:
             raise ValueError(f"{ENV_SLOTS}={p} is below max_num_seqs * window blocks = {need}")
         return p
@@ -111,13 +109,13 @@ def residual_slots(vllm_config, r: int, block_size: int) -> int:
 
 def graphs_by_default(device: torch.device) -> bool:
     """Whether decode steps replay the directory update from CUDA graphs (StepGraphs)."""
-    return device.type == "cuda" and os.environ.get(ENV_GRAPHS, "1") != "0"
+    return envs.flag(ENV_GRAPHS) and device.type == "cuda"
 
 
 def kernel_by_default(device: torch.device) -> bool:
     """Whether the update runs as one Triton program (CUDA; MIXPREC_KV_RESIDUAL_KERNEL=0: the
     torch ops). H100, 2026-11-25: ~42 us a call against ~185 us replayed from its graph."""
-    return device.type == "cuda" and os.environ.get(ENV_KERNEL, "1") != "0"
+    return envs.flag(ENV_KERNEL) and device.type == "cuda"
 
 
 def check_supported(vllm_config, r: int) -> None:

@@ -71,6 +71,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from .. import envs
 from ..quantize.models import sha256_file
 
 TEXTS = ("lcet10", "botchan")
@@ -580,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     models_dir = args.models_dir.resolve()
     # load_text finds (and sha-checks) text/NAME.txt there. Restored on return: tests call
     # main() in-process, and a leaked value sent later tests to a fake cache (CI, 2026-11-23).
-    old = os.environ.get("VLLM_MIXPREC_CACHE")
+    old = envs.explicit("VLLM_MIXPREC_CACHE")
     os.environ["VLLM_MIXPREC_CACHE"] = str(models_dir)
     try:
         return _run(args, argv, models_dir)

@@ -23,6 +23,7 @@ import os
 
 import torch
 
+from .. import envs
 from .. import formats as F
 from .. import reference as ref
 from . import cuda as _cuda
@@ -35,9 +36,7 @@ _UNFORCE = "unset MIXPREC_KERNEL to let the plugin choose"
 
 def forced_impl(environ=os.environ) -> str | None:
     """MIXPREC_KERNEL (tests and A/B runs: force one implementation), validated."""
-    v = environ.get("MIXPREC_KERNEL")
-    if v is not None and v.strip() == "":
-        return None
+    v = envs.get("MIXPREC_KERNEL", environ)
     if v is not None and v not in IMPLS:
         raise ValueError(f"MIXPREC_KERNEL={v!r} is not one of {IMPLS}; set one of them or {_UNFORCE}")
     return v
@@ -48,7 +47,7 @@ _FORCED = forced_impl()
 
 def fuse_act_quant(environ=os.environ) -> bool:
     """MIXPREC_FUSE_ACT_QUANT: 1 (default, module docstring) or 0 (A/B runs)."""
-    v = environ.get("MIXPREC_FUSE_ACT_QUANT", "1").strip()
+    v = envs.get("MIXPREC_FUSE_ACT_QUANT", environ)
     if v not in ("0", "1"):
         raise ValueError(f"MIXPREC_FUSE_ACT_QUANT={v!r}: expected 1 (quantize activations in "
                          "torch ops that torch.compile fuses into the previous op; the default) "
@@ -69,7 +68,7 @@ def w4ax_quant(environ=os.environ) -> str:
     shape) and the rotation's butterfly stages (each reads values other threads wrote) in one
     kernel: it compiles 5 Triton kernels without a rotation, 15 with hadamard and 14 with
     hadamard64, with float32 [M, K] buffers between them (scripts/inductor_kernels.py, session 69)."""
-    v = environ.get("MIXPREC_W4AX_QUANT", "kernel").strip()
+    v = envs.get("MIXPREC_W4AX_QUANT", environ)
     if v not in W4AX_QUANT_MODES:
         raise ValueError(f"MIXPREC_W4AX_QUANT={v!r}: expected kernel (the default: compiled W4Ax "
                          "layers quantize in the one-pass Triton kernel) or traced (in torch ops "
@@ -87,7 +86,7 @@ def tp_act_scale(environ=os.environ) -> str:
     the codes differ from TP=1's. "global": the ranks all-gather their row maxima first (one
     [M, TP] float32 all-gather per layer), so codes and scales are TP=1's bit for bit and the
     TP=2 output differs from TP=1's only by the 16-bit rounding of the partial sums."""
-    v = environ.get("MIXPREC_TP_ACT_SCALE", "rank").strip() or "rank"
+    v = envs.get("MIXPREC_TP_ACT_SCALE", environ)
     if v not in ("rank", "global"):
         raise ValueError(f"MIXPREC_TP_ACT_SCALE={v!r}: expected rank (each rank's own per-token "
                          "max; the default) or global (the max over all ranks: TP=1's codes, one "
@@ -104,12 +103,12 @@ def tp_reduce(environ=os.environ) -> str:
     once (reference.w4a8_epilogue); one [M, N] float32 all-reduce in place of a 16-bit one and an
     [M, TP] all-gather. Any rounding difference, even float32's, is amplified by the next layers'
     dynamic int8 codes into different greedy tokens (session 29, scripts/diag_tp_rounding.py)."""
-    v = environ.get("MIXPREC_TP_REDUCE", "model").strip() or "model"
+    v = envs.get("MIXPREC_TP_REDUCE", environ)
     if v not in ("model", "exact"):
         raise ValueError(f"MIXPREC_TP_REDUCE={v!r}: expected model (vLLM's all-reduce of 16-bit "
                          "partial outputs; the default) or exact (the integer dot products "
                          "all-reduced: TP=1's output bit for bit)")
-    if v == "exact" and environ.get("MIXPREC_TP_ACT_SCALE", "").strip() == "rank":
+    if v == "exact" and envs.explicit("MIXPREC_TP_ACT_SCALE", environ) == "rank":
         raise ValueError("MIXPREC_TP_REDUCE=exact sums the ranks' integer dot products, which "
                          "needs one activation scale per token across ranks; it cannot be "
                          "combined with MIXPREC_TP_ACT_SCALE=rank (unset it, or set global)")

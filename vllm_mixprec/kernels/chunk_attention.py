@@ -23,6 +23,7 @@ import os
 
 import torch
 
+from .. import envs
 from .. import reference as ref
 
 logger = logging.getLogger("vllm.mixprec")
@@ -33,7 +34,7 @@ CHUNK_CHOICES = ("auto", "flash", "triton")
 
 def chunk_setting(environ=os.environ) -> str:
     """MIXPREC_ATTN_CHUNK, validated (module docstring)."""
-    v = environ.get(ENV_CHUNK, "auto").strip() or "auto"
+    v = envs.get(ENV_CHUNK, environ)
     if v not in CHUNK_CHOICES:
         raise ValueError(f"{ENV_CHUNK}={v!r}: expected one of {CHUNK_CHOICES} (auto: vLLM's "
                          "FlashAttention for a prefill chunk's own tokens where it runs, else "

@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from .. import envs
 from .. import formats as F
 
 _LIB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,10 +34,10 @@ _state: dict = {}
 #   0/1 decode with 16/32 channels per CTA (M <= 64); 2/3 tiled with 64/128 tokens per CTA;
 #   4/5/6/7/8 wgmma with 256 ch x 128 tok / 256 x 64 / 128 x 256 / 128 x 64 / 128 x 128 per CTA
 #   (sm_90a).
-_GEMM_KERNEL = int(os.environ.get("MIXPREC_W4A8_KERNEL", "-1"))
-if _GEMM_KERNEL == -1 and os.environ.get("MIXPREC_W4A8_WGMMA", "1") == "0":
+_GEMM_KERNEL = envs.integer("MIXPREC_W4A8_KERNEL", -2, 8)
+if _GEMM_KERNEL == -1 and not envs.flag("MIXPREC_W4A8_WGMMA"):
     _GEMM_KERNEL = -2
-_GEMM_SPLITS = int(os.environ.get("MIXPREC_W4A8_SPLITS", "0"))
+_GEMM_SPLITS = envs.integer("MIXPREC_W4A8_SPLITS", -2)
 
 WGMMA_KERNELS = (4, 5, 6, 7, 8)
 DECODE_MAX_M = 64  # mirrors kDecodeMaxM in csrc/gemm/sm80/w4a8_gemm_mma.cu (documentation and tests only)
@@ -96,8 +97,8 @@ def launch_options_from_env(environ) -> dict[str, int]:
     """The launch options that ENV_LAUNCH_OPTIONS' variables in environ ask for; a bad value raises."""
     options = {}
     for env, option, allowed in ENV_LAUNCH_OPTIONS:
-        if env in environ:
-            v = environ[env].strip()
+        v = envs.explicit(env, environ)
+        if v is not None:
             if not (v.isascii() and v.isdigit() and int(v) in allowed):
                 expected = (f"an integer from {allowed[0]} to {allowed[-1]}" if len(allowed) > 4
                             else f"{', '.join(map(str, allowed[:-1]))} or {allowed[-1]}")

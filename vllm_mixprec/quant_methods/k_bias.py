@@ -38,6 +38,7 @@ import os
 import torch
 from vllm.model_executor.layers.linear import QKVParallelLinear, UnquantizedLinearMethod
 
+from .. import envs
 from .. import formats as F
 
 logger = logging.getLogger("vllm.mixprec")
@@ -48,8 +49,8 @@ ENV_PAIRS = "MIXPREC_KV_BIAS_PAIRS"
 ENV_PLAIN_KV4 = "MIXPREC_KV4_PLAIN_K_BIAS"  # 1: KV4 with the k bias quantized in (check_plain_kv4)
 # model types whose k projection always has a bias (others say so in attention_bias / qkv_bias)
 K_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe"})
-DEFAULT_MIN_NORM = 16.0
-DEFAULT_PAIRS = 16
+DEFAULT_MIN_NORM = float(envs.BY_NAME[ENV_MIN].default)
+DEFAULT_PAIRS = int(envs.BY_NAME[ENV_PAIRS].default)
 # vLLM models known to build full-head neox-style (rotate-half) RoPE with get_rope's defaults.
 NEOX_ARCHITECTURES = frozenset({
     "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
@@ -94,21 +95,22 @@ class RecordingUnquantizedLinearMethod(UnquantizedLinearMethod):
 
 def mode(environ=os.environ) -> str:
     """'auto', 'off' or 'force' from MIXPREC_KV_BIAS_AWARE."""
-    v = environ.get(ENV, "").strip().lower()
-    if v in ("", "auto"):
+    raw = envs.get(ENV, environ)
+    v = raw.lower()
+    if v == "auto":
         return "auto"
     if v in ("0", "false", "off", "no"):
         return "off"
     if v in ("1", "true", "on", "yes"):
         return "force"
-    raise ValueError(f"{ENV}={environ[ENV]!r}: expected 0 (off), 1 (on) or auto")
+    raise ValueError(f"{ENV}={raw!r}: expected 0 (off), 1 (on) or auto")
 
 
 def min_norm(environ=os.environ) -> float:
     """The smallest largest-pair norm that turns bias-aware K on (MIXPREC_KV_BIAS_MIN)."""
-    v = environ.get(ENV_MIN, "").strip()
+    v = envs.get(ENV_MIN, environ)
     try:
-        x = float(v) if v else DEFAULT_MIN_NORM
+        x = float(v)
     except ValueError:
         x = -1.0
     if not x >= 0:
@@ -119,10 +121,10 @@ def min_norm(environ=os.environ) -> float:
 
 def num_pairs(head_dim: int, environ=os.environ) -> int | None:
     """Pairs per head (None: all) from MIXPREC_KV_BIAS_PAIRS."""
-    v = environ.get(ENV_PAIRS, "").strip().lower()
+    v = envs.get(ENV_PAIRS, environ).lower()
     if v == "all" or (v.isdigit() and int(v) >= head_dim // 2):
         return None
-    n = int(v) if v.isdigit() else DEFAULT_PAIRS if not v else -1
+    n = int(v) if v.isdigit() else -1
     if n < F.MIN_BIAS_PAIRS or n & (n - 1):
         raise ValueError(f"{ENV_PAIRS}={v!r}: expected a power of two >= {F.MIN_BIAS_PAIRS} "
                          f"or 'all' (default {DEFAULT_PAIRS})")
@@ -151,7 +153,7 @@ def check_plain_kv4(vllm_config, kv_cache_dtype: str, environ=os.environ) -> Non
     hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
     if hf is None or not model_has_k_bias(hf):
         return
-    v = environ.get(ENV_PLAIN_KV4, "0").strip()
+    v = envs.get(ENV_PLAIN_KV4, environ)
     if v not in ("0", "1"):
         raise ValueError(f"{ENV_PLAIN_KV4}={v!r}: expected 0 (the default: refuse) or 1")
     if v == "1":

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -20,9 +19,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from .. import envs
+
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("VLLM_MIXPREC_CACHE", Path.home() / ".cache" / "vllm_mixprec"))
+    return Path(envs.get("VLLM_MIXPREC_CACHE") or Path.home() / ".cache" / "vllm_mixprec")
 
 
 @dataclasses.dataclass(frozen=True)

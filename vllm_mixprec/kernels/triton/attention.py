@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ... import envs
 from ... import formats as F
 from .. import cuda as cuda_ops
 from .kv_cache import KVResidual, cache_views, kbias_args, meta_index, rope_angle, slab_offset
@@ -879,13 +880,7 @@ def _decode_finish_kernel(
 
 def _env_cfg(name: str, n: int) -> tuple[int, ...] | None:
     """MIXPREC_ATTN_{DECODE,PREFILL}_CFG="a,b,c" overrides a config (tuning runs)."""
-    v = os.environ.get(name)
-    if not v:
-        return None
-    vals = tuple(int(x) for x in v.split(","))
-    if len(vals) != n:
-        raise ValueError(f"{name}={v!r}: expected {n} comma-separated integers")
-    return vals
+    return envs.integers(name, n)
 
 
 def decode_config(head_dim: int, scheme: str = "kv4", num_rows: int = 0,
@@ -910,8 +905,8 @@ def decode_config(head_dim: int, scheme: str = "kv4", num_rows: int = 0,
 def _forced_tail() -> str:
     """The tail placement the environment forces (decode_tail_mode), or "" for the default:
     MIXPREC_ATTN_TAIL, or the older MIXPREC_ATTN_TAIL_IN_SPLIT=0/1 (finish/split)."""
-    v = os.environ.get("MIXPREC_ATTN_TAIL", "").strip()
-    old = os.environ.get("MIXPREC_ATTN_TAIL_IN_SPLIT", "").strip()
+    v = envs.get("MIXPREC_ATTN_TAIL") or ""
+    old = envs.get("MIXPREC_ATTN_TAIL_IN_SPLIT") or ""
     if v and v not in TAIL_MODES:
         raise ValueError(f"MIXPREC_ATTN_TAIL={v!r}: expected one of {sorted(TAIL_MODES)}")
     if old and old not in ("0", "1"):
@@ -943,7 +938,7 @@ def decode_merge_mode(num_rows: int = 1, scheme: str = "kv4", head_dim: int = 12
     15.3 / 15.4 / 16.3; 64 x 8K 374.9 / 381.8 / 530 (the cap halves the big tile's warps'
     registers into spills there). MIXPREC_ATTN_MERGE=kernel|fused forces one. A function of
     the batch and the environment only, so captured CUDA graphs stay valid."""
-    v = os.environ.get("MIXPREC_ATTN_MERGE", "").strip()
+    v = envs.get("MIXPREC_ATTN_MERGE") or ""
     if v not in ("", "kernel", "fused"):
         raise ValueError(f"MIXPREC_ATTN_MERGE={v!r}: expected 'kernel' or 'fused'")
     if v:
@@ -1007,17 +1002,12 @@ def decode_min_tiles() -> int:
     8 x 8K 91.4 / 92.9 / 92.9.
     A function of nothing but the environment, so captured CUDA graphs stay valid for any
     length (the split count stays a function of the batch)."""
-    v = os.environ.get("MIXPREC_ATTN_MIN_TILES", "").strip()
-    if not v:
-        return 1
-    if not v.isdigit() or not 1 <= int(v) <= 64:
-        raise ValueError(f"MIXPREC_ATTN_MIN_TILES={v!r}: expected a tile count in [1, 64]")
-    return int(v)
+    return envs.integer("MIXPREC_ATTN_MIN_TILES", 1, 64)
 
 
 CUDA_TILE_TOKENS = 128  # the CUDA page kernel's split granularity (the finish kernel's BLOCK_N)
 CUDA_MIN_PAIRS = 32  # (row, kv head) pairs from which decode_impl picks the CUDA page kernel
-CUDA_PREFETCH_PAGES = 4  # cuda_decode_prefetch's default
+CUDA_PREFETCH_PAGES = int(envs.BY_NAME["MIXPREC_ATTN_CUDA_PREFETCH"].default)  # cuda_decode_prefetch's default
 
 
 def cuda_decode_unsupported(layout: F.KVPageLayout, group: int, device: torch.device,
@@ -1064,16 +1054,16 @@ def decode_impl(num_rows: int, layout: F.KVPageLayout, group: int, device: torch
     MIXPREC_ATTN_DECODE_IMPL=cuda|triton forces one ("cuda" where it cannot run is an
     error, as is "cuda" with a forced fused merge or a tail outside the finish kernel). A
     function of the batch and the environment only, so captured CUDA graphs stay valid."""
-    v = os.environ.get("MIXPREC_ATTN_DECODE_IMPL", "").strip()
+    v = envs.get("MIXPREC_ATTN_DECODE_IMPL") or ""
     if v not in ("", "cuda", "triton"):
         raise ValueError(f"MIXPREC_ATTN_DECODE_IMPL={v!r}: expected 'cuda' or 'triton'")
     if v == "triton":
         return v
     why = cuda_decode_unsupported(layout, group, device, has_k_bias, index_dtype)
-    forced = [f"{k}={os.environ[k]}" for k, ok in (("MIXPREC_ATTN_MERGE", ("kernel",)),
-                                                   ("MIXPREC_ATTN_TAIL", ("finish",)),
-                                                   ("MIXPREC_ATTN_TAIL_IN_SPLIT", ("0",)))
-              if os.environ.get(k, "").strip() not in ("", *ok)]
+    forced = [f"{k}={envs.get(k)}" for k, ok in (("MIXPREC_ATTN_MERGE", ("kernel",)),
+                                                 ("MIXPREC_ATTN_TAIL", ("finish",)),
+                                                 ("MIXPREC_ATTN_TAIL_IN_SPLIT", ("0",)))
+              if envs.get(k) not in (None, *ok)]
     if v == "cuda":
         if why:
             raise ValueError(f"MIXPREC_ATTN_DECODE_IMPL=cuda, but the CUDA decode kernel cannot "
@@ -1097,10 +1087,7 @@ def cuda_decode_splits(num_rows: int, num_kv_heads: int, num_sms: int, num_split
     tail. MIXPREC_ATTN_CUDA_WAVE=0 keeps num_splits. H100, kv4, batch 8 / 64 x 8K, 8 / 64 x
     32K, µs (2026-11-27, no prefetch): 46.1 / 235.0 / 130.9 / 836.8 capped, 55.9 / 246.9 /
     140.4 / 849.5 with num_splits. A function of the batch only."""
-    v = os.environ.get("MIXPREC_ATTN_CUDA_WAVE", "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"MIXPREC_ATTN_CUDA_WAVE={v!r}: expected 0 or 1")
-    if v == "0":
+    if not envs.flag("MIXPREC_ATTN_CUDA_WAVE"):
         return num_splits
     return max(1, min(num_splits, CUDA_CTAS_PER_SM * num_sms // max(1, num_rows * num_kv_heads)))
 
@@ -1110,10 +1097,7 @@ def cuda_decode_prefetch() -> int:
     (MIXPREC_ATTN_CUDA_PREFETCH, 0: none). H100, kv4, µs at batch 8 / 64 x 8K and 8 / 64 x 32K
     (2026-11-27, benchmarks/results/2026-11-27-s25/h100-tune): 0 pages 46.1 / 235.0 / 130.9 /
     836.8, 4 pages 50.4 / 230.4 / 135.2 / 816.9, 8 pages 55.4 / 263.3 / 150.7 / 951.5."""
-    v = os.environ.get("MIXPREC_ATTN_CUDA_PREFETCH", str(CUDA_PREFETCH_PAGES)).strip()
-    if not v.isdigit() or int(v) > 31:
-        raise ValueError(f"MIXPREC_ATTN_CUDA_PREFETCH={v!r}: expected a page count in [0, 31]")
-    return int(v)
+    return envs.integer("MIXPREC_ATTN_CUDA_PREFETCH", 0, 31)
 
 
 class _CudaPageLaunch:
@@ -1140,7 +1124,7 @@ def decode_maxnreg(num_rows: int = 0, merge: str = "kernel", scheme: str = "kv4"
     The (128, 2, 2) config uses 255, which holds an SM to 4 CTAs = 8 warps (ncu, 64 x 8K,
     2026-11-23: 12.5 % occupancy, 38 % DRAM throughput): `bench_attention.py --tune` weighs a
     cap (more warps in flight) against the spills it costs."""
-    v = os.environ.get("MIXPREC_ATTN_DECODE_MAXNREG", "").strip()
+    v = envs.get("MIXPREC_ATTN_DECODE_MAXNREG")
     if v:
         if not v.isdigit() or not (v == "0" or 24 <= int(v) <= 255):
             raise ValueError(f"MIXPREC_ATTN_DECODE_MAXNREG={v!r}: expected 0 (compiler's "
@@ -1169,18 +1153,16 @@ def decode_pdl(device: torch.device) -> bool:
     saved 0.5-2.8 us at batch 1 and 8 x 8K and cost 5.2 us at batch 8 x 1K (BENCHMARKS, session 13).
     With the merge over G_ROWS (2026-11-26) it saved 0.5-6.9 us at all of batch 1/8 x 1K/2K/8K,
     but served TPOT did not move beyond the host-to-host spread; batch 64 not yet timed."""
-    v = os.environ.get("MIXPREC_ATTN_PDL", "").strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"MIXPREC_ATTN_PDL={v!r}: expected 0 or 1")
-    return (v == "1" and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    return (envs.flag("MIXPREC_ATTN_PDL") and device.type == "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def fast_unpack(device: torch.device) -> bool:
     """PTX code unpacking (GPU only); MIXPREC_ATTN_FAST_UNPACK=0 selects the plain
     conversions (same values, slower) should the inline assembly ever misbehave."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and os.environ.get("MIXPREC_ATTN_FAST_UNPACK", "1") != "0")
+    return (envs.flag("MIXPREC_ATTN_FAST_UNPACK") and device.type == "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @functools.lru_cache(maxsize=None)
@@ -1212,8 +1194,10 @@ def kbias_chunk(block_n: int) -> int:
     """KB_V, the columns per chunk of the bias term's tables ([pairs, KB_V] cos and sin kept
     for the whole program): the whole tile up to 64 columns, else chunks of 64.
     MIXPREC_ATTN_KBIAS_CHUNK overrides it (tuning runs; a power of two >= 16)."""
-    v = os.environ.get("MIXPREC_ATTN_KBIAS_CHUNK")
-    return min(block_n, int(v) if v else 64)
+    v = envs.integer("MIXPREC_ATTN_KBIAS_CHUNK", 16)
+    if v & (v - 1):
+        raise ValueError(f"MIXPREC_ATTN_KBIAS_CHUNK={v}: expected a power of two >= 16")
+    return min(block_n, v)
 
 
 def _num_pairs(k_bias: F.KRopeBias | None) -> int:

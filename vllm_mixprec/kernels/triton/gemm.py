@@ -40,6 +40,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ... import envs
 from ... import formats as F
 from ... import reference as ref
 
@@ -1054,10 +1055,7 @@ def split_rows_pdl(device: torch.device) -> bool:
     """Whether the split rows' second pass is a programmatic dependent launch (Hopper and
     later): scheduled while the first runs, so the two cost about one launch.
     MIXPREC_QUANT_PDL=0 turns it off (on by default where it applies)."""
-    v = os.environ.get("MIXPREC_QUANT_PDL", "").strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"MIXPREC_QUANT_PDL={v!r}: expected 0 or 1")
-    return (v != "0" and device.type == "cuda" and not _interpreting()
+    return (envs.flag("MIXPREC_QUANT_PDL") and device.type == "cuda" and not _interpreting()
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 

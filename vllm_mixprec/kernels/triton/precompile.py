@@ -19,6 +19,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from ... import envs
+
 logger = logging.getLogger("vllm.mixprec")
 
 ENV_ON = "MIXPREC_PRECOMPILE"
@@ -28,15 +30,15 @@ ENV_THREADS = "MIXPREC_PRECOMPILE_THREADS"
 def enabled() -> bool:
     """Whether precompilation runs: on unless MIXPREC_PRECOMPILE=0, never in the interpreter
     (which compiles nothing)."""
-    v = os.environ.get(ENV_ON, "1").strip()
+    v = envs.get(ENV_ON)
     if v not in ("0", "1"):
         raise ValueError(f"{ENV_ON}={v!r}: expected 0 or 1")
     return v == "1" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def num_threads() -> int:
-    v = os.environ.get(ENV_THREADS, "").strip()
-    if v:
+    v = envs.get(ENV_THREADS)
+    if v is not None:
         if not v.isdigit() or int(v) < 1:
             raise ValueError(f"{ENV_THREADS}={v!r}: expected a thread count >= 1")
         return int(v)
