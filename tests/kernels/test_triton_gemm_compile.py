@@ -54,3 +54,32 @@ SCRIPT = textwrap.dedent(r'''
 @pytest.mark.parametrize("arch", [90, 80])
 def test_w4ax_quantize_with_rotation_compiles_for_gpu(arch):
     run_aot(SCRIPT, arch)
+
+
+GEMM_SCRIPT = textwrap.dedent(r'''
+    import sys
+    from triton_gemm_tiles import tile_usage
+    from vllm_mixprec.kernels.triton import gemm as G
+
+    arch = int(sys.argv[1])
+    # the default tiles (default_config) of the Llama-3-8B down and 70B QKV-sized shapes, W4A8 and
+    # W4Ax, at decode, at M = 33-64 and past 64 tokens, with their split-K epilogues
+    for w4ax in (False, True):
+        for m in (1, 16, 48, 256):
+            for k, n in ((14336, 4096), (4096, 28672)):
+                c = G.default_config(m, n, k, 128 if w4ax else k, 132, w4ax)
+                r = tile_usage(c, arch, w4ax, group=128)
+                print(w4ax, m, k, n, c, r["registers"], r["spill_bytes"])
+                # the weight-bound decode tiles must not spill (ptxas, Triton 3.6: 88-128 registers);
+                # the large tiles may (benchmarks/NOTES-gemm.md, "Tile choices": the sweep decides)
+                assert m > 32 or r["spill_bytes"] == 0, (w4ax, m, k, n, r)
+    print("compiled")
+''')
+
+
+@pytest.mark.skipif(not ptxas_available(), reason="triton's bundled ptxas is missing")
+@pytest.mark.parametrize("arch", [90, 80])
+def test_gemm_default_tiles_compile_for_gpu(arch):
+    """The W4A8/W4Ax GEMM's default tiles through Triton's GPU compiler (wgmma layouts on sm_90,
+    mma.sync on sm_80): the interpreter builds none of it."""
+    run_aot(GEMM_SCRIPT, arch)
