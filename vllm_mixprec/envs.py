@@ -63,6 +63,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("MIXPREC_W4AX_QUANT", SERVING, "kernel", "kernel or traced",
          "How a compiled W4Ax layer quantizes its activations: the one-pass Triton kernel "
          "(gather, rotate, quantize), or torch ops that Inductor compiles into 5-15 kernels."),
+    Knob("MIXPREC_QUANT_PDL", SERVING, "1", "1 or 0",
+         "0: the Triton quantize kernel's second pass over split rows (M <= 512) is not a "
+         "programmatic dependent launch (Hopper)."),
     Knob("MIXPREC_W4A8_KERNEL", TUNING, "-1", "an integer from -2 to 8",
          "Forces a csrc W4A8 GEMM kernel: -1 auto, -2 auto over the mma.sync kernels only, "
          "0/1 decode (16/32 channels a CTA), 2/3 tiled (64/128 tokens), 4-8 the sm_90a wgmma "
@@ -163,9 +166,6 @@ KNOBS: tuple[Knob, ...] = (
          "each at its first launch."),
     Knob("MIXPREC_PRECOMPILE_THREADS", ATTN, None, "a thread count >= 1",
          "Threads of that start-up compile.", unset="the CPU count, at most 16"),
-    Knob("MIXPREC_QUANT_PDL", ATTN, "1", "1 or 0",
-         "0: the split-row quantize kernel's second pass is not a programmatic dependent launch "
-         "(Hopper)."),
     # --- csrc launch options ---------------------------------------------------------------
     Knob("MIXPREC_GEMM_PDL", LAUNCH, None, "0 or 1",
          "The csrc GEMMs as programmatic dependent launches on sm_90, started while quantize_act "
@@ -323,9 +323,9 @@ def markdown() -> str:
            "setting is first read, mostly at start-up); a `MIXPREC_*` name that is not here gets a "
            "warning, since it changes nothing.",
            "",
-           "Only the serving groups are meant for deployments, and their defaults are the "
-           "measured best (docs/BENCHMARKS.md). The rest exist for A/B runs, tuning and the "
-           "GPU-host scripts.",
+           "Only the serving groups are meant for deployments; their defaults are what measured "
+           "fastest, or kept accuracy (docs/BENCHMARKS.md). The rest exist for A/B runs, tuning "
+           "and the GPU-host scripts.",
            ""]
     for group in GROUPS:
         out += [f"## {group}", "", "| variable | default | accepts | what it does |",
