@@ -878,11 +878,6 @@ def _decode_finish_kernel(
 
 # --- launch configuration ------------------------------------------------------------------
 
-def _env_cfg(name: str, n: int) -> tuple[int, ...] | None:
-    """MIXPREC_ATTN_{DECODE,PREFILL}_CFG="a,b,c" overrides a config (tuning runs)."""
-    return envs.integers(name, n)
-
-
 def decode_config(head_dim: int, scheme: str = "kv4", num_rows: int = 0,
                   num_kv_heads: int = 1, num_sms: int = 132) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the decode kernel; a function of the batch, not of
@@ -892,7 +887,7 @@ def decode_config(head_dim: int, scheme: str = "kv4", num_rows: int = 0,
     --tune` on the H100 (2026-11-23): 64 x 8K 0.360 ms against 0.521 ms for (64, 4, 3).
     Fewer rows keep (64, 4, 3): 1 x 1K 23.7 us against 26.9 us (1 x 32K: equal). KV8 and
     D = 256 keep the untuned defaults."""
-    cfg = _env_cfg("MIXPREC_ATTN_DECODE_CFG", 3)
+    cfg = envs.integers("MIXPREC_ATTN_DECODE_CFG", 3)  # tuning runs: "BLOCK_N,warps,stages"
     if cfg:
         return cfg
     if head_dim > 128:
@@ -1060,10 +1055,9 @@ def decode_impl(num_rows: int, layout: F.KVPageLayout, group: int, device: torch
     if v == "triton":
         return v
     why = cuda_decode_unsupported(layout, group, device, has_k_bias, index_dtype)
-    forced = [f"{k}={envs.get(k)}" for k, ok in (("MIXPREC_ATTN_MERGE", ("kernel",)),
-                                                 ("MIXPREC_ATTN_TAIL", ("finish",)),
-                                                 ("MIXPREC_ATTN_TAIL_IN_SPLIT", ("0",)))
-              if envs.get(k) not in (None, *ok)]
+    keeps = {"MIXPREC_ATTN_MERGE": "kernel", "MIXPREC_ATTN_TAIL": "finish", "MIXPREC_ATTN_TAIL_IN_SPLIT": "0"}
+    values = {k: envs.get(k) for k in keeps}  # each read once
+    forced = [f"{k}={x}" for k, x in values.items() if x not in (None, keeps[k])]
     if v == "cuda":
         if why:
             raise ValueError(f"MIXPREC_ATTN_DECODE_IMPL=cuda, but the CUDA decode kernel cannot "
@@ -1139,7 +1133,7 @@ def decode_maxnreg(num_rows: int = 0, merge: str = "kernel", scheme: str = "kv4"
 
 def prefill_config(head_dim: int, group: int) -> tuple[int, int, int, int]:
     """(BLOCK_M query tokens, BLOCK_N, num_warps, num_stages) of the prefill kernel."""
-    cfg = _env_cfg("MIXPREC_ATTN_PREFILL_CFG", 4)
+    cfg = envs.integers("MIXPREC_ATTN_PREFILL_CFG", 4)  # tuning runs
     if cfg:
         return cfg
     rows = 64 if head_dim <= 128 else 32  # BLOCK_M * G_PAD
