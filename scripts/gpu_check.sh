@@ -806,9 +806,8 @@ stage_w4ax_sweep() {
   done
   return $rc
 }
-# The Triton W4A8 GEMM's tile configs past 64 tokens (bench_gemm.py --sweep, the GEMM alone):
-# the default 128x128x128 4-warp tile spills 1136 B a thread on sm_90 (ptxas, session 72), the
-# 8-warp one none; the sweep times both beside the others (benchmarks/NOTES-gemm.md, "Tile choices").
+# The Triton W4A8 GEMM's tile configs past 64 tokens (bench_gemm.py --sweep, the GEMM alone), the
+# data that gemm.LARGE_M_TILES was set from (session 75, H100; benchmarks/NOTES-gemm.md, "Tile choices").
 stage_triton_tiles() {
   mkdir -p "$OUT/triton-tiles"
   run_bench bench_gemm_triton_tiles 420 python3 benchmarks/bench_gemm.py \

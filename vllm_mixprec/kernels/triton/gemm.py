@@ -699,6 +699,20 @@ def _largest_block_k(k_align: int, want: int) -> int:
     return bk
 
 
+# W4A8 tiles past 64 tokens, largest first: default_config takes the first that makes at least
+# LARGE_M_MIN_TILES_PER_SM tiles an SM. H100, session 75 (`gpu_check.sh triton_tiles`, 13 tiles
+# at M = 256 / 1024 / 4096 on three shapes): 128x128 was best or within 6 % wherever it made
+# >= 448 tiles, and 1.2-2.4x slower than the smaller tiles where it made <= 384 (split-K did not
+# make up for it). Checked at M = 128 / 512 on the eight Llama shapes: within 1 % of the fastest
+# tile at 20 of the 25 points, 1.13x at worst (docs/BENCHMARKS.md, "W4A8 GEMM, Triton kernel").
+LARGE_M_TILES = (
+    GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=4, num_stages=3),
+    GemmConfig(block_m=128, block_n=64, block_k=128, swap_ab=False, num_warps=4, num_stages=4),
+    GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4),
+)
+LARGE_M_MIN_TILES_PER_SM = 3
+
+
 def default_config(M: int, N: int, K: int, k_align: int, num_sms: int,
                    block_scales: bool = False) -> GemmConfig:
     """Shape-based tile choice (no autotuning: CUDA-graph capture never compiles twice).
@@ -706,7 +720,8 @@ def default_config(M: int, N: int, K: int, k_align: int, num_sms: int,
     * M <= 64 is weight-bandwidth bound: narrow token tiles, deep K tiles, and split-K
       until there are ~2 CTAs per SM, so that every SM keeps weight loads in flight.
     * larger M is tensor-core bound: 128x128 tiles on one warpgroup, so that two CTAs fit
-      per SM and one dequantizes while the other's wgmma runs (Triton waits on each wgmma).
+      per SM and one dequantizes while the other's wgmma runs (Triton waits on each wgmma),
+      where that makes enough tiles; otherwise 128x64, then 64x64 (LARGE_M_TILES).
     * W4Ax (block_scales) at larger M: 128 tokens x 64 channels, tokens on the MMA's M side.
       Its fp32 sum beside each k-step's int32 dot doubles the accumulator registers, and this
       tile was 2.0-2.7x faster than the 128x128 one on an H200 (docs/BENCHMARKS.md, session 45).
@@ -721,14 +736,19 @@ def default_config(M: int, N: int, K: int, k_align: int, num_sms: int,
         cfg = GemmConfig(block_m=128, block_n=64, block_k=_largest_block_k(k_align, 128),
                          swap_ab=False, num_warps=4, num_stages=4)
     else:
-        cfg = GemmConfig(block_m=128, block_n=128, block_k=_largest_block_k(k_align, 128),
-                         num_warps=4, num_stages=3)
+        cfg = next((c for c in LARGE_M_TILES
+                    if _tiles(M, N, c) >= LARGE_M_MIN_TILES_PER_SM * num_sms), LARGE_M_TILES[-1])
+        cfg = dataclasses.replace(cfg, block_k=_largest_block_k(k_align, cfg.block_k))
     return dataclasses.replace(cfg, split_k=choose_split(M, N, K, cfg, 2 * num_sms))
+
+
+def _tiles(M: int, N: int, cfg: GemmConfig) -> int:
+    return triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
 
 
 def choose_split(M: int, N: int, K: int, cfg: GemmConfig, target_ctas: int) -> int:
     """Split-K factor that brings the CTA count to ~target_ctas (each split >= 2 k-tiles)."""
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    tiles = _tiles(M, N, cfg)
     iters = K // cfg.block_k
     split = 1
     if tiles < target_ctas:
