@@ -77,12 +77,9 @@ def context_tokens(vllm_config) -> int:
     """MIXPREC_ATTN_CONTEXT_TOKENS, else max_num_batched_tokens + max_model_len (one step's
     new tokens plus a full-length row's context), at most MAX_DEFAULT_CONTEXT_TOKENS; 0
     turns the context workspace off (module docstring)."""
-    v = envs.get(ENV_CONTEXT_TOKENS)
-    if v is not None:
-        if not v.isdigit():
-            raise ValueError(f"{ENV_CONTEXT_TOKENS}={v!r}: expected a token count >= 0 (the "
-                             "16-bit context workspace of exact prefill; 0 turns it off)")
-        return int(v)
+    n = envs.integer(ENV_CONTEXT_TOKENS, 0)
+    if n is not None:
+        return n
     if vllm_config is None:
         return 0
     batched = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or 8192

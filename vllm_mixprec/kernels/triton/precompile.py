@@ -37,12 +37,8 @@ def enabled() -> bool:
 
 
 def num_threads() -> int:
-    v = envs.get(ENV_THREADS)
-    if v is not None:
-        if not v.isdigit() or int(v) < 1:
-            raise ValueError(f"{ENV_THREADS}={v!r}: expected a thread count >= 1")
-        return int(v)
-    return max(1, min(16, os.cpu_count() or 1))
+    n = envs.integer(ENV_THREADS, 1)
+    return n if n is not None else max(1, min(16, os.cpu_count() or 1))
 
 
 def compile_in_parallel(warmups: list[Callable[[], object]], what: str = "kernel") -> int:
