@@ -73,7 +73,7 @@ GROUP = 128  # Marlin/Machete group size (ours: --group-size, 128 by default, sa
 W4AX_QUANT_ONLY = ("ours_w4ax_rot_quant", "ours_w4ax_quant")  # quantize_act_w4ax alone, rotated or not
 QUANT_ONLY = ("ours_cuda_quant",) + W4AX_QUANT_ONLY  # no GEMM: no TFLOP/s, no speed-up
 METHODS = ("ours_triton", "ours_triton_q", "ours_cuda", "ours_cuda_gemm", "ours_cuda_gemm_xw", "ours_cuda_quant",
-           "ours_w4ax_triton_q",
+           "ours_w4ax_triton_q", "ours_w4ax_triton",
            "ours_w4ax_rot_triton_q", "ours_w4ax_rot_torch_triton_q", "ours_w4ax_rot_quant", "ours_w4ax_quant",
            "marlin_w4a16", "marlin_w4a8", "machete_w4a16", "cublas_bf16", "int8_mm",
            "fp8_w8a8")
@@ -93,9 +93,10 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS), help="subset of " + ",".join(METHODS))
     p.add_argument("--sweep", action="store_true",
                    help="also time a grid of Triton tile configs per point and report the best")
-    p.add_argument("--sweep-method", choices=("ours_triton", "ours_w4ax_triton_q"), default="ours_triton",
-                   help="the Triton GEMM the sweep times: W4A8 alone, or W4Ax with its quantization "
-                        "(at --w4ax-a8-share; the configs change the GEMM only)")
+    p.add_argument("--sweep-method", choices=("ours_triton", "ours_w4ax_triton", "ours_w4ax_triton_q"),
+                   default="ours_triton",
+                   help="the Triton GEMM the sweep times: W4A8 alone, W4Ax alone, or W4Ax with its "
+                        "quantization (at --w4ax-a8-share; the configs change the GEMM only)")
     p.add_argument("--group-size", type=int, default=128, choices=(64, 128),
                    help="LiquidQuant group size of ours (Marlin and Machete use 128)")
     p.add_argument("--rep-ms", type=int, default=60, help="do_bench rep time per measurement")
@@ -406,6 +407,12 @@ class Methods:
                 if name in W4AX_QUANT_ONLY:  # the quantizer alone (no weights read)
                     out.append(lambda xb=xb, perm=perm, k8=k8, rot=rot: quant(xb, perm, k8, None, rot))
                     continue
+                if name == "ours_w4ax_triton":  # the GEMM alone, on codes quantized once
+                    acts = quant(xb, perm, k8, None, rot)
+                    out.append(lambda t=t, acts=acts: tg.w4ax_gemm(
+                        *acts, t["qweight"], t["group_scale"], t["group_offset"], t["channel_scale"],
+                        None, torch.bfloat16, config=config))
+                    continue
                 out.append(lambda t=t, xb=xb, perm=perm, k8=k8, rot=rot, quant=quant: tg.w4ax_gemm(
                     *quant(xb, perm, k8, None, rot), t["qweight"], t["group_scale"],
                     t["group_offset"], t["channel_scale"], None, torch.bfloat16, config=config))
@@ -478,6 +485,9 @@ class Methods:
             return M * (self.K * 2 + self.w4ax_k8 + (self.K - self.w4ax_k8) // 2 + self.K // 32)
         base = setup_of(name)
         wbytes = self.setups[base][0]
+        if name == "ours_w4ax_triton":  # int8 and packed int4 codes, a float32 scale a block
+            a_codes = M * (self.w4ax_k8 + (self.K - self.w4ax_k8) // 2 + self.K // 32)
+            return wbytes + a_codes + M * self.N * 2
         a_in = {"cublas_bf16": 2, "fp8_w8a8": 2, "marlin_w4a16": 2, "machete_w4a16": 2, "marlin_w4a8": 2,
                 "ours_triton_q": 2, "ours_cuda": 2, "ours_w4ax_triton_q": 2,
                 "ours_w4ax_rot_triton_q": 2, "ours_w4ax_rot_torch_triton_q": 2}.get(name, 1)
@@ -548,6 +558,7 @@ def main(argv=None) -> int:
     import vllm
     import vllm_mixprec  # noqa: F401  (registers torch.ops.mixprec)
     import vllm_mixprec.kernels  # noqa: F401
+    from vllm_mixprec import formats as F
     from vllm_mixprec.kernels.triton import gemm as tg
 
     os.makedirs(args.out, exist_ok=True)
@@ -578,8 +589,11 @@ def main(argv=None) -> int:
         for M in args.ms:
             row = {"K": K, "N": N, "M": M, "flop": 2 * M * N * K, "methods": {}}
             if "ours" in meth.setups:
-                cfg = tg.default_config(M, N, K, K, tg._num_sms(torch.device("cuda")))
-                row["ours_config"] = dataclasses.asdict(cfg)
+                sms = tg._num_sms(torch.device("cuda"))
+                row["ours_config"] = dataclasses.asdict(tg.default_config(M, N, K, K, sms))
+                if any(m.startswith("ours_w4ax") for m in args.methods):
+                    row["ours_w4ax_config"] = dataclasses.asdict(tg.default_config(
+                        M, N, K, F.ACT_BLOCK, sms, True))  # as w4ax_gemm picks it
                 try:
                     row["ours_rel_err"] = check_ours(meth, M)
                 except Exception as e:
@@ -655,7 +669,7 @@ def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms, method="ours_triton"):
 
 _SHORT = {"ours_triton": "tri", "ours_triton_q": "tri+q", "ours_cuda": "cuda", "ours_cuda_gemm": "cuda-g",
           "ours_cuda_gemm_xw": "cuda-gx", "ours_cuda_quant": "cuda-q",
-          "ours_w4ax_triton_q": "w4ax", "ours_w4ax_rot_triton_q": "w4ax+rot",
+          "ours_w4ax_triton_q": "w4ax", "ours_w4ax_triton": "w4ax-g", "ours_w4ax_rot_triton_q": "w4ax+rot",
           "ours_w4ax_rot_torch_triton_q": "w4ax+rot(torch)", "ours_w4ax_rot_quant": "w4ax-rq",
           "ours_w4ax_quant": "w4ax-q",
           "marlin_w4a16": "mar16",

@@ -20,7 +20,7 @@
 # decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto x_wgmma_tests
 # x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more x_input_order
 # x_input_order_piece x_input_order_layers w4ax_rot_chunks w4ax_split w4ax_compiled
-# x_input_fused_piece w4ax_perm x_order_piece_aba triton_tiles
+# x_input_fused_piece w4ax_perm x_order_piece_aba triton_tiles triton_tiles_w4ax
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -813,6 +813,16 @@ stage_triton_tiles() {
   run_bench bench_gemm_triton_tiles 420 python3 benchmarks/bench_gemm.py \
     --shapes "${TRITON_TILES_SHAPES:-4096x6144,14336x4096,8192x28672}" --ms "${TRITON_TILES_MS:-256,1024,4096}" \
     --methods ours_triton,marlin_w4a16 --sweep --sweep-method ours_triton --rep-ms 30 --out "$OUT/triton-tiles"
+}
+# Session 76: the same sweep for the W4Ax GEMM alone (block_k <= 128: one activation block's scale
+# a k-step), at M = 16-4096 on the 8B shapes, beside its quantizer + GEMM at the default tile.
+stage_triton_tiles_w4ax() {
+  mkdir -p "$OUT/triton-tiles-w4ax"
+  run_bench bench_gemm_triton_tiles_w4ax 560 python3 benchmarks/bench_gemm.py \
+    --shapes "${TRITON_TILES_SHAPES:-4096x6144,4096x4096,4096x28672,14336x4096}" \
+    --ms "${TRITON_TILES_MS:-16,128,256,512,1024,4096}" \
+    --methods ours_w4ax_triton,ours_w4ax_triton_q,marlin_w4a16 --sweep --sweep-method ours_w4ax_triton \
+    --rep-ms 25 --out "$OUT/triton-tiles-w4ax"
 }
 # Session 46: the one-pass quantizer's lean arithmetic (act_quant_lean, on by default: 1 / scale,
 # the division only near half-integers; the same codes) against its per-element division: the
