@@ -949,3 +949,17 @@ def test_bench_gemm_quantizer_column(repo_module, tmp_path, capsys):
     assert mod.main(["--replot", str(report), "--out", str(tmp_path / "plots")]) == 0
     head, line = capsys.readouterr().out.strip().splitlines()[-2:]
     assert "cuda-q" in head and "2.0" in line.split()
+
+
+def test_bench_gemm_w4ax_gemm_alone(repo_module):
+    """ours_w4ax_triton (the W4Ax GEMM on codes quantized once: what --sweep-method
+    ours_w4ax_triton times) shares the Triton weights and counts the codes it reads, not bf16."""
+    mod = repo_module("benchmarks/bench_gemm.py")
+    assert mod.setup_of("ours_w4ax_triton") == "ours" and "ours_w4ax_triton" not in mod.QUANT_ONLY
+    assert mod.parse_args(["--sweep", "--sweep-method", "ours_w4ax_triton"]).sweep_method == "ours_w4ax_triton"
+    meth = object.__new__(mod.Methods)
+    meth.K, meth.N, meth.w4ax_k8 = 4096, 1024, 1024
+    meth.setups = {"ours": (1000, [])}  # weight bytes, copies
+    codes = 1024 + 3072 // 2 + 32 * 4  # a row: int8, packed int4, a float32 scale a block
+    assert meth.bytes_moved("ours_w4ax_triton", 2) == 1000 + 2 * codes + 2 * 1024 * 2
+    assert meth.bytes_moved("ours_w4ax_triton_q", 2) == 1000 + 2 * 4096 * 2 + 2 * 1024 * 2
