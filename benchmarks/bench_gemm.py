@@ -399,7 +399,8 @@ class Methods:
                 xb = x16.bfloat16()
                 perm = w4ax_perm(K, self.w4ax_perm, dev)
                 k8 = self.w4ax_k8
-                rot = "none" if name in ("ours_w4ax_triton_q", "ours_w4ax_quant") else self.w4ax_rotation
+                rot = ("none" if name in ("ours_w4ax_triton_q", "ours_w4ax_triton", "ours_w4ax_quant")
+                       else self.w4ax_rotation)
                 quant = tg.quantize_act_w4ax
                 if name == "ours_w4ax_rot_torch_triton_q":
                     quant = functools.partial(_w4ax_quant_torch_rotation, ident=torch.arange(

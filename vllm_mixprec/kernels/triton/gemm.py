@@ -724,7 +724,8 @@ def default_config(M: int, N: int, K: int, k_align: int, num_sms: int,
       where that makes enough tiles; otherwise 128x64, then 64x64 (LARGE_M_TILES).
     * W4Ax (block_scales) at larger M: 128 tokens x 64 channels, tokens on the MMA's M side.
       Its fp32 sum beside each k-step's int32 dot doubles the accumulator registers, and this
-      tile was 2.0-2.7x faster than the 128x128 one on an H200 (docs/BENCHMARKS.md, session 45).
+      tile was 2.0-2.7x faster than the 128x128 one on an H200 (docs/BENCHMARKS.md, session 45);
+      on an H100 the fastest of 13 tiles or within 1.10x at M = 256-4096 (session 76).
     benchmarks/NOTES-gemm.md has the reasoning and the numbers to expect.
     """
     if M <= 64:
