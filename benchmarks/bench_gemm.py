@@ -478,17 +478,20 @@ class Methods:
             x16, t["q_w"], t["s"], empty, t["g_idx"], t["sort_idx"], t["ws"], scalar_types.uint4b8,
             self.N, self.K, is_k_full=True, input_global_scale=t.get("gscale"), input_dtype=act)
 
+    def _w4ax_row_code_bytes(self) -> int:
+        """A row's W4Ax codes: int8 and packed int4, and a float32 scale a block."""
+        return self.w4ax_k8 + (self.K - self.w4ax_k8) // 2 + self.K // 32
+
     def bytes_moved(self, name: str, M: int) -> int:
         """Weight bytes + activation bytes (input and output) of one call."""
         if name == "ours_cuda_quant":  # bf16 in, int8 codes and a float32 scale a row out
             return M * self.K * 3 + M * 4
-        if name in W4AX_QUANT_ONLY:  # bf16 in; codes (8 or 4 bits) and a scale a block out
-            return M * (self.K * 2 + self.w4ax_k8 + (self.K - self.w4ax_k8) // 2 + self.K // 32)
+        if name in W4AX_QUANT_ONLY:  # bf16 in, codes out
+            return M * (self.K * 2 + self._w4ax_row_code_bytes())
         base = setup_of(name)
         wbytes = self.setups[base][0]
-        if name == "ours_w4ax_triton":  # int8 and packed int4 codes, a float32 scale a block
-            a_codes = M * (self.w4ax_k8 + (self.K - self.w4ax_k8) // 2 + self.K // 32)
-            return wbytes + a_codes + M * self.N * 2
+        if name == "ours_w4ax_triton":  # the GEMM alone reads the codes
+            return wbytes + M * self._w4ax_row_code_bytes() + M * self.N * 2
         a_in = {"cublas_bf16": 2, "fp8_w8a8": 2, "marlin_w4a16": 2, "machete_w4a16": 2, "marlin_w4a8": 2,
                 "ours_triton_q": 2, "ours_cuda": 2, "ours_w4ax_triton_q": 2,
                 "ours_w4ax_rot_triton_q": 2, "ours_w4ax_rot_torch_triton_q": 2}.get(name, 1)

@@ -614,6 +614,28 @@ def test_default_config_is_valid(k, n, m, block_scales):
     assert tiles * c.split_k >= 132  # every SM has work (weight-bound sizes: several CTAs)
 
 
+def _h100_sweep_points(paths, method: str) -> list[dict]:
+    """The `bench_gemm.py --sweep` points of these H100 runs, each of the sweep method given."""
+    points = []
+    for path in paths:
+        report = json.loads(path.read_text())
+        assert report["device"].startswith("NVIDIA H100"), path
+        points += report["sweep"]
+    assert all(p["method"] == method for p in points)
+    return points
+
+
+def _assert_default_near_fastest(points, default_for, factor: float) -> None:
+    """At every point the default tile (default_for(K, N, M)) is one the sweep timed, at most
+    factor x the fastest."""
+    for point in points:
+        k, n, m = point["K"], point["N"], point["M"]
+        timed = {tg.GemmConfig(**r["config"]): r["ms"] for r in point["configs"] if "ms" in r}
+        c = default_for(k, n, m)
+        assert c in timed, (k, n, m, c)
+        assert timed[c] <= factor * min(timed.values()), (k, n, m, c, timed[c], min(timed.values()))
+
+
 # H100, session 75: `bench_gemm.py --sweep --sweep-method ours_triton`, 13 tiles a point; the rule
 # was set from the first (M = 256 / 1024 / 4096) and checked on the second (M = 128 / 512)
 S75 = Path(__file__).parents[2] / "benchmarks/results/2026-12-06-s75"
@@ -627,18 +649,9 @@ def test_default_config_past_64_tokens_against_the_h100_sweeps():
     timed the default is a tile the sweep timed, at most 13 % slower than the fastest (20 within
     1 %; 1.07-1.13x at M = 512 on 4096x28672, 14336x4096 and 8192x28672, where 128x64 won). The
     rule it replaced (always 128x128, split-K up to 2 CTAs an SM) was up to 2.37x off."""
-    points = []
-    for path in TILES_SWEEPS_H100:
-        report = json.loads(path.read_text())
-        assert report["device"].startswith("NVIDIA H100"), path
-        points += report["sweep"]
+    points = _h100_sweep_points(TILES_SWEEPS_H100, "ours_triton")
     assert len(points) == 25
-    for point in points:
-        k, n, m = point["K"], point["N"], point["M"]
-        timed = {tg.GemmConfig(**r["config"]): r["ms"] for r in point["configs"] if "ms" in r}
-        c = tg.default_config(m, n, k, k, num_sms=132)
-        assert c in timed, (k, n, m, c)
-        assert timed[c] <= 1.13 * min(timed.values()), (k, n, m, c, timed[c], min(timed.values()))
+    _assert_default_near_fastest(points, lambda k, n, m: tg.default_config(m, n, k, k, num_sms=132), 1.13)
 
 
 # H100, session 76: `bench_gemm.py --sweep --sweep-method ours_w4ax_triton` (the W4Ax GEMM alone)
@@ -650,16 +663,10 @@ def test_default_config_w4ax_past_64_tokens_against_the_h100_sweep():
     """W4Ax's tile past 64 tokens (128x64 unswapped) against the 13 the sweep timed at M = 256-4096
     on three 8B shapes: the fastest or at most 1.10x off at all 12 points (the 8-warp unswapped
     128x128 won by 3-10 % where it makes many tiles; not taken, docs/BENCHMARKS.md "Session 76")."""
-    report = json.loads(W4AX_TILES_SWEEP_H100.read_text())
-    assert report["device"].startswith("NVIDIA H100")
-    assert len(report["sweep"]) == 12
-    for point in report["sweep"]:
-        assert point["method"] == "ours_w4ax_triton"
-        k, n, m = point["K"], point["N"], point["M"]
-        timed = {tg.GemmConfig(**r["config"]): r["ms"] for r in point["configs"] if "ms" in r}
-        c = tg.default_config(m, n, k, 128, num_sms=132, block_scales=True)
-        assert c in timed, (k, n, m, c)
-        assert timed[c] <= 1.10 * min(timed.values()), (k, n, m, c, timed[c], min(timed.values()))
+    points = _h100_sweep_points([W4AX_TILES_SWEEP_H100], "ours_w4ax_triton")
+    assert len(points) == 12
+    _assert_default_near_fastest(
+        points, lambda k, n, m: tg.default_config(m, n, k, 128, num_sms=132, block_scales=True), 1.10)
 
 
 def test_default_config_w4ax_block_k_divides_k8():
