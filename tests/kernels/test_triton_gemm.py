@@ -502,18 +502,20 @@ def test_w4ax_gemm_matches_reference(k8, cfg, bias, seeded):
     assert_close_to_f64(y, _ref_w4ax(x8, s8, x4, s4, t, b), torch.float16)
 
 
-def test_w4ax_gemm_default_tile_above_64_tokens(seeded):
-    """M > 64 takes W4Ax's own default tile (128 tokens x 64 channels, not swapped): partial
-    tiles on both sides, an 8-bit and two 4-bit blocks."""
+@pytest.mark.parametrize("tile", [None, "W4AX_WIDE_TILE"])
+def test_w4ax_gemm_default_tile_above_64_tokens(tile, seeded):
+    """M > 64 takes W4Ax's own tiles, not swapped: 128 tokens x 64 channels (here, the default)
+    or x 128 channels on 8 warps (default from 6 tiles an SM; passed here): partial tiles on
+    both sides, an 8-bit and two 4-bit blocks."""
     m, n, k, k8, g = 130, 72, 384, 128, 64
-    assert tg.default_config(m, n, k, 128, num_sms=132, block_scales=True).swap_ab is False
+    assert tg.default_config(m, n, k, 128, num_sms=132, block_scales=True) == tg.W4AX_TILE
     t = _weights(n, k, g, seeded)
     perm = torch.randperm(k, generator=seeded)
     x8, s8, x4, s4 = ref.quantize_act_w4ax(_act(m, k, seeded).cpu(), perm, k8)
     out = _poisoned(m, n, torch.float16)
     y = tg.w4ax_gemm(x8.to(DEV), s8.to(DEV), x4.to(DEV), s4.to(DEV), t["qweight"],
                      t["group_scale"], t["group_offset"], t["channel_scale"], None, torch.float16,
-                     out=out)
+                     out=out, config=getattr(tg, tile) if tile else None)
     assert_close_to_f64(y, _ref_w4ax(x8, s8, x4, s4, t, None), torch.float16)
 
 
@@ -654,19 +656,27 @@ def test_default_config_past_64_tokens_against_the_h100_sweeps():
     _assert_default_near_fastest(points, lambda k, n, m: tg.default_config(m, n, k, k, num_sms=132), 1.13)
 
 
-# H100, session 76: `bench_gemm.py --sweep --sweep-method ours_w4ax_triton` (the W4Ax GEMM alone)
-W4AX_TILES_SWEEP_H100 = (Path(__file__).parents[2]
-                         / "benchmarks/results/2026-12-06-s76/triton-tiles-w4ax/bench_gemm.json")
+# H100: `bench_gemm.py --sweep --sweep-method ours_w4ax_triton` (the W4Ax GEMM alone), session 76 on
+# three 8B shapes (the rule's wide tile was set there) and session 77 on four 70B shapes (checked)
+W4AX_TILES_SWEEPS_H100 = [Path(__file__).parents[2] / "benchmarks/results" / run / "bench_gemm.json"
+                          for run in ("2026-12-06-s76/triton-tiles-w4ax",
+                                      "2026-12-06-s77/triton-tiles-w4ax-70b")]
 
 
-def test_default_config_w4ax_past_64_tokens_against_the_h100_sweep():
-    """W4Ax's tile past 64 tokens (128x64 unswapped) against the 13 the sweep timed at M = 256-4096
-    on three 8B shapes: the fastest or at most 1.10x off at all 12 points (the 8-warp unswapped
-    128x128 won by 3-10 % where it makes many tiles; not taken, docs/BENCHMARKS.md "Session 76")."""
-    points = _h100_sweep_points([W4AX_TILES_SWEEP_H100], "ours_w4ax_triton")
-    assert len(points) == 12
-    _assert_default_near_fastest(
-        points, lambda k, n, m: tg.default_config(m, n, k, 128, num_sms=132, block_scales=True), 1.10)
+def test_default_config_w4ax_past_64_tokens_against_the_h100_sweeps():
+    """W4Ax's tile past 64 tokens (128x64 on 4 warps; 128x128 on 8 warps from 6 tiles an SM)
+    against the 13 tiles the sweeps timed at 24 points, M = 128-4096: at most 1.10x off the fastest
+    (1.094x at worst, on 8192x10240 at M = 768). The wide tile is the one picked at the 11 points
+    where it makes >= 6 tiles an SM, and there it was 0-9 % faster than 128x64 on 4 warps."""
+    points = _h100_sweep_points(W4AX_TILES_SWEEPS_H100, "ours_w4ax_triton")
+    assert len(points) == 24
+    default_for = lambda k, n, m: tg.default_config(m, n, k, 128, num_sms=132, block_scales=True)
+    _assert_default_near_fastest(points, default_for, 1.10)
+    wide = [p for p in points if default_for(p["K"], p["N"], p["M"]) == tg.W4AX_WIDE_TILE]
+    assert len(wide) == 11
+    for point in wide:
+        timed = {tg.GemmConfig(**r["config"]): r["ms"] for r in point["configs"] if "ms" in r}
+        assert timed[tg.W4AX_WIDE_TILE] <= timed[tg.W4AX_TILE], (point["K"], point["N"], point["M"])
 
 
 def test_default_config_w4ax_block_k_divides_k8():

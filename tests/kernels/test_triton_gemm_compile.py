@@ -63,8 +63,8 @@ GEMM_SCRIPT = textwrap.dedent(r'''
 
     arch = int(sys.argv[1])
     # the default tiles (default_config) of the Llama-3-8B down and 70B QKV-sized shapes, W4A8 and
-    # W4Ax, at decode, at M = 33-64 and past 64 tokens (W4A8: 64x64, 128x64 and 128x128), with their
-    # split-K epilogues
+    # W4Ax, at decode, at M = 33-64 and past 64 tokens (W4A8: 64x64, 128x64 and 128x128; W4Ax: 128x64
+    # and 128x128 on 8 warps), with their split-K epilogues
     for w4ax in (False, True):
         for m in (1, 16, 48, 256, 1024):
             for k, n in ((14336, 4096), (4096, 28672)):

@@ -712,6 +712,18 @@ LARGE_M_TILES = (
 )
 LARGE_M_MIN_TILES_PER_SM = 3
 
+# W4Ax past 64 tokens, tokens on the MMA's M side (its fp32 block sum beside each k-step's int32
+# dot doubles the accumulator registers). H100 (`gpu_check.sh triton_tiles_w4ax`, 13 tiles a
+# point): 128x64 on 4 warps was the fastest or within 1.10x at 12 points on three 8B shapes
+# (session 76); 128x128 on 8 warps (no spill) 3-9 % faster wherever it makes >= 6 tiles an SM:
+# the rule was set at those 5 points and held at all 6 such points of 12 on four 70B shapes
+# (session 77: 0-9 % faster).
+# Below that it won at 7 of 13 points (by up to 9 %) and lost at 6 (by up to 28 %).
+W4AX_TILE = GemmConfig(block_m=128, block_n=64, block_k=128, swap_ab=False, num_warps=4, num_stages=4)
+W4AX_WIDE_TILE = GemmConfig(block_m=128, block_n=128, block_k=128, swap_ab=False, num_warps=8,
+                            num_stages=3)
+W4AX_WIDE_MIN_TILES_PER_SM = 6
+
 
 def default_config(M: int, N: int, K: int, k_align: int, num_sms: int,
                    block_scales: bool = False) -> GemmConfig:
@@ -722,10 +734,10 @@ def default_config(M: int, N: int, K: int, k_align: int, num_sms: int,
     * larger M is tensor-core bound: 128x128 tiles on one warpgroup, so that two CTAs fit
       per SM and one dequantizes while the other's wgmma runs (Triton waits on each wgmma),
       where that makes enough tiles; otherwise 128x64, then 64x64 (LARGE_M_TILES).
-    * W4Ax (block_scales) at larger M: 128 tokens x 64 channels, tokens on the MMA's M side.
-      Its fp32 sum beside each k-step's int32 dot doubles the accumulator registers, and this
-      tile was 2.0-2.7x faster than the 128x128 one on an H200 (docs/BENCHMARKS.md, session 45);
-      on an H100 the fastest of 13 tiles or within 1.10x at M = 256-4096 (session 76).
+    * W4Ax (block_scales) at larger M: 128 tokens x 64 channels, tokens on the MMA's M side,
+      and 128x128 on 8 warps where that makes >= 6 tiles an SM (W4AX_TILE, W4AX_WIDE_TILE).
+      Its fp32 sum beside each k-step's int32 dot doubles the accumulator registers: the
+      one-warpgroup 128x128 was 2.0-2.7x slower on an H200 (docs/BENCHMARKS.md, session 45).
     benchmarks/NOTES-gemm.md has the reasoning and the numbers to expect.
     """
     if M <= 64:
@@ -733,12 +745,13 @@ def default_config(M: int, N: int, K: int, k_align: int, num_sms: int,
         cfg = GemmConfig(block_m=bm, block_n=64 if bm <= 32 else 128,
                          block_k=_largest_block_k(k_align, 256 if bm <= 32 else 128),
                          num_warps=4, num_stages=4)
-    elif block_scales:
-        cfg = GemmConfig(block_m=128, block_n=64, block_k=_largest_block_k(k_align, 128),
-                         swap_ab=False, num_warps=4, num_stages=4)
     else:
-        cfg = next((c for c in LARGE_M_TILES
-                    if _tiles(M, N, c) >= LARGE_M_MIN_TILES_PER_SM * num_sms), LARGE_M_TILES[-1])
+        if block_scales:
+            wide = _tiles(M, N, W4AX_WIDE_TILE) >= W4AX_WIDE_MIN_TILES_PER_SM * num_sms
+            cfg = W4AX_WIDE_TILE if wide else W4AX_TILE
+        else:
+            cfg = next((c for c in LARGE_M_TILES
+                        if _tiles(M, N, c) >= LARGE_M_MIN_TILES_PER_SM * num_sms), LARGE_M_TILES[-1])
         cfg = dataclasses.replace(cfg, block_k=_largest_block_k(k_align, cfg.block_k))
     return dataclasses.replace(cfg, split_k=choose_split(M, N, K, cfg, 2 * num_sms))
 
