@@ -627,12 +627,17 @@ def _h100_sweep_points(paths, method: str) -> list[dict]:
     return points
 
 
+def _timed_tiles(point) -> dict:
+    """A sweep point's tiles that ran, each with its time (ms)."""
+    return {tg.GemmConfig(**r["config"]): r["ms"] for r in point["configs"] if "ms" in r}
+
+
 def _assert_default_near_fastest(points, default_for, factor: float) -> None:
     """At every point the default tile (default_for(K, N, M)) is one the sweep timed, at most
     factor x the fastest."""
     for point in points:
         k, n, m = point["K"], point["N"], point["M"]
-        timed = {tg.GemmConfig(**r["config"]): r["ms"] for r in point["configs"] if "ms" in r}
+        timed = _timed_tiles(point)
         c = default_for(k, n, m)
         assert c in timed, (k, n, m, c)
         assert timed[c] <= factor * min(timed.values()), (k, n, m, c, timed[c], min(timed.values()))
@@ -675,7 +680,7 @@ def test_default_config_w4ax_past_64_tokens_against_the_h100_sweeps():
     wide = [p for p in points if default_for(p["K"], p["N"], p["M"]) == tg.W4AX_WIDE_TILE]
     assert len(wide) == 11
     for point in wide:
-        timed = {tg.GemmConfig(**r["config"]): r["ms"] for r in point["configs"] if "ms" in r}
+        timed = _timed_tiles(point)
         assert timed[tg.W4AX_WIDE_TILE] <= timed[tg.W4AX_TILE], (point["K"], point["N"], point["M"])
 
 
