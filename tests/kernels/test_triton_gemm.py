@@ -11,6 +11,7 @@ output dtype plus ~1e-6 of the output scale.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -613,7 +614,11 @@ def test_default_config_is_valid(k, n, m, block_scales):
     chunk = -(-iters // c.split_k)
     assert (c.split_k - 1) * chunk < iters  # no empty split
     tiles = -(-m // c.block_m) * -(-n // c.block_n)
-    assert tiles * c.split_k >= 132  # every SM has work (weight-bound sizes: several CTAs)
+    if c.block_m == 64 and not block_scales and c.split_k == 1:
+        # W4A8's 64-token tile does not split K once its tiles fill half the SMs (the H100 sweeps)
+        assert tiles >= tg.W4A8_64_SPLIT_BELOW_TILES_PER_SM * 132
+    else:
+        assert tiles * c.split_k >= 132  # every SM has work (weight-bound sizes: several CTAs)
 
 
 def _h100_sweep_points(paths, method: str) -> list[dict]:
@@ -682,6 +687,56 @@ def test_default_config_w4ax_past_64_tokens_against_the_h100_sweeps():
     for point in wide:
         timed = _timed_tiles(point)
         assert timed[tg.W4AX_WIDE_TILE] <= timed[tg.W4AX_TILE], (point["K"], point["N"], point["M"])
+
+
+# H100, session 78: the same sweeps at 1-64 tokens (5-8 tiles a point). The 64-token rule was set
+# from the first file of each list and checked on the others (new Ms, then five new shapes).
+S78 = Path(__file__).parents[2] / "benchmarks/results/2026-12-06-s78"
+TILES_64_SWEEPS_H100 = [S78 / run / "bench_gemm.json" for run in
+                        ("triton-tiles-m48-64", "triton-tiles-m40-56", "triton-tiles-m48-64-oos")]
+W4AX_TILES_64_SWEEPS_H100 = [S78 / run / "bench_gemm.json" for run in
+                             ("triton-tiles-w4ax-decode", "triton-tiles-w4ax-m40-64",
+                              "triton-tiles-w4ax-m48-64-oos")]
+
+
+def _old_64_token_tile(m, n, k, k_align, block_scales):
+    """The tile default_config took at 33-64 tokens before session 78: 64 x 128 swapped, K 128
+    deep, split-K up to 2 CTAs an SM."""
+    c = tg.GemmConfig(block_m=64, block_n=128, block_k=tg._largest_block_k(k_align, 128),
+                      num_warps=4, num_stages=4)
+    return dataclasses.replace(c, split_k=tg.choose_split(m, n, k, c, 2 * 132))
+
+
+def test_default_config_64_token_tile_against_the_h100_sweeps():
+    """W4A8 at 33-64 tokens (64 x 64 swapped, K 256 deep, split-K only under half the SMs'
+    worth of tiles) at 32 points: at most 1.12x off the fastest (13824x5120, where split-K at 80
+    tiles won, and 18944x3584, where K 512 deep won), the fastest at 15, and 1.05-1.78x faster
+    than the old tile (1.09-1.83x off)."""
+    points = _h100_sweep_points(TILES_64_SWEEPS_H100, "ours_triton")
+    assert len(points) == 32 and all(33 <= p["M"] <= 64 for p in points)
+    default_for = lambda k, n, m: tg.default_config(m, n, k, k, num_sms=132)
+    _assert_default_near_fastest(points, default_for, 1.12)
+    for p in points:
+        timed = _timed_tiles(p)
+        old = _old_64_token_tile(p["M"], p["N"], p["K"], p["K"], False)
+        assert timed[default_for(p["K"], p["N"], p["M"])] * 1.04 <= timed[old]
+
+
+def test_default_config_w4ax_up_to_64_tokens_against_the_h100_sweeps():
+    """W4Ax at 1-64 tokens: at 33-64 tokens 64 x 64 unswapped, the fastest tile timed at all 28
+    such points and 1.03-1.45x faster than the old 64 x 128 swapped; at 1-32 tokens (the
+    unchanged rule) within 1.04x of the fastest at 18 points."""
+    points = _h100_sweep_points(W4AX_TILES_64_SWEEPS_H100, "ours_w4ax_triton")
+    assert len(points) == 46
+    default_for = lambda k, n, m: tg.default_config(m, n, k, 128, num_sms=132, block_scales=True)
+    _assert_default_near_fastest(points, default_for, 1.04)
+    tile_64 = [p for p in points if p["M"] > 32]
+    assert len(tile_64) == 28
+    _assert_default_near_fastest(tile_64, default_for, 1.0)
+    for p in tile_64:
+        timed = _timed_tiles(p)
+        old = _old_64_token_tile(p["M"], p["N"], p["K"], 128, True)
+        assert timed[default_for(p["K"], p["N"], p["M"])] * 1.02 <= timed[old]
 
 
 def test_default_config_w4ax_block_k_divides_k8():
@@ -821,7 +876,8 @@ def test_gpu_silu_mul_quantize_act(m, k, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k8,rotation", [(1, 0, "none"), (16, 512, "none"), (200, 1024, "none"),
+@pytest.mark.parametrize("m,k8,rotation", [(1, 0, "none"), (16, 512, "none"), (48, 1024, "none"),
+                                            (200, 1024, "none"),
                                             (1000, 4096, "none"), (1, 1024, "hadamard"),
                                             (200, 1024, "hadamard"), (1, 0, "hadamard64"),
                                             (1000, 2048, "hadamard64")])

@@ -724,13 +724,23 @@ W4AX_WIDE_TILE = GemmConfig(block_m=128, block_n=128, block_k=128, swap_ab=False
                             num_stages=3)
 W4AX_WIDE_MIN_TILES_PER_SM = 6
 
+# 33-64 tokens (a 64-token tile), H100, session 78 (`gpu_check.sh triton_tiles[_w4ax]`, 5-8 tiles a
+# point, docs/BENCHMARKS.md "Session 78"): 64 channels a tile, not 128 (that was 1.09-1.83x off the
+# fastest tile for W4A8 at 32 points, 1.03-1.45x for W4Ax at 28). W4Ax unswapped (137 registers
+# against 255 and a spill): the fastest at all 28. W4A8 swapped, K 256 deep, and split-K only where
+# the tiles fill under half the SMs, since its int32 atomics grow with the tokens: at 96-160 tiles
+# no split was 1.16-1.40x faster than 2-3 splits; at most 1.12x off the fastest at the 32 points.
+W4A8_64_SPLIT_BELOW_TILES_PER_SM = 0.5
+
 
 def default_config(M: int, N: int, K: int, k_align: int, num_sms: int,
                    block_scales: bool = False) -> GemmConfig:
     """Shape-based tile choice (no autotuning: CUDA-graph capture never compiles twice).
 
-    * M <= 64 is weight-bandwidth bound: narrow token tiles, deep K tiles, and split-K
-      until there are ~2 CTAs per SM, so that every SM keeps weight loads in flight.
+    * M <= 64 is weight-bandwidth bound: narrow token tiles, 64 channels, deep K tiles, and
+      split-K until there are ~2 CTAs per SM, so that every SM keeps weight loads in flight;
+      at 33-64 tokens W4Ax is unswapped and W4A8 splits only under half the SMs' worth of tiles
+      (W4A8_64_SPLIT_BELOW_TILES_PER_SM).
     * larger M is tensor-core bound: 128x128 tiles on one warpgroup, so that two CTAs fit
       per SM and one dequantizes while the other's wgmma runs (Triton waits on each wgmma),
       where that makes enough tiles; otherwise 128x64, then 64x64 (LARGE_M_TILES).
@@ -742,9 +752,12 @@ def default_config(M: int, N: int, K: int, k_align: int, num_sms: int,
     """
     if M <= 64:
         bm = _pow2_at_least(M, 16)
-        cfg = GemmConfig(block_m=bm, block_n=64 if bm <= 32 else 128,
-                         block_k=_largest_block_k(k_align, 256 if bm <= 32 else 128),
-                         num_warps=4, num_stages=4)
+        cfg = GemmConfig(block_m=bm, block_n=64, block_k=_largest_block_k(k_align, 256),
+                         swap_ab=not (block_scales and bm == 64), num_warps=4, num_stages=4)
+        split = choose_split(M, N, K, cfg, 2 * num_sms)
+        if bm == 64 and not block_scales:
+            split = split if _tiles(M, N, cfg) < W4A8_64_SPLIT_BELOW_TILES_PER_SM * num_sms else 1
+        return dataclasses.replace(cfg, split_k=split)
     else:
         if block_scales:
             wide = _tiles(M, N, W4AX_WIDE_TILE) >= W4AX_WIDE_MIN_TILES_PER_SM * num_sms
