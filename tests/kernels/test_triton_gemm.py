@@ -637,6 +637,14 @@ def _timed_tiles(point) -> dict:
     return {tg.GemmConfig(**r["config"]): r["ms"] for r in point["configs"] if "ms" in r}
 
 
+def _assert_faster(points, fast_for, slow_for, factor: float) -> None:
+    """At every point fast_for(K, N, M)'s tile took at most 1 / factor of slow_for's time."""
+    for point in points:
+        k, n, m = point["K"], point["N"], point["M"]
+        timed = _timed_tiles(point)
+        assert timed[fast_for(k, n, m)] * factor <= timed[slow_for(k, n, m)], (k, n, m)
+
+
 def _assert_default_near_fastest(points, default_for, factor: float) -> None:
     """At every point the default tile (default_for(K, N, M)) is one the sweep timed, at most
     factor x the fastest."""
@@ -684,9 +692,7 @@ def test_default_config_w4ax_past_64_tokens_against_the_h100_sweeps():
     _assert_default_near_fastest(points, default_for, 1.10)
     wide = [p for p in points if default_for(p["K"], p["N"], p["M"]) == tg.W4AX_WIDE_TILE]
     assert len(wide) == 11
-    for point in wide:
-        timed = _timed_tiles(point)
-        assert timed[tg.W4AX_WIDE_TILE] <= timed[tg.W4AX_TILE], (point["K"], point["N"], point["M"])
+    _assert_faster(wide, lambda k, n, m: tg.W4AX_WIDE_TILE, lambda k, n, m: tg.W4AX_TILE, 1.0)
 
 
 # H100, session 78: the same sweeps at 1-64 tokens (5-8 tiles a point). The 64-token rule was set
@@ -699,7 +705,7 @@ W4AX_TILES_64_SWEEPS_H100 = [S78 / run / "bench_gemm.json" for run in
                               "triton-tiles-w4ax-m48-64-oos")]
 
 
-def _old_64_token_tile(m, n, k, k_align, block_scales):
+def _old_64_token_tile(m, n, k, k_align):
     """The tile default_config took at 33-64 tokens before session 78: 64 x 128 swapped, K 128
     deep, split-K up to 2 CTAs an SM."""
     c = tg.GemmConfig(block_m=64, block_n=128, block_k=tg._largest_block_k(k_align, 128),
@@ -716,10 +722,7 @@ def test_default_config_64_token_tile_against_the_h100_sweeps():
     assert len(points) == 32 and all(33 <= p["M"] <= 64 for p in points)
     default_for = lambda k, n, m: tg.default_config(m, n, k, k, num_sms=132)
     _assert_default_near_fastest(points, default_for, 1.12)
-    for p in points:
-        timed = _timed_tiles(p)
-        old = _old_64_token_tile(p["M"], p["N"], p["K"], p["K"], False)
-        assert timed[default_for(p["K"], p["N"], p["M"])] * 1.04 <= timed[old]
+    _assert_faster(points, default_for, lambda k, n, m: _old_64_token_tile(m, n, k, k), 1.04)
 
 
 def test_default_config_w4ax_up_to_64_tokens_against_the_h100_sweeps():
@@ -733,10 +736,7 @@ def test_default_config_w4ax_up_to_64_tokens_against_the_h100_sweeps():
     tile_64 = [p for p in points if p["M"] > 32]
     assert len(tile_64) == 28
     _assert_default_near_fastest(tile_64, default_for, 1.0)
-    for p in tile_64:
-        timed = _timed_tiles(p)
-        old = _old_64_token_tile(p["M"], p["N"], p["K"], 128, True)
-        assert timed[default_for(p["K"], p["N"], p["M"])] * 1.02 <= timed[old]
+    _assert_faster(tile_64, default_for, lambda k, n, m: _old_64_token_tile(m, n, k, 128), 1.02)
 
 
 def test_default_config_w4ax_block_k_divides_k8():

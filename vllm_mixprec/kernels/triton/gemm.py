@@ -752,21 +752,20 @@ def default_config(M: int, N: int, K: int, k_align: int, num_sms: int,
     """
     if M <= 64:
         bm = _pow2_at_least(M, 16)
-        cfg = GemmConfig(block_m=bm, block_n=64, block_k=_largest_block_k(k_align, 256),
+        cfg = GemmConfig(block_m=bm, block_n=64, block_k=256,
                          swap_ab=not (block_scales and bm == 64), num_warps=4, num_stages=4)
-        split = choose_split(M, N, K, cfg, 2 * num_sms)
-        if bm == 64 and not block_scales:
-            split = split if _tiles(M, N, cfg) < W4A8_64_SPLIT_BELOW_TILES_PER_SM * num_sms else 1
-        return dataclasses.replace(cfg, split_k=split)
+    elif block_scales:
+        wide = _tiles(M, N, W4AX_WIDE_TILE) >= W4AX_WIDE_MIN_TILES_PER_SM * num_sms
+        cfg = W4AX_WIDE_TILE if wide else W4AX_TILE
     else:
-        if block_scales:
-            wide = _tiles(M, N, W4AX_WIDE_TILE) >= W4AX_WIDE_MIN_TILES_PER_SM * num_sms
-            cfg = W4AX_WIDE_TILE if wide else W4AX_TILE
-        else:
-            cfg = next((c for c in LARGE_M_TILES
-                        if _tiles(M, N, c) >= LARGE_M_MIN_TILES_PER_SM * num_sms), LARGE_M_TILES[-1])
-        cfg = dataclasses.replace(cfg, block_k=_largest_block_k(k_align, cfg.block_k))
-    return dataclasses.replace(cfg, split_k=choose_split(M, N, K, cfg, 2 * num_sms))
+        cfg = next((c for c in LARGE_M_TILES
+                    if _tiles(M, N, c) >= LARGE_M_MIN_TILES_PER_SM * num_sms), LARGE_M_TILES[-1])
+    cfg = dataclasses.replace(cfg, block_k=_largest_block_k(k_align, cfg.block_k))
+    split = choose_split(M, N, K, cfg, 2 * num_sms)
+    if (32 < M <= 64 and not block_scales
+            and _tiles(M, N, cfg) >= W4A8_64_SPLIT_BELOW_TILES_PER_SM * num_sms):
+        split = 1  # W4A8's int32 split-K atomics grow with the tokens
+    return dataclasses.replace(cfg, split_k=split)
 
 
 def _tiles(M: int, N: int, cfg: GemmConfig) -> int:
