@@ -530,7 +530,7 @@ def sweep_configs(M: int):
         bm = max(16, 1 << (M - 1).bit_length())
         return [C(bm, 64, 256, 0), C(bm, 64, 128, 0), C(bm, 128, 128, 0), C(bm, 128, 256, 0, num_stages=3),
                 C(bm, 64, 256, 1), C(bm, 64, 256, 0, swap_ab=False), C(bm, 64, 256, 0, num_stages=3),
-                C(bm, 64, 512, 0, num_stages=3)]
+                C(bm, 64, 512, 0, num_stages=3), C(bm, 64, 256, 0, swap_ab=False, num_stages=3)]
     return [C(128, 128, 128, 0, num_warps=4, num_stages=3), C(128, 128, 128, 0, num_warps=8, num_stages=3),
             C(128, 128, 128, 0, swap_ab=False, num_warps=8, num_stages=3),
             C(128, 128, 64, 0, num_warps=4, num_stages=4), C(256, 128, 128, 0, num_warps=8, num_stages=3),
@@ -593,8 +593,8 @@ def main(argv=None) -> int:
         for M in args.ms:
             row = {"K": K, "N": N, "M": M, "flop": 2 * M * N * K, "methods": {}}
             if "ours" in meth.setups:
-                sms = tg._num_sms(torch.device("cuda"))
-                row["ours_config"] = dataclasses.asdict(tg.default_config(M, N, K, K, sms))
+                sms, sm = tg._num_sms(torch.device("cuda")), tg._sm_major(torch.device("cuda"))
+                row["ours_config"] = dataclasses.asdict(tg.default_config(M, N, K, K, sms, sm_major=sm))
                 if any(m.startswith("ours_w4ax") for m in args.methods):
                     row["ours_w4ax_config"] = dataclasses.asdict(tg.default_config(
                         M, N, K, F.ACT_BLOCK, sms, True))  # as w4ax_gemm picks it
@@ -651,6 +651,11 @@ def run_sweep(meth: Methods, K, N, M, rep_ms, marlin_ms, method="ours_triton"):
             c = dataclasses.replace(c, split_k=tg.choose_split(
                 M, N, K, c, 2 * tg._num_sms(torch.device("cuda"))))
         iters_cfgs.append(c)
+    if M <= 64:  # the default tile at half and twice its split: is ~2 CTAs an SM the right target?
+        c0 = iters_cfgs[0]
+        iters = K // c0.block_k
+        iters_cfgs += [dataclasses.replace(c0, split_k=tg._effective_split(iters, s))
+                       for s in (c0.split_k // 2, min(2 * c0.split_k, iters // 2)) if s >= 1]
     for c in dict.fromkeys(iters_cfgs):
         rec = {"config": dataclasses.asdict(c)}
         try:

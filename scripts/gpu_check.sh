@@ -20,7 +20,8 @@
 # decode_groups_auto test_attention test_other_rest decode_k_sweep decode_k_auto x_wgmma_tests
 # x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more x_input_order
 # x_input_order_piece x_input_order_layers w4ax_rot_chunks w4ax_split w4ax_compiled
-# x_input_fused_piece w4ax_perm x_order_piece_aba triton_tiles triton_tiles_w4ax
+# x_input_fused_piece w4ax_perm x_order_piece_aba triton_tiles triton_tiles_w4ax triton_mid_linear
+# test_triton_gemm triton_quant_rows
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -813,6 +814,24 @@ stage_triton_tiles() {
   run_bench bench_gemm_triton_tiles 420 python3 benchmarks/bench_gemm.py \
     --shapes "${TRITON_TILES_SHAPES:-4096x6144,14336x4096,8192x28672}" --ms "${TRITON_TILES_MS:-256,1024,4096}" \
     --methods ours_triton,marlin_w4a16 --sweep --sweep-method ours_triton --rep-ms 30 --out "$OUT/triton-tiles"
+}
+# Session 79: the Triton GEMMs' 33-64-token tiles (session 78) through the linear (quantizer +
+# GEMM) against Marlin and the csrc linear; then the whole Triton GEMM file's GPU tests.
+stage_triton_mid_linear() {
+  mkdir -p "$OUT/triton-mid-linear"
+  run_bench bench_gemm_triton_mid_linear 420 python3 benchmarks/bench_gemm.py \
+    --shapes "${TRITON_TILES_SHAPES:-4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672}" \
+    --ms "${TRITON_TILES_MS:-40,48,64}" \
+    --methods ours_triton_q,ours_w4ax_triton_q,ours_cuda,marlin_w4a16 --out "$OUT/triton-mid-linear"
+}
+stage_test_triton_gemm() { pytest_gpu pytest-gpu-triton-gemm 560 tests/kernels/test_triton_gemm.py; }
+# Session 79: the Triton quantize_act's rows split over programs (as silu_mul_quantize_act's) against
+# one program a row, then both ops' long-row GPU tests.
+stage_triton_quant_rows() {
+  local rc=0
+  run_bench bench_triton_quantize_act 200 python3 scripts/bench_triton_quantize_act.py --out "$OUT" || rc=1
+  pytest_gpu pytest-gpu-quantize-long-rows 200 tests/kernels/test_triton_gemm.py -k "quantize_act" || rc=1
+  return $rc
 }
 # Session 76: the same sweep for the W4Ax GEMM alone (block_k <= 128: one activation block's scale
 # a k-step), at M = 16-4096 on the 8B shapes, beside its quantizer + GEMM at the default tile.

@@ -9,7 +9,7 @@ SiluAndMul, and Inductor's fused reduction walks the 14336-wide row twice in 204
 on one program per token: 5.6 us at batch 1 on an H100, where SiluAndMul alone takes 1.4
 (docs/BENCHMARKS.md, session 13). This pass replaces the pair with
 `mixprec::silu_mul_quantize_act`, whose rows are split over many programs (gemm.py:
-SPLIT_ROWS_MAX_M), so that a batch of a few tokens does not wait on one SM per row.
+split_rows), so that a batch of a few tokens does not wait on one SM per row.
 
 It is installed through vLLM's hook for custom post-grad passes
 (compilation_config.inductor_compile_config["post_grad_custom_post_pass"], which vLLM's pass

@@ -173,23 +173,37 @@ def test_silu_mul_quantize_act_bit_exact(m, k, dtype, smooth, seeded):
 @pytest.mark.parametrize("pdl", ["0", "1"], ids=["plain", "pdl"])
 @pytest.mark.parametrize("m", [1, 3, 5])
 @pytest.mark.parametrize("smooth", [False, True])
-def test_silu_mul_quantize_act_split_rows(monkeypatch, m, smooth, pdl, seeded):
+@pytest.mark.parametrize("gated", [True, False], ids=["silu_mul", "plain"])
+def test_quantize_act_split_rows(monkeypatch, m, smooth, pdl, gated, seeded):
     """Rows of few tokens are split over programs (two passes through an fp32 copy): the same
-    bits. 300 columns in 64-wide chunks, the last one partial; m = 5 is above the split limit
-    (set to 3 here) and takes one program a row. Row 1 holds a NaN. On an H100 the second
-    pass is a programmatic dependent launch unless MIXPREC_QUANT_PDL=0 (elsewhere both
-    ids run the plain launches)."""
+    bits, for silu_mul_quantize_act and quantize_act. 300 columns in 64-wide chunks, the last one
+    partial; m = 5 is above the split limits (set to 3 here) and takes one program a row. Row 1
+    holds a NaN. On an H100 the second pass is a programmatic dependent launch unless
+    MIXPREC_QUANT_PDL=0 (elsewhere both ids run the plain launches)."""
     monkeypatch.setenv("MIXPREC_QUANT_PDL", pdl)
     monkeypatch.setattr(tg, "SPLIT_ROWS_BLOCK", 64)
     monkeypatch.setattr(tg, "SPLIT_ROWS_MAX_M", 3)
-    gate_up = _act(m, 600, seeded, torch.bfloat16)
+    monkeypatch.setattr(tg, "SPLIT_ROWS_MAX_M_PLAIN", 3)
+    monkeypatch.setattr(tg, "SPLIT_ROWS_MIN_VALUES", 256)
+    x = _act(m, 600 if gated else 300, seeded, torch.bfloat16)
     if m > 1:
-        gate_up[1, 450] = float("nan")  # in the up half
+        x[1, 450 if gated else 250] = float("nan")  # gated: in the up half
     sm = (torch.rand(300, generator=seeded) + 0.5).to(DEV) if smooth else None
-    q, s = tg.silu_mul_quantize_act(gate_up, sm)
-    q_ref, s_ref = ref.silu_mul_quantize_act(gate_up.cpu(), None if sm is None else sm.cpu())
+    op, ref_op = ((tg.silu_mul_quantize_act, ref.silu_mul_quantize_act) if gated
+                  else (tg.quantize_act, ref.quantize_act))
+    q, s = op(x, sm)
+    q_ref, s_ref = ref_op(x.cpu(), None if sm is None else sm.cpu())
     assert m == 1 or (torch.isnan(s_ref[1]) and (q_ref[1] == 0).all())
     assert torch.equal(q.cpu(), q_ref) and torch.equal(s.cpu().nan_to_num(-1.0), s_ref.nan_to_num(-1.0))
+
+
+def test_split_rows_rule():
+    """Split only rows of more than 8192 values read (K, or 2K gated), up to 32 tokens for
+    quantize_act and 512 for silu_mul_quantize_act (session 79's H100 timings)."""
+    assert tg.split_rows(1, 8960) and tg.split_rows(32, 14336) and not tg.split_rows(33, 14336)
+    assert not tg.split_rows(1, 8192) and not tg.split_rows(0, 14336)
+    assert tg.split_rows(1, 8192, gated=True) and tg.split_rows(512, 14336, gated=True)
+    assert not tg.split_rows(1, 4096, gated=True) and not tg.split_rows(513, 14336, gated=True)
 
 
 def test_split_rows_pdl_env(monkeypatch):
@@ -384,6 +398,7 @@ def test_quant_launch_num_warps_is_power_of_two(k, k8, w4ax, monkeypatch):
 
     monkeypatch.setattr(tg, "_quant_act_kernel", Capture())
     _force_split(monkeypatch, 0)  # the split rows' warps: test below
+    monkeypatch.setattr(tg, "split_rows", lambda *a, **kw: False)  # W4A8: one program a row
     x = torch.randn(2, k, dtype=torch.bfloat16)
     if w4ax:
         tg.quantize_act_w4ax(x, torch.arange(k), k8, None, w4ax)
@@ -739,6 +754,55 @@ def test_default_config_w4ax_up_to_64_tokens_against_the_h100_sweeps():
     _assert_faster(tile_64, default_for, lambda k, n, m: _old_64_token_tile(m, n, k, 128), 1.02)
 
 
+# H100, session 79: W4A8 at 1-32 tokens (8-11 tiles a point). The 3-stage rule was set from the
+# first file and checked on the second; the unswapped long-K rule was set from the first two and
+# the third (where it was still 4 stages) and checked on the fourth.
+S79 = Path(__file__).parents[2] / "benchmarks/results/2026-12-06-s79"
+TILES_DECODE_SWEEPS_H100 = [S79 / run / "bench_gemm.json" for run in
+                            ("triton-tiles-decode", "triton-tiles-decode-oos",
+                             "triton-tiles-decode-longk", "triton-tiles-decode-longk-oos")]
+
+
+def _old_decode_tile(m, n, k):
+    """default_config's W4A8 tile at 1-32 tokens before session 79: swapped, 4 stages."""
+    c = tg.GemmConfig(block_m=16 if m <= 16 else 32, block_n=64,
+                      block_k=tg._largest_block_k(k, 256), num_warps=4, num_stages=4)
+    return dataclasses.replace(c, split_k=tg.choose_split(m, n, k, c, 2 * 132))
+
+
+def test_default_config_decode_tile_against_the_h100_sweeps():
+    """W4A8 at 1-32 tokens: 3 stages, and unswapped at 1-16 tokens where K >= 10240 with
+    K-256 tiles. Of 61 points the default was timed at 53 (the first two runs did not time
+    the unswapped tile on 3 stages): there it is 1.007-1.34x faster than the old tile, within
+    1.04x of the fastest at 1-16 tokens (the fastest at 33 of 40) and 1.14x at 32 tokens
+    (split-K or K depth would win there). 3 stages beat 4 on the swapped tile at all 39 points
+    of the first two runs; unswapped beat swapped (both on 3 stages) by 1.036-1.34x at all 19
+    points where the rule takes it and the default was timed."""
+    points = _h100_sweep_points(TILES_DECODE_SWEEPS_H100, "ours_triton")
+    assert len(points) == 61 and all(p["M"] <= 32 for p in points)
+    default_for = lambda k, n, m: tg.default_config(m, n, k, k, num_sms=132)
+    timed = [p for p in points if default_for(p["K"], p["N"], p["M"]) in _timed_tiles(p)]
+    assert len(timed) == 53
+    _assert_faster(timed, default_for, lambda k, n, m: _old_decode_tile(m, n, k), 1.005)
+    _assert_default_near_fastest([p for p in timed if p["M"] <= 16], default_for, 1.04)
+    _assert_default_near_fastest(timed, default_for, 1.14)
+    swapped_on = lambda stages: lambda k, n, m: dataclasses.replace(
+        _old_decode_tile(m, n, k), num_stages=stages)
+    _assert_faster(points[:39], swapped_on(3), swapped_on(4), 1.0)
+    unswapped = [p for p in timed if not default_for(p["K"], p["N"], p["M"]).swap_ab]
+    assert len(unswapped) == 19
+    _assert_faster(unswapped, default_for, swapped_on(3), 1.03)
+
+
+def test_default_config_32_token_tile_keeps_4_stages_before_hopper():
+    """3 stages spill the swapped 32-token tile on sm_80 (test_triton_gemm_compile.py), and
+    nothing timed them there; 16-token tiles take 3 stages on every arch."""
+    for k, n in ((4096, 28672), (14336, 4096)):
+        assert tg.default_config(32, n, k, k, 108, sm_major=8).num_stages == 4
+        assert tg.default_config(32, n, k, k, 132, sm_major=9).num_stages == 3
+        assert tg.default_config(16, n, k, k, 108, sm_major=8).num_stages == 3
+
+
 def test_default_config_w4ax_block_k_divides_k8():
     c = tg.default_config(1, 4096, 4096, 128, num_sms=132)  # gcd(K, k8) = 128
     assert c.block_k == 128
@@ -858,18 +922,22 @@ def test_gpu_w4a8_configs_and_portable_path(config, asm, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 257])
+@pytest.mark.parametrize("m", [1, 8, 257, 600])
 @pytest.mark.parametrize("k", [8960, 14336, 28672])  # Qwen2.5-1.5B, Llama-3-8B, -70B (two passes)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_silu_mul_quantize_act(m, k, dtype):
-    """Bit for bit the two torch ops on the GPU, a NaN row included (H100, 2026-11-26: bf16
-    lost the NaN, to -0, before _rounded_as kept NaN apart). m = 1 and 8 take the split-row
-    kernels, m = 257 one program a row (28672 columns: two passes)."""
+@pytest.mark.parametrize("gated", [True, False], ids=["silu_mul", "plain"])
+def test_gpu_quantize_act_long_rows(m, k, dtype, gated):
+    """silu_mul_quantize_act bit for bit the two torch ops, and quantize_act the reference, on the
+    GPU, a NaN row included (H100, 2026-11-26: bf16 lost the NaN, to -0, before _rounded_as kept
+    NaN apart). m = 1 and 8 take the split-row kernels (split_rows), m = 257 too when gated,
+    m = 600 one program a row (28672 columns: two passes)."""
     gen = torch.Generator().manual_seed(m + k)
-    gate_up = (_act(m, 2 * k, gen) * 0.5).to(dtype).cuda()
-    gate_up[-1, 5] = float("nan")
-    q, s = tg.silu_mul_quantize_act(gate_up)
-    q_ref, s_ref = ref.silu_mul_quantize_act(gate_up)
+    x = (_act(m, (1 + gated) * k, gen) * 0.5).to(dtype).cuda()
+    x[-1, 5] = float("nan")
+    op, ref_op = ((tg.silu_mul_quantize_act, ref.silu_mul_quantize_act) if gated
+                  else (tg.quantize_act, ref.quantize_act))
+    q, s = op(x)
+    q_ref, s_ref = ref_op(x)
     assert torch.isnan(s[-1]) and not torch.isnan(s[:-1]).any()
     assert torch.equal(s.nan_to_num(-1.0), s_ref.nan_to_num(-1.0))
     assert torch.equal(q, q_ref)

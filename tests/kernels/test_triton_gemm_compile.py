@@ -63,12 +63,12 @@ GEMM_SCRIPT = textwrap.dedent(r'''
 
     arch = int(sys.argv[1])
     # the default tiles (default_config) of the Llama-3-8B down and 70B QKV-sized shapes, W4A8 and
-    # W4Ax, at decode, at M = 33-64 and past 64 tokens (W4A8: 64x64, 128x64 and 128x128; W4Ax: 128x64
-    # and 128x128 on 8 warps), with their split-K epilogues
+    # W4Ax, at 1-16 and 32 tokens, at 33-64 and past 64 tokens (W4A8: 64x64, 128x64 and 128x128;
+    # W4Ax: 128x64 and 128x128 on 8 warps), with their split-K epilogues, as that arch picks them
     for w4ax in (False, True):
-        for m in (1, 16, 48, 256, 1024):
+        for m in (1, 16, 32, 48, 256, 1024):
             for k, n in ((14336, 4096), (4096, 28672)):
-                c = G.default_config(m, n, k, 128 if w4ax else k, 132, w4ax)
+                c = G.default_config(m, n, k, 128 if w4ax else k, 132, w4ax, sm_major=arch // 10)
                 r = tile_usage(c, arch, w4ax, group=128)
                 print(w4ax, m, k, n, c, r["registers"], r["spill_bytes"])
                 # the weight-bound decode tiles, 64 channels wide up to 64 tokens since session 78,

@@ -687,6 +687,12 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the CPU interpreter: small, so that the default path exercises split-K
 
 
+def _sm_major(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0]
+    return 9  # the CPU interpreter checks the Hopper rule
+
+
 def _pow2_at_least(v: int, lo: int) -> int:
     return max(lo, triton.next_power_of_2(v))
 
@@ -731,16 +737,27 @@ W4AX_WIDE_MIN_TILES_PER_SM = 6
 # the tiles fill under half the SMs, since its int32 atomics grow with the tokens: at 96-160 tiles
 # no split was 1.16-1.40x faster than 2-3 splits; at most 1.12x off the fastest at the 32 points.
 W4A8_64_SPLIT_BELOW_TILES_PER_SM = 0.5
+# 1-32 tokens, H100, session 79 (`TRITON_TILES_MS=1,16,32 gpu_check.sh triton_tiles`): W4A8's
+# K-256 tile on 3 stages, not 4, was faster at all 39 points (1.004-1.17x). W4Ax (K 128 deep) was
+# not (0.97-1.01x in session 78's sweep) and keeps 4. Before Hopper the 32-token tile keeps 4:
+# on 3, ptxas spills 8 B of it on sm_80 (168 registers), and no sm_80 timing says 3 pays there.
+W4A8_DECODE_STAGES = 3
+# At 1-16 tokens with long K (K-256 tiles) the unswapped tile wins: 1.12-1.22x at 8 points on 4
+# shapes with K >= 13824 (4 stages), 1.04-1.34x at 19 points with K >= 11008 (3 stages); at
+# K <= 8192 it lost at 14 of 16 points, and at 29568x8192, whose K allows only 128-deep tiles.
+# The bound sits between K = 8192 and 11008 (docs/BENCHMARKS.md, "Session 79").
+W4A8_DECODE_UNSWAPPED_MIN_K = 10240
 
 
 def default_config(M: int, N: int, K: int, k_align: int, num_sms: int,
-                   block_scales: bool = False) -> GemmConfig:
+                   block_scales: bool = False, sm_major: int = 9) -> GemmConfig:
     """Shape-based tile choice (no autotuning: CUDA-graph capture never compiles twice).
 
     * M <= 64 is weight-bandwidth bound: narrow token tiles, 64 channels, deep K tiles, and
       split-K until there are ~2 CTAs per SM, so that every SM keeps weight loads in flight;
       at 33-64 tokens W4Ax is unswapped and W4A8 splits only under half the SMs' worth of tiles
-      (W4A8_64_SPLIT_BELOW_TILES_PER_SM).
+      (W4A8_64_SPLIT_BELOW_TILES_PER_SM); W4A8 at 1-32 tokens runs 3 stages (W4A8_DECODE_STAGES)
+      and at 1-16 is unswapped where K is long (W4A8_DECODE_UNSWAPPED_MIN_K).
     * larger M is tensor-core bound: 128x128 tiles on one warpgroup, so that two CTAs fit
       per SM and one dequantizes while the other's wgmma runs (Triton waits on each wgmma),
       where that makes enough tiles; otherwise 128x64, then 64x64 (LARGE_M_TILES).
@@ -748,12 +765,20 @@ def default_config(M: int, N: int, K: int, k_align: int, num_sms: int,
       and 128x128 on 8 warps where that makes >= 6 tiles an SM (W4AX_TILE, W4AX_WIDE_TILE).
       Its fp32 sum beside each k-step's int32 dot doubles the accumulator registers: the
       one-warpgroup 128x128 was 2.0-2.7x slower on an H200 (docs/BENCHMARKS.md, session 45).
+    sm_major is the GPU's compute capability major (9 for the CPU interpreter).
     benchmarks/NOTES-gemm.md has the reasoning and the numbers to expect.
     """
     if M <= 64:
         bm = _pow2_at_least(M, 16)
-        cfg = GemmConfig(block_m=bm, block_n=64, block_k=256,
-                         swap_ab=not (block_scales and bm == 64), num_warps=4, num_stages=4)
+        bk = _largest_block_k(k_align, 256)
+        if block_scales:
+            unswapped = bm == 64
+        else:
+            unswapped = M <= 16 and K >= W4A8_DECODE_UNSWAPPED_MIN_K and bk == 256
+        fewer_stages = not block_scales and (bm == 16 or (bm == 32 and sm_major >= 9))
+        stages = W4A8_DECODE_STAGES if fewer_stages else 4
+        cfg = GemmConfig(block_m=bm, block_n=64, block_k=bk,
+                         swap_ab=not unswapped, num_warps=4, num_stages=stages)
     elif block_scales:
         wide = _tiles(M, N, W4AX_WIDE_TILE) >= W4AX_WIDE_MIN_TILES_PER_SM * num_sms
         cfg = W4AX_WIDE_TILE if wide else W4AX_TILE
@@ -869,7 +894,7 @@ def _launch_gemm(x8, s8, x4, s4, qweight, group_scale, group_offset, channel_sca
     s4 = s4 if has_a4 else s8
     if config is None:
         config = default_config(M, N, K, F.ACT_BLOCK if block_scales else K, _num_sms(out.device),
-                                block_scales)
+                                block_scales, _sm_major(out.device))
     bk = config.block_k
     if K % bk or K8 % bk or bk % 64:
         raise ValueError(f"config.block_k={bk} must be a multiple of 64 dividing K={K} and k8={K8}")
@@ -1054,7 +1079,8 @@ def _check_act(x: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
 
 def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token symmetric int8 in one pass over x: (int8 [M, K], float32 scale [M]).
+    """Per-token symmetric int8: (int8 [M, K], float32 scale [M]). One program a row, or, for
+    a few long rows (split_rows), two passes over programs of SPLIT_ROWS_BLOCK columns.
 
     Bit-exact with reference.quantize_act: correctly rounded divisions (div_rn) and round
     half to even, like torch."""
@@ -1062,8 +1088,11 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None
     M, K = x.shape
     q = torch.empty((M, K), dtype=torch.int8, device=x.device)
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
-    _launch_quant(x, None, smooth.contiguous() if smooth is not None else None, K, q, s, q, s,
-                  per_block=False)
+    smooth = smooth.contiguous() if smooth is not None else None
+    if split_rows(M, K):
+        _launch_split_rows(x, smooth, K, q, s, gated=False)
+    else:
+        _launch_quant(x, None, smooth, K, q, s, q, s, per_block=False)
     return q, s
 
 
@@ -1083,7 +1112,7 @@ def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None = N
     s = torch.empty((M,), dtype=torch.float32, device=gate_up.device)
     gate_up = _row_major(gate_up)
     smooth = smooth.contiguous() if smooth is not None else None
-    if 0 < M <= SPLIT_ROWS_MAX_M and K > SPLIT_ROWS_BLOCK:
+    if split_rows(M, K, gated=True):
         _launch_split_rows(gate_up, smooth, K, q, s)
     else:
         _launch_quant(gate_up, None, smooth, K, q, s, q, s, per_block=False, gated=True)
@@ -1091,10 +1120,25 @@ def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None = N
 
 
 # Rows of at most this many tokens are split over programs of SPLIT_ROWS_BLOCK columns (two
-# launches); more rows keep one program each. H100, 2026-11-26, K = 14336, split / one program
-# a row: 3.75 / 9.77 us (M = 1), 4.91 / 9.86 (32), 6.12 / 10.0 (64), 31.3 / 38.7 (512).
-SPLIT_ROWS_MAX_M = 512
+# launches); more rows keep one program each. H100, 2026-11-26, silu_mul_quantize_act, K = 14336,
+# split / one program a row: 3.75 / 9.77 us (M = 1), 4.91 / 9.86 (32), 6.12 / 10.0 (64), 31.3 /
+# 38.7 (512). quantize_act (session 79, scripts/bench_triton_quantize_act.py): split is 1.05-2.5x
+# faster at M <= 32 on rows of 11008-28672 values, but slower at 64 tokens on 11008 (0.96x) and at
+# 128 on 14336 / 28672 (0.89x / 0.85x), and on rows of 4096-8192 values at every M (0.70-0.92x),
+# as silu_mul_quantize_act was on rows of 2 x 4096 (0.76-0.89x at M = 1-64). Hence a floor on a
+# row's values read. The gated kernel's split still wins at M = 64-512 on 11008-28672 columns
+# (1.18-1.85x); it loses there on 8192 (0.79-0.96x), which this rule leaves split.
+SPLIT_ROWS_MAX_M = 512  # silu_mul_quantize_act
+SPLIT_ROWS_MAX_M_PLAIN = 32  # quantize_act
+SPLIT_ROWS_MIN_VALUES = 8192  # values read a row: K, or 2K gated
 SPLIT_ROWS_BLOCK = 1024
+
+
+def split_rows(M: int, K: int, gated: bool = False) -> bool:
+    """Whether quantize_act (silu_mul_quantize_act if gated) splits its M rows of K columns
+    over programs of SPLIT_ROWS_BLOCK columns."""
+    max_m = SPLIT_ROWS_MAX_M if gated else SPLIT_ROWS_MAX_M_PLAIN
+    return 0 < M <= max_m and (1 + gated) * K > SPLIT_ROWS_MIN_VALUES and K > SPLIT_ROWS_BLOCK
 
 
 def split_rows_pdl(device: torch.device) -> bool:
