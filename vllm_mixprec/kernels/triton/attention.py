@@ -54,6 +54,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ... import envs
 from ... import formats as F
 from .. import cuda as cuda_ops
+from . import capability_major
 from .kv_cache import KVResidual, cache_views, kbias_args, meta_index, rope_angle, slab_offset
 
 LOG2E = 1.4426950408889634
@@ -1023,15 +1024,9 @@ def cuda_decode_unsupported(layout: F.KVPageLayout, group: int, device: torch.de
         return "it needs a CUDA device (not the Triton interpreter)"
     if not cuda_ops.has_decode_kv4():
         return f"the csrc/ build lacks it ({cuda_ops.load_error() or 'built before the kernel'})"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if _capability_major(index) < 8:
+    if capability_major(device) < 8:  # (decode_impl runs per layer and step: cached)
         return "it needs sm_80 or newer (mma.sync m16n8k16, movmatrix)"
     return ""
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_major(device_index: int) -> int:  # (decode_impl runs per layer and step)
-    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def decode_impl(num_rows: int, layout: F.KVPageLayout, group: int, device: torch.device,

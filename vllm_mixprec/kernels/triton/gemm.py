@@ -43,6 +43,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ... import envs
 from ... import formats as F
 from ... import reference as ref
+from . import capability_major
 
 _EPS = tl.constexpr(1e-8)  # reference._EPS
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -688,9 +689,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _sm_major(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0]
-    return 9  # the CPU interpreter checks the Hopper rule
+    return capability_major(device) if device.type == "cuda" else 9  # the interpreter: Hopper's rule
 
 
 def _pow2_at_least(v: int, lo: int) -> int:
