@@ -98,6 +98,10 @@ struct LaunchOptions {
   // in the 3-CTA build (half a batch where a whole one spilled; session 39) but not in the 2-CTA
   // one (csrc/gemm/NOTES.md "Decode preload").
   std::atomic<int> decode_preload_max_m{16};
+  // quantize_act splits a few long rows over CTAs of one chunk each (quantize_act_int8_split_kernel):
+  // 0 never, 1 its rule (quantize_act_split_chunk: M = 9-32, K >= 8192, 4096 elements a CTA; csrc/gemm/
+  // NOTES.md "Session 80"), 1024 / 2048 / 4096 that chunk at every M <= 64 (A/B timing).
+  std::atomic<int> act_quant_split{1};
 };
 LaunchOptions& launch_options() {
   static LaunchOptions opts;
@@ -193,7 +197,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in, const st
                                           smooth.defined() ? smooth.data_ptr() : nullptr, smooth_kind,
                                           q.data_ptr<int8_t>(), scale.data_ptr<float>(), static_cast<int>(M),
                                           static_cast<int>(K), launch_options().act_quant_one_pass.load(),
-                                          launch_options().act_quant_lean.load(), wgmma_order, stream));
+                                          launch_options().act_quant_lean.load(),
+                                          launch_options().act_quant_split.load(), wgmma_order, stream));
   return {q, scale};
 }
 
@@ -367,6 +372,14 @@ bool w4a8_auto_decode(int64_t M, int64_t N, int64_t K, int64_t num_sms) {
                                   static_cast<int>(num_sms));
 }
 
+// quantize_act's split chunk (0: one CTA a row) for M unsmoothed, aligned rows of K under the current
+// act_quant_split option (kernels/cuda.py:quantize_act_split_chunk).
+int64_t quantize_act_split_chunk_now(int64_t M, int64_t K) {
+  TORCH_CHECK(M >= 0 && K > 0 && M < (int64_t{1} << 31) && K < (int64_t{1} << 31),
+              "mixprec_C::quantize_act_split_chunk: unsupported M = ", M, ", K = ", K);
+  return quantize_act_split_chunk(launch_options().act_quant_split.load(), static_cast<int>(M), static_cast<int>(K));
+}
+
 // The page part of KV4 decode attention (csrc/attention/sm80/decode_kv4_mma.cu): the rows of
 // query length 1 attend their pages [0, seq_len - res_tokens), split num_splits ways as
 // vllm_mixprec/kernels/triton/attention.py's _decode_tiles splits them. With part_o/part_lse
@@ -481,12 +494,13 @@ void decode_kv4_pages(const at::Tensor& q, const at::Tensor& cache, const at::Te
 
 // Sets the launch options (a negative value keeps one) and returns them all:
 // [gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8, decode_ctas_per_sm, decode_preload_max_m,
-//  act_quant_lean, gemm_cluster_pair, decode_dp4a].
+//  act_quant_lean, gemm_cluster_pair, decode_dp4a, act_quant_split].
 // For A/B timing and tests; the defaults are the measured best (csrc/gemm/NOTES.md, "PDL", "Stream-K",
 // "Decode u8", "Decode occupancy", "Decode preload", "quantize_act").
 std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_pass, int64_t gemm_stream_k,
                                         int64_t decode_u8, int64_t decode_ctas_per_sm, int64_t decode_preload_max_m,
-                                        int64_t act_quant_lean, int64_t gemm_cluster_pair, int64_t decode_dp4a) {
+                                        int64_t act_quant_lean, int64_t gemm_cluster_pair, int64_t decode_dp4a,
+                                        int64_t act_quant_split) {
   TORCH_CHECK(gemm_pdl <= 1 && act_quant_one_pass <= 1 && gemm_stream_k <= 1 && decode_u8 <= 1,
               "mixprec_C::set_launch_options: gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_u8 take 0, 1 or "
               "-1 (keep); got ", gemm_pdl, ", ", act_quant_one_pass, ", ", gemm_stream_k, ", ", decode_u8);
@@ -502,6 +516,9 @@ std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_
               "mixprec_C::set_launch_options: gemm_cluster_pair takes 0, 1 or -1 (keep); got ", gemm_cluster_pair);
   TORCH_CHECK(decode_dp4a <= 1, "mixprec_C::set_launch_options: decode_dp4a takes 0, 1 or -1 (keep); got ",
               decode_dp4a);
+  TORCH_CHECK(act_quant_split <= 1 || act_quant_split == 1024 || act_quant_split == 2048 || act_quant_split == 4096,
+              "mixprec_C::set_launch_options: act_quant_split takes 0 (never), 1 (the rule), 1024, 2048, 4096 (that "
+              "chunk at every M <= 64) or -1 (keep); got ", act_quant_split);
   LaunchOptions& o = launch_options();
   if (gemm_pdl >= 0) o.gemm_pdl.store(gemm_pdl == 1);
   if (act_quant_one_pass >= 0) o.act_quant_one_pass.store(act_quant_one_pass == 1);
@@ -512,9 +529,11 @@ std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_
   if (act_quant_lean >= 0) o.act_quant_lean.store(act_quant_lean == 1);
   if (gemm_cluster_pair >= 0) o.gemm_cluster_pair.store(gemm_cluster_pair == 1);
   if (decode_dp4a >= 0) o.decode_dp4a.store(decode_dp4a == 1);
+  if (act_quant_split >= 0) o.act_quant_split.store(static_cast<int>(act_quant_split));
   return {o.gemm_pdl.load() ? 1 : 0, o.act_quant_one_pass.load() ? 1 : 0, o.gemm_stream_k.load() ? 1 : 0,
           o.decode_u8.load() ? 1 : 0, o.decode_ctas_per_sm.load(), o.decode_preload_max_m.load(),
-          o.act_quant_lean.load() ? 1 : 0, o.gemm_cluster_pair.load() ? 1 : 0, o.decode_dp4a.load() ? 1 : 0};
+          o.act_quant_lean.load() ? 1 : 0, o.gemm_cluster_pair.load() ? 1 : 0, o.decode_dp4a.load() ? 1 : 0,
+          o.act_quant_split.load()};
 }
 
 }  // namespace
@@ -532,6 +551,7 @@ TORCH_LIBRARY(mixprec_C, m) {
   m.def("w4a8_plan(int M, int N, int K, int group_size, int num_sms, int kernel_id, int splits, bool wgmma) -> int[]",
         &mixprec::w4a8_plan);
   m.def("w4a8_auto_decode(int M, int N, int K, int num_sms) -> bool", &mixprec::w4a8_auto_decode);
+  m.def("quantize_act_split_chunk(int M, int K) -> int", &mixprec::quantize_act_split_chunk_now);
   m.def(
       "decode_kv4_pages(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
       "Tensor(a!) out, Tensor(b!)? part_o, Tensor(c!)? part_lse, Tensor? k_smooth, float qk_scale, int num_rows, "
@@ -539,7 +559,7 @@ TORCH_LIBRARY(mixprec_C, m) {
   m.def(
       "set_launch_options(int gemm_pdl=-1, int act_quant_one_pass=-1, int gemm_stream_k=-1, int decode_u8=-1, "
       "int decode_ctas_per_sm=-1, int decode_preload_max_m=-1, int act_quant_lean=-1, int gemm_cluster_pair=-1, "
-      "int decode_dp4a=-1) "
+      "int decode_dp4a=-1, int act_quant_split=-1) "
       "-> int[]",
       &mixprec::set_launch_options);
 }

@@ -43,7 +43,8 @@ OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32, "gemm"),
              "act_quant_lean": ("ql", (0, 1), None, "quant"),
              "gemm_cluster_pair": ("cp", (0, 1), None, "gemm"),
              "gemm_pdl": ("pdl", (0, 1), None, "gemm"),
-             "decode_dp4a": ("d4", (0, 1, 0), 1, "gemm")}
+             "decode_dp4a": ("d4", (0, 1, 0), 1, "gemm"),
+             "act_quant_split": ("qs", (0, 1024, 2048, 4096, 1, 0), 64, "quant")}
 
 
 def bench(fn):

@@ -21,7 +21,7 @@
 # x_wgmma_bench x_wgmma_table x_wgmma_compiled x_wgmma_serve x_wgmma_compiled_more x_input_order
 # x_input_order_piece x_input_order_layers w4ax_rot_chunks w4ax_split w4ax_compiled
 # x_input_fused_piece w4ax_perm x_order_piece_aba triton_tiles triton_tiles_w4ax triton_mid_linear
-# test_triton_gemm triton_quant_rows
+# test_triton_gemm triton_quant_rows quant_split quant_split_table triton_decode_linear
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -832,6 +832,42 @@ stage_triton_quant_rows() {
   run_bench bench_triton_quantize_act 200 python3 scripts/bench_triton_quantize_act.py --out "$OUT" || rc=1
   pytest_gpu pytest-gpu-quantize-long-rows 200 tests/kernels/test_triton_gemm.py -k "quantize_act" || rc=1
   return $rc
+}
+# Session 80: the csrc quantize_act's rows split over CTAs (act_quant_split; 0 never, 1 the rule,
+# 1024 / 2048 / 4096 forced chunks; A-B-A with 0 last): its GPU tests, the quantizer alone
+# (rows in L2), then the linear (no flush, weights rotated past the L2).
+stage_quant_split() {
+  local rc=0
+  pytest_gpu pytest-gpu-quant-split 300 tests/kernels/test_cuda_gemm.py tests/kernels/test_gemm_plan.py \
+    -k "quantize or launch_options" || rc=1
+  run_bench bench_quant_split 200 python3 scripts/bench_w4a8_cuda.py --quant-only \
+    --shapes ${QUANT_SPLIT_KS:-4096x1 8192x1 11008x1 14336x1 28672x1} --ms ${QUANT_SPLIT_MS:-1 4 8 16 32 64} \
+    --option-ab act_quant_split --out "$OUT/quant_split.json" || rc=1
+  run_bench bench_quant_split_linear 300 python3 scripts/bench_w4a8_cuda.py --auto-only --no-marlin --group 128 \
+    --shapes ${QUANT_SPLIT_SHAPES:-4096x6144 8192x10240 14336x4096 28672x8192 8192x28672} \
+    --ms ${QUANT_SPLIT_LINEAR_MS:-1 8 16 32} --option-ab act_quant_split --out "$OUT/quant_split_linear.json" || rc=1
+  return $rc
+}
+# Session 80: issue #4's rows at M = 1 / 16 / 64 under the write flush, the quantizer's split rule off,
+# on (the default), off again (MIXPREC_ACT_QUANT_SPLIT is read when the extension loads).
+stage_quant_split_table() {
+  local rc=0 arm split
+  for arm in 1:0 2:1 3:0; do
+    split=${arm#*:}
+    mkdir -p "$OUT/split-table-$arm"
+    run_bench "bench_split_table_${arm%%:*}" 200 env MIXPREC_ACT_QUANT_SPLIT="$split" python3 benchmarks/bench_gemm.py \
+      --ms "${QUANT_SPLIT_TABLE_MS:-1,16,64}" --shapes 4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672 \
+      --methods ours_cuda,ours_cuda_gemm,ours_cuda_quant,marlin_w4a16 --out "$OUT/split-table-$arm" || rc=1
+  done
+  return $rc
+}
+# Session 80: the Triton W4A8 linear at 1-32 tokens on session 79's tiles and split quantizer,
+# beside its GEMM alone and Marlin (write flush).
+stage_triton_decode_linear() {
+  mkdir -p "$OUT/triton-decode-linear"
+  run_bench bench_gemm_triton_decode_linear 300 python3 benchmarks/bench_gemm.py \
+    --shapes "${TRITON_TILES_SHAPES:-4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,8192x57344,28672x8192,8192x28672}" \
+    --ms "${TRITON_TILES_MS:-1,16,32}" --methods ours_triton,ours_triton_q,marlin_w4a16 --out "$OUT/triton-decode-linear"
 }
 # Session 76: the same sweep for the W4Ax GEMM alone (block_k <= 128: one activation block's scale
 # a k-step), at M = 16-4096 on the 8B shapes, beside its quantizer + GEMM at the default tile.

@@ -1,8 +1,8 @@
 """Small driver for compute-sanitizer: every csrc W4A8 kernel variant (on the wgmma kernels, x in
-either k order) and quantize_act (either order) once.
+either k order) and quantize_act (either order, its rows split over CTAs or not) once.
 
 Run by scripts/sanitize.sh; it exits non-zero if a result is wrong, so the sanitizer
-log and the exit code both count.
+log and the exit code both count. `sanitize_cuda_driver.py quantize` runs quantize_act's cases only.
 """
 import os
 import sys
@@ -30,6 +30,14 @@ def main() -> int:
         print("csrc ops not built:", cuda.load_error())
         return 2
     gen = torch.Generator(device=DEV).manual_seed(0)
+    failures = 0 if sys.argv[1:] == ["quantize"] else gemm_cases(gen)
+    failures += quantize_cases(gen)
+    torch.cuda.synchronize()
+    print("failures:", failures)
+    return 1 if failures else 0
+
+
+def gemm_cases(gen) -> int:
     failures = 0
     # (M, N, K, G, kernel, splits): decode and tiled, with and without split-K, N not a
     # multiple of the CTA tile, K ranges that leave warps a partial unroll batch or none.
@@ -78,6 +86,11 @@ def main() -> int:
         print(f"M={m:4d} N={n:4d} K={k:5d} G={g:3d} kernel={kernel} splits={splits} u8={u8} ctas={ctas} "
               f"preload_max_m={pre} dp4a={dp4a} x_wgmma_order={x_order}: rel={rel:.2e} {'ok' if ok else 'FAIL'}")
     cuda.set_launch_options(**defaults)
+    return failures
+
+
+def quantize_cases(gen) -> int:
+    failures = 0
     for dtype, k in ((torch.bfloat16, 1000), (torch.float32, 4096), (torch.float16, 8192)):
         x = torch.randn(9, k, generator=gen, device=DEV).to(dtype)
         sm = torch.rand(k, generator=gen, device=DEV) + 0.5
@@ -89,9 +102,26 @@ def main() -> int:
             ok = ok and torch.equal(q_wgmma, ref.to_wgmma_act_order(q)) and torch.equal(s_wgmma, s)
         failures += not ok
         print(f"quantize_act {dtype} K={k}: {'ok' if ok else 'FAIL'}")
-    torch.cuda.synchronize()
-    print("failures:", failures)
-    return 1 if failures else 0
+    # Rows split over CTAs (act_quant_split): the rule and forced chunks, the last chunk partial
+    # (K = 14344, 28680), a NaN row, either k order.
+    defaults = cuda.set_launch_options()
+    for dtype, m, k in ((torch.bfloat16, 16, 14344), (torch.float16, 3, 28672), (torch.float32, 9, 8192),
+                        (torch.bfloat16, 32, 28680)):
+        x = torch.randn(m, k, generator=gen, device=DEV).to(dtype)
+        x[m - 1, k // 2] = float("nan")
+        cuda.set_launch_options(act_quant_split=0)
+        q0, s0 = cuda.quantize_act(x)
+        for split in (1, 1024, 4096):
+            cuda.set_launch_options(act_quant_split=split)
+            q, s = cuda.quantize_act(x)
+            ok = torch.equal(q, q0) and torch.equal(s.nan_to_num(-1), s0.nan_to_num(-1))
+            if k % 64 == 0:
+                q_wgmma, _ = cuda.quantize_act(x, None, True)
+                ok = ok and torch.equal(q_wgmma, ref.to_wgmma_act_order(q0))
+            failures += not ok
+            print(f"quantize_act split={split} {dtype} M={m} K={k}: {'ok' if ok else 'FAIL'}")
+    cuda.set_launch_options(**defaults)
+    return failures
 
 
 if __name__ == "__main__":

@@ -186,6 +186,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("MIXPREC_GEMM_DECODE_DP4A", LAUNCH, None, "0 or 1",
          "At M = 1 the decode kernels multiply the 4-bit codes by IDP.4A (no dequant, no MMA).",
          unset="on"),
+    Knob("MIXPREC_ACT_QUANT_SPLIT", LAUNCH, None, "0, 1, 1024, 2048 or 4096",
+         "quantize_act splits long rows over CTAs: 0 never, 1 its rule, else that chunk at M <= 64.",
+         unset="1"),
     # --- tuning overrides ------------------------------------------------------------------
     Knob("MIXPREC_ATTN_DECODE_CFG", TUNING, None, "three comma-separated integers",
          "BLOCK_N,num_warps,num_stages of the Triton decode kernel.",

@@ -127,11 +127,18 @@ cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cud
 // the codes from v * (1 / scale), dividing only near half-integers, and the amax in one FMNMX.NAN
 // an element (session 46); false: its per-element division, for A/B timing. Every path gives the
 // same codes and scales.
+// split: a few long rows are each split over CTAs of one chunk, every CTA taking the row's amax
+// itself (quantize_act_int8_split_kernel; no smoothing divisor, aligned rows, the lean codes): 0
+// never; 1 the rule (quantize_act_split_chunk); 1024, 2048 or 4096 that chunk wherever M <= 64 and
+// K >= 2 chunks (A/B timing).
 // wgmma_order: the codes go to their places in the wgmma k order (wgmma_act_k; K % 64 == 0).
 cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_row_stride,
                                      const void* smooth, OutKind smooth_kind, int8_t* q,
-                                     float* scale, int M, int K, bool one_pass, bool lean,
+                                     float* scale, int M, int K, bool one_pass, bool lean, int split,
                                      bool wgmma_order, cudaStream_t stream);
+// The split kernel's chunk (elements; 0: no split) for M unsmoothed, aligned rows of K under option
+// `split`, as quantize_act_int8_launch takes it.
+int quantize_act_split_chunk(int split, int M, int K);
 
 // The wgmma k order of int8 activations (formats.py wgmma_act_k_order): in every 64 k, 4-byte
 // unit 4a + b goes to unit 4b + a, the packing's k permutation, so that the wgmma kernels'

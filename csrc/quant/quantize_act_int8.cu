@@ -7,7 +7,9 @@
 // registers (one memory latency, then the reduction, then the stores): at M = 1 the kernel is
 // latency-bound, and the two-pass loop it replaced took 2.1 / 4.2 / 6.5 us at K = 4096 / 14336 /
 // 28672 on an H100. Longer rows and unaligned ones take the two-pass loops (the second pass
-// re-reads the row from L1/L2).
+// re-reads the row from L1/L2). At 9-32 tokens a row of K >= 8192 is split over CTAs of 4096
+// elements instead (quantize_act_int8_split_kernel, act_quant_split), each taking the row's amax
+// itself: the codes' ~30 instructions an element no longer queue on one SM a row.
 // On sm_90 the kernels let the next grid launch at once (griddepcontrol.launch_dependents):
 // the decode GEMM, launched as a programmatic dependent, sets up meanwhile and waits for this
 // grid before it reads the codes. (Splitting a row over a cluster of CTAs was measured too:
@@ -192,9 +194,9 @@ struct QuantRow {
   int8_t* q;
 };
 template <typename T>
-__device__ __forceinline__ QuantRow<T> begin_row(const T* x, int64_t x_row_stride, int8_t* q, int K) {
+__device__ __forceinline__ QuantRow<T> begin_row(const T* x, int64_t x_row_stride, int8_t* q, int K,
+                                                 int64_t row) {
   allow_dependent_launch();
-  const int64_t row = blockIdx.x;
   return {row, x + row * x_row_stride, q + row * K};
 }
 
@@ -228,7 +230,7 @@ __global__ void quantize_act_int8_kernel(const T* __restrict__ x, int64_t x_row_
                                          const S* __restrict__ smooth, int8_t* __restrict__ q,
                                          float* __restrict__ scale, int K, bool wgmma_order) {
   __shared__ float s_red[32];
-  const QuantRow<T> r = begin_row(x, x_row_stride, q, K);
+  const QuantRow<T> r = begin_row(x, x_row_stride, q, K, blockIdx.x);
   const T* xr = r.x;
   int8_t* qr = r.q;
 
@@ -265,7 +267,7 @@ __global__ void __launch_bounds__(kRegsThreads, kVecs == 1 ? 2 : 1) quantize_act
     const T* __restrict__ x, int64_t x_row_stride, const S* __restrict__ smooth, int8_t* __restrict__ q,
     float* __restrict__ scale, int K, bool wgmma_order) {
   __shared__ float s_red[32];
-  const QuantRow<T> r = begin_row(x, x_row_stride, q, K);
+  const QuantRow<T> r = begin_row(x, x_row_stride, q, K, blockIdx.x);
   const T* xr = r.x;
   int8_t* qr = r.q;
   const int vecs = K / 8;
@@ -304,10 +306,81 @@ __global__ void __launch_bounds__(kRegsThreads, kVecs == 1 ? 2 : 1) quantize_act
   }
 }
 
+// A row's largest magnitude, from the input's own bits with the sign cleared: IEEE magnitudes order
+// as unsigned integers (NaN above Inf), so the max of 8 elements a vector is exact, one LOP3 and one
+// VIMNMX a word. (fp16 / bf16: two 16-bit halves a word, compared as u16x2.)
+__device__ __forceinline__ uint32_t max_magnitude8(const Raw8<float>& r, uint32_t m) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    m = max(m, r.u[i].x & 0x7fffffffu);
+    m = max(m, r.u[i].y & 0x7fffffffu);
+    m = max(m, r.u[i].z & 0x7fffffffu);
+    m = max(m, r.u[i].w & 0x7fffffffu);
+  }
+  return m;
+}
+template <typename T>
+__device__ __forceinline__ uint32_t max_magnitude8(const Raw8<T>& r, uint32_t m) {
+  m = __vmaxu2(m, r.u[0].x & 0x7fff7fffu);
+  m = __vmaxu2(m, r.u[0].y & 0x7fff7fffu);
+  m = __vmaxu2(m, r.u[0].z & 0x7fff7fffu);
+  return __vmaxu2(m, r.u[0].w & 0x7fff7fffu);
+}
+// Those bits as the float amax; +inf where the row holds a NaN or an Inf (scale_of_amax: NaN scale).
+__device__ __forceinline__ float amax_of_magnitude(uint32_t m, const float*) {
+  return m >= 0x7f800000u ? __int_as_float(0x7f800000) : __uint_as_float(m);
+}
+__device__ __forceinline__ float amax_of_magnitude(uint32_t m, const __nv_bfloat16*) {
+  const uint32_t b = max(m & 0xffffu, m >> 16);
+  return b >= 0x7f80u ? __int_as_float(0x7f800000) : __uint_as_float(b << 16);
+}
+__device__ __forceinline__ float amax_of_magnitude(uint32_t m, const __half*) {
+  const uint32_t b = max(m & 0xffffu, m >> 16);
+  return b >= 0x7c00u ? __int_as_float(0x7f800000) : __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+}
+
+// Split rows (act_quant_split): grid (chunks, M), a CTA of blockDim.x threads codes one vector a
+// thread of its row's chunk of 8 * blockDim.x elements. Every CTA takes the whole row's amax
+// itself (its other chunks come from L2 once one CTA has fetched them), as integer maxima, about
+// one instruction an element against the codes' ~30: so the codes of a long row are spread over
+// several SMs, at one launch and no workspace. At M = 16, K = 28672 the one-pass kernel codes the
+// row on one SM, issue-bound (csrc/gemm/NOTES.md "quantize_act"). Same scale and codes as the
+// one-pass lean kernel. No smoothing divisor: its per-element division would make the amax cost
+// what the codes do.
+constexpr int kSplitMaxThreads = 512;
+template <typename T>
+__global__ void __launch_bounds__(kSplitMaxThreads) quantize_act_int8_split_kernel(
+    const T* __restrict__ x, int64_t x_row_stride, int8_t* __restrict__ q, float* __restrict__ scale, int K,
+    bool wgmma_order) {
+  __shared__ float s_red[32];
+  const QuantRow<T> r = begin_row(x, x_row_stride, q, K, blockIdx.y);
+  const int vecs = K / 8, chunk_vecs = blockDim.x;
+  const int own = blockIdx.x * chunk_vecs + threadIdx.x;
+  Raw8<T> mine;
+  uint32_t mag = 0;
+  if (own < vecs) {
+    mine = load_raw8(r.x + own * 8);
+    mag = max_magnitude8(mine, 0u);
+  }
+#pragma unroll 4
+  for (int c = 0; c < static_cast<int>(gridDim.x); ++c) {
+    const int vi = c * chunk_vecs + threadIdx.x;
+    if (c != static_cast<int>(blockIdx.x) && vi < vecs) mag = max_magnitude8(load_raw8(r.x + vi * 8), mag);
+  }
+  const float sc = scale_of_amax(block_max(amax_of_magnitude(mag, r.x), s_red));
+  if (blockIdx.x == 0 && threadIdx.x == 0) scale[r.row] = sc;
+  if (own < vecs) {
+    float v[8];
+    to_float8(mine, v);
+    store_codes8(r.q, own * 8, pack_codes8_lean(v, sc, 1.0f / sc), wgmma_order);
+  }
+}
+
 // The kernels a call may take: vec (K % 8 == 0 and aligned rows: 8 elements per access),
 // one_pass (act_quant_one_pass), lean (act_quant_lean); and where the codes go (wgmma_order).
 struct QuantPaths {
   bool vec, one_pass, lean, wgmma_order;
+  int split_chunk;  // quantize_act_split_chunk(): 0, or the split kernel's chunk
 };
 
 template <typename T, typename S, bool kLean>
@@ -338,6 +411,12 @@ cudaError_t launch_row_kernel(const T* x, int64_t stride, const S* smooth, int8_
                               QuantPaths paths, cudaStream_t stream) {
   const int vecs = K / 8;
   const bool vec = paths.vec, one_pass = paths.one_pass;
+  if (paths.split_chunk > 0 && vec && smooth == nullptr) {
+    const int threads = paths.split_chunk / 8;
+    quantize_act_int8_split_kernel<T><<<dim3(ceil_div(vecs, threads), M), threads, 0, stream>>>(
+        x, stride, q, scale, K, paths.wgmma_order);
+    return cudaGetLastError();
+  }
   if (one_pass && vec && vecs <= kRegsThreads * kRegsMaxVecs && (vecs <= kRegsThreads || M <= kRegsMaxRowsMultiVec))
     return paths.lean ? launch_regs_kernel<T, S, true>(x, stride, smooth, q, scale, M, K, paths.wgmma_order, stream)
                       : launch_regs_kernel<T, S, false>(x, stride, smooth, q, scale, M, K, paths.wgmma_order, stream);
@@ -366,16 +445,36 @@ cudaError_t launch_for_x(const void* x, int64_t stride, const void* smooth, OutK
 
 }  // namespace
 
+// The split kernel's chunk (elements; 0: no split) for M rows of K under option `split`
+// (act_quant_split): 0 never; 1 the rule; 1024, 2048 or 4096 that chunk wherever M <= 64 and the
+// row makes two. The rule, from session 80's H100 runs (csrc/gemm/NOTES.md "Session 80"): 4096 was
+// the fastest chunk for the quantizer alone at every K >= 8192 and M <= 32 (K = 28672, M = 16: 6.66
+// -> 3.69 us), 1024 the slowest; at M = 64, K = 28672 lost (5.27 -> 5.61 us). The linear gained
+// 1.0-1.6 us at M = 16-32 on K >= 14336, but at M <= 8, where the decode GEMM reads its first
+// weights while the quantizer runs (decode_preload_max_m), it did not, and under the write flush
+// 28672 x 8192 at M = 1 lost 1.0 us (54.2 -> 55.2).
+constexpr int kSplitRuleMinM = 9;
+constexpr int kSplitRuleMaxM = 32;
+constexpr int kSplitRuleMinK = 8192;
+constexpr int kSplitRuleChunk = 4096;
+int quantize_act_split_chunk(int split, int M, int K) {
+  if (split == 0) return 0;
+  if (split == 1)
+    return M >= kSplitRuleMinM && M <= kSplitRuleMaxM && K >= kSplitRuleMinK ? kSplitRuleChunk : 0;
+  return M <= 64 && K >= 2 * split ? split : 0;
+}
+
 cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_row_stride, const void* smooth,
                                      OutKind smooth_kind, int8_t* q, float* scale, int M, int K,
-                                     bool one_pass, bool lean, bool wgmma_order, cudaStream_t stream) {
+                                     bool one_pass, bool lean, int split, bool wgmma_order,
+                                     cudaStream_t stream) {
   if (M == 0) return cudaSuccess;
   if (wgmma_order && K % 64 != 0) return cudaErrorInvalidValue;  // the order permutes whole 64-k chunks
   // 8 elements per access: rows must start on 16-byte boundaries (x) and 8-byte ones (q).
   const bool vec = K % 8 == 0 && (x_row_stride % 8) == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    (smooth == nullptr || reinterpret_cast<uintptr_t>(smooth) % 16 == 0) &&
                    reinterpret_cast<uintptr_t>(q) % 8 == 0;
-  const QuantPaths paths{vec, one_pass, lean, wgmma_order};
+  const QuantPaths paths{vec, one_pass, lean, wgmma_order, quantize_act_split_chunk(split, M, K)};
   switch (x_kind) {
     case OutKind::kHalf:
       return launch_for_x<__half>(x, x_row_stride, smooth, smooth_kind, q, scale, M, K, paths, stream);

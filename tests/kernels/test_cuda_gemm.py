@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from vllm_mixprec import formats as F
 from vllm_mixprec import reference as ref
 from vllm_mixprec.kernels import cuda
 
@@ -204,8 +205,9 @@ def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launc
     if smooth_dtype is not None:
         smooth = (torch.rand(k, generator=gen, device=DEV) + 0.25).to(dtype if smooth_dtype == "same" else smooth_dtype)
     got = {}
+    # act_quant_split=0 keeps these kernels where the rule would split the row (M <= 16)
     for one_pass, lean in ((0, 1), (1, 0), (1, 1)):
-        launch_options(act_quant_one_pass=one_pass, act_quant_lean=lean)
+        launch_options(act_quant_one_pass=one_pass, act_quant_lean=lean, act_quant_split=0)
         poison(m * k, torch.int8)
         got[one_pass, lean] = cuda.quantize_act(x, smooth)
     torch.cuda.synchronize()
@@ -219,6 +221,72 @@ def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launc
     assert float(((s0[finite] - s_ref[finite]).abs() / s_ref[finite]).max()) <= 1e-6
 
 
+# M x K for the split rows (act_quant_split): rows of 2 to 17 chunks, K a multiple of none of them
+# (4104, 14344, 28680), the most rows the forced chunks take (64)
+SPLIT_ROW_SHAPES = [(1, 4096), (1, 28672), (3, 4104), (16, 14336), (16, 28680), (5, 14344), (64, 8192),
+                    (2, 32768), (7, 40000)]
+
+
+@pytest.mark.parametrize("m,k", SPLIT_ROW_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("wgmma_order", [False, True])
+def test_quantize_act_split_rows_bit_identical(m, k, dtype, wgmma_order, launch_options):
+    """Rows split over CTAs (act_quant_split: the rule, and each forced chunk) give the one-pass
+    kernel's codes and scales bit for bit (rows over 32768 the two-pass loop's), in either k order,
+    with rows holding NaN, +Inf, -Inf, zeros only, subnormals, and a row whose largest magnitude is
+    negative; every code and scale written."""
+    gen = _gen(7 * m + k)
+    x = (torch.randn(m, k, generator=gen, device=DEV) * torch.logspace(-2, 2, m, device=DEV)[:, None]).to(dtype)
+    specials = [("nan", float("nan")), ("inf", float("inf")), ("-inf", float("-inf"))]
+    for row, (_, value) in zip(range(1, m), specials):
+        x[row, (row * 977) % k] = value
+    if m > 4:
+        x[4] = 0
+    if m > 5:
+        tiny = torch.finfo(dtype).tiny
+        x[5] = (torch.rand(k, generator=gen, device=DEV) * tiny).to(dtype)  # subnormals
+    x[0, k - 1] = -x[0].abs().max() * 2  # the amax at the last element, negative
+    if wgmma_order and k % 64:
+        pytest.skip("the wgmma k order permutes whole 64-k chunks")
+    got = {}
+    for split in (0, 1, 1024, 2048, 4096):
+        launch_options(act_quant_split=split)
+        poison(m * k, torch.int8)
+        poison(m, torch.float32)
+        got[split] = cuda.quantize_act(x, None, wgmma_order)
+    torch.cuda.synchronize()
+    q0, s0 = got[0]
+    for split, (q, s) in got.items():
+        assert torch.equal(q, q0), split
+        assert torch.equal(s.nan_to_num(-1), s0.nan_to_num(-1)), split
+    q_ref, s_ref = ref.quantize_act(x)
+    if wgmma_order:
+        q_ref = q_ref[:, F.wgmma_act_k_order(k).to(DEV)]
+    finite = ~torch.isnan(s_ref)
+    assert torch.equal(torch.isnan(s0), ~finite)
+    assert torch.equal(s0[finite], s_ref[finite])
+    diff = (q0.int() - q_ref.int()).abs()
+    assert int(diff.max()) <= 1 and int((diff != 0).sum()) <= max(1, q0.numel() // 10000)
+    assert int(q0[~finite].abs().sum()) == 0
+
+
+def test_quantize_act_split_rows_skip_what_they_cannot_take(launch_options):
+    """Forced splitting leaves a smoothing divisor, a row of K % 8 != 0 and an unaligned view to the
+    other kernels, and splits an aligned strided view: the same codes as with splitting off."""
+    gen = _gen(99)
+    x = torch.randn(4, 16392, generator=gen, device=DEV, dtype=torch.bfloat16) * 5
+    smooth = torch.rand(16384, generator=gen, device=DEV) + 0.5
+    cases = [(x[:, :16384], smooth), (x[:, :16385], None), (x[:, 1:16385], None), (x[:, 8:16392], None)]
+    for inp, sm in cases:
+        outs = []
+        for split in (0, 2048):
+            launch_options(act_quant_split=split)
+            outs.append(cuda.quantize_act(inp, sm))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        q_ref, s_ref = ref.quantize_act(inp, sm)
+        assert float(((outs[1][1] - s_ref).abs() / s_ref).max()) <= 1e-6
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (5, 1024, 14336), (16, 2048, 8192), (32, 512, 1024),
                                    (2, 64, 4096), (64, 4096, 4096), (256, 4096, 4096), (200, 1024, 14336),
                                    (1024, 6144, 4096)])
@@ -226,7 +294,7 @@ def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
     """The decode kernels (M <= 32), s8 or u8 weights (decode_u8) or IDP.4A at M = 1 (decode_dp4a),
     the 2- or 3-CTA build or the
     planner's, with the first weights preloaded at no M, M <= 8, M <= 16 (the default: M = 9-16 in
-    the 3-CTA build only) or every M, and on
+    the 3-CTA build only) or every M, the quantizer's rows split (act_quant_split) or not, and on
     an H100/H200 the wgmma kernels (M = 200-1024; M = 64 takes the decode kernel), as programmatic dependent launches (sm_90) after
     either quantizer give the plain launch's bits;
     (2, 64, 4096), (64, 4096, 4096) and (200, 1024, 14336) split K. The linear op runs
@@ -235,18 +303,20 @@ def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
     layer, _ = _prepared_layer(n, k, 64, gen)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
     outs = []
-    for pdl, one_pass, u8, ctas, pre, dp4a in (
-            (0, 0, 0, 2, 0, 0), (1, 0, 0, 2, 0, 0), (1, 1, 0, 2, 0, 0), (0, 1, 0, 2, 0, 0), (1, 1, 1, 2, 0, 0),
-            (0, 0, 1, 2, 0, 0), (1, 1, 0, 3, 0, 0), (1, 1, 1, 3, 0, 0), (1, 1, 0, 0, 0, 0), (1, 1, 0, 0, 32, 0),
-            (0, 0, 0, 2, 32, 0), (1, 1, 1, 3, 32, 0), (1, 1, 0, 0, 8, 0), (1, 1, 0, 0, 16, 0), (1, 1, 1, 3, 16, 0),
-            (0, 0, 0, 2, 0, 1), (1, 1, 0, 0, 16, 1), (1, 1, 0, 3, 0, 1), (1, 1, 1, 3, 32, 1)):
+    for pdl, one_pass, u8, ctas, pre, dp4a, split in (
+            (0, 0, 0, 2, 0, 0, 0), (1, 0, 0, 2, 0, 0, 0), (1, 1, 0, 2, 0, 0, 0), (0, 1, 0, 2, 0, 0, 0),
+            (1, 1, 1, 2, 0, 0, 0), (0, 0, 1, 2, 0, 0, 0), (1, 1, 0, 3, 0, 0, 0), (1, 1, 1, 3, 0, 0, 0),
+            (1, 1, 0, 0, 0, 0, 0), (1, 1, 0, 0, 32, 0, 0), (0, 0, 0, 2, 32, 0, 0), (1, 1, 1, 3, 32, 0, 0),
+            (1, 1, 0, 0, 8, 0, 0), (1, 1, 0, 0, 16, 0, 0), (1, 1, 1, 3, 16, 0, 0), (0, 0, 0, 2, 0, 1, 0),
+            (1, 1, 0, 0, 16, 1, 0), (1, 1, 0, 3, 0, 1, 0), (1, 1, 1, 3, 32, 1, 0), (1, 1, 0, 0, 16, 1, 1),
+            (0, 1, 0, 0, 16, 1, 1), (1, 1, 0, 0, 16, 1, 1024), (1, 1, 0, 3, 32, 0, 4096)):
         launch_options(gemm_pdl=pdl, act_quant_one_pass=one_pass, decode_u8=u8, decode_ctas_per_sm=ctas,
-                       decode_preload_max_m=pre, decode_dp4a=dp4a)
+                       decode_preload_max_m=pre, decode_dp4a=dp4a, act_quant_split=split)
         for _ in range(3):  # back to back, so a dependent can start before its producer ends
             poison(m * n, torch.bfloat16)
             y = torch.ops.mixprec.w4a8_linear(x, layer.qweight, layer.group_scale, layer.group_offset,
                                               layer.channel_scale, None, None, "cuda")
-            outs.append(((pdl, one_pass, u8, ctas, pre, dp4a), y))
+            outs.append(((pdl, one_pass, u8, ctas, pre, dp4a, split), y))
     torch.cuda.synchronize()
     for opts, y in outs[1:]:
         assert torch.equal(y, outs[0][1]), opts

@@ -34,6 +34,7 @@ CLUSTER_PAIR_DEFAULT = 1  # set_launch_options' gemm_cluster_pair: on since sess
 DECODE_U8_DEFAULT = 0  # set_launch_options' decode_u8: off until timed on a GPU (session 35)
 DECODE_DP4A_DEFAULT = 1  # set_launch_options' decode_dp4a: on since its GPU tests and timing (session 56)
 DECODE_CTAS_PER_SM_DEFAULT = 0  # set_launch_options' decode_ctas_per_sm: the planner picks (session 36)
+ACT_QUANT_SPLIT_DEFAULT = 1  # set_launch_options' act_quant_split: quantize_act's rule (session 80)
 DECODE_PRELOAD_MAX_M_DEFAULT = 16  # set_launch_options' decode_preload_max_m (M = 9-16: 3-CTA build only; session 39)
 # Session 36 (H200): the decode kernels x builds (2 or 3 CTAs per SM) x splits
 S36 = os.path.join(RESULTS, "2026-11-29-s36", "decode-options")
@@ -452,7 +453,8 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
     assert _classic_planner == {"gemm_pdl": 1, "act_quant_one_pass": 1, "gemm_stream_k": STREAM_K_DEFAULT,
                                 "decode_u8": DECODE_U8_DEFAULT, "decode_ctas_per_sm": DECODE_CTAS_PER_SM_DEFAULT,
                                 "decode_preload_max_m": DECODE_PRELOAD_MAX_M_DEFAULT, "act_quant_lean": 1,
-                                "gemm_cluster_pair": CLUSTER_PAIR_DEFAULT, "decode_dp4a": DECODE_DP4A_DEFAULT}
+                                "gemm_cluster_pair": CLUSTER_PAIR_DEFAULT, "decode_dp4a": DECODE_DP4A_DEFAULT,
+                                "act_quant_split": ACT_QUANT_SPLIT_DEFAULT}
     saved = cuda.set_launch_options()
     try:
         assert set(saved) == set(cuda.LAUNCH_OPTIONS)
@@ -467,6 +469,9 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
         for max_m in (32, 0, 1, 16, 8):
             want["decode_preload_max_m"] = max_m
             assert cuda.set_launch_options(decode_preload_max_m=max_m) == want, max_m
+        for split in (0, 4096, 1024, 2048, 1):
+            want["act_quant_split"] = split
+            assert cuda.set_launch_options(act_quant_split=split) == want, split
         with pytest.raises(RuntimeError, match="gemm_pdl, act_quant_one_pass, gemm_stream_k and decode_u8 take 0, "
                                                "1 or -1"):
             cuda.set_launch_options(gemm_pdl=2)
@@ -487,21 +492,78 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
             cuda.set_launch_options(gemm_cluster_pair=3)
         with pytest.raises(RuntimeError, match=r"decode_dp4a takes 0, 1 or -1 \(keep\); got 2"):
             cuda.set_launch_options(decode_dp4a=2)
+        for bad in (2, 512, 3000, 8192):
+            with pytest.raises(RuntimeError, match=r"act_quant_split takes 0 \(never\), 1 \(the rule\), 1024, 2048, "
+                                                   rf"4096 \(that chunk at every M <= 64\) or -1 \(keep\); got {bad}$"):
+                cuda.set_launch_options(act_quant_split=bad)
         assert cuda.set_launch_options() == want  # a refused call changes nothing
     finally:
         cuda.set_launch_options(**saved)
     assert cuda.set_launch_options() == saved
 
 
+S80 = os.path.join(RESULTS, "2026-12-06-s80")
+
+
+def _load_bench_gemm(path):
+    with open(path) as f:
+        return {(r["K"], r["N"], r["M"]): {m: v["ms"] * 1e3 for m, v in r["methods"].items()}
+                for r in json.load(f)["results"]}
+
+
+def test_act_quant_split_rule_against_the_h100_runs(launch_options):
+    """quantize_act's split rule (act_quant_split=1) splits rows at M = 9-32 for K >= 8192 in chunks
+    of 4096, and against session 80's H100 runs: 4096 is within 3 % of the fastest forced chunk for
+    the quantizer alone at every K >= 8192, M <= 32 point (rows in L2); at every point the rule
+    splits, the linear is faster than in both unsplit arms of the A-B-A under the write flush
+    (final-rule/) and than both unsplit timings without it (quant-split/quant_split_linear.json)."""
+    launch_options(act_quant_split=1)
+    for m in (1, 8, 9, 16, 32, 33, 64):
+        for k in (4096, 8184, 8192, 14336, 28672):
+            assert cuda.quantize_act_split_chunk(m, k) == (4096 if 9 <= m <= 32 and k >= 8192 else 0), (m, k)
+    launch_options(act_quant_split=0)
+    assert cuda.quantize_act_split_chunk(16, 28672) == 0
+    launch_options(act_quant_split=1024)  # forced: every M <= 64 whose row makes two chunks
+    assert [cuda.quantize_act_split_chunk(m, k) for m, k in ((1, 2048), (64, 2048), (65, 2048), (1, 2040))] == [
+        1024, 1024, 0, 0]
+    launch_options(act_quant_split=1)
+
+    with open(os.path.join(S80, "quant-split", "quant_split.json")) as f:
+        quant = json.load(f)
+    checked = 0
+    for r in quant:
+        if r["K"] >= 8192 and r["M"] <= 32:
+            t = {c: r[f"quantize_act_qs{c}_us"] for c in (1024, 2048, 4096)}
+            assert t[4096] <= 1.03 * min(t.values()), r
+            checked += 1
+    assert checked == 20  # K = 8192, 11008, 14336, 28672 x M = 1, 4, 8, 16, 32
+
+    arms = [_load_bench_gemm(os.path.join(S80, "final-rule", arm, "bench_gemm.json"))
+            for arm in ("arm1-split0", "arm2-split1", "arm3-split0")]
+    split_points = [key for key in arms[1] if cuda.quantize_act_split_chunk(key[2], key[0])]
+    assert len(split_points) == 6
+    for key in split_points:
+        assert arms[1][key]["ours_cuda"] < min(arms[0][key]["ours_cuda"], arms[2][key]["ours_cuda"]), key
+
+    with open(os.path.join(S80, "quant-split", "quant_split_linear.json")) as f:
+        linear = [r for r in json.load(f) if cuda.quantize_act_split_chunk(r["M"], r["K"])]
+    assert len(linear) == 8
+    for r in linear:
+        assert r["linear_qs4096_us"] < min(r["linear_qs0_us"], r["linear_qs0_again_us"]), r
+
+
 def test_launch_options_from_env():
-    """The MIXPREC_GEMM_* variables read at load: each names its option; a bad value names the variable."""
+    """The MIXPREC_GEMM_* (and MIXPREC_ACT_QUANT_SPLIT) variables read at load: each names its option; a bad
+    value names the variable."""
     env = {"MIXPREC_GEMM_PDL": "0", "MIXPREC_GEMM_DECODE_U8": " 1", "MIXPREC_GEMM_DECODE_CTAS_PER_SM": "3",
            "MIXPREC_GEMM_DECODE_PRELOAD_MAX_M": "16", "MIXPREC_GEMM_CLUSTER_PAIR": "0",
-           "MIXPREC_GEMM_DECODE_DP4A": "1", "UNRELATED": "x"}
+           "MIXPREC_GEMM_DECODE_DP4A": "1", "MIXPREC_ACT_QUANT_SPLIT": "4096", "UNRELATED": "x"}
     assert cuda.launch_options_from_env(env) == {"gemm_pdl": 0, "decode_u8": 1, "decode_ctas_per_sm": 3,
                                                  "decode_preload_max_m": 16, "gemm_cluster_pair": 0,
-                                                 "decode_dp4a": 1}
+                                                 "decode_dp4a": 1, "act_quant_split": 4096}
     assert cuda.launch_options_from_env({}) == {}
+    with pytest.raises(ValueError, match=r"MIXPREC_ACT_QUANT_SPLIT='512': expected 0, 1, 1024, 2048 or 4096"):
+        cuda.launch_options_from_env({"MIXPREC_ACT_QUANT_SPLIT": "512"})
     assert {option for _, option, _ in cuda.ENV_LAUNCH_OPTIONS} <= set(cuda.LAUNCH_OPTIONS)
     with pytest.raises(ValueError, match=r"MIXPREC_GEMM_DECODE_CTAS_PER_SM='1': expected 0, 2 or 3"):
         cuda.launch_options_from_env({"MIXPREC_GEMM_DECODE_CTAS_PER_SM": "1"})

@@ -199,10 +199,13 @@ def test_quantize_act_split_rows(monkeypatch, m, smooth, pdl, gated, seeded):
 
 def test_split_rows_rule():
     """Split only rows of more than 8192 values read (K, or 2K gated), up to 32 tokens for
-    quantize_act and 512 for silu_mul_quantize_act (session 79's H100 timings)."""
+    quantize_act and for silu_mul_quantize_act on 8192 columns, up to 512 for
+    silu_mul_quantize_act on more (session 79's H100 timings)."""
     assert tg.split_rows(1, 8960) and tg.split_rows(32, 14336) and not tg.split_rows(33, 14336)
     assert not tg.split_rows(1, 8192) and not tg.split_rows(0, 14336)
     assert tg.split_rows(1, 8192, gated=True) and tg.split_rows(512, 14336, gated=True)
+    assert tg.split_rows(32, 8192, gated=True) and not tg.split_rows(64, 8192, gated=True)
+    assert tg.split_rows(512, 8200, gated=True) and tg.split_rows(64, 11008, gated=True)
     assert not tg.split_rows(1, 4096, gated=True) and not tg.split_rows(513, 14336, gated=True)
 
 

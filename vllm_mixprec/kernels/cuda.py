@@ -90,7 +90,8 @@ ENV_LAUNCH_OPTIONS = (("MIXPREC_GEMM_PDL", "gemm_pdl", range(2)),
                       ("MIXPREC_GEMM_DECODE_U8", "decode_u8", range(2)),
                       ("MIXPREC_GEMM_DECODE_CTAS_PER_SM", "decode_ctas_per_sm", (0, 2, 3)),
                       ("MIXPREC_GEMM_DECODE_PRELOAD_MAX_M", "decode_preload_max_m", range(33)),
-                      ("MIXPREC_GEMM_DECODE_DP4A", "decode_dp4a", range(2)))
+                      ("MIXPREC_GEMM_DECODE_DP4A", "decode_dp4a", range(2)),
+                      ("MIXPREC_ACT_QUANT_SPLIT", "act_quant_split", (0, 1, 1024, 2048, 4096)))
 
 
 def launch_options_from_env(environ) -> dict[str, int]:
@@ -100,7 +101,8 @@ def launch_options_from_env(environ) -> dict[str, int]:
         v = envs.explicit(env, environ)
         if v is not None:
             if not (v.isascii() and v.isdigit() and int(v) in allowed):
-                expected = (f"an integer from {allowed[0]} to {allowed[-1]}" if len(allowed) > 4
+                span = isinstance(allowed, range) and len(allowed) > 4
+                expected = (f"an integer from {allowed[0]} to {allowed[-1]}" if span
                             else f"{', '.join(map(str, allowed[:-1]))} or {allowed[-1]}")
                 raise ValueError(f"{env}={v!r}: expected {expected}")
             options[option] = int(v)
@@ -108,13 +110,14 @@ def launch_options_from_env(environ) -> dict[str, int]:
 
 
 LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "decode_ctas_per_sm",
-                  "decode_preload_max_m", "act_quant_lean", "gemm_cluster_pair", "decode_dp4a")
+                  "decode_preload_max_m", "act_quant_lean", "gemm_cluster_pair", "decode_dp4a", "act_quant_split")
 
 
 def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_stream_k: int = -1,
                        decode_u8: int = -1, decode_ctas_per_sm: int = -1,
                        decode_preload_max_m: int = -1, act_quant_lean: int = -1,
-                       gemm_cluster_pair: int = -1, decode_dp4a: int = -1) -> dict[str, int]:
+                       gemm_cluster_pair: int = -1, decode_dp4a: int = -1,
+                       act_quant_split: int = -1) -> dict[str, int]:
     """Set the csrc launch options (-1 keeps one) and return them all.
 
     gemm_pdl: on sm_90 the decode GEMM (M <= 64) and the wgmma GEMMs are programmatic dependent
@@ -142,13 +145,17 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
     multiply the 4-bit codes by IDP.4A, with no dequant and no MMA, and apply each group's scale
     and offset once per group's share of a warp (two chunks at group >= 128); the planner picks the
     same build with it on or off, and the same int32 sums come out (on;
-    MIXPREC_GEMM_DECODE_DP4A=0 turns it off at load). Defaults: csrc/gemm/NOTES.md, "PDL",
+    MIXPREC_GEMM_DECODE_DP4A=0 turns it off at load). act_quant_split: quantize_act splits a few
+    long rows over CTAs of one chunk each, every CTA taking the row's amax itself (unsmoothed,
+    aligned rows; the same codes): 0 never, 1 the rule (the default: 4096 elements a CTA at M =
+    9-32 where K >= 8192; quantize_act_split_chunk), 1024, 2048 or 4096 that chunk wherever M <= 64
+    and the row makes two (A/B timing; MIXPREC_ACT_QUANT_SPLIT at load). Defaults: csrc/gemm/NOTES.md, "PDL",
     "Stream-K", "Decode u8", "Decode occupancy", "Decode preload", "quantize_act", "Session 47",
-    "Session 48", "Session 55" and "Session 56".
+    "Session 48", "Session 55", "Session 56" and "Session 80".
     A CUDA graph keeps the options it was captured with."""
     got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8,
                                                  decode_ctas_per_sm, decode_preload_max_m, act_quant_lean,
-                                                 gemm_cluster_pair, decode_dp4a)
+                                                 gemm_cluster_pair, decode_dp4a, act_quant_split)
     return dict(zip(LAUNCH_OPTIONS, got))
 
 
@@ -189,6 +196,13 @@ def has_wgmma(device: torch.device | int | None = None) -> bool:
     if index not in cache:
         cache[index] = bool(torch.ops.mixprec_C.w4a8_wgmma_available(index))
     return cache[index]
+
+
+def quantize_act_split_chunk(m: int, k: int) -> int:
+    """The chunk of a row that each CTA of quantize_act codes for M unsmoothed, 16-byte-aligned
+    rows of K (K % 8 == 0) under the current act_quant_split option; 0: one CTA a row. Host code
+    only, for tests and benchmarks; the op decides in C++ (csrc/quant/quantize_act_int8.cu)."""
+    return int(torch.ops.mixprec_C.quantize_act_split_chunk(m, k))
 
 
 def auto_gemm_kernel_family(m: int, n: int, k: int, device: torch.device | int | None = None,

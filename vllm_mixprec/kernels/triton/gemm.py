@@ -1126,9 +1126,11 @@ def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None = N
 # 128 on 14336 / 28672 (0.89x / 0.85x), and on rows of 4096-8192 values at every M (0.70-0.92x),
 # as silu_mul_quantize_act was on rows of 2 x 4096 (0.76-0.89x at M = 1-64). Hence a floor on a
 # row's values read. The gated kernel's split still wins at M = 64-512 on 11008-28672 columns
-# (1.18-1.85x); it loses there on 8192 (0.79-0.96x), which this rule leaves split.
-SPLIT_ROWS_MAX_M = 512  # silu_mul_quantize_act
-SPLIT_ROWS_MAX_M_PLAIN = 32  # quantize_act
+# (1.18-1.85x); on 8192 it wins up to 32 tokens (1.11-1.24x) and loses from 64 (0.79-0.96x), so
+# rows of at most SPLIT_ROWS_LONG_K columns split only up to SPLIT_ROWS_MAX_M_PLAIN tokens.
+SPLIT_ROWS_MAX_M = 512  # silu_mul_quantize_act on rows of over SPLIT_ROWS_LONG_K columns
+SPLIT_ROWS_MAX_M_PLAIN = 32  # quantize_act, and silu_mul_quantize_act up to SPLIT_ROWS_LONG_K
+SPLIT_ROWS_LONG_K = 8192
 SPLIT_ROWS_MIN_VALUES = 8192  # values read a row: K, or 2K gated
 SPLIT_ROWS_BLOCK = 1024
 
@@ -1136,7 +1138,7 @@ SPLIT_ROWS_BLOCK = 1024
 def split_rows(M: int, K: int, gated: bool = False) -> bool:
     """Whether quantize_act (silu_mul_quantize_act if gated) splits its M rows of K columns
     over programs of SPLIT_ROWS_BLOCK columns."""
-    max_m = SPLIT_ROWS_MAX_M if gated else SPLIT_ROWS_MAX_M_PLAIN
+    max_m = SPLIT_ROWS_MAX_M if gated and K > SPLIT_ROWS_LONG_K else SPLIT_ROWS_MAX_M_PLAIN
     return 0 < M <= max_m and (1 + gated) * K > SPLIT_ROWS_MIN_VALUES and K > SPLIT_ROWS_BLOCK
 
 
