@@ -205,7 +205,7 @@ def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launc
     if smooth_dtype is not None:
         smooth = (torch.rand(k, generator=gen, device=DEV) + 0.25).to(dtype if smooth_dtype == "same" else smooth_dtype)
     got = {}
-    # act_quant_split=0 keeps these kernels where the rule would split the row (M <= 16)
+    # act_quant_split=0: these kernels whatever rows the split rule takes
     for one_pass, lean in ((0, 1), (1, 0), (1, 1)):
         launch_options(act_quant_one_pass=one_pass, act_quant_lean=lean, act_quant_split=0)
         poison(m * k, torch.int8)
@@ -221,8 +221,9 @@ def test_quantize_act_one_pass_matches_two_pass(k, dtype, smooth_dtype, m, launc
     assert float(((s0[finite] - s_ref[finite]).abs() / s_ref[finite]).max()) <= 1e-6
 
 
-# M x K for the split rows (act_quant_split): rows of 2 to 17 chunks, K a multiple of none of them
-# (4104, 14344, 28680), the most rows the forced chunks take (64)
+# M x K for the split rows (act_quant_split): rows of 1 to 40 chunks, K a multiple of no chunk
+# (4104, 14344, 28680), the most rows the forced chunks take (64); the rule splits (16, 14336) and
+# (16, 28680)
 SPLIT_ROW_SHAPES = [(1, 4096), (1, 28672), (3, 4104), (16, 14336), (16, 28680), (5, 14344), (64, 8192),
                     (2, 32768), (7, 40000)]
 
