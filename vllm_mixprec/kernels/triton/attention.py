@@ -1144,7 +1144,7 @@ def decode_pdl(device: torch.device) -> bool:
     but served TPOT did not move beyond the host-to-host spread; batch 64 not yet timed."""
     return (envs.flag("MIXPREC_ATTN_PDL") and device.type == "cuda"
             and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+            and capability_major(device) >= 9)
 
 
 def fast_unpack(device: torch.device) -> bool:

@@ -1147,7 +1147,7 @@ def split_rows_pdl(device: torch.device) -> bool:
     later): scheduled while the first runs, so the two cost about one launch.
     MIXPREC_QUANT_PDL=0 turns it off (on by default where it applies)."""
     return (envs.flag("MIXPREC_QUANT_PDL") and device.type == "cuda" and not _interpreting()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+            and capability_major(device) >= 9)
 
 
 def _launch_split_rows(x, smooth, K, q, s, gated: bool = True) -> None:
