@@ -22,6 +22,7 @@
 # x_input_order_piece x_input_order_layers w4ax_rot_chunks w4ax_split w4ax_compiled
 # x_input_fused_piece w4ax_perm x_order_piece_aba triton_tiles triton_tiles_w4ax triton_mid_linear
 # test_triton_gemm triton_quant_rows quant_split quant_split_table triton_decode_linear
+# decode_chain_tests decode_chain_preload env_arms
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -851,15 +852,42 @@ stage_quant_split() {
 # Session 80: issue #4's rows at M = 1 / 16 / 64 under the write flush, the quantizer's split rule off,
 # on (the default), off again (MIXPREC_ACT_QUANT_SPLIT is read when the extension loads).
 stage_quant_split_table() {
-  local rc=0 arm split
-  for arm in 1:0 2:1 3:0; do
-    split=${arm#*:}
-    mkdir -p "$OUT/split-table-$arm"
-    run_bench "bench_split_table_${arm%%:*}" 200 env MIXPREC_ACT_QUANT_SPLIT="$split" python3 benchmarks/bench_gemm.py \
-      --ms "${QUANT_SPLIT_TABLE_MS:-1,16,64}" --shapes 4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672 \
-      --methods ours_cuda,ours_cuda_gemm,ours_cuda_quant,marlin_w4a16 --out "$OUT/split-table-$arm" || rc=1
+  env_arms_table split-table MIXPREC_ACT_QUANT_SPLIT "0 1 0" "${QUANT_SPLIT_TABLE_MS:-1,16,64}" \
+    ours_cuda,ours_cuda_gemm,ours_cuda_quant,marlin_w4a16
+}
+# bench_gemm.py (write flush) on issue #4's seven shapes once an arm, each arm with VAR set to the
+# next of VALUES (an A-B-A when a value repeats): NAME VAR "VALUES" MS METHODS; $OUT/NAME-i:value/.
+env_arms_table() {
+  local name=$1 var=$2 values=$3 ms=$4 methods=$5 rc=0 i=0 v
+  for v in $values; do
+    i=$((i + 1))
+    mkdir -p "$OUT/$name-$i:$v"
+    run_bench "bench_${name//-/_}_$i" 200 env "$var=$v" python3 benchmarks/bench_gemm.py --ms "$ms" \
+      --shapes ${ENV_ARMS_SHAPES:-4096x6144,4096x4096,4096x28672,14336x4096,8192x10240,28672x8192,8192x28672} \
+      --methods "$methods" --out "$OUT/$name-$i:$v" || rc=1
   done
   return $rc
+}
+# Session 81: what the decode GEMM can do while the quantizer runs (the linear's chain), under the
+# write flush. First the GPU tests of the quantizer and the launch options (decode_chain_tests); then the
+# weight preload at M = 9-16 in the 2-CTA builds (decode_preload_max_m 16 / 32 / 16; it lost).
+stage_decode_chain_tests() {
+  local rc=0
+  pytest_gpu pytest-gpu-launch-options 300 tests/kernels/test_cuda_gemm.py tests/kernels/test_gemm_plan.py \
+    -k "quantize or launch_options" || rc=1
+  pytest_gpu pytest-gpu-triton-split-rows 200 tests/kernels/test_triton_gemm.py -k "quantize_act or split_rows" || rc=1
+  return $rc
+}
+stage_decode_chain_preload() {
+  env_arms_table preload-table MIXPREC_GEMM_DECODE_PRELOAD_MAX_M "16 32 16" "${PRELOAD_TABLE_MS:-12,16}" \
+    ours_cuda,ours_cuda_gemm,marlin_w4a16
+}
+# Any variable's arms the same way: ENV_ARMS_VAR, ENV_ARMS_VALUES, ENV_ARMS_MS (default 1,16),
+# ENV_ARMS_METHODS (default the linear, the GEMM, Marlin W4A16), ENV_ARMS_NAME (default env-arms).
+# Session 81 timed the retired decode_prefetch_chunks option so (benchmarks/results/2026-12-06-s81/).
+stage_env_arms() {
+  env_arms_table "${ENV_ARMS_NAME:-env-arms}" "$ENV_ARMS_VAR" "$ENV_ARMS_VALUES" "${ENV_ARMS_MS:-1,16}" \
+    "${ENV_ARMS_METHODS:-ours_cuda,ours_cuda_gemm,marlin_w4a16}"
 }
 # Session 80: the Triton W4A8 linear at 1-32 tokens on session 79's tiles and split quantizer,
 # beside its GEMM alone and Marlin (write flush).

@@ -552,6 +552,33 @@ def test_act_quant_split_rule_against_the_h100_runs(launch_options):
         assert r["linear_qs4096_us"] < min(r["linear_qs0_us"], r["linear_qs0_again_us"]), r
 
 
+S81 = os.path.join(RESULTS, "2026-12-06-s81")
+
+
+def test_decode_chain_options_lost_on_the_h100():
+    """Session 81's two ways of filling the decode GEMM's PDL wait under the write flush, against
+    the defaults they would change. The weight preload at M = 9-16 in the 2-CTA builds
+    (decode_preload_max_m 16 / 32 / 16) is nowhere more than 0.1 us faster than both default arms,
+    so the default stays 16 (M = 9-16 preloads in the 3-CTA build only). An L2 prefetch of each
+    warp's next 4 chunks before the wait (0 / 4 / 8 / 0; the retired decode_prefetch_chunks.patch)
+    slowed the GEMM alone on 12 of 14 rows, so it is no launch option."""
+    preload = [_load_bench_gemm(os.path.join(S81, "preload", f"preload-table-{arm}", "bench_gemm.json"))
+               for arm in ("1:16", "2:32", "3:16")]
+    assert len(preload[1]) == 14  # seven shapes x M = 12, 16
+    for key, t in preload[1].items():
+        for method in ("ours_cuda", "ours_cuda_gemm"):
+            assert t[method] > min(preload[0][key][method], preload[2][key][method]) - 0.1, (key, method)
+    assert cuda.set_launch_options()["decode_preload_max_m"] == DECODE_PRELOAD_MAX_M_DEFAULT == 16
+
+    prefetch = [_load_bench_gemm(os.path.join(S81, f"prefetch-table-{arm}", "bench_gemm.json"))
+                for arm in ("1:0", "2:4", "3:8", "4:0")]
+    assert len(prefetch[1]) == 14  # seven shapes x M = 1, 16
+    slower = [key for key, t in prefetch[1].items()
+              if t["ours_cuda_gemm"] > max(prefetch[0][key]["ours_cuda_gemm"], prefetch[3][key]["ours_cuda_gemm"])]
+    assert len(slower) == 12
+    assert "decode_prefetch_chunks" not in cuda.LAUNCH_OPTIONS
+
+
 def test_launch_options_from_env():
     """The MIXPREC_GEMM_* (and MIXPREC_ACT_QUANT_SPLIT) variables read at load: each names its option; a bad
     value names the variable."""
