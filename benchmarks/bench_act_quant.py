@@ -19,8 +19,13 @@ Each function is compiled the way vLLM compiles the model: dynamic batch dimensi
 
 `--inductor KEY=VALUE` sets an Inductor config option for every compile (e.g.
 triton.force_cooperative_reductions=True: a row's reduction split over several programs).
+`--vllm-norm-quant` adds vLLM's own CUDA kernel for add + RMSNorm + per-token int8
+(`rms_norm_dynamic_per_token_quant`, what vLLM's int8 fusion pass puts in), uncompiled, with how
+many of its codes differ from reference.quantize_act of the native norm ("vllm" rows).
+`--hidden`/`--inter` set the row widths (default Llama-3-8B's; 8192 and 28672 for Llama-3-70B).
 
   python benchmarks/bench_act_quant.py --out DIR [--ms 1 8] [--static] [--inductor K=V ...]
+      [--vllm-norm-quant] [--hidden 4096] [--inter 14336]
 """
 from __future__ import annotations
 
@@ -80,6 +85,25 @@ def pattern(name, quant):
     return f
 
 
+def vllm_norm_quant(x, res, w):
+    """vLLM's fused add + RMSNorm + dynamic per-token int8 (one CUDA kernel; the residual is
+    updated in place, as vLLM's fused_add_rms_norm does): codes, scales [M, 1]."""
+    from vllm import _custom_ops as ops
+    return ops.rms_norm_dynamic_per_token_quant(x, w, EPS, torch.int8, residual=res)
+
+
+def vllm_code_agreement(m: int) -> dict:
+    """vllm_norm_quant against reference.quantize_act of the native add + RMSNorm, on one input:
+    the share of codes that differ, the largest code difference, and the scales' largest
+    relative difference."""
+    x, res, w = inputs("norm", m)
+    want_q, want_s = ref.quantize_act(add_rms_norm(x, res, w)[0], None)
+    got_q, got_s = vllm_norm_quant(x, res.clone(), w)
+    diff = (got_q.int() - want_q.int()).abs()
+    return {"codes_differ": float((diff > 0).float().mean()), "max_code_diff": int(diff.max()),
+            "scale_rel_diff": float(((got_s.view(-1) - want_s.view(-1)).abs() / want_s.view(-1)).max())}
+
+
 def inputs(name, m):
     r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     return {"norm": (r(m, HIDDEN), r(m, HIDDEN), r(HIDDEN)), "silu": (r(m, 2 * INTER),),
@@ -136,13 +160,19 @@ def compile_dynamic(fn, big, options):
 
 
 def main() -> int:
+    global HIDDEN, INTER
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out")
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--static", action="store_true", help="also static-shape max-autotune compiles")
     ap.add_argument("--inductor", type=inductor_option, action="append", default=[],
                     metavar="KEY=VALUE", help="an Inductor config option for every compile")
+    ap.add_argument("--vllm-norm-quant", action="store_true",
+                    help="also vLLM's rms_norm_dynamic_per_token_quant kernel (module docstring)")
+    ap.add_argument("--hidden", type=int, default=HIDDEN, help="the norm's row width (default: %(default)s)")
+    ap.add_argument("--inter", type=int, default=INTER, help="SiLU-and-mul's output width (default: %(default)s)")
     args = ap.parse_args()
+    HIDDEN, INTER = args.hidden, args.inter
     INDUCTOR_OPTIONS.update(args.inductor)
     if not torch.cuda.is_available():
         raise SystemExit("bench_act_quant needs a CUDA GPU")
@@ -166,9 +196,17 @@ def main() -> int:
             print(f"{name:6s} {form:9s} M={m:<5d} dynamic {row['dynamic_us']:7.2f} us"
                   + (f"   static max-autotune {row['static_autotune_us']:7.2f} us" if args.static else ""),
                   flush=True)
+    if args.vllm_norm_quant:
+        for m in args.ms:
+            row = {"pattern": "norm", "quant": "vllm", "M": m, "dynamic_us": time_us(vllm_norm_quant, inputs("norm", m)),
+                   **vllm_code_agreement(m)}
+            rows.append(row)
+            print(f"norm   vllm      M={m:<5d} uncompiled {row['dynamic_us']:7.2f} us   codes differing "
+                  f"{100 * row['codes_differ']:.3f} % (at most {row['max_code_diff']}), scales up to "
+                  f"{row['scale_rel_diff']:.1e} apart", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_act_quant.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": HIDDEN, "inter": INTER,
                    "date": datetime.datetime.now().isoformat(timespec="seconds"),
                    "inductor_options": INDUCTOR_OPTIONS, "rows": rows}, f, indent=1)
     return 0

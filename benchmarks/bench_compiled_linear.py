@@ -27,6 +27,14 @@ its norm's kernel; --rule adds "wgmma_rule" (MIXPREC_X_WGMMA_ORDER=codes, the de
 session 73: the codes permuted where wgmma_order_pays). --rounds
 R times every variant R times, the order reversed every other round (R = 3: an A-B-A of each pair).
 
+--compare marlin times decode as served against Marlin (issue #4's M <= 16 target as a served
+layer pays it): W4A8 compiled as the plugin compiles batches of at most 64 tokens (the quantizer
+fused into the op before, its own kernel before o_proj) against the same function over Marlin W4A16
+layers of the same float weights (vLLM's gptq_marlin path, bf16). Use it on the decoder pieces or
+layers whose weights outgrow the L2: the replays do not flush it. --silu-op adds W4A8 with
+MIXPREC_FUSE_SILU_QUANT=1's pass (opt-in). --profile CALLS adds every variant's kernels under the
+torch profiler: their device time a call, the GEMMs and the ops between them summed.
+
 --compare w4ax times W4Ax as it is served against W4A8 instead (issue #4's "W4Ax against W4A8,
 honestly"): "w4a8" is the natural compile above; "w4ax_kernel" the same function over W4Ax
 layers as the plugin compiles them by default (the op before, then the opaque
@@ -39,7 +47,8 @@ defaults).
 
   python benchmarks/bench_compiled_linear.py --out DIR [--ms 128 256 1024 4096] [--layers o_proj qkv_70b piece ...]
       [--code] [--vllm-inductor] [--input-fused] [--rule] [--rounds 3]
-      [--compare order|w4ax [--w4ax-share 0.25] [--w4ax-rotation hadamard64] [--w4ax-split-blocks R]]
+      [--compare order|w4ax|marlin [--w4ax-share 0.25] [--w4ax-rotation hadamard64] [--w4ax-split-blocks R]]
+      [--silu-op] [--profile CALLS]
 """
 from __future__ import annotations
 
@@ -47,8 +56,10 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import sys
+import types
 from types import SimpleNamespace
 
 import torch
@@ -78,14 +89,19 @@ DEVICE = "cuda"
 IMPL = "cuda"
 
 
+def random_weight(n: int, k: int, gen: torch.Generator, device: str | None = None) -> torch.Tensor:
+    """A layer's float weight [N, K] before quantization."""
+    return torch.randn(n, k, device=device or DEVICE, generator=gen) * 0.02
+
+
 def layer_of(n: int, k: int, gen: torch.Generator, w4ax: dict | None = None, device: str | None = None,
-             impl: str | None = None) -> SimpleNamespace:
-    """Random weights of the layer's shape, quantized on the device (the 70B ones are 0.5 G
-    values). W4A8 with impl "cuda": packed for the csrc GEMM. w4ax={"share": s, "rotation": r,
-    "perm": form}: a W4Ax layer (the Triton GEMM, or impl), its input channels in a random order
-    (formats.random_act_perm), round(s * k / 128) blocks at 8 bits."""
+             impl: str | None = None, weight: torch.Tensor | None = None) -> SimpleNamespace:
+    """Random weights of the layer's shape (or `weight`), quantized on the device (the 70B ones
+    are 0.5 G values). W4A8 with impl "cuda": packed for the csrc GEMM. w4ax={"share": s,
+    "rotation": r, "perm": form}: a W4Ax layer (the Triton GEMM, or impl), its input channels in a
+    random order (formats.random_act_perm), round(s * k / 128) blocks at 8 bits."""
     device, impl = device or DEVICE, impl or IMPL
-    w = ref.quantize_weight_lqq(torch.randn(n, k, device=device, generator=gen) * 0.02, 128)
+    w = ref.quantize_weight_lqq(random_weight(n, k, gen, device) if weight is None else weight, 128)
     names = ("qweight", "group_scale", "group_offset", "channel_scale")
     if w4ax is None:
         packed = cuda.pack_weights(*(w[name] for name in names)) if impl == "cuda" else {m: w[m] for m in names}
@@ -97,28 +113,62 @@ def layer_of(n: int, k: int, gen: torch.Generator, w4ax: dict | None = None, dev
                            mixprec_act_rotation=w4ax["rotation"])
 
 
-def layer_fn(before: str, layer):
+def marlin_layer_of(weight: torch.Tensor) -> SimpleNamespace:
+    """Marlin W4A16 of a float weight [N, K] (uint4b8, group 128, no act order: a GPTQ checkpoint
+    as vLLM's gptq_marlin serves it, bf16 activations). w_ref is Marlin's own dequantized weight
+    [K, N]; on the CPU marlin_apply multiplies by it (the plumbing runs, the times mean nothing)."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_test import marlin_quantize
+    from vllm.scalar_type import scalar_types
+
+    n, k = weight.shape
+    w_ref, q_w, s, g_idx, sort_idx, _ = marlin_quantize(weight.t().to(torch.bfloat16).contiguous(),
+                                                        scalar_types.uint4b8, 128, False)
+    layer = SimpleNamespace(n=n, k=k, w_ref=w_ref, q_w=None)
+    if weight.is_cuda:
+        from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+            marlin_make_empty_g_idx, marlin_make_workspace_new)
+        layer.__dict__.update(q_w=q_w, s=s, g_idx=g_idx, sort_idx=sort_idx, zp=marlin_make_empty_g_idx(weight.device),
+                              workspace=marlin_make_workspace_new(weight.device), w_ref=None)
+    return layer
+
+
+def marlin_apply(layer: SimpleNamespace, x: torch.Tensor, bias=None) -> torch.Tensor:
+    """kernels.apply_linear's signature over a marlin_layer_of layer."""
+    if layer.q_w is None:
+        return x @ layer.w_ref + (0 if bias is None else bias)
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import apply_gptq_marlin_linear
+    from vllm.scalar_type import scalar_types
+    return apply_gptq_marlin_linear(x, layer.q_w, layer.s, layer.zp, layer.g_idx, layer.sort_idx, layer.workspace,
+                                    scalar_types.uint4b8, layer.n, layer.k, is_k_full=True, bias=bias)
+
+
+def layer_fn(before: str, layer, apply=None):
+    """The op before (module docstring) and the layer, through apply (kernels.apply_linear's
+    signature; the default is it)."""
+    apply = apply or kernels.apply_linear
     if before == "norm":
         def f(x, res, w):
             y, r = baq.add_rms_norm(x, res, w)
-            return kernels.apply_linear(layer, y, None), r
+            return apply(layer, y, None), r
     elif before == "none":
         def f(x):
-            return kernels.apply_linear(layer, x, None)
+            return apply(layer, x, None)
     else:
         def f(gu):
-            return kernels.apply_linear(layer, baq.silu_and_mul(gu), None)
+            return apply(layer, baq.silu_and_mul(gu), None)
     return f
 
 
-def piece_fn(o_proj, gate_up, down, qkv, add_rms_norm=baq.add_rms_norm):
+def piece_fn(o_proj, gate_up, down, qkv, add_rms_norm=baq.add_rms_norm, apply=None):
     """Between two attentions of a Llama decoder (vLLM's piecewise graph): attention output and
-    residual in, the next layer's QKV and residual out."""
+    residual in, the next layer's QKV and residual out. apply: as in layer_fn."""
+    apply = apply or kernels.apply_linear
+
     def f(attn, res, w_post, w_in):
-        y, r = add_rms_norm(kernels.apply_linear(o_proj, attn, None), res, w_post)
-        d = kernels.apply_linear(down, baq.silu_and_mul(kernels.apply_linear(gate_up, y, None)), None)
+        y, r = add_rms_norm(apply(o_proj, attn, None), res, w_post)
+        d = apply(down, baq.silu_and_mul(apply(gate_up, y, None)), None)
         y, r = add_rms_norm(d, r, w_in)
-        return kernels.apply_linear(qkv, y, None), r
+        return apply(qkv, y, None), r
     return f
 
 
@@ -149,15 +199,26 @@ class MixprecOps:
                 self.counts[op] = self.counts.get(op, 0) + 1
 
 
+def own_code(fn, tag: str):
+    """fn with a code object of its own. Dynamo keeps compiled code per code object: variants of
+    one function (other passes or options) would share a cache. Until session 82 a reset before
+    each compile kept them apart, and dropped the earlier variants' code, which Dynamo then
+    compiled again at the first timed M, with that M as Inductor's size hint where vLLM's is
+    8192 (the profiling run)."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}__{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 def compiled(fn, before: str, k: int, passes, code_path: str | None = None, options: dict | None = None,
-             modes: dict | None = None):
-    """fn compiled as vLLM would; code_path: where to write the code Inductor generated for it;
-    options: more Inductor options (vLLM's, --vllm-inductor); modes: the kernels module's
-    settings to trace with (_W4AX_QUANT: MIXPREC_W4AX_QUANT), set again before each call, since
-    Dynamo traces again after a reset or on a new shape and reads them then."""
+             modes: dict | None = None, tag: str = "variant"):
+    """fn compiled as vLLM would, as own_code(fn, tag); code_path: where to write the code
+    Inductor generated for it; options: more Inductor options (vLLM's, --vllm-inductor); modes:
+    the kernels module's settings to trace with (_W4AX_QUANT: MIXPREC_W4AX_QUANT), set again
+    before each call, since Dynamo traces again on a new shape (M = 1 is specialized) and reads
+    them then."""
     from torch._inductor.utils import run_and_get_code
 
-    torch._dynamo.reset()
+    fn = own_code(fn, tag)
     options = {**(options or {}), compile_passes.HOOK: compile_passes.MixprecPostGrad(passes),
                "fx_graph_cache": False}
     modes = {"_FUSE_ACT_QUANT": True, **(modes or {})}  # the traced quantizer (the default)
@@ -180,15 +241,23 @@ def compiled(fn, before: str, k: int, passes, code_path: str | None = None, opti
     return call
 
 
-def build(name: str, gen: torch.Generator, w4ax: dict | None = None):
-    """(op before, N, K, fn) of a layer or a decoder piece, over W4A8 or (w4ax) W4Ax layers."""
+def build(name: str, gen: torch.Generator, w4ax: dict | None = None, marlin: bool = False):
+    """(op before, N, K, fn) of a layer or a decoder piece, over W4A8 or (w4ax) W4Ax layers;
+    marlin: and fn over Marlin W4A16 layers of the same float weights, as a fifth item."""
     if name in PIECES:
         hidden, n_qkv, inter = PIECES[name]
-        layers = [layer_of(n_, k_, gen, w4ax) for n_, k_ in
-                  ((hidden, hidden), (2 * inter, hidden), (hidden, inter), (n_qkv, hidden))]
-        return "piece", n_qkv, hidden, piece_fn(*layers)
-    before, n, k = CASES[name]
-    return before, n, k, layer_fn(before, layer_of(n, k, gen, w4ax))
+        shapes = ((hidden, hidden), (2 * inter, hidden), (hidden, inter), (n_qkv, hidden))
+        before, n, k = "piece", n_qkv, hidden
+    else:
+        before, n, k = CASES[name]
+        shapes = ((n, k),)
+    weights = [random_weight(n_, k_, gen) for n_, k_ in shapes]
+    layers = [layer_of(n_, k_, gen, w4ax, weight=w) for (n_, k_), w in zip(shapes, weights)]
+    make = (lambda ls, apply=None: piece_fn(*ls, apply=apply)) if before == "piece" else (  # noqa: E731
+        lambda ls, apply=None: layer_fn(before, ls[0], apply))
+    if not marlin:
+        return before, n, k, make(layers)
+    return before, n, k, make(layers), make([marlin_layer_of(w) for w in weights], marlin_apply)
 
 
 def order_variants(name: str, gen: torch.Generator, args) -> tuple:
@@ -224,6 +293,109 @@ def w4ax_variants(name: str, gen: torch.Generator, args) -> tuple:
                           "w4ax_traced": (fn_x, [ops["w4ax_traced"]], {"_W4AX_QUANT": "traced"}, {})}, ops
 
 
+# The largest batch --compare marlin times: the served graphs up to it are compiled without the
+# wgmma order pass (compile_passes.WGMMA_ORDER_AFTER_TOKENS, its compile range), as the arm is.
+MARLIN_MAX_TOKENS = compile_passes.WGMMA_ORDER_AFTER_TOKENS
+
+
+def marlin_variants(name: str, gen: torch.Generator, args) -> tuple:
+    """Decode as served against Marlin W4A16 (--compare marlin): "mixprec" is the W4A8 layer or
+    piece compiled as the plugin compiles batches of at most MARLIN_MAX_TOKENS (no pass of its
+    own in that range; Inductor's realize_reads_threshold as compile_passes.install sets it for
+    every range), "marlin_w4a16" the same function over Marlin layers of the same float weights
+    (marlin_layer_of), compiled with no plugin option."""
+    before, n, k, fn, fn_marlin = build(name, gen, marlin=True)
+    served = {}
+    if compile_passes.wgmma_order_mode() == "input_fused" and compile_passes._wgmma_order_applies():
+        served["realize_reads_threshold"] = compile_passes.INPUT_FUSED_REALIZE_READS
+    variants = {"mixprec": (fn, [], {}, served), "marlin_w4a16": (fn_marlin, [], {}, {})}
+    extras = {"served": served, "has_silu": before in ("silu", "piece")}
+    if args.silu_op:  # MIXPREC_FUSE_SILU_QUANT=1, opt-in: its pass in the graphs of <= 32 tokens
+        extras["silu_op"] = compile_passes.SiluMulQuantFusion()
+        variants["mixprec_silu_op"] = (fn, [extras["silu_op"]], {}, served)
+    return before, n, k, variants, extras
+
+
+def marlin_fields(row: dict, extras: dict, outs: dict) -> str:
+    want = outs["marlin_w4a16"]
+    row.update({"served_inductor_options": extras["served"],
+                "marlin_over_mixprec": row["marlin_w4a16_us"] / row["mixprec_us"],
+                "marlin_over_mixprec_launched": row["marlin_w4a16_launch_us"] / row["mixprec_launch_us"],
+                "mixprec_rel_err_vs_marlin": float((outs["mixprec"] - want).norm() / want.norm())})
+    text = (f"Marlin / mixprec x{row['marlin_over_mixprec']:.3f} (launched x{row['marlin_over_mixprec_launched']:.3f})"
+            f"  mixprec vs Marlin rel. err {row['mixprec_rel_err_vs_marlin']:.3f}")
+    if "mixprec_silu_op" in outs:
+        row["marlin_over_mixprec_silu_op"] = row["marlin_w4a16_us"] / row["mixprec_silu_op_us"]
+        row.update({"silu_op_matched": extras["silu_op"].matched, "silu_op_expected": extras["has_silu"]})
+        text += (f"  Marlin / mixprec with the SiLU op x{row['marlin_over_mixprec_silu_op']:.3f}"
+                 f" (replaced {row['silu_op_matched']})")
+    return text
+
+
+# Two 4-bit quantizations of one float weight differ by ~15 % of a layer's output (LQQ against
+# uint4b8, each step about 1/16 of a group's range); through a Llama piece 0.30-0.35 (H100, session
+# 82). A wrong layout or scale in either arm makes the outputs unrelated (relative difference ~1.4).
+MARLIN_AGREEMENT = 0.5
+
+
+def marlin_bad(row: dict) -> bool:
+    """An arm further than 5 % from its eager function (the compiled norm rounds differently), the
+    two arms' outputs further apart than MARLIN_AGREEMENT, or a SiLU-op arm whose pass replaced
+    nothing where there is a SiLU-and-mul (or something where there is none)."""
+    arms = ("mixprec", "marlin_w4a16", "mixprec_silu_op")
+    return (any(row.get(f"{v}_rel_err_vs_eager", 0.0) > 0.05 for v in arms)
+            or not row["mixprec_rel_err_vs_marlin"] < MARLIN_AGREEMENT
+            or ("silu_op_matched" in row and (row["silu_op_matched"] > 0) != row["silu_op_expected"]))
+
+
+# Kernels that are a layer's GEMM (ours: the csrc w4a8_*_kernel; Marlin's: marlin::Marlin<...>; on
+# the CPU, the ops); the rest are the ops between them (norms, SiLU-and-mul, the quantizers,
+# copies). Inductor's kernel names carry the GEMM nodes they were fused next to
+# ("triton_red_fused_..._w4a8_gemm_where_5"), so the name must start with the C++ kernel's.
+GEMM_KERNEL = re.compile(r"^void (mixprec::.*w4a8_\w*kernel|marlin::Marlin)|^mixprec::w4a8_gemm$")
+
+
+def kernel_times(fn, x: tuple, calls: int) -> dict:
+    """Per kernel name, its device time a call (µs) over `calls` launches of fn under the torch
+    profiler (launched, not replayed: no PDL overlap, so each kernel's own time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = DEVICE == "cuda"
+    fn(*x)
+    if on_gpu:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn(*x)
+        if on_gpu:
+            torch.cuda.synchronize()
+    kind = DeviceType.CUDA if on_gpu else DeviceType.CPU
+    times = {}
+    for e in prof.key_averages():
+        if e.device_type == kind:
+            us = e.self_device_time_total if on_gpu else e.self_cpu_time_total
+            times[e.key] = times.get(e.key, 0.0) + us / calls
+    return times
+
+
+def split_kernels(times: dict) -> tuple[float, float]:
+    """kernel_times' sum over the GEMMs (GEMM_KERNEL) and over the rest."""
+    gemm = sum(t for name, t in times.items() if GEMM_KERNEL.search(name))
+    return gemm, sum(times.values()) - gemm
+
+
+def profile_fields(row: dict, fns: dict, x: tuple, calls: int) -> str:
+    """{v}_kernels_us (kernel_times), {v}_gemm_kernels_us and {v}_other_kernels_us (split_kernels)."""
+    parts = []
+    for v, f in fns.items():
+        times = kernel_times(f, x, calls)
+        gemm, other = split_kernels(times)
+        row.update({f"{v}_kernels_us": times, f"{v}_gemm_kernels_us": gemm, f"{v}_other_kernels_us": other})
+        parts.append(f"{v} GEMMs {gemm:.1f} + other {other:.1f} us")
+    return "kernels a call: " + "; ".join(parts)
+
+
 def order_fields(row: dict, extras, outs: dict) -> str:
     order, input_order = extras["wgmma_order"], extras["wgmma_input_order"]
     same = torch.equal(outs["natural"], outs["wgmma_order"])
@@ -250,8 +422,8 @@ def order_fields(row: dict, extras, outs: dict) -> str:
 
 def order_bad(row: dict) -> bool:
     """A compile that did not rewrite every GEMM, or (input order) move every quantizer, each
-    time it compiled (Dynamo may compile a variant twice: a later variant's reset drops its code),
-    or ended further from the eager layer than the natural compile."""
+    time it compiled (Dynamo compiles a variant again for M = 1, and before session 82 after a
+    later variant's reset: own_code), or ended further from the eager layer than the natural compile."""
     def all_gemms(n: int) -> bool:
         return n > 0 and n % row["gemms"] == 0
     fused = "fused_rewritten" in row
@@ -308,13 +480,15 @@ def gpu_ready() -> bool:
 
 
 COMPARE = {"order": (order_variants, order_fields, order_bad),
-           "w4ax": (w4ax_variants, w4ax_fields, w4ax_bad)}
+           "w4ax": (w4ax_variants, w4ax_fields, w4ax_bad),
+           "marlin": (marlin_variants, marlin_fields, marlin_bad)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out")
-    ap.add_argument("--ms", type=int, nargs="+", default=[128, 256, 1024, 4096])
+    ap.add_argument("--ms", type=int, nargs="+", default=None,
+                    help="batch sizes (default: 128 256 1024 4096; with --compare marlin 1 2 4 8 16 32 64)")
     ap.add_argument("--layers", nargs="+", default=list(MEASURED), choices=[*CASES, *PIECES],
                     help=f"which layers (default: {' '.join(MEASURED)}; also o_proj, the 70B ones and "
                          "the decoder pieces)")
@@ -332,7 +506,8 @@ def main(argv=None) -> int:
                     help="time every variant this many times, the order reversed every other round "
                          "(A-B-C, C-B-A: 3 for an A-B-A of each pair); medians over the rounds")
     ap.add_argument("--compare", choices=sorted(COMPARE), default="order",
-                    help="order: the wgmma k order A/B (default); w4ax: W4Ax served against W4A8")
+                    help="order: the wgmma k order A/B (default); w4ax: W4Ax served against W4A8; "
+                         f"marlin: W4A8 as served at up to {MARLIN_MAX_TOKENS} tokens against Marlin W4A16")
     ap.add_argument("--w4ax-share", type=float, default=0.25,
                     help="--compare w4ax: the share of each layer's 128-channel blocks at 8 bits")
     ap.add_argument("--w4ax-rotation", choices=F.ACT_ROTATIONS, default="hadamard64",
@@ -344,9 +519,27 @@ def main(argv=None) -> int:
     ap.add_argument("--w4ax-split-blocks", type=int, default=None, metavar="R",
                     help="--compare w4ax: the kernel arm's split at every M (0: one program a row; "
                          "a power of two: R blocks a program; default: w4ax_split_blocks_for)")
+    ap.add_argument("--silu-op", action="store_true",
+                    help="--compare marlin: also mixprec with MIXPREC_FUSE_SILU_QUANT=1's pass "
+                         "(mixprec::silu_mul_quantize_act before the down projection; opt-in)")
+    ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                    help="also each variant's kernels under the torch profiler over CALLS launches: "
+                         "device time a call per kernel, GEMMs and the rest summed")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds={args.rounds}: expected at least 1")
+    if args.ms is None:
+        args.ms = [1, 2, 4, 8, 16, 32, 64] if args.compare == "marlin" else [128, 256, 1024, 4096]
+    if args.silu_op and args.compare != "marlin":
+        ap.error("--silu-op: only with --compare marlin")
+    if args.silu_op and max(args.ms) > compile_passes.FUSE_MAX_TOKENS:
+        ap.error(f"--ms {max(args.ms)} with --silu-op: expected at most {compile_passes.FUSE_MAX_TOKENS} tokens "
+                 "(the pass is served in the graphs of at most that many)")
+    if args.profile < 0:
+        ap.error(f"--profile={args.profile}: expected a number of calls, 0 for none")
+    if args.compare == "marlin" and max(args.ms) > MARLIN_MAX_TOKENS:
+        ap.error(f"--ms {max(args.ms)} with --compare marlin: expected at most {MARLIN_MAX_TOKENS} tokens (larger "
+                 "batches are served by graphs with the wgmma order pass, which this arm leaves out)")
     if not 0.0 <= args.w4ax_share <= 1.0:
         ap.error(f"--w4ax-share={args.w4ax_share}: expected a share in [0, 1]")
     r = args.w4ax_split_blocks
@@ -371,7 +564,8 @@ def main(argv=None) -> int:
     for name in args.layers:
         before, n, k, variants, extras = variants_of(name, gen, args)
         code = (lambda v: os.path.join(code_dir, f"{name}_{v}.py") if args.code else None)  # noqa: E731
-        fns = {v: compiled(fn, before, k, passes, code(v), {**options, **extra_options}, modes)
+        torch._dynamo.reset()  # the last layer's code
+        fns = {v: compiled(fn, before, k, passes, code(v), {**options, **extra_options}, modes, tag=v)
                for v, (fn, passes, modes, extra_options) in variants.items()}
         for m in args.ms:
             x = inputs(before, m, k)
@@ -386,6 +580,7 @@ def main(argv=None) -> int:
                 row[f"{v}_rel_err_vs_eager"] = float((outs[v] - want).norm() / want.norm())
             time_rounds(row, fns, x, args.rounds)
             summary = fields(row, extras, outs)
+            profiled = profile_fields(row, fns, x, args.profile) if args.profile else None
             rows.append(row)
             times = "  ".join(f"{v} {row[f'{v}_us']:8.2f} us" for v in fns)
             launched = "  ".join(f"{v} {row[f'{v}_launch_us']:8.2f} us" for v in fns)
@@ -394,6 +589,8 @@ def main(argv=None) -> int:
             print(f"{name:11s} {n:>6}x{k:<6} M={m:<5d} {times}  {summary}  rel. err vs eager {errs}{drift}",
                   flush=True)
             print(f"{'':11s} launched, not replayed: {launched}", flush=True)
+            if profiled:
+                print(f"{'':11s} {profiled}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     out_name = "bench_compiled_linear.json" if args.compare == "order" else f"bench_compiled_{args.compare}.json"
     with open(os.path.join(args.out, out_name), "w") as f:

@@ -1362,6 +1362,30 @@ stage_x_order_piece_aba() {
     --out "$OUT/order-aba" --layers ${X_ORDER_ABA_LAYERS:-piece piece_70b} --ms ${X_ORDER_ABA_MS:-256 1024 4096} \
     --vllm-inductor --input-fused --rule --rounds 3
 }
+# Session 82: decode as served against Marlin W4A16 (issue #4's M <= 16 target as a served layer
+# pays it): the decoder pieces compiled as the plugin compiles batches of at most 64 tokens (the
+# quantizer fused into the op before) and over Marlin layers of the same weights, vLLM's Inductor
+# options, three rounds in A-B / B-A / A-B order. The pieces' weights outgrow the L2.
+# SERVED_MARLIN_ARGS: more flags (--silu-op, --profile CALLS).
+stage_served_marlin() {
+  # shellcheck disable=SC2086  # the values are words
+  run_bench "bench_compiled_marlin${SERVED_MARLIN_NAME:+_$SERVED_MARLIN_NAME}" 540 \
+    python3 benchmarks/bench_compiled_linear.py --compare marlin \
+    --out "$OUT/served-marlin${SERVED_MARLIN_NAME:+-$SERVED_MARLIN_NAME}" --layers ${SERVED_MARLIN_LAYERS:-piece} \
+    --ms ${SERVED_MARLIN_MS:-1 2 4 8 16 32 64} --vllm-inductor --rounds 3 ${SERVED_MARLIN_ARGS:-}
+}
+# Session 82: the ops between the decode GEMMs, alone (bench_act_quant.py) for the 8B and 70B widths,
+# with vLLM's add + RMSNorm + per-token int8 kernel beside Inductor's fused norm + quant.
+stage_norm_quant_vllm() {
+  local rc=0
+  # shellcheck disable=SC2086  # the values are words
+  run_bench bench_act_quant_8b 300 python3 benchmarks/bench_act_quant.py --vllm-norm-quant \
+    --ms ${NORM_QUANT_MS:-1 16} --out "$OUT/act-quant-8b" || rc=1
+  # shellcheck disable=SC2086
+  run_bench bench_act_quant_70b 300 python3 benchmarks/bench_act_quant.py --vllm-norm-quant --hidden 8192 --inter 28672 \
+    --ms ${NORM_QUANT_MS:-1 16} --out "$OUT/act-quant-70b" || rc=1
+  return $rc
+}
 stage_x_input_order_layers() {
   run_bench bench_compiled_linear_vllm_opts 300 python3 benchmarks/bench_compiled_linear.py --out "$OUT/layers" \
     --layers qkv down o_proj --ms 1024 --vllm-inductor
