@@ -461,9 +461,12 @@ def test_wgmma_input_order_on_a_decoder_piece(seeded, fused_act_quant, repo_modu
 
 
 def test_compiled_linear_benchmark_flags_marlin_rows_and_refuses_prefill_batches(repo_module, tmp_path, capsys):
-    """--compare marlin (marlin_bad): a row is bad when an arm is far from its eager function or
-    the two arms' outputs are unrelated (a wrong layout: ~1.4); and --ms past the graphs that
-    are compiled without the wgmma order pass is refused, naming the flag."""
+    """--compare marlin (marlin_bad): a row is bad when an arm is far from its eager function, the
+    two arms' outputs are unrelated (a wrong layout: ~1.4), or the SiLU-op arm's pass replaced
+    nothing where a SiLU-and-mul is (or something where none is); --profile's split counts the
+    C++ GEMM kernels only; and bad flags (--ms past the graphs compiled without the wgmma order
+    pass, --silu-op past its compile range or without --compare marlin, --profile < 0) are
+    refused, each naming itself."""
     bench = repo_module("benchmarks/bench_compiled_linear.py")
     good = {"mixprec_rel_err_vs_eager": 1e-3, "marlin_w4a16_rel_err_vs_eager": 0.0, "mixprec_rel_err_vs_marlin": 0.12}
     assert not bench.marlin_bad(good)
