@@ -253,8 +253,9 @@ def build(name: str, gen: torch.Generator, w4ax: dict | None = None, marlin: boo
         shapes = ((n, k),)
     weights = [random_weight(n_, k_, gen) for n_, k_ in shapes]
     layers = [layer_of(n_, k_, gen, w4ax, weight=w) for (n_, k_), w in zip(shapes, weights)]
-    make = (lambda ls, apply=None: piece_fn(*ls, apply=apply)) if before == "piece" else (  # noqa: E731
-        lambda ls, apply=None: layer_fn(before, ls[0], apply))
+    def make(ls, apply=None):
+        return piece_fn(*ls, apply=apply) if before == "piece" else layer_fn(before, ls[0], apply)
+
     if not marlin:
         return before, n, k, make(layers)
     return before, n, k, make(layers), make([marlin_layer_of(w) for w in weights], marlin_apply)
@@ -305,9 +306,10 @@ def marlin_variants(name: str, gen: torch.Generator, args) -> tuple:
     every range), "marlin_w4a16" the same function over Marlin layers of the same float weights
     (marlin_layer_of), compiled with no plugin option."""
     before, n, k, fn, fn_marlin = build(name, gen, marlin=True)
-    served = {}
-    if compile_passes.wgmma_order_mode() == "input_fused" and compile_passes._wgmma_order_applies():
-        served["realize_reads_threshold"] = compile_passes.INPUT_FUSED_REALIZE_READS
+    # the Inductor options compile_passes.install gives vLLM's config, its hook aside
+    config = SimpleNamespace(inductor_compile_config={}, compile_ranges_endpoints=None)
+    compile_passes.install(config)
+    served = {key: v for key, v in config.inductor_compile_config.items() if key != compile_passes.HOOK}
     variants = {"mixprec": (fn, [], {}, served), "marlin_w4a16": (fn_marlin, [], {}, {})}
     extras = {"served": served, "has_silu": before in ("silu", "piece")}
     if args.silu_op:  # MIXPREC_FUSE_SILU_QUANT=1, opt-in: its pass in the graphs of <= 32 tokens

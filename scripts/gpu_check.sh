@@ -22,7 +22,7 @@
 # x_input_order_piece x_input_order_layers w4ax_rot_chunks w4ax_split w4ax_compiled
 # x_input_fused_piece w4ax_perm x_order_piece_aba triton_tiles triton_tiles_w4ax triton_mid_linear
 # test_triton_gemm triton_quant_rows quant_split quant_split_table triton_decode_linear
-# decode_chain_tests decode_chain_preload env_arms
+# decode_chain_tests decode_chain_preload env_arms served_marlin norm_quant_vllm
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -1377,13 +1377,13 @@ stage_served_marlin() {
 # Session 82: the ops between the decode GEMMs, alone (bench_act_quant.py) for the 8B and 70B widths,
 # with vLLM's add + RMSNorm + per-token int8 kernel beside Inductor's fused norm + quant.
 stage_norm_quant_vllm() {
-  local rc=0
-  # shellcheck disable=SC2086  # the values are words
-  run_bench bench_act_quant_8b 300 python3 benchmarks/bench_act_quant.py --vllm-norm-quant \
-    --ms ${NORM_QUANT_MS:-1 16} --out "$OUT/act-quant-8b" || rc=1
-  # shellcheck disable=SC2086
-  run_bench bench_act_quant_70b 300 python3 benchmarks/bench_act_quant.py --vllm-norm-quant --hidden 8192 --inter 28672 \
-    --ms ${NORM_QUANT_MS:-1 16} --out "$OUT/act-quant-70b" || rc=1
+  local rc=0 widths name hidden inter
+  for widths in 8b:4096:14336 70b:8192:28672; do
+    IFS=: read -r name hidden inter <<< "$widths"
+    # shellcheck disable=SC2086  # the values are words
+    run_bench "bench_act_quant_$name" 300 python3 benchmarks/bench_act_quant.py --vllm-norm-quant \
+      --hidden "$hidden" --inter "$inter" --ms ${NORM_QUANT_MS:-1 16} --out "$OUT/act-quant-$name" || rc=1
+  done
   return $rc
 }
 stage_x_input_order_layers() {
