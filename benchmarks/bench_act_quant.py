@@ -22,10 +22,13 @@ triton.force_cooperative_reductions=True: a row's reduction split over several p
 `--vllm-norm-quant` adds vLLM's own CUDA kernel for add + RMSNorm + per-token int8
 (`rms_norm_dynamic_per_token_quant`, what vLLM's int8 fusion pass puts in), uncompiled, with how
 many of its codes differ from reference.quantize_act of the native norm ("vllm" rows).
+`--norm-op W...` adds the plugin's own add + RMSNorm + quantizer op (mixprec::add_rms_norm_quantize_act,
+what MIXPREC_DECODE_QUANT_OPS=1 serves), uncompiled, at each number of warps W ("op-wW" rows; 0: the
+op's own choice), with the same code agreement.
 `--hidden`/`--inter` set the row widths (default Llama-3-8B's; 8192 and 28672 for Llama-3-70B).
 
   python benchmarks/bench_act_quant.py --out DIR [--ms 1 8] [--static] [--inductor K=V ...]
-      [--vllm-norm-quant] [--hidden 4096] [--inter 14336]
+      [--vllm-norm-quant] [--norm-op 0 4 8 16] [--patterns norm silu quant] [--hidden 4096] [--inter 14336]
 """
 from __future__ import annotations
 
@@ -92,13 +95,20 @@ def vllm_norm_quant(x, res, w):
     return ops.rms_norm_dynamic_per_token_quant(x, w, EPS, torch.int8, residual=res)
 
 
-def vllm_code_agreement(m: int) -> dict:
-    """vllm_norm_quant against reference.quantize_act of the native add + RMSNorm, on one input:
-    the share of codes that differ, the largest code difference, and the scales' largest
-    relative difference."""
+def norm_op(x, res, w):
+    """mixprec::add_rms_norm_quantize_act (the op compile_passes.DecodeQuantOps puts in decode
+    graphs), uncompiled: codes, scales, residual."""
+    from vllm_mixprec import kernels  # noqa: F401  (registers the op)
+    return torch.ops.mixprec.add_rms_norm_quantize_act(x, res, w, EPS, None)
+
+
+def code_agreement(fn, m: int) -> dict:
+    """fn (vllm_norm_quant or norm_op) against reference.quantize_act of the native add + RMSNorm,
+    on one input: the share of codes that differ, the largest code difference, and the scales'
+    largest relative difference."""
     x, res, w = inputs("norm", m)
     want_q, want_s = ref.quantize_act(add_rms_norm(x, res, w)[0], None)
-    got_q, got_s = vllm_norm_quant(x, res.clone(), w)
+    got_q, got_s = fn(x, res.clone(), w)[:2]
     diff = (got_q.int() - want_q.int()).abs()
     return {"codes_differ": float((diff > 0).float().mean()), "max_code_diff": int(diff.max()),
             "scale_rel_diff": float(((got_s.view(-1) - want_s.view(-1)).abs() / want_s.view(-1)).max())}
@@ -169,6 +179,11 @@ def main() -> int:
                     metavar="KEY=VALUE", help="an Inductor config option for every compile")
     ap.add_argument("--vllm-norm-quant", action="store_true",
                     help="also vLLM's rms_norm_dynamic_per_token_quant kernel (module docstring)")
+    ap.add_argument("--patterns", nargs="+", choices=("norm", "silu", "quant"), default=("norm", "silu", "quant"),
+                    help="the compiled patterns to time (default: all three)")
+    ap.add_argument("--norm-op", type=int, nargs="+", metavar="WARPS",
+                    help="also mixprec::add_rms_norm_quantize_act, uncompiled, at each number of warps "
+                         "a program (0: its own choice)")
     ap.add_argument("--hidden", type=int, default=HIDDEN, help="the norm's row width (default: %(default)s)")
     ap.add_argument("--inter", type=int, default=INTER, help="SiLU-and-mul's output width (default: %(default)s)")
     args = ap.parse_args()
@@ -182,6 +197,8 @@ def main() -> int:
                 ("quant", quant_amax, "amax"), ("quant", quant_3reduce, "3-reduce")]
     rows = []
     for name, quant, form in variants:
+        if name not in args.patterns:
+            continue
         for m in args.ms:
             fusion = compile_passes.SiluMulQuantFusion() if form.endswith("+pass") else None
             row = {"pattern": name, "quant": form, "M": m,
@@ -199,11 +216,22 @@ def main() -> int:
     if args.vllm_norm_quant:
         for m in args.ms:
             row = {"pattern": "norm", "quant": "vllm", "M": m, "dynamic_us": time_us(vllm_norm_quant, inputs("norm", m)),
-                   **vllm_code_agreement(m)}
+                   **code_agreement(vllm_norm_quant, m)}
             rows.append(row)
             print(f"norm   vllm      M={m:<5d} uncompiled {row['dynamic_us']:7.2f} us   codes differing "
                   f"{100 * row['codes_differ']:.3f} % (at most {row['max_code_diff']}), scales up to "
                   f"{row['scale_rel_diff']:.1e} apart", flush=True)
+    for warps in args.norm_op or ():
+        from vllm_mixprec.kernels.triton import gemm as tg
+        tg.NORM_QUANT_WARPS = warps or None
+        for m in args.ms:
+            row = {"pattern": "norm", "quant": f"op-w{warps}", "M": m, "warps": warps,
+                   "dynamic_us": time_us(norm_op, inputs("norm", m)), **code_agreement(norm_op, m)}
+            rows.append(row)
+            print(f"norm   op-w{warps:<4d} M={m:<5d} uncompiled {row['dynamic_us']:7.2f} us   codes differing "
+                  f"{100 * row['codes_differ']:.3f} % (at most {row['max_code_diff']}), scales up to "
+                  f"{row['scale_rel_diff']:.1e} apart", flush=True)
+        tg.NORM_QUANT_WARPS = None
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_act_quant.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": HIDDEN, "inter": INTER,

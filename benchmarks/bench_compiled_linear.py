@@ -32,7 +32,11 @@ layer pays it): W4A8 compiled as the plugin compiles batches of at most 64 token
 fused into the op before, its own kernel before o_proj) against the same function over Marlin W4A16
 layers of the same float weights (vLLM's gptq_marlin path, bf16). Use it on the decoder pieces or
 layers whose weights outgrow the L2: the replays do not flush it. --silu-op adds W4A8 with
-MIXPREC_FUSE_SILU_QUANT=1's pass (opt-in). --profile CALLS adds every variant's kernels under the
+MIXPREC_FUSE_SILU_QUANT=1's pass (opt-in). --decode-ops adds W4A8 with MIXPREC_DECODE_QUANT_OPS=1's
+pass (compile_passes.DecodeQuantOps, the default since session 83: the quantizers as ops launched
+for their batch, the ones after RMSNorm fused with it), over vLLM's IR norm as the served graph has
+it; with --silu-op, also both passes. The "mixprec" arm is then MIXPREC_DECODE_QUANT_OPS=0
+(Inductor's fused quantizers, the default before). --profile CALLS adds every variant's kernels under the
 torch profiler: their device time a call, the GEMMs and the ops between them summed.
 
 --compare w4ax times W4Ax as it is served against W4A8 instead (issue #4's "W4Ax against W4A8,
@@ -48,7 +52,7 @@ defaults).
   python benchmarks/bench_compiled_linear.py --out DIR [--ms 128 256 1024 4096] [--layers o_proj qkv_70b piece ...]
       [--code] [--vllm-inductor] [--input-fused] [--rule] [--rounds 3]
       [--compare order|w4ax|marlin [--w4ax-share 0.25] [--w4ax-rotation hadamard64] [--w4ax-split-blocks R]]
-      [--silu-op] [--profile CALLS]
+      [--silu-op] [--decode-ops] [--profile CALLS]
 """
 from __future__ import annotations
 
@@ -142,13 +146,13 @@ def marlin_apply(layer: SimpleNamespace, x: torch.Tensor, bias=None) -> torch.Te
                                     scalar_types.uint4b8, layer.n, layer.k, is_k_full=True, bias=bias)
 
 
-def layer_fn(before: str, layer, apply=None):
+def layer_fn(before: str, layer, apply=None, add_rms_norm=baq.add_rms_norm):
     """The op before (module docstring) and the layer, through apply (kernels.apply_linear's
     signature; the default is it)."""
     apply = apply or kernels.apply_linear
     if before == "norm":
         def f(x, res, w):
-            y, r = baq.add_rms_norm(x, res, w)
+            y, r = add_rms_norm(x, res, w)
             return apply(layer, y, None), r
     elif before == "none":
         def f(x):
@@ -161,7 +165,8 @@ def layer_fn(before: str, layer, apply=None):
 
 def piece_fn(o_proj, gate_up, down, qkv, add_rms_norm=baq.add_rms_norm, apply=None):
     """Between two attentions of a Llama decoder (vLLM's piecewise graph): attention output and
-    residual in, the next layer's QKV and residual out. apply: as in layer_fn."""
+    residual in, the next layer's QKV and residual out. apply: as in layer_fn; add_rms_norm: the
+    norm's form (native torch, or vLLM's IR op: ir_add_rms_norm)."""
     apply = apply or kernels.apply_linear
 
     def f(attn, res, w_post, w_in):
@@ -170,6 +175,13 @@ def piece_fn(o_proj, gate_up, down, qkv, add_rms_norm=baq.add_rms_norm, apply=No
         y, r = add_rms_norm(d, r, w_in)
         return apply(qkv, y, None), r
     return f
+
+
+def ir_add_rms_norm(x, res, w):
+    """vLLM's IR op, as the plugin's post-grad hook sees RMSNorm in vLLM 0.26 (vLLM lowers it to
+    the native form after the hook; compile_passes.DecodeQuantOps matches it there)."""
+    import vllm.ir.ops as ir_ops
+    return ir_ops.fused_add_rms_norm(x, res, w, baq.EPS)
 
 
 def inputs(before: str, m: int, k: int):
@@ -243,7 +255,8 @@ def compiled(fn, before: str, k: int, passes, code_path: str | None = None, opti
 
 def build(name: str, gen: torch.Generator, w4ax: dict | None = None, marlin: bool = False):
     """(op before, N, K, fn) of a layer or a decoder piece, over W4A8 or (w4ax) W4Ax layers;
-    marlin: and fn over Marlin W4A16 layers of the same float weights, as a fifth item."""
+    marlin: and fn over Marlin W4A16 layers of the same float weights, then fn over the same W4A8
+    layers with vLLM's IR norm (ir_add_rms_norm), as a fifth and sixth item."""
     if name in PIECES:
         hidden, n_qkv, inter = PIECES[name]
         shapes = ((hidden, hidden), (2 * inter, hidden), (hidden, inter), (n_qkv, hidden))
@@ -253,12 +266,14 @@ def build(name: str, gen: torch.Generator, w4ax: dict | None = None, marlin: boo
         shapes = ((n, k),)
     weights = [random_weight(n_, k_, gen) for n_, k_ in shapes]
     layers = [layer_of(n_, k_, gen, w4ax, weight=w) for (n_, k_), w in zip(shapes, weights)]
-    def make(ls, apply=None):
-        return piece_fn(*ls, apply=apply) if before == "piece" else layer_fn(before, ls[0], apply)
+    def make(ls, apply=None, add_rms_norm=baq.add_rms_norm):
+        return (piece_fn(*ls, add_rms_norm, apply) if before == "piece"
+                else layer_fn(before, ls[0], apply, add_rms_norm))
 
     if not marlin:
         return before, n, k, make(layers)
-    return before, n, k, make(layers), make([marlin_layer_of(w) for w in weights], marlin_apply)
+    return (before, n, k, make(layers), make([marlin_layer_of(w) for w in weights], marlin_apply),
+            make(layers, add_rms_norm=ir_add_rms_norm))
 
 
 def order_variants(name: str, gen: torch.Generator, args) -> tuple:
@@ -301,11 +316,12 @@ MARLIN_MAX_TOKENS = compile_passes.WGMMA_ORDER_AFTER_TOKENS
 
 def marlin_variants(name: str, gen: torch.Generator, args) -> tuple:
     """Decode as served against Marlin W4A16 (--compare marlin): "mixprec" is the W4A8 layer or
-    piece compiled as the plugin compiles batches of at most MARLIN_MAX_TOKENS (no pass of its
-    own in that range; Inductor's realize_reads_threshold as compile_passes.install sets it for
-    every range), "marlin_w4a16" the same function over Marlin layers of the same float weights
-    (marlin_layer_of), compiled with no plugin option."""
-    before, n, k, fn, fn_marlin = build(name, gen, marlin=True)
+    piece compiled as the plugin compiled batches of at most MARLIN_MAX_TOKENS until session 83
+    (no pass of its own in that range: MIXPREC_DECODE_QUANT_OPS=0; Inductor's
+    realize_reads_threshold as compile_passes.install sets it for every range), "marlin_w4a16" the
+    same function over Marlin layers of the same float weights (marlin_layer_of), compiled with no
+    plugin option; --decode-ops adds the default since session 83 (module docstring)."""
+    before, n, k, fn, fn_marlin, fn_ir = build(name, gen, marlin=True)
     # the Inductor options compile_passes.install gives vLLM's config, its hook aside
     config = SimpleNamespace(inductor_compile_config={}, compile_ranges_endpoints=None)
     compile_passes.install(config)
@@ -315,6 +331,17 @@ def marlin_variants(name: str, gen: torch.Generator, args) -> tuple:
     if args.silu_op:  # MIXPREC_FUSE_SILU_QUANT=1, opt-in: its pass in the graphs of <= 32 tokens
         extras["silu_op"] = compile_passes.SiluMulQuantFusion()
         variants["mixprec_silu_op"] = (fn, [extras["silu_op"]], {}, served)
+    if args.decode_ops:  # MIXPREC_DECODE_QUANT_OPS=1, over the IR norm the pass matches when served
+        norms = {"piece": 2, "norm": 1}.get(before, 0)
+        extras["decode_ops"] = {"mixprec_decode_ops": compile_passes.DecodeQuantOps()}
+        extras["decode_ops_expected"] = {"mixprec_decode_ops": (4 if before == "piece" else 1, norms)}
+        if args.silu_op:  # both, as install() orders them
+            extras["decode_ops"]["mixprec_decode_ops_silu"] = compile_passes.DecodeQuantOps()
+            extras["decode_ops_expected"]["mixprec_decode_ops_silu"] = (
+                4 - extras["has_silu"] if before == "piece" else 1 - extras["has_silu"], norms)
+        for v, ops in extras["decode_ops"].items():
+            passes = [compile_passes.SiluMulQuantFusion(), ops] if v.endswith("_silu") else [ops]
+            variants[v] = (fn_ir, passes, {}, served)
     return before, n, k, variants, extras
 
 
@@ -331,6 +358,11 @@ def marlin_fields(row: dict, extras: dict, outs: dict) -> str:
         row.update({"silu_op_matched": extras["silu_op"].matched, "silu_op_expected": extras["has_silu"]})
         text += (f"  Marlin / mixprec with the SiLU op x{row['marlin_over_mixprec_silu_op']:.3f}"
                  f" (replaced {row['silu_op_matched']})")
+    for v, ops in extras.get("decode_ops", {}).items():
+        row[f"marlin_over_{v}"] = row["marlin_w4a16_us"] / row[f"{v}_us"]
+        row[f"{v}_replaced"] = list(ops.last)  # (quantizers, of them with their norm) in the last graph
+        row[f"{v}_expected"] = list(extras["decode_ops_expected"][v])
+        text += f"  Marlin / {v} x{row[f'marlin_over_{v}']:.3f} (replaced {ops.last})"
     return text
 
 
@@ -340,14 +372,20 @@ def marlin_fields(row: dict, extras: dict, outs: dict) -> str:
 MARLIN_AGREEMENT = 0.5
 
 
+DECODE_OPS_ARMS = ("mixprec_decode_ops", "mixprec_decode_ops_silu")
+
+
 def marlin_bad(row: dict) -> bool:
     """An arm further than 5 % from its eager function (the compiled norm rounds differently), the
-    two arms' outputs further apart than MARLIN_AGREEMENT, or a SiLU-op arm whose pass replaced
-    nothing where there is a SiLU-and-mul (or something where there is none)."""
-    arms = ("mixprec", "marlin_w4a16", "mixprec_silu_op")
+    two arms' outputs further apart than MARLIN_AGREEMENT, a SiLU-op arm whose pass replaced
+    nothing where there is a SiLU-and-mul (or something where there is none), or a decode-ops arm
+    whose last graph had other quantizers or norms replaced than the layer or piece has."""
+    arms = ("mixprec", "marlin_w4a16", "mixprec_silu_op", *DECODE_OPS_ARMS)
     return (any(row.get(f"{v}_rel_err_vs_eager", 0.0) > 0.05 for v in arms)
             or not row["mixprec_rel_err_vs_marlin"] < MARLIN_AGREEMENT
-            or ("silu_op_matched" in row and (row["silu_op_matched"] > 0) != row["silu_op_expected"]))
+            or ("silu_op_matched" in row and (row["silu_op_matched"] > 0) != row["silu_op_expected"])
+            or any(row[f"{v}_replaced"] != row[f"{v}_expected"] for v in DECODE_OPS_ARMS
+                   if f"{v}_replaced" in row))
 
 
 # Kernels that are a layer's GEMM (ours: the csrc w4a8_*_kernel; Marlin's: marlin::Marlin<...>; on
@@ -524,6 +562,10 @@ def main(argv=None) -> int:
     ap.add_argument("--silu-op", action="store_true",
                     help="--compare marlin: also mixprec with MIXPREC_FUSE_SILU_QUANT=1's pass "
                          "(mixprec::silu_mul_quantize_act before the down projection; opt-in)")
+    ap.add_argument("--decode-ops", action="store_true",
+                    help="--compare marlin: also mixprec with MIXPREC_DECODE_QUANT_OPS=1's pass "
+                         "(mixprec::quantize_act and mixprec::add_rms_norm_quantize_act; with --silu-op "
+                         "also both passes), over vLLM's IR norm as served")
     ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
                     help="also each variant's kernels under the torch profiler over CALLS launches: "
                          "device time a call per kernel, GEMMs and the rest summed")
@@ -532,8 +574,9 @@ def main(argv=None) -> int:
         ap.error(f"--rounds={args.rounds}: expected at least 1")
     if args.ms is None:
         args.ms = [1, 2, 4, 8, 16, 32, 64] if args.compare == "marlin" else [128, 256, 1024, 4096]
-    if args.silu_op and args.compare != "marlin":
-        ap.error("--silu-op: only with --compare marlin")
+    for flag in ("silu_op", "decode_ops"):
+        if getattr(args, flag) and args.compare != "marlin":
+            ap.error(f"--{flag.replace('_', '-')}: only with --compare marlin")
     if args.silu_op and max(args.ms) > compile_passes.FUSE_MAX_TOKENS:
         ap.error(f"--ms {max(args.ms)} with --silu-op: expected at most {compile_passes.FUSE_MAX_TOKENS} tokens "
                  "(the pass is served in the graphs of at most that many)")

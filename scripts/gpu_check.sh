@@ -22,7 +22,8 @@
 # x_input_order_piece x_input_order_layers w4ax_rot_chunks w4ax_split w4ax_compiled
 # x_input_fused_piece w4ax_perm x_order_piece_aba triton_tiles triton_tiles_w4ax triton_mid_linear
 # test_triton_gemm triton_quant_rows quant_split quant_split_table triton_decode_linear
-# decode_chain_tests decode_chain_preload env_arms served_marlin norm_quant_vllm
+# decode_chain_tests decode_chain_preload env_arms served_marlin norm_quant_vllm decode_ops_tests
+# decode_ops_serve
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -1375,16 +1376,33 @@ stage_served_marlin() {
     --ms ${SERVED_MARLIN_MS:-1 2 4 8 16 32 64} --vllm-inductor --rounds 3 ${SERVED_MARLIN_ARGS:-}
 }
 # Session 82: the ops between the decode GEMMs, alone (bench_act_quant.py) for the 8B and 70B widths,
-# with vLLM's add + RMSNorm + per-token int8 kernel beside Inductor's fused norm + quant.
+# with vLLM's add + RMSNorm + per-token int8 kernel beside Inductor's fused norm + quant
+# (NORM_QUANT_ARGS: more options, e.g. "--norm-op 0 8 16" for the plugin's own op, session 83).
 stage_norm_quant_vllm() {
   local rc=0 widths name hidden inter
   for widths in 8b:4096:14336 70b:8192:28672; do
     IFS=: read -r name hidden inter <<< "$widths"
     # shellcheck disable=SC2086  # the values are words
     run_bench "bench_act_quant_$name" 300 python3 benchmarks/bench_act_quant.py --vllm-norm-quant \
-      --hidden "$hidden" --inter "$inter" --ms ${NORM_QUANT_MS:-1 16} --out "$OUT/act-quant-$name" || rc=1
+      --hidden "$hidden" --inter "$inter" --ms ${NORM_QUANT_MS:-1 16} --out "$OUT/act-quant-$name" \
+      ${NORM_QUANT_ARGS:-} || rc=1
   done
   return $rc
+}
+# Session 83: MIXPREC_DECODE_QUANT_OPS=1's ops and pass on the GPU, then served (does the pass match
+# vLLM's graph: its log line), then bench_compiled_linear's arm (served_marlin with --decode-ops).
+stage_decode_ops_tests() {
+  pytest_gpu pytest-gpu-decode-ops 300 tests/kernels/test_triton_gemm.py tests/test_compile_passes.py \
+    -k "add_rms_norm or decode_quant"
+}
+stage_decode_ops_serve() {
+  log "end to end with MIXPREC_DECODE_QUANT_OPS=1: vllm serve --quantization mixprec (compiled), W4A8"
+  mkdir -p "$OUT/decode-ops-serve"
+  MIXPREC_DECODE_QUANT_OPS=1 timeout 420 python3 scripts/e2e_serve.py --out "$OUT/decode-ops-serve" --arms w4a8 \
+    2>&1 | tee "$OUT/decode-ops-serve/e2e.log" | tail -30
+  local rc=${PIPESTATUS[0]}
+  grep -h -E "decode graphs|compile ranges split" "$OUT"/decode-ops-serve/serve-*.log | head -5
+  return "$rc"
 }
 stage_x_input_order_layers() {
   run_bench bench_compiled_linear_vllm_opts 300 python3 benchmarks/bench_compiled_linear.py --out "$OUT/layers" \

@@ -2,10 +2,13 @@
 projection's SiluAndMul + traced quantize_act become mixprec::silu_mul_quantize_act, with
 the same numbers; other producers and other splits are left alone. WgmmaActOrder: the GEMM
 reads its activations in the wgmma k order, permuted in the graph, with the same numbers.
-install() puts the wanted passes in vLLM's post-grad hook once (the fusion if
-MIXPREC_FUSE_SILU_QUANT=1: it is slower than Inductor's kernel on the H100; the order where the
-GPU runs the wgmma kernels), and leaves a user's pass in place."""
+DecodeQuantOps: the decode graphs' traced quantizers become mixprec::quantize_act, and those after
+vLLM's add + RMSNorm mixprec::add_rms_norm_quantize_act with it. install() puts the wanted passes
+in vLLM's post-grad hook once (the fusion if MIXPREC_FUSE_SILU_QUANT=1: it is slower than
+Inductor's kernel on the H100; the decode ops unless MIXPREC_DECODE_QUANT_OPS=0; the order where
+the GPU runs the wgmma kernels), and leaves a user's pass in place."""
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -91,6 +94,7 @@ def test_op_reference_and_fake(seeded):
 
 def test_install_once_and_respects_a_users_pass(monkeypatch, caplog):
     monkeypatch.delenv("MIXPREC_FUSE_SILU_QUANT", raising=False)
+    monkeypatch.setenv("MIXPREC_DECODE_QUANT_OPS", "0")  # (on by default: test_install_decode_quant_ops)
     monkeypatch.setattr(cp, "_wgmma_order_applies", lambda: False)  # (a CPU machine: no wgmma)
     off = SimpleNamespace(inductor_compile_config={})
     assert not cp.wanted() and not cp.install(off) and cp.HOOK not in off.inductor_compile_config  # opt-in
@@ -140,6 +144,23 @@ def test_act_quant_benchmark_fuses_its_silu_pattern(seeded, repo_module):
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
 
 
+def test_act_quant_benchmark_times_the_norm_op_it_checks(seeded, repo_module, monkeypatch):
+    """bench_act_quant --norm-op: norm_op is the plugin's add + RMSNorm + quantizer op, and
+    code_agreement compares its codes with the reference of the native norm (on the CPU the op is
+    that reference: no code differs)."""
+    bench = repo_module("benchmarks/bench_act_quant.py")
+    monkeypatch.setattr(bench, "HIDDEN", 128)
+    cpu = lambda name, m: tuple(t.cpu() for t in (torch.randn(m, 128, generator=seeded).to(torch.bfloat16),  # noqa: E731
+                                                  torch.randn(m, 128, generator=seeded).to(torch.bfloat16),
+                                                  torch.rand(128, generator=seeded).to(torch.bfloat16) + 0.5))
+    monkeypatch.setattr(bench, "inputs", cpu)
+    assert bench.code_agreement(bench.norm_op, 3) == {"codes_differ": 0.0, "max_code_diff": 0, "scale_rel_diff": 0.0}
+    x, res, w = cpu("norm", 2)
+    q, s, r = bench.norm_op(x, res, w)
+    want = ref.add_rms_norm_quantize_act(x, res, w, bench.EPS)
+    assert torch.equal(q, want[0]) and torch.equal(s, want[1]) and torch.equal(r, want[2])
+
+
 def test_install_with_the_wgmma_order(monkeypatch):
     """Where the GPU runs the wgmma kernels, install() puts WgmmaActOrder in the hook (with the
     fusion when that is asked for too) and splits the ranges after 64 tokens; the hook runs each
@@ -149,6 +170,7 @@ def test_install_with_the_wgmma_order(monkeypatch):
     are refused."""
     from vllm.config.utils import Range
     monkeypatch.delenv("MIXPREC_FUSE_SILU_QUANT", raising=False)
+    monkeypatch.setenv("MIXPREC_DECODE_QUANT_OPS", "0")  # (on by default: test_install_decode_quant_ops)
     monkeypatch.delenv("MIXPREC_KERNEL", raising=False)
     monkeypatch.delenv("MIXPREC_X_WGMMA_ORDER", raising=False)
     from vllm_mixprec.kernels import cuda
@@ -473,6 +495,12 @@ def test_compiled_linear_benchmark_flags_marlin_rows_and_refuses_prefill_batches
     silu = {"mixprec_silu_op_rel_err_vs_eager": 1e-3, "silu_op_matched": 1, "silu_op_expected": True}
     assert not bench.marlin_bad({**good, **silu})
     assert not bench.marlin_bad({**good, **silu, "silu_op_matched": 0, "silu_op_expected": False})
+    ops = {"mixprec_decode_ops_rel_err_vs_eager": 1e-3, "mixprec_decode_ops_replaced": [4, 2],
+           "mixprec_decode_ops_expected": [4, 2]}
+    assert not bench.marlin_bad({**good, **ops})
+    for change in ({"mixprec_decode_ops_replaced": [4, 0]}, {"mixprec_decode_ops_replaced": [0, 0]},
+                   {"mixprec_decode_ops_rel_err_vs_eager": 0.2}):
+        assert bench.marlin_bad({**good, **ops, **change}), change
     for change in ({"mixprec_rel_err_vs_eager": 0.2}, {"marlin_w4a16_rel_err_vs_eager": 0.2},
                    {"mixprec_rel_err_vs_marlin": 1.4}, {"mixprec_rel_err_vs_marlin": float("nan")},
                    {**silu, "mixprec_silu_op_rel_err_vs_eager": 0.2}, {**silu, "silu_op_matched": 0},
@@ -488,6 +516,7 @@ def test_compiled_linear_benchmark_flags_marlin_rows_and_refuses_prefill_batches
     for argv, message in ((["--compare", "marlin", "--ms", "16", "128"], "--ms 128 with --compare marlin"),
                           (["--compare", "marlin", "--silu-op", "--ms", "64"], "--ms 64 with --silu-op"),
                           (["--silu-op"], "--silu-op: only with --compare marlin"),
+                          (["--decode-ops"], "--decode-ops: only with --compare marlin"),
                           (["--compare", "marlin", "--profile", "-1"], "--profile=-1")):
         with pytest.raises(SystemExit) as e:
             bench.main(["--out", str(tmp_path), *argv])
@@ -520,6 +549,42 @@ def test_served_pieces_against_marlin_on_the_h100(repo_module):
     assert 1.06 <= min(ratio["piece_70b"]) and max(ratio["piece_70b"]) < 1.14
 
 
+def test_decode_ops_against_marlin_on_the_h100(repo_module):
+    """Session 83's runs, read from their files as docs/BENCHMARKS.md "Session 83 (H100)" reads them.
+    Run 1 (bench_compiled_linear --compare marlin --silu-op --decode-ops): the decode ops replaced all
+    four quantizers and both norms of each piece and made both pieces faster at every M; at M <= 16
+    the 8B piece is 1.26-1.43x Marlin's and the 70B piece 1.17-1.19x (short of 1.2x). Run 2: served,
+    the pass matched vLLM's pieces alike; the norm op alone has the reference's codes and is slower
+    than Inductor's fused kernel (its gain is the GEMM it starts early)."""
+    import json
+    import pathlib
+
+    bench = repo_module("benchmarks/bench_compiled_linear.py")
+    run = pathlib.Path(__file__).resolve().parents[1] / "benchmarks/results/2026-12-06-s83/run1"
+    rows = [r for f in ("served-marlin", "served-marlin-70b")
+            for r in json.loads((run / f / "bench_compiled_marlin.json").read_text())["rows"]]
+    assert sorted({(r["layer"], r["M"]) for r in rows}) == [(p, m) for p in ("piece", "piece_70b")
+                                                             for m in (1, 2, 4, 8, 16, 32)]
+    for r in rows:
+        assert not bench.marlin_bad(r) and r["mixprec_decode_ops_replaced"] == [4, 2], (r["layer"], r["M"])
+        assert r["mixprec_decode_ops_us"] < r["mixprec_us"], (r["layer"], r["M"])
+    ratio = {p: [r["marlin_over_mixprec_decode_ops"] for r in rows if r["layer"] == p and r["M"] <= 16]
+             for p in ("piece", "piece_70b")}
+    assert 1.26 <= min(ratio["piece"]) and max(ratio["piece"]) < 1.44
+    assert 1.165 <= min(ratio["piece_70b"]) and max(ratio["piece_70b"]) < 1.2
+    # run 2: served, the pass matched vLLM's pieces as the benchmark's (the middle ones: 4 and 2)
+    log = (run.parent / "run2/decode-ops-serve/serve-w4a8.log").read_text()
+    kinds = re.findall(r"(\d+) traced quantizers became mixprec::quantize_act, (\d+) of them fused", log)
+    assert sorted(kinds) == [("1", "0"), ("3", "1"), ("4", "2")]
+    # and alone, the norm op gives the reference's codes but is no faster than Inductor's fusion
+    for width in ("8b", "70b"):
+        alone = json.loads((run.parent / f"run2/act-quant-{width}/bench_act_quant.json").read_text())["rows"]
+        inductor = {r["M"]: r["dynamic_us"] for r in alone if r["quant"] == "amax"}
+        ops = [r for r in alone if r["quant"].startswith("op-")]
+        assert len(ops) == 6 and all(r["codes_differ"] == 0.0 for r in ops)
+        assert all(r["dynamic_us"] > inductor[r["M"]] for r in ops), width
+
+
 def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):
     """bench_compiled_linear's order A/B (order_bad): a row is bad when a compile rewrote not every
     GEMM, moved not every quantizer, or ended further from the eager layer than the natural one."""
@@ -547,7 +612,7 @@ def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):
 @pytest.mark.parametrize("layers, extra", [(["qkv", "piece"], ["--input-fused", "--rule", "--rounds", "3"]),
                                           (["down"], ["--compare", "w4ax"]),
                                           (["qkv", "piece"], ["--compare", "marlin", "--ms", "5", "--silu-op",
-                                                              "--profile", "2"])])
+                                                              "--decode-ops", "--profile", "2"])])
 def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monkeypatch, tmp_path, layers, extra):
     """bench_compiled_linear's main() on the CPU at small shapes, its GPU parts stubbed (the
     reference GEMM, a 1 us timer): every variant compiles, runs, is compared and checked, and
@@ -581,9 +646,13 @@ def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monke
         assert all(r["M"] == 5 and 0.0 < r["mixprec_rel_err_vs_marlin"] < bench.MARLIN_AGREEMENT
                    and r["marlin_over_mixprec"] == r["marlin_over_mixprec_silu_op"] == 1.0 for r in rows), rows
         assert [r["silu_op_matched"] > 0 for r in rows] == [False, True]  # the piece has the SiLU-and-mul
+        # the decode ops replaced every quantizer, those after the two norms with them (with the
+        # SiLU op, the piece's third quantizer is that op's)
+        assert [(r["mixprec_decode_ops_replaced"], r["mixprec_decode_ops_silu_replaced"]) for r in rows] == [
+            ([1, 1], [1, 1]), ([4, 2], [3, 2])]
         # the profiler saw each variant's ops (on the CPU: aten and mixprec ops, not kernels)
         assert all(r[f"{v}_kernels_us"] and r[f"{v}_other_kernels_us"] >= 0.0
-                   for r in rows for v in ("mixprec", "marlin_w4a16", "mixprec_silu_op")), rows
+                   for r in rows for v in ("mixprec", "marlin_w4a16", "mixprec_silu_op", *bench.DECODE_OPS_ARMS)), rows
     else:
         # each variant compiled once, at the profiling run's size: none again at the timed M
         # (a reset before each compile used to drop the earlier variants' code: own_code)
@@ -593,3 +662,120 @@ def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monke
         # the rule (K >= N or N >= 8192) permutes the piece's o_proj and down only at these sizes
         assert [r["rule_rewritten"] for r in rows] == [0, 2]
         assert all(len(r["wgmma_rule_us_rounds"]) == 3 and r["drift"] == 0.0 for r in rows)
+
+
+def _ir_add_rms_norm(x, r, w):
+    import vllm.ir.ops as ir_ops
+    return ir_ops.fused_add_rms_norm(x, r, w, 1e-6)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("norm,silu_op", [("vllm_ir", False), ("vllm_ir", True), ("native", False)])
+def test_decode_quant_ops_on_a_decoder_piece(seeded, fused_act_quant, repo_module, norm, silu_op, device):
+    """DecodeQuantOps on bench_compiled_linear's piece (o_proj, add + RMSNorm, gate_up, SiLU-and-mul,
+    down, add + RMSNorm, QKV): every traced quantizer becomes mixprec::quantize_act, and the two
+    after vLLM's IR norm become mixprec::add_rms_norm_quantize_act with it (none after the native
+    norm, which the pass does not match). With SiluMulQuantFusion first, the SiLU's quantizer is
+    that op's. The residual and the QKV output are within 5 % of eager's (Inductor's SiLU-and-mul
+    skips a bf16 rounding: a code may move by one, and the down projection with it). On CUDA the ops are the Triton kernels (the layers' GEMMs the Triton ones)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    bench = repo_module("benchmarks/bench_compiled_linear.py")
+    hidden, n_qkv, inter = 256, 384, 512
+    layers = [_layer(seeded, n=n, k=k, smooth=i == 1, device=device) for i, (n, k) in
+              enumerate(((hidden, hidden), (2 * inter, hidden), (hidden, inter), (n_qkv, hidden)))]
+    fn = bench.piece_fn(*layers, **({"add_rms_norm": _ir_add_rms_norm} if norm == "vllm_ir" else {}))
+    x = [(torch.randn(24, hidden, generator=seeded) * 2).to(torch.bfloat16).to(device) for _ in range(2)]
+    w = [(torch.rand(hidden, generator=seeded) + 0.5).to(torch.bfloat16).to(device) for _ in range(2)]
+    ops, silu = cp.DecodeQuantOps(), cp.SiluMulQuantFusion()
+    torch._dynamo.reset()
+    for a in x:
+        torch._dynamo.mark_dynamic(a, 0)
+    hook = cp.MixprecPostGrad([silu, ops] if silu_op else [ops])
+    out, res = torch.compile(fn, fullgraph=True, options={cp.HOOK: hook, "fx_graph_cache": False})(*x, *w)
+    fused = 2 if norm == "vllm_ir" else 0
+    assert (silu.matched, ops.quantizers, ops.norms) == ((1, 3, fused) if silu_op else (0, 4, fused))
+    for got, want in zip((out, res), fn(*x, *w)):  # (0.5-2.1 % seen)
+        assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.05
+
+
+def test_decode_quant_ops_leave_a_norm_read_elsewhere(seeded, fused_act_quant):
+    """A normed row that something besides the quantizer reads stays vLLM's norm (the quantizer
+    still becomes the op); so does a norm with variance_size. Numbers as eager."""
+    import vllm.ir.ops as ir_ops
+
+    layer = _layer(seeded, n=64, k=256)
+
+    def read_twice(x, res, w):
+        y, r = ir_ops.fused_add_rms_norm(x, res, w, 1e-6)
+        return kernels.apply_linear(layer, y, None), r, y * 2
+
+    def partial_variance(x, res, w):
+        y, r = ir_ops.fused_add_rms_norm(x, res, w, 1e-6, 128)
+        return kernels.apply_linear(layer, y, None), r
+
+    args = [(torch.randn(8, 256, generator=seeded) * 2).to(torch.bfloat16) for _ in range(2)]
+    w = (torch.rand(256, generator=seeded) + 0.5).to(torch.bfloat16)
+    for fn in (read_twice, partial_variance):
+        ops = cp.DecodeQuantOps()
+        torch._dynamo.reset()
+        for a in args:
+            torch._dynamo.mark_dynamic(a, 0)
+        outs = torch.compile(fn, fullgraph=True, options={
+            cp.HOOK: cp.MixprecPostGrad([ops]), "fx_graph_cache": False})(*args, w)
+        assert (ops.quantizers, ops.norms) == (1, 0), fn.__name__
+        for got, want in zip(outs, fn(*args, w)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_decode_quant_ops_reference_and_fake(seeded):
+    """On CPU tensors the two ops are the reference's functions; their fakes give the shapes."""
+    x, res = (torch.randn(3, 64, generator=seeded).to(torch.bfloat16) for _ in range(2))
+    w, sm = torch.rand(64, generator=seeded).to(torch.bfloat16) + 0.5, torch.rand(64, generator=seeded) + 0.5
+    for got, want in ((torch.ops.mixprec.quantize_act(x, sm), ref.quantize_act(x, sm)),
+                      (torch.ops.mixprec.add_rms_norm_quantize_act(x, res, w, 1e-5, sm),
+                       ref.add_rms_norm_quantize_act(x, res, w, 1e-5, sm))):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fx, fres = mode.from_tensor(x), mode.from_tensor(res)
+        q, s = torch.ops.mixprec.quantize_act(fx, None)
+        q2, s2, r2 = torch.ops.mixprec.add_rms_norm_quantize_act(fx, fres, None, 1e-5, None)
+    assert [(t.shape, t.dtype) for t in (q, s, q2, s2, r2)] == [
+        ((3, 64), torch.int8), ((3,), torch.float32), ((3, 64), torch.int8), ((3,), torch.float32),
+        ((3, 64), torch.bfloat16)]
+
+
+def test_install_decode_quant_ops(monkeypatch):
+    """DecodeQuantOps is on by default (MIXPREC_DECODE_QUANT_OPS=1), alone or after
+    SiluMulQuantFusion, split at 64 tokens and applied up to there, with the wgmma order past it;
+    0 leaves it out; a bad value names the variable."""
+    from vllm.config.utils import Range
+    monkeypatch.setattr(cp, "_wgmma_order_applies", lambda: False)
+    monkeypatch.delenv("MIXPREC_DECODE_QUANT_OPS", raising=False)
+    monkeypatch.delenv("MIXPREC_FUSE_SILU_QUANT", raising=False)
+    assert cp.decode_quant_ops() and cp.wanted()
+    alone = SimpleNamespace(inductor_compile_config={}, compile_ranges_endpoints=[8192])
+    assert cp.install(alone) and [type(p) for p in alone.inductor_compile_config[cp.HOOK].passes] == [
+        cp.DecodeQuantOps]
+    assert alone.compile_ranges_endpoints == [cp.DECODE_OPS_MAX_TOKENS, 8192]
+    monkeypatch.setattr(cp, "_wgmma_order_applies", lambda: True)  # an H100 with the csrc build
+    both = SimpleNamespace(inductor_compile_config={}, compile_ranges_endpoints=[8192])
+    assert cp.install(both) and [type(p) for p in both.inductor_compile_config[cp.HOOK].passes] == [
+        cp.DecodeQuantOps, cp.WgmmaActOrder]
+    assert both.compile_ranges_endpoints == [cp.DECODE_OPS_MAX_TOKENS, 8192]  # one split serves both
+    monkeypatch.setattr(cp, "_wgmma_order_applies", lambda: False)
+    monkeypatch.setenv("MIXPREC_FUSE_SILU_QUANT", "1")
+    cc = SimpleNamespace(inductor_compile_config={}, compile_ranges_endpoints=[8192])
+    assert cp.wanted() and cp.install(cc)
+    hook = cc.inductor_compile_config[cp.HOOK]
+    assert [type(p) for p in hook.passes] == [cp.SiluMulQuantFusion, cp.DecodeQuantOps]
+    assert cc.compile_ranges_endpoints == [cp.FUSE_MAX_TOKENS, cp.DECODE_OPS_MAX_TOKENS, 8192]
+    ops = hook.get(cp.DecodeQuantOps)
+    assert ops.is_applicable_for_range(Range(1, 64)) and ops.is_applicable_for_range(Range(33, 64))
+    assert not ops.is_applicable_for_range(Range(65, 8192))
+    monkeypatch.setenv("MIXPREC_DECODE_QUANT_OPS", "0")
+    monkeypatch.setenv("MIXPREC_FUSE_SILU_QUANT", "0")
+    assert not cp.wanted() and not cp.install(SimpleNamespace(inductor_compile_config={}))
+    monkeypatch.setenv("MIXPREC_DECODE_QUANT_OPS", "on")
+    with pytest.raises(ValueError, match="MIXPREC_DECODE_QUANT_OPS='on': expected 1"):
+        cp.install(SimpleNamespace(inductor_compile_config={}))

@@ -30,6 +30,22 @@ def test_quantize_act_smooth_divides(seeded):
     assert torch.equal(ref.quantize_act(x, sm)[0], ref.quantize_act(x / sm)[0])
 
 
+@pytest.mark.parametrize("dtype,weight", [(torch.bfloat16, True), (torch.float16, True), (torch.bfloat16, False)])
+def test_add_rms_norm_is_vllms_native_form(seeded, dtype, weight):
+    """reference.add_rms_norm is vLLM 0.26's fused_add_rms_norm IR op as it runs on the CPU (its
+    native implementation), bit for bit; add_rms_norm_quantize_act quantizes its normed row."""
+    import vllm.ir.ops as ir_ops
+
+    x, res = ((torch.randn(5, 96, generator=seeded) * 3).to(dtype) for _ in range(2))
+    w = (torch.rand(96, generator=seeded) + 0.5).to(dtype) if weight else None
+    y, h = ref.add_rms_norm(x, res, w, 1e-5)
+    want_y, want_h = ir_ops.fused_add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(y, want_y) and torch.equal(h, want_h) and y.dtype == h.dtype == dtype
+    q, s, r = ref.add_rms_norm_quantize_act(x, res, w, 1e-5)
+    want_q, want_s = ref.quantize_act(want_y)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s) and torch.equal(r, want_h)
+
+
 def test_w4a8_gemm_matches_float64(seeded):
     m, n, k, g = 7, 40, 256, 64
     w = torch.randn(n, k, generator=seeded, dtype=torch.float64)

@@ -1,6 +1,7 @@
 """The plugin's torch.compile passes: SiLU-and-mul + activation quantization in one kernel
-(SiluMulQuantFusion, opt-in), and the activations in the wgmma k order for batches past 64 tokens
-(WgmmaActOrder, on where the GPU runs the wgmma kernels). Both go in vLLM's one custom post-grad
+(SiluMulQuantFusion, opt-in), the decode graphs' quantizers as ops launched for their batch
+(DecodeQuantOps, on by default), and the activations in the wgmma k order for batches past 64 tokens
+(WgmmaActOrder, on where the GPU runs the wgmma kernels). All go in vLLM's one custom post-grad
 hook, as MixprecPostGrad.
 
 Under vLLM's compile a mixprec layer quantizes its input in traced torch ops (kernels/
@@ -123,16 +124,20 @@ def _patterns():
     Each pattern is traced once with integers as wildcards and given to Inductor pre-traced:
     its own re-trace at the match's symbolic shapes would not reproduce vLLM's graph (the
     split point is a SymInt expression there), so _halves_of_gate_up checks the sizes."""
+    return _smoothed_pattern_pass("mixprec_silu_mul_quant", ((_search, _replace), (_search_smooth, _replace_smooth)),
+                                  torch.randn(4, 16, dtype=torch.bfloat16), 8, _halves_of_gate_up)
+
+
+def _smoothed_pattern_pass(name: str, pairs, x: torch.Tensor, width: int, check):
+    """A pattern pass of pairs ((search, replace), (search_smooth, replace_smooth)), traced on x
+    and on x with a float32 smoothing vector (as the linear method registers input_smooth) of the
+    quantizer's width."""
     from torch._inductor.pattern_matcher import (PatternMatcherPass, gen_pattern,
                                                  register_replacement)
 
-    patterns = PatternMatcherPass(pass_name="mixprec_silu_mul_quant")
-    gate_up = torch.randn(4, 16, dtype=torch.bfloat16)
-    smooth = torch.rand(8) + 0.5  # float32, as the linear method registers input_smooth
-    for search, replace, args in ((_search, _replace, [gate_up]),
-                                  (_search_smooth, _replace_smooth, [gate_up, smooth])):
-        register_replacement(search, replace, args, _trace, patterns,
-                             extra_check=_halves_of_gate_up,
+    patterns = PatternMatcherPass(pass_name=name)
+    for (search, replace), args in zip(pairs, ([x], [x, torch.rand(width) + 0.5])):
+        register_replacement(search, replace, args, _trace, patterns, extra_check=check,
                              search_fn_pattern=gen_pattern(search, args, _trace))
     return patterns
 
@@ -166,6 +171,163 @@ class SiluMulQuantFusion(_pass_base()):
     def is_applicable_for_range(self, compile_range) -> bool:
         """vLLM's pass manager asks this for each compile range (vllm Range, end inclusive)."""
         return compile_range.end <= FUSE_MAX_TOKENS
+
+    def uuid(self) -> str:
+        return _source_hash()
+
+
+# The largest batch whose graph DecodeQuantOps rewrites: the range below the wgmma order's.
+DECODE_OPS_MAX_TOKENS = DECODE_MAX_M
+
+
+def decode_quant_ops(environ=os.environ) -> bool:
+    """MIXPREC_DECODE_QUANT_OPS: 1 (the default: DecodeQuantOps in graphs of at most
+    DECODE_OPS_MAX_TOKENS tokens) or 0 (Inductor compiles the traced quantizers there too).
+
+    On since session 83: the Llama decoder pieces as vLLM compiles them, H100, M = 1-16, went from
+    1.18-1.31x to 1.26-1.43x Marlin W4A16's (8B) and from 1.06-1.13x to 1.17-1.19x (70B)
+    (docs/BENCHMARKS.md "Session 83 (H100)"). Not yet A/B'd as served TPOT (ab.py's
+    w4a8kv4-inductorquant arm is the other side)."""
+    v = envs.get("MIXPREC_DECODE_QUANT_OPS", environ)
+    if v not in ("0", "1"):
+        raise ValueError(f"MIXPREC_DECODE_QUANT_OPS={v!r}: expected 1 (the default: in graphs for batches "
+                         f"of at most {DECODE_OPS_MAX_TOKENS} tokens, mixprec::quantize_act and "
+                         "mixprec::add_rms_norm_quantize_act in place of the traced activation quantizers; "
+                         "see compile_passes.py) or 0 (Inductor fuses them into the ops before them)")
+    return v == "1"
+
+
+def _quantize(x):
+    return ref.quantize_act(x, None)
+
+
+def _quantize_smooth(x, smooth):
+    return ref.quantize_act(x, smooth)
+
+
+def _quantize_op(x):
+    return torch.ops.mixprec.quantize_act(x, None)
+
+
+def _quantize_op_smooth(x, smooth):
+    return torch.ops.mixprec.quantize_act(x, smooth)
+
+
+def _half_rows(match) -> bool:
+    """The quantizer's input is 2-D fp16/bf16 (the op's contract)."""
+    val = match.kwargs["x"].meta.get("val")
+    return val is not None and val.dim() == 2 and val.dtype in (torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _quantizer_patterns():
+    """The traced quantizer (kernels.apply_linear under compile) -> mixprec::quantize_act."""
+    return _smoothed_pattern_pass("mixprec_decode_quantize_act",
+                                  ((_quantize, _quantize_op), (_quantize_smooth, _quantize_op_smooth)),
+                                  torch.randn(4, 16, dtype=torch.bfloat16), 16, _half_rows)
+
+
+def _vllm_add_rms_norm():
+    """vLLM's IR op (vllm/ir/ops/layernorm.py), as the plugin's hook sees RMSNorm with a residual:
+    vLLM lowers IR ops after the custom post-grad passes. None without vLLM."""
+    try:
+        return torch.ops.vllm_ir.fused_add_rms_norm.default
+    except AttributeError:
+        return None
+
+
+def _fuse_norm_into(quant: torch.fx.Node, norm_op) -> bool:
+    """quant = mixprec::quantize_act(fused_add_rms_norm(x, res, w, eps)[0], smooth), the normed
+    row read by nothing else -> mixprec::add_rms_norm_quantize_act(x, res, w, eps, smooth) in
+    the norm's place, giving the codes, the scales and the residual. False where it does not fit."""
+    import operator
+
+    from .kernels.triton.gemm import NORM_QUANT_MAX_K
+    y, smooth = quant.args
+    if not (isinstance(y, torch.fx.Node) and y.target is operator.getitem and y.args[1] == 0
+            and len(y.users) == 1):
+        return False
+    norm = y.args[0]
+    if not (isinstance(norm, torch.fx.Node) and norm.target is norm_op and not norm.kwargs):
+        return False
+    x, res, w, eps, *rest = norm.args
+    if any(r is not None for r in rest):  # variance_size
+        return False
+    if any(n.meta.get("val") is None for n in (quant, y, norm)):
+        return False  # no fake values to give the fused op's outputs
+    k = y.meta["val"].shape[-1]
+    if not isinstance(k, int) or k > NORM_QUANT_MAX_K:
+        return False
+    order = {n: i for i, n in enumerate(norm.graph.nodes)}
+    if isinstance(smooth, torch.fx.Node) and order[smooth] > order[norm]:
+        return False  # the fused op goes where the norm is, before the norm's other users
+    if any(u.target is not operator.getitem for u in quant.users) or any(
+            u.target is not operator.getitem or u.args[1] != 1 for u in norm.users if u is not y):
+        return False
+    graph = norm.graph
+    vals = (*quant.meta["val"], norm.meta["val"][1])  # codes, scales, residual
+    with graph.inserting_after(norm):
+        fused = graph.call_function(torch.ops.mixprec.add_rms_norm_quantize_act.default,
+                                    (x, res, w, eps, smooth))
+    fused.meta["val"] = vals
+    fake = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a  # noqa: E731
+    fused.meta["eager_input_vals"] = (tuple(fake(a) for a in fused.args), {})
+    gets = {}
+    with graph.inserting_after(fused):
+        for i in range(3):
+            gets[i] = graph.call_function(operator.getitem, (fused, i))
+            gets[i].meta["val"] = vals[i]
+    for u in list(quant.users):  # the codes and the scales
+        u.replace_all_uses_with(gets[u.args[1]])
+        graph.erase_node(u)
+    for u in list(norm.users):  # the residual
+        if u is not y:
+            u.replace_all_uses_with(gets[2])
+            graph.erase_node(u)
+    for n in (quant, y, norm):
+        graph.erase_node(n)
+    return True
+
+
+class DecodeQuantOps(_pass_base()):
+    """Post-grad pass for graphs of at most DECODE_OPS_MAX_TOKENS tokens: each traced quantizer
+    -> mixprec::quantize_act, and where that reads vLLM's fused_add_rms_norm, the pair ->
+    mixprec::add_rms_norm_quantize_act. Inductor tunes its fused quantizers for the size hint of
+    the batch dimension, and vLLM keeps the profiling run's (8192) for every compile range: on the
+    H100 the 70B piece's norm + quantizer kernels took 7.24 and 4.87 us at 16 tokens where vLLM's
+    norm alone takes 3.04 and 2.42 (docs/BENCHMARKS.md "Session 82"). These ops launch for the
+    batch they get, and both let the csrc decode GEMM after them (a programmatic dependent launch)
+    start while they run, which Inductor's kernels do not: most of what they save
+    (docs/BENCHMARKS.md "Session 83 (H100)"). Runs after SiluMulQuantFusion where both are on (that
+    one takes the SiLU's quantizer); otherwise the SiLU-and-mul before the down projection stays
+    Inductor's and its quantizer is the op."""
+
+    def __init__(self):
+        from . import kernels  # noqa: F401  (the ops, on a compile-cache hit too)
+        self.quantizers = 0  # traced quantizers replaced, over every graph this pass has seen
+        self.norms = 0  # of them, those fused with their RMSNorm
+        self.last = (0, 0)  # (quantizers, norms) in the last graph
+        self.seen: set[tuple[int, int]] = set()  # the (quantizers, norms) logged
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        n = _quantizer_patterns().apply(graph)
+        norm_op = _vllm_add_rms_norm()
+        fused = 0
+        if n and norm_op is not None:
+            for node in list(graph.nodes):
+                if node.target is torch.ops.mixprec.quantize_act.default:
+                    fused += _fuse_norm_into(node, norm_op)
+        if n and (n, fused) not in self.seen:  # once a kind of graph: vLLM's pieces differ
+            self.seen.add((n, fused))
+            logger.info("vllm_mixprec: decode graphs (<= %d tokens): %d traced quantizers became "
+                        "mixprec::quantize_act, %d of them fused with their add + RMSNorm "
+                        "(mixprec::add_rms_norm_quantize_act), in a graph", DECODE_OPS_MAX_TOKENS, n, fused)
+        self.quantizers += n
+        self.norms += fused
+        self.last = (n, fused)
+
+    def is_applicable_for_range(self, compile_range) -> bool:
+        return compile_range.end <= DECODE_OPS_MAX_TOKENS
 
     def uuid(self) -> str:
         return _source_hash()
@@ -425,18 +587,23 @@ class MixprecPostGrad(_pass_base()):
 
 def wanted() -> bool:
     """Whether install() has a pass to put in place (config.py asks before building a layer)."""
-    return enabled() or _wgmma_order_applies()
+    return enabled() or decode_quant_ops() or _wgmma_order_applies()
 
 
 def install(compilation_config) -> bool:
-    """Put the wanted passes (SiluMulQuantFusion if MIXPREC_FUSE_SILU_QUANT=1, WgmmaActOrder where
-    it applies) in vLLM's custom post-grad hook, once, and split the compile ranges where they
-    stop applying. Returns whether they are there. A pass the user set keeps the hook: ours are
-    then left out, with a warning."""
+    """Put the wanted passes (SiluMulQuantFusion if MIXPREC_FUSE_SILU_QUANT=1, DecodeQuantOps unless
+    MIXPREC_DECODE_QUANT_OPS=0, WgmmaActOrder where it applies) in vLLM's custom post-grad hook,
+    once, and split the compile ranges where they stop applying. Returns whether they are there. A
+    pass the user set keeps the hook: ours are then left out, with a warning."""
     mode = wgmma_order_mode()
     order = mode in ("input", "input_fused")
-    passes = ([SiluMulQuantFusion()] if enabled() else []) + (
-        [WgmmaActOrder(all_shapes=order, input_order=order)] if _wgmma_order_applies() else [])
+    order_applies = _wgmma_order_applies()
+    # (wanted, the pass, the compile range end it applies up to or after)
+    wants = ((enabled(), SiluMulQuantFusion, FUSE_MAX_TOKENS),
+             (decode_quant_ops(), DecodeQuantOps, DECODE_OPS_MAX_TOKENS),
+             (order_applies, functools.partial(WgmmaActOrder, all_shapes=order, input_order=order),
+              WGMMA_ORDER_AFTER_TOKENS))
+    passes = [make() for want, make, _ in wants if want]
     if not passes:
         return False
     cfg = compilation_config.inductor_compile_config
@@ -449,13 +616,13 @@ def install(compilation_config) -> bool:
                        ", ".join(type(p).__name__ for p in passes))
         return False
     cfg[HOOK] = MixprecPostGrad(passes)
-    if mode == "input_fused" and any(isinstance(p, WgmmaActOrder) for p in passes):
+    if mode == "input_fused" and order_applies:
         reads = cfg.setdefault("realize_reads_threshold", INPUT_FUSED_REALIZE_READS)  # a user's stays
         logger.info("vllm_mixprec: wgmma order input_fused (MIXPREC_X_WGMMA_ORDER): Inductor's "
                     "realize_reads_threshold is %s (compile_passes.INPUT_FUSED_REALIZE_READS)", reads)
-    for p in passes:
-        end = FUSE_MAX_TOKENS if isinstance(p, SiluMulQuantFusion) else WGMMA_ORDER_AFTER_TOKENS
-        _add_compile_range_end(compilation_config, end)
+    for want, _, end in wants:
+        if want:
+            _add_compile_range_end(compilation_config, end)
     return True
 
 

@@ -84,6 +84,13 @@ KNOBS: tuple[Knob, ...] = (
          "realize_reads_threshold is raised to 16; input: the same, threshold left alone; "
          "codes: the codes permuted, on the layers where that paid (the default before session "
          "73); 0: the natural order (compile_passes.py)."),
+    Knob("MIXPREC_DECODE_QUANT_OPS", COMPILE, "1", "0 or 1",
+         "1: in graphs for batches of at most 64 tokens, each traced activation quantizer becomes "
+         "mixprec::quantize_act, and one after vLLM's fused_add_rms_norm becomes "
+         "mixprec::add_rms_norm_quantize_act with the norm (a post-grad pass): kernels launched "
+         "for the batch they get, which let the decode GEMM after them start at once (Inductor's "
+         "fused quantizers are tuned for its 8192-token size hint). 0: Inductor's, as before "
+         "session 83."),
     Knob("MIXPREC_FUSE_SILU_QUANT", COMPILE, "0", "0 or 1",
          "1: mixprec::silu_mul_quantize_act replaces the down projection's SiLU-and-mul + "
          "quantization in graphs for batches of at most 32 tokens (a post-grad pass); served TPOT "

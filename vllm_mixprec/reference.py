@@ -217,6 +217,28 @@ def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None = N
     return quantize_act(silu_and_mul(gate_up), smooth)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                 epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's fused_add_rms_norm (vllm/ir/ops/layernorm.py, its native form, no variance_size):
+    h = x + residual in float32; (rmsnorm(h) [* weight] in x's dtype, h in x's dtype)."""
+    h = x.to(torch.float32) + residual.to(torch.float32)
+    y = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+    if weight is not None:
+        y = y.to(weight.dtype) * weight
+    return y.to(x.dtype), h.to(x.dtype)
+
+
+def add_rms_norm_quantize_act(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                              epsilon: float, smooth: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_act(add_rms_norm(x, residual, weight, epsilon)[0], smooth) and the new residual:
+    (int8 [M, K], float32 scale [M], residual [M, K] in x's dtype). The input of a layer after
+    RMSNorm; a fused kernel replaces the pair in compiled decode graphs (compile_passes.py)."""
+    y, h = add_rms_norm(x, residual, weight, epsilon)
+    q, scale = quantize_act(y, smooth)
+    return q, scale, h
+
+
 def rotate_a4_blocks(xp: torch.Tensor, k8: int, rotation: torch.Tensor | None) -> torch.Tensor:
     """Permuted values [M, K] with each 4-bit block (channels k8 onward, in ACT_BLOCK-channel
     blocks) multiplied by a matrix `rotation` [ACT_BLOCK, ACT_BLOCK] (x_b @ R); the 8-bit part is

@@ -229,6 +229,71 @@ def test_silu_mul_quantize_act_two_pass_and_errors(monkeypatch, seeded):
         tg.silu_mul_quantize_act(gate_up, torch.ones(600, dtype=torch.bfloat16, device=DEV))
 
 
+def _assert_norm_quant_close(got, want):
+    """add_rms_norm_quantize_act against the reference: the residual bit for bit; the sum of
+    squares is added in another order (and rsqrt may differ by an ulp), which can move a normed
+    value by one rounding of its dtype, hence a scale by 2^-7 and a few codes by one."""
+    (q, s, r), (q_ref, s_ref, r_ref) = [tuple(t.cpu() for t in ts) for ts in (got, want)]
+    torch.testing.assert_close(r, r_ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(s, s_ref, rtol=2.0 ** -7, atol=0, equal_nan=True)
+    diff = (q.int() - q_ref.int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01
+
+
+@pytest.mark.parametrize("m,k", [(1, 96), (5, 200), (3, 256)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weight,smooth", [(True, False), (True, True), (False, False)])
+def test_add_rms_norm_quantize_act(m, k, dtype, weight, smooth, seeded):
+    """vLLM's fused_add_rms_norm then quantize_act, in one program a row. Row 1 holds a NaN:
+    its residual keeps it, its scale is NaN and its codes zero."""
+    x, res = _act(m, k, seeded, dtype), _act(m, k, seeded, dtype)
+    if m > 1:
+        x[1, 7] = float("nan")
+    w = (torch.rand(k, generator=seeded) + 0.5).to(dtype).to(DEV) if weight else None
+    sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV) if smooth else None  # float32, as served
+    got = tg.add_rms_norm_quantize_act(x, res, w, 1e-6, sm)
+    want = ref.add_rms_norm_quantize_act(*(None if t is None else t.cpu() for t in (x, res, w)), 1e-6,
+                                         None if sm is None else sm.cpu())
+    assert m == 1 or (torch.isnan(want[1][1]) and (want[0][1] == 0).all())
+    _assert_norm_quant_close(got, want)
+
+
+def test_add_rms_norm_quantize_act_errors(monkeypatch, seeded):
+    x = _act(2, 64, seeded, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"x must be 2-D \[M, K\]; got shape \(2, 8, 8\)"):
+        tg.add_rms_norm_quantize_act(x.view(2, 8, 8), x.view(2, 8, 8), None, 1e-6)
+    with pytest.raises(TypeError, match="residual has dtype torch.float16; expected torch.bfloat16"):
+        tg.add_rms_norm_quantize_act(x, x.half(), None, 1e-6)
+    with pytest.raises(ValueError, match=r"residual has shape \(1, 64\); expected \(2, 64\)"):
+        tg.add_rms_norm_quantize_act(x, x[:1], None, 1e-6)
+    with pytest.raises(ValueError, match=r"weight has shape \(32,\); expected \(64,\)"):
+        tg.add_rms_norm_quantize_act(x, x, x[0, :32], 1e-6)
+    with pytest.raises(TypeError, match="x has dtype torch.float32"):
+        tg.add_rms_norm_quantize_act(x.float(), x.float(), None, 1e-6)
+    q, s, r = tg.add_rms_norm_quantize_act(x[:0], x[:0], None, 1e-6)  # no rows: nothing launched
+    assert (q.shape, s.shape, r.shape) == ((0, 64), (0,), (0, 64))
+    monkeypatch.setattr(tg, "NORM_QUANT_MAX_K", 32)
+    with pytest.raises(ValueError, match="x has 64 columns; .* at most NORM_QUANT_MAX_K = 32"):
+        tg.add_rms_norm_quantize_act(x, x, None, 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("k", [4096, 8192])
+def test_add_rms_norm_quantize_act_gpu(m, k, seeded):
+    """Llama-3-8B / 70B hidden sizes, bf16, with weight and smoothing; outputs poisoned first
+    (torch.empty's caching allocator hands back the poisoned blocks)."""
+    for shape, dtype in (((m, k), torch.int8), ((m,), torch.float32), ((m, k), torch.bfloat16)):
+        torch.full(shape, 77, dtype=dtype, device=DEV)  # freed at once, its block poisoned
+    x, res = _act(m, k, seeded, torch.bfloat16), _act(m, k, seeded, torch.bfloat16)
+    w = (torch.rand(k, generator=seeded) + 0.5).to(torch.bfloat16).to(DEV)
+    sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV)
+    got = tg.add_rms_norm_quantize_act(x, res, w, 1e-5, sm)
+    want = ref.add_rms_norm_quantize_act(x.cpu(), res.cpu(), w.cpu(), 1e-5, sm.cpu())
+    _assert_norm_quant_close(got, want)
+
+
 @pytest.mark.parametrize("k,k8", [(256, 0), (256, 128), (256, 256), (384, 128)])
 @pytest.mark.parametrize("smooth", [False, True])
 @pytest.mark.parametrize("m", [1, 6])

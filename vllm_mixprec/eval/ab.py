@@ -97,6 +97,10 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
     _w4a8kv4_with("siluquant", "MIXPREC_FUSE_SILU_QUANT", "1",
         what="w4a8kv4 whose down projection takes mixprec::silu_mul_quantize_act in place of "
              "Inductor's SiLU-and-mul + quantize kernel (compile_passes.py)"),
+    _w4a8kv4_with("inductorquant", "MIXPREC_DECODE_QUANT_OPS", "0",
+        what="w4a8kv4 whose decode graphs (batches of at most 64 tokens) keep Inductor's fused "
+             "quantizers instead of mixprec::quantize_act and mixprec::add_rms_norm_quantize_act "
+             "(compile_passes.DecodeQuantOps): what the decode ops are worth served"),
     _w4a8kv4_with("naturalorder", "MIXPREC_X_WGMMA_ORDER", "0",
         what="w4a8kv4 whose compiled graphs quantize every layer's activations in the natural k "
              "order (compile_passes.WgmmaActOrder off): what the wgmma order is worth served"),

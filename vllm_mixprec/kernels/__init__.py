@@ -309,6 +309,40 @@ def _(gate_up, smooth):
             gate_up.new_empty((m,), dtype=torch.float32))
 
 
+@torch.library.custom_op("mixprec::quantize_act", mutates_args=())
+def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.quantize_act as one kernel whose launch is chosen by M when it runs (csrc where
+    built, else Triton): what compile_passes.DecodeQuantOps puts in place of the traced
+    quantizer in decode graphs. CPU tensors (and MIXPREC_KERNEL=reference) take the reference."""
+    if x.device.type == "cuda" and _FORCED != "reference":
+        use_cuda = _FORCED != "triton" and _cuda.available() and _cuda.supports_device(x.device)
+        return (_cuda if use_cuda else _triton()).quantize_act(x, smooth)
+    return (_triton() if _interpreting() and _FORCED != "reference" else ref).quantize_act(x, smooth)
+
+
+@quantize_act.register_fake
+def _(x, smooth):
+    return (x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32))
+
+
+@torch.library.custom_op("mixprec::add_rms_norm_quantize_act", mutates_args=())
+def add_rms_norm_quantize_act(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                              epsilon: float, smooth: torch.Tensor | None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reference.add_rms_norm_quantize_act in one Triton kernel (no csrc twin): what
+    compile_passes.DecodeQuantOps puts in place of vLLM's fused_add_rms_norm + the traced
+    quantizer in decode graphs. CPU tensors (and MIXPREC_KERNEL=reference) take the reference."""
+    on_gpu = x.device.type == "cuda" or _interpreting()
+    mod = _triton() if on_gpu and _FORCED != "reference" else ref
+    return mod.add_rms_norm_quantize_act(x, residual, weight, epsilon, smooth)
+
+
+@add_rms_norm_quantize_act.register_fake
+def _(x, residual, weight, epsilon, smooth):
+    return (x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32),
+            x.new_empty(x.shape))
+
+
 # --- what the linear method calls -------------------------------------------------------
 
 _PARAMS = ("qweight", "group_scale", "group_offset", "channel_scale", "input_smooth", "act_perm")

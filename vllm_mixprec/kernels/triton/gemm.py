@@ -662,6 +662,49 @@ def _quant_act_chunk_codes_kernel(v_ptr, stats_ptr, q_ptr, s_ptr, K, stride_v, s
         tl.store(s_ptr + row, scale)
 
 
+@triton.jit
+def _rsqrt_libdevice(v):
+    return libdevice.rsqrt(v)  # as Inductor lowers torch.rsqrt
+
+
+@triton.jit
+def _rsqrt_interpreted(v):
+    """The CPU interpreter has no libdevice."""
+    return 1.0 / tl.sqrt(v)
+
+
+_rsqrt = _rsqrt_interpreted if _interpreting() else _rsqrt_libdevice
+
+
+@triton.jit
+def _add_rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, smooth_ptr, q_ptr, s_ptr, res_out_ptr, K, eps,
+                               stride_x, stride_r, stride_ro, stride_q, BLOCK: tl.constexpr,
+                               HAS_WEIGHT: tl.constexpr, HAS_SMOOTH: tl.constexpr, PDL: tl.constexpr):
+    """reference.add_rms_norm_quantize_act, grid (M,): one program holds a row in registers
+    (BLOCK >= K), so the row is read once where Inductor's looped reduction reads it three times
+    (the sum of squares, the amax, the codes). Roundings as vLLM's native norm: the residual and
+    the normed row in x's dtype, the weight's product in its dtype."""
+    if PDL:  # the GEMM after (a programmatic dependent launch) may set up now; it waits for us
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    h = x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    # (rounded first: the interpreter's bf16 cast truncates)
+    tl.store(res_out_ptr + row * stride_ro + cols, _rounded_as(h, x).to(x.dtype), mask=mask)
+    y = h * _rsqrt(tl.sum(h * h) / K + eps)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        y = _rounded_as(_rounded_as(y, w) * w.to(tl.float32), w)
+    y = _rounded_as(y, x)
+    if HAS_SMOOTH:
+        y = tl.math.div_rn(y, tl.load(smooth_ptr + cols, mask=mask, other=1.0).to(tl.float32))
+    scale = _scale_of(tl.max(tl.abs(y)), _num_nonfinite(y, y), 127)
+    tl.store(q_ptr + row * stride_q + cols, _codes(y, scale, 127, False), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
 # ======================================================================================
 # Host side
 # ======================================================================================
@@ -1118,6 +1161,51 @@ def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None = N
     return q, s
 
 
+# add_rms_norm_quantize_act holds a row in one program's registers: rows of up to this many
+# values (Llama-3-405B's hidden size is 16384).
+NORM_QUANT_MAX_K = 16384
+# Its warps a program; None: _num_warps_for the row (8 for 4096 columns, 16 for 8192). Benchmarks
+# set it (bench_act_quant.py --norm-op).
+NORM_QUANT_WARPS: int | None = None
+
+
+def add_rms_norm_quantize_act(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                              epsilon: float, smooth: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reference.add_rms_norm_quantize_act in one kernel, one program a row: x, residual [M, K]
+    (fp16/bf16, K <= NORM_QUANT_MAX_K) -> (int8 [M, K], float32 scale [M], x + residual [M, K]).
+    Not bit-exact: the sum of squares is added in another order than torch's (a code may move
+    by one)."""
+    _check_dtype("x", x, (torch.float16, torch.bfloat16))
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K]; got shape {tuple(x.shape)}")
+    M, K = x.shape
+    if K > NORM_QUANT_MAX_K:
+        raise ValueError(f"x has {K} columns; add_rms_norm_quantize_act holds a row in registers, "
+                         f"at most NORM_QUANT_MAX_K = {NORM_QUANT_MAX_K}")
+    _check_dtype("residual", residual, x.dtype)
+    _check_shape("residual", residual, (M, K))
+    for name, t in (("weight", weight), ("smooth", smooth)):
+        if t is not None:
+            _check_dtype(name, t, _ACT_DTYPES)
+            _check_shape(name, t, (K,))
+    q = torch.empty((M, K), dtype=torch.int8, device=x.device)
+    s = torch.empty((M,), dtype=torch.float32, device=x.device)
+    res_out = torch.empty((M, K), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return q, s, res_out
+    x, residual = _row_major(x), _row_major(residual)
+    weight = weight.contiguous() if weight is not None else None
+    smooth = smooth.contiguous() if smooth is not None else None
+    block = _pow2_at_least(K, 16)
+    _add_rms_norm_quant_kernel[(M,)](
+        x, residual, weight if weight is not None else x, smooth if smooth is not None else x, q, s,
+        res_out, K, float(epsilon), x.stride(0), residual.stride(0), res_out.stride(0), q.stride(0),
+        BLOCK=block, HAS_WEIGHT=weight is not None, HAS_SMOOTH=smooth is not None,
+        PDL=split_rows_pdl(x.device), num_warps=NORM_QUANT_WARPS or _num_warps_for(block))
+    return q, s, res_out
+
+
 # Rows of at most this many tokens are split over programs of SPLIT_ROWS_BLOCK columns (two
 # launches); more rows keep one program each. H100, 2026-11-26, silu_mul_quantize_act, K = 14336,
 # split / one program a row: 3.75 / 9.77 us (M = 1), 4.91 / 9.86 (32), 6.12 / 10.0 (64), 31.3 /
@@ -1144,7 +1232,8 @@ def split_rows(M: int, K: int, gated: bool = False) -> bool:
 
 def split_rows_pdl(device: torch.device) -> bool:
     """Whether the split rows' second pass is a programmatic dependent launch (Hopper and
-    later): scheduled while the first runs, so the two cost about one launch.
+    later): scheduled while the first runs, so the two cost about one launch. The same switch
+    lets add_rms_norm_quantize_act's kernel launch the csrc GEMM after it at once.
     MIXPREC_QUANT_PDL=0 turns it off (on by default where it applies)."""
     return (envs.flag("MIXPREC_QUANT_PDL") and device.type == "cuda" and not _interpreting()
             and capability_major(device) >= 9)
