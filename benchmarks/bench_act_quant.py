@@ -63,10 +63,8 @@ def quant_3reduce(x):
 
 
 def add_rms_norm(x, res, w):
-    """vLLM's fused_add_rms_norm, native form (vllm/ir/ops/layernorm.py)."""
-    h = x.float() + res.float()
-    y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(torch.bfloat16) * w
-    return y, h.to(torch.bfloat16)
+    """vLLM's fused_add_rms_norm, native form (reference.add_rms_norm)."""
+    return ref.add_rms_norm(x, res, w, EPS)
 
 
 silu_and_mul = ref.silu_and_mul  # vLLM's SiluAndMul.forward_native

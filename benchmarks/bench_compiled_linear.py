@@ -333,15 +333,15 @@ def marlin_variants(name: str, gen: torch.Generator, args) -> tuple:
         variants["mixprec_silu_op"] = (fn, [extras["silu_op"]], {}, served)
     if args.decode_ops:  # MIXPREC_DECODE_QUANT_OPS=1, over the IR norm the pass matches when served
         norms = {"piece": 2, "norm": 1}.get(before, 0)
-        extras["decode_ops"] = {"mixprec_decode_ops": compile_passes.DecodeQuantOps()}
-        extras["decode_ops_expected"] = {"mixprec_decode_ops": (4 if before == "piece" else 1, norms)}
-        if args.silu_op:  # both, as install() orders them
-            extras["decode_ops"]["mixprec_decode_ops_silu"] = compile_passes.DecodeQuantOps()
-            extras["decode_ops_expected"]["mixprec_decode_ops_silu"] = (
-                4 - extras["has_silu"] if before == "piece" else 1 - extras["has_silu"], norms)
-        for v, ops in extras["decode_ops"].items():
-            passes = [compile_passes.SiluMulQuantFusion(), ops] if v.endswith("_silu") else [ops]
-            variants[v] = (fn_ir, passes, {}, served)
+        quantizers = 4 if before == "piece" else 1
+        arms = {"mixprec_decode_ops": ([], quantizers)}
+        if args.silu_op:  # both, as install() orders them: the SiLU op takes its quantizer
+            arms["mixprec_decode_ops_silu"] = ([compile_passes.SiluMulQuantFusion()], quantizers - extras["has_silu"])
+        extras["decode_ops"], extras["decode_ops_expected"] = {}, {}
+        for v, (before_ops, expected) in arms.items():
+            ops = extras["decode_ops"][v] = compile_passes.DecodeQuantOps()
+            extras["decode_ops_expected"][v] = (expected, norms)
+            variants[v] = (fn_ir, [*before_ops, ops], {}, served)
     return before, n, k, variants, extras
 
 

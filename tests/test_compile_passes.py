@@ -664,11 +664,6 @@ def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monke
         assert all(len(r["wgmma_rule_us_rounds"]) == 3 and r["drift"] == 0.0 for r in rows)
 
 
-def _ir_add_rms_norm(x, r, w):
-    import vllm.ir.ops as ir_ops
-    return ir_ops.fused_add_rms_norm(x, r, w, 1e-6)
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("norm,silu_op", [("vllm_ir", False), ("vllm_ir", True), ("native", False)])
 def test_decode_quant_ops_on_a_decoder_piece(seeded, fused_act_quant, repo_module, norm, silu_op, device):
@@ -684,7 +679,7 @@ def test_decode_quant_ops_on_a_decoder_piece(seeded, fused_act_quant, repo_modul
     hidden, n_qkv, inter = 256, 384, 512
     layers = [_layer(seeded, n=n, k=k, smooth=i == 1, device=device) for i, (n, k) in
               enumerate(((hidden, hidden), (2 * inter, hidden), (hidden, inter), (n_qkv, hidden)))]
-    fn = bench.piece_fn(*layers, **({"add_rms_norm": _ir_add_rms_norm} if norm == "vllm_ir" else {}))
+    fn = bench.piece_fn(*layers, **({"add_rms_norm": bench.ir_add_rms_norm} if norm == "vllm_ir" else {}))
     x = [(torch.randn(24, hidden, generator=seeded) * 2).to(torch.bfloat16).to(device) for _ in range(2)]
     w = [(torch.rand(hidden, generator=seeded) + 0.5).to(torch.bfloat16).to(device) for _ in range(2)]
     ops, silu = cp.DecodeQuantOps(), cp.SiluMulQuantFusion()
