@@ -23,12 +23,13 @@ triton.force_cooperative_reductions=True: a row's reduction split over several p
 (`rms_norm_dynamic_per_token_quant`, what vLLM's int8 fusion pass puts in), uncompiled, with how
 many of its codes differ from reference.quantize_act of the native norm ("vllm" rows).
 `--norm-op W...` adds the plugin's own add + RMSNorm + quantizer op (mixprec::add_rms_norm_quantize_act,
-what MIXPREC_DECODE_QUANT_OPS=1 serves), uncompiled, at each number of warps W ("op-wW" rows; 0: the
-op's own choice), with the same code agreement.
+what MIXPREC_DECODE_QUANT_OPS=1 serves), uncompiled, with the same code agreement: W = cuda is its
+csrc kernel ("op-cuda" rows; what it takes where built), a number its Triton kernel at that many
+warps a program ("op-wW" rows; 0: the Triton kernel's own choice).
 `--hidden`/`--inter` set the row widths (default Llama-3-8B's; 8192 and 28672 for Llama-3-70B).
 
   python benchmarks/bench_act_quant.py --out DIR [--ms 1 8] [--static] [--inductor K=V ...]
-      [--vllm-norm-quant] [--norm-op 0 4 8 16] [--patterns norm silu quant] [--hidden 4096] [--inter 14336]
+      [--vllm-norm-quant] [--norm-op cuda 0 4 8 16] [--patterns norm silu quant] [--hidden 4096] [--inter 14336]
 """
 from __future__ import annotations
 
@@ -118,6 +119,15 @@ def inputs(name, m):
             "quant": (r(m, HIDDEN),)}[name]
 
 
+def norm_op_arm(v: str) -> str | int:
+    """--norm-op's values: cuda, or a number of warps (0 or a power of two up to 16)."""
+    if v == "cuda":
+        return v
+    if v.isdigit() and int(v) in (0, 1, 2, 4, 8, 16):
+        return int(v)
+    raise argparse.ArgumentTypeError(f"{v!r}: expected cuda or a number of warps (0, 1, 2, 4, 8 or 16)")
+
+
 def time_us(fn, args) -> float:
     import triton
 
@@ -179,9 +189,9 @@ def main() -> int:
                     help="also vLLM's rms_norm_dynamic_per_token_quant kernel (module docstring)")
     ap.add_argument("--patterns", nargs="+", choices=("norm", "silu", "quant"), default=("norm", "silu", "quant"),
                     help="the compiled patterns to time (default: all three)")
-    ap.add_argument("--norm-op", type=int, nargs="+", metavar="WARPS",
-                    help="also mixprec::add_rms_norm_quantize_act, uncompiled, at each number of warps "
-                         "a program (0: its own choice)")
+    ap.add_argument("--norm-op", type=norm_op_arm, nargs="+", metavar="cuda|WARPS",
+                    help="also mixprec::add_rms_norm_quantize_act, uncompiled: its csrc kernel (cuda), "
+                         "its Triton kernel at each number of warps a program (0: its own choice)")
     ap.add_argument("--hidden", type=int, default=HIDDEN, help="the norm's row width (default: %(default)s)")
     ap.add_argument("--inter", type=int, default=INTER, help="SiLU-and-mul's output width (default: %(default)s)")
     args = ap.parse_args()
@@ -219,17 +229,22 @@ def main() -> int:
             print(f"norm   vllm      M={m:<5d} uncompiled {row['dynamic_us']:7.2f} us   codes differing "
                   f"{100 * row['codes_differ']:.3f} % (at most {row['max_code_diff']}), scales up to "
                   f"{row['scale_rel_diff']:.1e} apart", flush=True)
-    for warps in args.norm_op or ():
+    for arm in args.norm_op or ():
+        from vllm_mixprec import kernels
         from vllm_mixprec.kernels.triton import gemm as tg
-        tg.NORM_QUANT_WARPS = warps or None
+        if arm == "cuda" and not kernels._cuda.has_norm_quant():
+            raise SystemExit(f"--norm-op cuda: the csrc ops are not built ({kernels._cuda.load_error()})")
+        kernels._NORM_QUANT_CUDA = arm == "cuda"
+        tg.NORM_QUANT_WARPS = None if arm == "cuda" else arm or None
+        form = "op-cuda" if arm == "cuda" else f"op-w{arm}"
         for m in args.ms:
-            row = {"pattern": "norm", "quant": f"op-w{warps}", "M": m, "warps": warps,
+            row = {"pattern": "norm", "quant": form, "M": m, "warps": None if arm == "cuda" else arm,
                    "dynamic_us": time_us(norm_op, inputs("norm", m)), **code_agreement(norm_op, m)}
             rows.append(row)
-            print(f"norm   op-w{warps:<4d} M={m:<5d} uncompiled {row['dynamic_us']:7.2f} us   codes differing "
+            print(f"norm   {form:9s} M={m:<5d} uncompiled {row['dynamic_us']:7.2f} us   codes differing "
                   f"{100 * row['codes_differ']:.3f} % (at most {row['max_code_diff']}), scales up to "
                   f"{row['scale_rel_diff']:.1e} apart", flush=True)
-        tg.NORM_QUANT_WARPS = None
+        kernels._NORM_QUANT_CUDA, tg.NORM_QUANT_WARPS = True, None
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_act_quant.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": HIDDEN, "inter": INTER,

@@ -36,8 +36,10 @@ MIXPREC_FUSE_SILU_QUANT=1's pass (opt-in). --decode-ops adds W4A8 with MIXPREC_D
 pass (compile_passes.DecodeQuantOps, the default since session 83: the quantizers as ops launched
 for their batch, the ones after RMSNorm fused with it), over vLLM's IR norm as the served graph has
 it; with --silu-op, also both passes. The "mixprec" arm is then MIXPREC_DECODE_QUANT_OPS=0
-(Inductor's fused quantizers, the default before). --profile CALLS adds every variant's kernels under the
-torch profiler: their device time a call, the GEMMs and the ops between them summed.
+(Inductor's fused quantizers, the default before); "mixprec_decode_ops_triton_norm" is the
+default with the norm op's Triton kernel in place of its csrc one (session 84). --profile CALLS
+adds every variant's kernels under the torch profiler: their device time a call, the GEMMs and the
+ops between them summed.
 
 --compare w4ax times W4Ax as it is served against W4A8 instead (issue #4's "W4Ax against W4A8,
 honestly"): "w4a8" is the natural compile above; "w4ax_kernel" the same function over W4Ax
@@ -233,7 +235,8 @@ def compiled(fn, before: str, k: int, passes, code_path: str | None = None, opti
     fn = own_code(fn, tag)
     options = {**(options or {}), compile_passes.HOOK: compile_passes.MixprecPostGrad(passes),
                "fx_graph_cache": False}
-    modes = {"_FUSE_ACT_QUANT": True, **(modes or {})}  # the traced quantizer (the default)
+    # the traced quantizer, and the csrc norm op where built (the defaults)
+    modes = {"_FUSE_ACT_QUANT": True, "_NORM_QUANT_CUDA": True, **(modes or {})}
 
     def set_modes():
         for name, value in modes.items():
@@ -334,14 +337,17 @@ def marlin_variants(name: str, gen: torch.Generator, args) -> tuple:
     if args.decode_ops:  # MIXPREC_DECODE_QUANT_OPS=1, over the IR norm the pass matches when served
         norms = {"piece": 2, "norm": 1}.get(before, 0)
         quantizers = 4 if before == "piece" else 1
-        arms = {"mixprec_decode_ops": ([], quantizers)}
+        arms = {"mixprec_decode_ops": ([], quantizers, {})}
+        if norms:  # the norm op's Triton kernel in place of the csrc one (the same where not built)
+            arms["mixprec_decode_ops_triton_norm"] = ([], quantizers, {"_NORM_QUANT_CUDA": False})
         if args.silu_op:  # both, as install() orders them: the SiLU op takes its quantizer
-            arms["mixprec_decode_ops_silu"] = ([compile_passes.SiluMulQuantFusion()], quantizers - extras["has_silu"])
+            arms["mixprec_decode_ops_silu"] = ([compile_passes.SiluMulQuantFusion()],
+                                               quantizers - extras["has_silu"], {})
         extras["decode_ops"], extras["decode_ops_expected"] = {}, {}
-        for v, (before_ops, expected) in arms.items():
+        for v, (before_ops, expected, modes) in arms.items():
             ops = extras["decode_ops"][v] = compile_passes.DecodeQuantOps()
             extras["decode_ops_expected"][v] = (expected, norms)
-            variants[v] = (fn_ir, [*before_ops, ops], {}, served)
+            variants[v] = (fn_ir, [*before_ops, ops], modes, served)
     return before, n, k, variants, extras
 
 
@@ -372,7 +378,7 @@ def marlin_fields(row: dict, extras: dict, outs: dict) -> str:
 MARLIN_AGREEMENT = 0.5
 
 
-DECODE_OPS_ARMS = ("mixprec_decode_ops", "mixprec_decode_ops_silu")
+DECODE_OPS_ARMS = ("mixprec_decode_ops", "mixprec_decode_ops_triton_norm", "mixprec_decode_ops_silu")
 
 
 def marlin_bad(row: dict) -> bool:

@@ -202,6 +202,57 @@ std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x_in, const st
   return {q, scale};
 }
 
+// reference.add_rms_norm_quantize_act: (codes [M, K] int8, scales [M] float32, residual [M, K] in x's
+// dtype). Rows as add_rms_norm_quantize_act_launch takes them (kernels/cuda.py:norm_quant_supports).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_quantize_act(
+    const at::Tensor& x_in, const at::Tensor& residual_in, const std::optional<at::Tensor>& weight_in, double epsilon,
+    const std::optional<at::Tensor>& smooth_in) {
+  constexpr const char* op = "mixprec_C::add_rms_norm_quantize_act: ";
+  TORCH_CHECK(x_in.is_cuda(), op, "x must be a CUDA tensor, got ", x_in.device());
+  TORCH_CHECK(x_in.dim() == 2, op, "x must be 2-D [M, K], got shape ", x_in.sizes());
+  TORCH_CHECK(x_in.scalar_type() == at::kHalf || x_in.scalar_type() == at::kBFloat16, op,
+              "x must be float16 or bfloat16, got ", x_in.scalar_type());
+  check_cuda(residual_in, x_in, "residual");
+  TORCH_CHECK(residual_in.sizes() == x_in.sizes() && residual_in.scalar_type() == x_in.scalar_type(), op,
+              "residual must match x (", x_in.sizes(), " ", x_in.scalar_type(), "), got ", residual_in.sizes(), " ",
+              residual_in.scalar_type());
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const at::Tensor residual = residual_in.stride(1) == 1 ? residual_in : residual_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M < (int64_t{1} << 31) && K < (int64_t{1} << 31) && add_rms_norm_quantize_act_supports(static_cast<int>(K)),
+              op, "rows of K % 8 == 0 and at most ", kNormMaxK, " columns, got K = ", K);
+  at::Tensor weight, smooth;
+  if (weight_in.has_value()) {
+    weight = weight_in->contiguous();
+    check_cuda(weight, x, "weight");
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == K && weight.scalar_type() == x.scalar_type(), op,
+                "weight must be [", K, "] of x's dtype ", x.scalar_type(), ", got ", weight.sizes(), " ",
+                weight.scalar_type());
+  }
+  if (smooth_in.has_value()) {
+    smooth = smooth_in->contiguous();
+    check_cuda(smooth, x, "smooth");
+    TORCH_CHECK(smooth.dim() == 1 && smooth.size(0) == K && smooth.scalar_type() == at::kFloat, op,
+                "smooth must be [", K, "] float32, got ", smooth.sizes(), " ", smooth.scalar_type());
+  }
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({M}, x.options().dtype(at::kFloat));
+  at::Tensor res_out = at::empty({M, K}, x.options());
+  if (M == 0) return {q, scale, res_out};
+  const NormQuantArgs args{x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
+                           weight.defined() ? weight.data_ptr() : nullptr,
+                           smooth.defined() ? smooth.data_ptr<float>() : nullptr, q.data_ptr<int8_t>(),
+                           scale.data_ptr<float>(), res_out.data_ptr(), static_cast<int>(M), static_cast<int>(K),
+                           static_cast<float>(epsilon), kind_of(x.scalar_type(), op)};
+  const cudaError_t err =
+      add_rms_norm_quantize_act_launch(args, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  TORCH_CHECK(err != cudaErrorInvalidValue, op, "x's and residual's rows, weight and smooth must start on 16-byte ",
+              "boundaries (x row stride ", x.stride(0), ", residual row stride ", residual.stride(0), ")");
+  C10_CUDA_CHECK(err);
+  return {q, scale, res_out};
+}
+
 at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, const at::Tensor& qweight,
                      const at::Tensor& gparams, const at::Tensor& channel_scale_in,
                      const std::optional<at::Tensor>& bias_in, at::ScalarType out_dtype, int64_t kernel,
@@ -542,6 +593,8 @@ std::vector<int64_t> set_launch_options(int64_t gemm_pdl, int64_t act_quant_one_
 TORCH_LIBRARY(mixprec_C, m) {
   // wgmma_order / x_wgmma_order: xq in the wgmma kernels' k order (formats.py wgmma_act_k_order).
   m.def("quantize_act(Tensor x, Tensor? smooth, bool wgmma_order=False) -> (Tensor, Tensor)");
+  m.def("add_rms_norm_quantize_act(Tensor x, Tensor residual, Tensor? weight, float epsilon, Tensor? smooth) "
+        "-> (Tensor, Tensor, Tensor)");
   m.def(
       "w4a8_gemm(Tensor xq, Tensor x_scale, Tensor qweight, Tensor gparams, Tensor channel_scale, "
       // kernel_id, not kernel: Inductor's FallbackKernel.create() takes a `kernel` argument itself.
@@ -566,6 +619,7 @@ TORCH_LIBRARY(mixprec_C, m) {
 
 TORCH_LIBRARY_IMPL(mixprec_C, CUDA, m) {
   m.impl("quantize_act", &mixprec::quantize_act);
+  m.impl("add_rms_norm_quantize_act", &mixprec::add_rms_norm_quantize_act);
   m.impl("w4a8_gemm", &mixprec::w4a8_gemm);
   m.impl("decode_kv4_pages", &mixprec::decode_kv4_pages);
 }

@@ -161,6 +161,18 @@ def test_act_quant_benchmark_times_the_norm_op_it_checks(seeded, repo_module, mo
     assert torch.equal(q, want[0]) and torch.equal(s, want[1]) and torch.equal(r, want[2])
 
 
+def test_act_quant_benchmark_norm_op_arms(repo_module):
+    """--norm-op: cuda (the csrc kernel) or the Triton kernel's warps; anything else is refused
+    with what it takes."""
+    import argparse
+
+    bench = repo_module("benchmarks/bench_act_quant.py")
+    assert [bench.norm_op_arm(v) for v in ("cuda", "0", "16")] == ["cuda", 0, 16]
+    for bad in ("3", "32", "csrc", "-8"):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"'{bad}': expected cuda or a number of warps"):
+            bench.norm_op_arm(bad)
+
+
 def test_install_with_the_wgmma_order(monkeypatch):
     """Where the GPU runs the wgmma kernels, install() puts WgmmaActOrder in the hook (with the
     fusion when that is asked for too) and splits the ranges after 64 tokens; the hook runs each
@@ -583,6 +595,43 @@ def test_decode_ops_against_marlin_on_the_h100(repo_module):
         ops = [r for r in alone if r["quant"].startswith("op-")]
         assert len(ops) == 6 and all(r["codes_differ"] == 0.0 for r in ops)
         assert all(r["dynamic_us"] > inductor[r["M"]] for r in ops), width
+
+
+def test_csrc_norm_op_and_served_decode_ops_on_the_h100(repo_module):
+    """Session 84's run, read from its files as docs/BENCHMARKS.md "Session 84 (H100)" reads them. Alone,
+    the csrc norm op has the reference's codes and beats the Triton kernel at every M and width. In the
+    pieces the default (csrc op) is faster than with the Triton op at every M: 8B 1.28-1.44x Marlin's at
+    M <= 16, 70B 1.21x at M = 1 and under 1.2x at 2-16. Served A-B-A: both rounds of the decode ops have
+    a lower median TPOT than Inductor's quantizers at concurrency 1 and 8."""
+    import json
+    import pathlib
+
+    bench = repo_module("benchmarks/bench_compiled_linear.py")
+    run = pathlib.Path(__file__).resolve().parents[1] / "benchmarks/results/2026-12-06-s84"
+    rows = [r for f in ("served-marlin", "served-marlin-70b")
+            for r in json.loads((run / "run1" / f / "bench_compiled_marlin.json").read_text())["rows"]]
+    assert sorted({(r["layer"], r["M"]) for r in rows}) == [(p, m) for p in ("piece", "piece_70b")
+                                                             for m in (1, 2, 4, 8, 16, 32)]
+    for r in rows:
+        assert not bench.marlin_bad(r) and r["mixprec_decode_ops_triton_norm_replaced"] == [4, 2], (r["layer"], r["M"])
+        assert r["mixprec_decode_ops_us"] < r["mixprec_decode_ops_triton_norm_us"] < r["mixprec_us"], (r["layer"], r["M"])
+    ratio = {(r["layer"], r["M"]): r["marlin_over_mixprec_decode_ops"] for r in rows}
+    small = (1, 2, 4, 8, 16)
+    assert 1.275 <= min(ratio["piece", m] for m in small) and max(ratio["piece", m] for m in small) < 1.45
+    assert ratio["piece_70b", 1] >= 1.2 and all(1.18 <= ratio["piece_70b", m] < 1.2 for m in small[1:])
+    for width in ("8b", "70b"):
+        alone = json.loads((run / f"run1/act-quant-{width}/bench_act_quant.json").read_text())["rows"]
+        triton = {r["M"]: r["dynamic_us"] for r in alone if r["quant"] == "op-w0"}
+        csrc = [r for r in alone if r["quant"] == "op-cuda"]
+        assert len(csrc) == 3 and all(r["codes_differ"] == 0.0 and r["dynamic_us"] < triton[r["M"]] for r in csrc)
+    served = [json.loads(line) for n in (1, 2, 3)
+              for line in (run / f"serve-aba/results/aba-{n}/ab.jsonl").read_text().splitlines()]
+    for conc in (1, 8):
+        tpot = {}
+        for r in served:
+            if r["concurrency"] == conc and r["status"] == "ok":
+                tpot.setdefault(r["arm"], []).append(r["metrics"]["median_tpot_ms"])
+        assert len(tpot["w4a8kv4"]) == 2 and max(tpot["w4a8kv4"]) < min(tpot["w4a8kv4-inductorquant"]), conc
 
 
 def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):

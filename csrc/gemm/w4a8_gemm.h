@@ -140,6 +140,28 @@ cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_ro
 // `split`, as quantize_act_int8_launch takes it.
 int quantize_act_split_chunk(int split, int M, int K);
 
+// add + RMSNorm + per-token int8 (csrc/quant/add_rms_norm_quantize_act.cu,
+// reference.add_rms_norm_quantize_act). x, residual, res_out [M, K] of `kind` (half or bf16;
+// res_out contiguous), weight [K] of `kind` or null, smooth [K] float32 or null; q [M, K],
+// scale [M]. Rows of K % 8 == 0, at most kNormMaxK, 16-byte aligned (else cudaErrorInvalidValue).
+constexpr int kNormMaxK = 16384;
+struct NormQuantArgs {
+  const void* x;
+  int64_t x_row_stride;
+  const void* residual;
+  int64_t residual_row_stride;
+  const void* weight;
+  const float* smooth;
+  int8_t* q;
+  float* scale;
+  void* res_out;
+  int M, K;
+  float epsilon;
+  OutKind kind;
+};
+bool add_rms_norm_quantize_act_supports(int K);
+cudaError_t add_rms_norm_quantize_act_launch(const NormQuantArgs& args, cudaStream_t stream);
+
 // The wgmma k order of int8 activations (formats.py wgmma_act_k_order): in every 64 k, 4-byte
 // unit 4a + b goes to unit 4b + a, the packing's k permutation, so that the wgmma kernels'
 // shared-memory B tile is a plain copy of the row (W4A8GemmArgs::x_wgmma_order). An involution.

@@ -24,57 +24,10 @@
 
 #include "common/device.h"
 #include "gemm/w4a8_gemm.h"
+#include "quant/act_int8.cuh"
 
 namespace mixprec {
 namespace {
-
-// 8 input elements as loaded (16 bytes of half/bf16, 32 of float).
-template <typename T>
-struct Raw8 {
-  uint4 u[sizeof(T) / 2];
-};
-__device__ __forceinline__ void to_float8(const Raw8<float>& r, float (&v)[8]) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    v[4 * i] = __uint_as_float(r.u[i].x);
-    v[4 * i + 1] = __uint_as_float(r.u[i].y);
-    v[4 * i + 2] = __uint_as_float(r.u[i].z);
-    v[4 * i + 3] = __uint_as_float(r.u[i].w);
-  }
-}
-__device__ __forceinline__ void to_float8(const Raw8<__half>& r, float (&v)[8]) {
-  const uint32_t w[4] = {r.u[0].x, r.u[0].y, r.u[0].z, r.u[0].w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    __half2 h;
-    memcpy(&h, &w[i], 4);
-    const float2 f = __half22float2(h);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-__device__ __forceinline__ void to_float8(const Raw8<__nv_bfloat16>& r, float (&v)[8]) {
-  const uint32_t w[4] = {r.u[0].x, r.u[0].y, r.u[0].z, r.u[0].w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    __nv_bfloat162 h;
-    memcpy(&h, &w[i], 4);
-    const float2 f = __bfloat1622float2(h);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-template <typename T>
-__device__ __forceinline__ Raw8<T> load_raw8(const T* p) {
-  Raw8<T> r;
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(T)) / 2; ++i) r.u[i] = reinterpret_cast<const uint4*>(p)[i];
-  return r;
-}
-template <typename T>
-__device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
-  to_float8(load_raw8(p), v);
-}
 
 __device__ __forceinline__ float load1(const float* p) { return *p; }
 __device__ __forceinline__ float load1(const __half* p) { return __half2float(*p); }
@@ -124,56 +77,6 @@ __device__ __forceinline__ uint2 pack_codes8(const float (&v)[8], float sc) {
   return make_uint2(packed[0], packed[1]);
 }
 
-// The one-pass kernel's codes, lean (session 46): q = rint(v * (1 / scale)) gives rint(v / scale) (the
-// reference's IEEE division) wherever t = v * (1 / scale) lies more than 2^-14 from a half-integer:
-// |t| <= 127 (+ rounding), so t is within 2^-16 + 2^-18 of fl(v / scale) and on the same side of
-// every half-integer. Nearer (ties included), the division decides. No clamp: |rint| <= 127 since
-// scale = amax / 127. A NaN scale (non-finite row) gives zero codes, as quantize_one. Why: the
-// quantizer issues ~34 instructions an element (ncu, M = 1024), the division ~10 of them.
-__device__ __forceinline__ uint2 pack_codes8_lean(const float (&v)[8], float sc, float inv_sc) {
-  uint32_t packed[2] = {0u, 0u};
-  if (sc == sc) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float t = v[j] * inv_sc;
-      if (fabsf(t - rintf(t)) > 0.5f - 6.103515625e-05f) t = __fdiv_rn(v[j], sc);
-      packed[j >> 2] |= static_cast<uint32_t>(static_cast<uint8_t>(__float2int_rn(t))) << (8 * (j & 3));
-    }
-  }
-  return make_uint2(packed[0], packed[1]);
-}
-
-// max(a, |b|) with NaN propagated (one FMNMX.NAN): the lean amax; a NaN is mapped to +inf once a
-// thread's vectors are done (nan_to_inf), since the block reduction's fmaxf drops NaN.
-__device__ __forceinline__ float max_abs_nan(float a, float b) {
-  float d;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(fabsf(b)));
-  return d;
-}
-__device__ __forceinline__ float nan_to_inf(float a) { return a == a ? a : __int_as_float(0x7f800000); }
-
-__device__ __forceinline__ float block_max(float v, float* s_red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) s_red[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < (blockDim.x >> 5) ? s_red[lane] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (lane == 0) s_red[0] = v;
-  }
-  __syncthreads();
-  return s_red[0];
-}
-
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // 8 codes of a row at k = i (i % 8 == 0): one 8-byte store, or in the wgmma k order (wgmma_act_k)
 // two 4-byte stores 16 bytes apart. A warp still fills whole 32-byte sectors.
 __device__ __forceinline__ void store_codes8(int8_t* qr, int i, uint2 codes, bool wgmma_order) {
@@ -198,11 +101,6 @@ __device__ __forceinline__ QuantRow<T> begin_row(const T* x, int64_t x_row_strid
                                                  int64_t row) {
   allow_dependent_launch();
   return {row, x + row * x_row_stride, q + row * K};
-}
-
-// A row's scale from its amax; NaN marks a non-finite row.
-__device__ __forceinline__ float scale_of_amax(float amax) {
-  return isinf(amax) ? __int_as_float(0x7fffffff) : fmaxf(amax, 1e-8f) / 127.0f;
 }
 
 // The row's scale from each thread's partial amax; thread 0 stores it.

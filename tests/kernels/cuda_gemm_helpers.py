@@ -1,4 +1,5 @@
-"""Shared helpers of the csrc GEMM GPU tests (test_cuda_gemm.py, test_cuda_gemm_wgmma.py)."""
+"""Shared helpers of the csrc GEMM GPU tests (test_cuda_gemm.py, test_cuda_gemm_wgmma.py) and of the
+add_rms_norm_quantize_act tests (test_triton_gemm.py)."""
 import torch
 
 DEV = "cuda"
@@ -84,3 +85,14 @@ def check_close(y, y_ref, out_dtype, check_rel=True):
     if check_rel:
         rel = float((y.double() - y_ref).norm() / y_ref.norm().clamp_min(1e-30))
         assert rel < 1e-3 + EPS[out_dtype], rel
+
+
+def assert_norm_quant_close(got, want):
+    """add_rms_norm_quantize_act against the reference: the residual bit for bit; the sum of
+    squares is added in another order (and rsqrt may differ by an ulp), which can move a normed
+    value by one rounding of its dtype, hence a scale by 2^-7 and a few codes by one."""
+    (q, s, r), (q_ref, s_ref, r_ref) = [tuple(t.cpu() for t in ts) for ts in (got, want)]
+    torch.testing.assert_close(r, r_ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(s, s_ref, rtol=2.0 ** -7, atol=0, equal_nan=True)
+    diff = (q.int() - q_ref.int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01

@@ -14,8 +14,8 @@ from vllm_mixprec import formats as F
 from vllm_mixprec import reference as ref
 from vllm_mixprec.kernels import cuda
 
-from cuda_gemm_helpers import (DEV, _gen, capture_after_warmup, check_close, poison, random_act,
-                               random_lqq, skip_without_csrc_ops)
+from cuda_gemm_helpers import (DEV, _gen, assert_norm_quant_close, capture_after_warmup, check_close, poison,
+                               random_act, random_lqq, replays_with_new_inputs, skip_without_csrc_ops)
 
 pytestmark = pytest.mark.gpu
 
@@ -357,6 +357,76 @@ def test_quantize_act_strided_and_zero_rows():
         q, s = cuda.quantize_act(inp)
         q_ref, s_ref = ref.quantize_act(inp)
         assert torch.equal(q, q_ref) and torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+
+
+# --- add_rms_norm_quantize_act -------------------------------------------------------------
+
+def _norm_inputs(m, k, dtype, weight, smooth, seed):
+    """x, residual, weight (x's dtype) and float32 smoothing as served; row 1 holds a NaN."""
+    gen = _gen(seed)
+    x, res = (torch.randn(m, k, generator=gen, device=DEV).to(dtype) for _ in range(2))
+    if m > 1:
+        x[1, 7] = float("nan")
+    w = (torch.rand(k, generator=gen, device=DEV) + 0.5).to(dtype) if weight else None
+    sm = torch.rand(k, generator=gen, device=DEV) + 0.5 if smooth else None
+    return x, res, w, sm
+
+
+# One vector a thread (K <= 8192, a partial warp at K = 200), two (14336, 16384 = the largest).
+@pytest.mark.parametrize("m,k", [(1, 4096), (16, 8192), (64, 4096), (3, 14336), (2, 16384), (5, 200)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weight,smooth", [(True, True), (True, False), (False, False)])
+def test_add_rms_norm_quantize_act_matches_reference(m, k, dtype, weight, smooth):
+    """Outputs poisoned; row 1's NaN gives it a NaN scale and zero codes, its residual kept."""
+    x, res, w, sm = _norm_inputs(m, k, dtype, weight, smooth, m * k + weight + 2 * smooth)
+    for numel, out_dtype in ((m * k, torch.int8), (m, torch.float32), (m * k, dtype)):
+        poison(numel, out_dtype)
+    got = cuda.add_rms_norm_quantize_act(x, res, w, 1e-5, sm)
+    want = ref.add_rms_norm_quantize_act(*(None if t is None else t.cpu() for t in (x, res, w)), 1e-5,
+                                         None if sm is None else sm.cpu())
+    assert [t.dtype for t in got] == [torch.int8, torch.float32, dtype]
+    assert m == 1 or (torch.isnan(got[1][1]) and (got[0][1] == 0).all())
+    assert_norm_quant_close(got, want)
+
+
+def test_add_rms_norm_quantize_act_errors():
+    op = cuda.add_rms_norm_quantize_act
+    x = torch.randn(2, 72, device=DEV, dtype=torch.bfloat16)
+    for args, message in (
+            ((x[:, :60], x[:, :60], None), r"rows of K % 8 == 0 and at most 16384 columns, got K = 60"),
+            ((x.float(), x.float(), None), "x must be float16 or bfloat16, got Float"),
+            ((x, x.half(), None), "residual must match x"),
+            ((x, x, x[0].half()), r"weight must be \[72\] of x's dtype BFloat16, got \[72\] Half"),
+            ((x[:, 4:68], x[:, 4:68], None), "rows, weight and smooth must start on 16-byte boundaries"),
+            ((x[:, :64], x[:, :64], x[0, 4:68]), "rows, weight and smooth must start on 16-byte boundaries")):
+        with pytest.raises(RuntimeError, match=message):
+            op(*args, 1e-5)
+    with pytest.raises(RuntimeError, match=r"smooth must be \[72\] float32, got \[72\] BFloat16"):
+        op(x, x, None, 1e-5, x[0])
+    big = torch.randn(1, 16392, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="got K = 16392"):
+        op(big, big, None, 1e-5)
+    q, s, r = op(x[:0], x[:0], None, 1e-5)  # no rows: nothing launched
+    assert (q.shape, s.shape, r.shape) == ((0, 72), (0,), (0, 72))
+
+
+@pytest.mark.parametrize("use_cuda", [True, False])
+def test_add_rms_norm_quantize_act_op_picks_its_kernel(use_cuda, monkeypatch):
+    """mixprec::add_rms_norm_quantize_act takes the csrc kernel where it applies (unless the
+    benchmarks' switch says Triton), Triton's where it does not (K % 8 != 0), logs which, and
+    replays in a CUDA graph."""
+    from vllm_mixprec import kernels
+
+    monkeypatch.setattr(kernels, "_NORM_QUANT_CUDA", use_cuda)
+    monkeypatch.setattr(kernels, "_NORM_QUANT_LOGGED", set())
+    for k, csrc in ((4096, use_cuda), (100, False)):
+        x, res, w, sm = _norm_inputs(4, k, torch.bfloat16, True, True, k)
+        op = lambda t: torch.ops.mixprec.add_rms_norm_quantize_act(t, res, w, 1e-5, sm)  # noqa: E731
+        graph, out, _ = capture_after_warmup(op, x)
+        for x_new in replays_with_new_inputs(graph, x, k, trials=2):
+            want = ref.add_rms_norm_quantize_act(x_new.cpu(), res.cpu(), w.cpu(), 1e-5, sm.cpu())
+            assert_norm_quant_close(out, want)
+        assert (csrc, torch.bfloat16, k, torch.bfloat16, torch.float32) in kernels._NORM_QUANT_LOGGED
 
 
 # --- graphs, compile, the linear op -------------------------------------------------------

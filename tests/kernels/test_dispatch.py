@@ -81,3 +81,48 @@ def test_gemm_op_x_wgmma_order_on_cpu_impls():
     assert torch.equal(torch.ops.mixprec.w4a8_gemm(xw, xs, *w, None, torch.float32, "reference", True), natural)
     with pytest.raises(ValueError, match="x_wgmma_order=True .* not by impl='triton'"):
         torch.ops.mixprec.w4a8_gemm(xw, xs, *w, None, torch.float32, "triton", True)
+
+
+def test_norm_quant_csrc_takes_what_its_kernel_reads():
+    """cuda.norm_quant_supports: the csrc add_rms_norm_quantize_act's 16-byte rows (fp16/bf16, K % 8
+    == 0, at most kNormMaxK, aligned), weight in x's dtype, float32 smoothing; the rest goes to
+    Triton. Its bound is the header's and the Triton kernel's."""
+    import re
+    from pathlib import Path
+
+    from vllm_mixprec.kernels import cuda
+    from vllm_mixprec.kernels.triton import gemm as tg
+
+    ok = cuda.norm_quant_supports
+    x = torch.randn(3, 4096, dtype=torch.bfloat16)
+    w, sm = torch.rand(4096, dtype=torch.bfloat16), torch.rand(4096)
+    assert ok(x, x, w, sm) and ok(x, x, None, None) and ok(x.half(), x.half(), w.half(), None)
+    assert not ok(x.float(), x.float(), None, None)
+    assert not ok(x, x.half(), w, sm) and not ok(x, x[:2], w, sm)
+    assert not ok(x, x, w.half(), sm) and not ok(x, x, w, sm.bfloat16())
+    wide = torch.zeros(2, 4104, dtype=torch.bfloat16)
+    assert ok(wide[:, 8:4104], wide[:, 8:4104], None, None)  # 16 bytes in: aligned
+    assert not ok(wide[:, 4:4100], wide[:, 4:4100], None, None)  # 8 bytes in
+    assert not ok(wide[:, :4100], wide[:, :4100], None, None)  # K % 8 != 0
+    top = cuda.NORM_QUANT_MAX_K
+    assert ok(torch.zeros(1, top, dtype=torch.bfloat16), torch.zeros(1, top, dtype=torch.bfloat16), None, None)
+    assert not ok(torch.zeros(1, top + 8, dtype=torch.bfloat16), torch.zeros(1, top + 8, dtype=torch.bfloat16),
+                  None, None)
+    header = (Path(__file__).parents[2] / "csrc" / "gemm" / "w4a8_gemm.h").read_text()
+    assert int(re.search(r"constexpr int kNormMaxK = (\d+);", header).group(1)) == top == tg.NORM_QUANT_MAX_K
+
+
+def test_norm_quant_ops_trace_on_meta_tensors():
+    """Both ops' fakes (torch.compile traces them): the plugin op, and the csrc one where built."""
+    from vllm_mixprec.kernels import cuda
+
+    x = torch.empty(5, 4096, dtype=torch.bfloat16, device="meta")
+    w, sm = torch.empty(4096, dtype=torch.bfloat16, device="meta"), torch.empty(4096, device="meta")
+    ops = [torch.ops.mixprec.add_rms_norm_quantize_act]
+    if cuda.has_norm_quant():
+        ops.append(torch.ops.mixprec_C.add_rms_norm_quantize_act)
+    for op in ops:
+        q, s, r = op(x, x, w, 1e-5, sm)
+        assert (q.shape, q.dtype, s.shape, s.dtype, r.shape, r.dtype) == (
+            (5, 4096), torch.int8, (5,), torch.float32, (5, 4096), torch.bfloat16)
+

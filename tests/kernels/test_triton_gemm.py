@@ -22,6 +22,8 @@ from vllm_mixprec import formats as F
 from vllm_mixprec import reference as ref
 from vllm_mixprec.kernels.triton import gemm as tg
 
+from cuda_gemm_helpers import assert_norm_quant_close
+
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
 _EPS_OUT = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -20}
@@ -229,17 +231,6 @@ def test_silu_mul_quantize_act_two_pass_and_errors(monkeypatch, seeded):
         tg.silu_mul_quantize_act(gate_up, torch.ones(600, dtype=torch.bfloat16, device=DEV))
 
 
-def _assert_norm_quant_close(got, want):
-    """add_rms_norm_quantize_act against the reference: the residual bit for bit; the sum of
-    squares is added in another order (and rsqrt may differ by an ulp), which can move a normed
-    value by one rounding of its dtype, hence a scale by 2^-7 and a few codes by one."""
-    (q, s, r), (q_ref, s_ref, r_ref) = [tuple(t.cpu() for t in ts) for ts in (got, want)]
-    torch.testing.assert_close(r, r_ref, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(s, s_ref, rtol=2.0 ** -7, atol=0, equal_nan=True)
-    diff = (q.int() - q_ref.int()).abs()
-    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01
-
-
 @pytest.mark.parametrize("m,k", [(1, 96), (5, 200), (3, 256)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("weight,smooth", [(True, False), (True, True), (False, False)])
@@ -255,7 +246,7 @@ def test_add_rms_norm_quantize_act(m, k, dtype, weight, smooth, seeded):
     want = ref.add_rms_norm_quantize_act(*(None if t is None else t.cpu() for t in (x, res, w)), 1e-6,
                                          None if sm is None else sm.cpu())
     assert m == 1 or (torch.isnan(want[1][1]) and (want[0][1] == 0).all())
-    _assert_norm_quant_close(got, want)
+    assert_norm_quant_close(got, want)
 
 
 def test_add_rms_norm_quantize_act_errors(monkeypatch, seeded):
@@ -291,7 +282,7 @@ def test_add_rms_norm_quantize_act_gpu(m, k, seeded):
     sm = (torch.rand(k, generator=seeded) + 0.5).to(DEV)
     got = tg.add_rms_norm_quantize_act(x, res, w, 1e-5, sm)
     want = ref.add_rms_norm_quantize_act(x.cpu(), res.cpu(), w.cpu(), 1e-5, sm.cpu())
-    _assert_norm_quant_close(got, want)
+    assert_norm_quant_close(got, want)
 
 
 @pytest.mark.parametrize("k,k8", [(256, 0), (256, 128), (256, 256), (384, 128)])

@@ -329,12 +329,35 @@ def _(x, smooth):
 def add_rms_norm_quantize_act(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
                               epsilon: float, smooth: torch.Tensor | None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """reference.add_rms_norm_quantize_act in one Triton kernel (no csrc twin): what
-    compile_passes.DecodeQuantOps puts in place of vLLM's fused_add_rms_norm + the traced
-    quantizer in decode graphs. CPU tensors (and MIXPREC_KERNEL=reference) take the reference."""
-    on_gpu = x.device.type == "cuda" or _interpreting()
-    mod = _triton() if on_gpu and _FORCED != "reference" else ref
+    """reference.add_rms_norm_quantize_act in one kernel: what compile_passes.DecodeQuantOps puts in
+    place of vLLM's fused_add_rms_norm + the traced quantizer in decode graphs. The csrc kernel
+    where built and it takes the tensors (cuda.norm_quant_supports: fp16/bf16, weight in x's
+    dtype, float32 smoothing, K % 8 == 0 up to 16384), else Triton's (_log_norm_quant_choice
+    logs which, once a kind). CPU tensors (and MIXPREC_KERNEL=reference) take the reference."""
+    if x.device.type == "cuda" and _FORCED != "reference":
+        use_cuda = (_NORM_QUANT_CUDA and _FORCED != "triton" and _cuda.has_norm_quant()
+                    and _cuda.supports_device(x.device) and _cuda.norm_quant_supports(x, residual, weight, smooth))
+        _log_norm_quant_choice(use_cuda, x, weight, smooth)
+        mod = _cuda if use_cuda else _triton()
+    else:
+        mod = _triton() if _interpreting() and _FORCED != "reference" else ref
     return mod.add_rms_norm_quantize_act(x, residual, weight, epsilon, smooth)
+
+
+# False: add_rms_norm_quantize_act takes the Triton kernel even where the csrc one applies (the
+# benchmarks' A/B arm; not a user setting).
+_NORM_QUANT_CUDA = True
+_NORM_QUANT_LOGGED: set = set()
+
+
+def _log_norm_quant_choice(use_cuda: bool, x, weight, smooth) -> None:
+    """Debug log, once per kind of call, of the kernel add_rms_norm_quantize_act takes."""
+    key = (use_cuda, x.dtype, x.shape[-1], None if weight is None else weight.dtype,
+           None if smooth is None else smooth.dtype)
+    if key not in _NORM_QUANT_LOGGED:
+        _NORM_QUANT_LOGGED.add(key)
+        logger.debug("vllm_mixprec: add_rms_norm_quantize_act on %s rows of %d (weight %s, smooth %s): %s kernel",
+                     x.dtype, x.shape[-1], key[3], key[4], "csrc" if use_cuda else "Triton")
 
 
 @add_rms_norm_quantize_act.register_fake

@@ -53,6 +53,12 @@ def _register_fakes() -> None:
     def _quantize_act_fake(x, smooth, wgmma_order=False):
         return (x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32))
 
+    if hasattr(torch.ops.mixprec_C, "add_rms_norm_quantize_act"):
+        @torch.library.register_fake("mixprec_C::add_rms_norm_quantize_act")
+        def _add_rms_norm_quantize_act_fake(x, residual, weight, epsilon, smooth):
+            return (x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32),
+                    x.new_empty(x.shape))
+
     if hasattr(torch.ops.mixprec_C, "decode_kv4_pages"):  # (a build older than the op lacks it)
         @torch.library.register_fake("mixprec_C::decode_kv4_pages")
         def _decode_kv4_pages_fake(q, cache, block_table, seq_lens, query_start_loc, out, part_o,
@@ -384,6 +390,37 @@ def quantize_act(x: torch.Tensor, smooth: torch.Tensor | None = None, wgmma_orde
     """Per-token symmetric int8: x [M, K] -> (int8 [M, K], float32 scale [M]); wgmma_order:
     the codes in formats.wgmma_act_k_order (reference.quantize_act)."""
     return torch.ops.mixprec_C.quantize_act(x, smooth, wgmma_order)
+
+
+NORM_QUANT_MAX_K = 16384  # kNormMaxK in csrc/gemm/w4a8_gemm.h
+
+
+def has_norm_quant() -> bool:
+    return available() and hasattr(torch.ops.mixprec_C, "add_rms_norm_quantize_act")
+
+
+def norm_quant_supports(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                        smooth: torch.Tensor | None) -> bool:
+    """Whether add_rms_norm_quantize_act's csrc kernel takes these tensors: fp16/bf16 rows of
+    K % 8 == 0, at most NORM_QUANT_MAX_K, starting on 16-byte boundaries; residual and weight in
+    x's dtype, smooth float32 (as served)."""
+    def aligned(t):
+        return t.data_ptr() % 16 == 0 and (t.dim() == 1 or (t.stride(1) == 1 and t.stride(0) % 8 == 0))
+
+    k = x.shape[-1]
+    return (x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16) and 0 < k <= NORM_QUANT_MAX_K
+            and k % 8 == 0 and residual.dtype == x.dtype and residual.shape == x.shape
+            and aligned(x) and aligned(residual)
+            and (weight is None or (weight.dtype == x.dtype and weight.is_contiguous() and aligned(weight)))
+            and (smooth is None or (smooth.dtype == torch.float32 and smooth.is_contiguous() and aligned(smooth))))
+
+
+def add_rms_norm_quantize_act(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                              epsilon: float, smooth: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reference.add_rms_norm_quantize_act in one CUDA kernel (csrc/quant/add_rms_norm_quantize_act.cu)
+    for the tensors norm_quant_supports takes: (int8 [M, K], float32 scale [M], residual [M, K])."""
+    return torch.ops.mixprec_C.add_rms_norm_quantize_act(x, residual, weight, epsilon, smooth)
 
 
 def x_wgmma_order_for(m: int, n: int, k: int, device: torch.device | int | None = None) -> bool:
