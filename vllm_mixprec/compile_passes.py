@@ -186,8 +186,9 @@ def decode_quant_ops(environ=os.environ) -> bool:
 
     On since session 83: the Llama decoder pieces as vLLM compiles them, H100, M = 1-16, went from
     1.18-1.31x to 1.26-1.43x Marlin W4A16's (8B) and from 1.06-1.13x to 1.17-1.19x (70B)
-    (docs/BENCHMARKS.md "Session 83 (H100)"). Not yet A/B'd as served TPOT (ab.py's
-    w4a8kv4-inductorquant arm is the other side)."""
+    (docs/BENCHMARKS.md "Session 83 (H100)"). Served A-B-A against ab.py's w4a8kv4-inductorquant
+    arm (session 84, H100, 8B shape): 1.072x / 1.063x the output tokens/s at concurrency 1 / 8
+    (docs/BENCHMARKS.md "Session 84 (H100)")."""
     v = envs.get("MIXPREC_DECODE_QUANT_OPS", environ)
     if v not in ("0", "1"):
         raise ValueError(f"MIXPREC_DECODE_QUANT_OPS={v!r}: expected 1 (the default: in graphs for batches "
