@@ -26,10 +26,17 @@ many of its codes differ from reference.quantize_act of the native norm ("vllm" 
 what MIXPREC_DECODE_QUANT_OPS=1 serves), uncompiled, with the same code agreement: W = cuda is its
 csrc kernel ("op-cuda" rows; what it takes where built), a number its Triton kernel at that many
 warps a program ("op-wW" rows; 0: the Triton kernel's own choice).
+`--silu-op ARM...` adds the plugin's SiLU-and-mul + quantizer op (mixprec::silu_mul_quantize_act, what
+MIXPREC_DECODE_SILU_OP=1 serves), uncompiled, with the same code agreement against the reference of
+the two torch ops: ARM = cudaN is its csrc kernel with a row over at most N CTAs of a cluster ("sop-cudaN"
+rows; cuda: N = 8, what it takes where built), triton its Triton kernel ("sop-triton"). The "op" rows
+of the silu pattern are what MIXPREC_DECODE_SILU_OP=0 serves: Inductor's SiLU-and-mul, then the
+quantizer op (mixprec::quantize_act, the csrc kernel where built).
 `--hidden`/`--inter` set the row widths (default Llama-3-8B's; 8192 and 28672 for Llama-3-70B).
 
   python benchmarks/bench_act_quant.py --out DIR [--ms 1 8] [--static] [--inductor K=V ...]
-      [--vllm-norm-quant] [--norm-op cuda 0 4 8 16] [--patterns norm silu quant] [--hidden 4096] [--inter 14336]
+      [--vllm-norm-quant] [--norm-op cuda 0 4 8 16] [--silu-op cuda1 cuda8 triton] [--patterns norm silu quant]
+      [--hidden 4096] [--inter 14336]
 """
 from __future__ import annotations
 
@@ -51,6 +58,12 @@ PROFILE_TOKENS = 8192
 
 def quant_amax(x):
     return ref.quantize_act(x, None)
+
+
+def quant_op(x):
+    """The quantizer as the op DecodeQuantOps puts in decode graphs (opaque to Inductor)."""
+    from vllm_mixprec import kernels  # noqa: F401  (registers the op)
+    return torch.ops.mixprec.quantize_act(x, None)
 
 
 def quant_3reduce(x):
@@ -101,13 +114,29 @@ def norm_op(x, res, w):
     return torch.ops.mixprec.add_rms_norm_quantize_act(x, res, w, EPS, None)
 
 
-def code_agreement(fn, m: int) -> dict:
-    """fn (vllm_norm_quant or norm_op) against reference.quantize_act of the native add + RMSNorm,
-    on one input: the share of codes that differ, the largest code difference, and the scales'
-    largest relative difference."""
-    x, res, w = inputs("norm", m)
-    want_q, want_s = ref.quantize_act(add_rms_norm(x, res, w)[0], None)
-    got_q, got_s = fn(x, res.clone(), w)[:2]
+def silu_op(arm: tuple[str, int | None]):
+    """mixprec::silu_mul_quantize_act's kernel for a --silu-op arm (silu_op_arm), uncompiled:
+    gate_up -> codes, scales."""
+    from vllm_mixprec import kernels
+    from vllm_mixprec.kernels.triton import gemm as tg
+    kind, max_cluster = arm
+    if kind == "triton":
+        return lambda gu: tg.silu_mul_quantize_act(gu, None)
+    return lambda gu: kernels._cuda.silu_mul_quantize_act(gu, None, max_cluster)
+
+
+def code_agreement(fn, m: int, name: str = "norm") -> dict:
+    """fn (vllm_norm_quant or norm_op; silu_op's if name is "silu") against reference.quantize_act
+    of the native add + RMSNorm (of SiLU-and-mul), on one input: the share of codes that differ,
+    the largest code difference, and the scales' largest relative difference."""
+    if name == "silu":
+        (gate_up,) = inputs("silu", m)
+        want_q, want_s = ref.silu_mul_quantize_act(gate_up, None)
+        got_q, got_s = fn(gate_up)
+    else:
+        x, res, w = inputs("norm", m)
+        want_q, want_s = ref.quantize_act(add_rms_norm(x, res, w)[0], None)
+        got_q, got_s = fn(x, res.clone(), w)[:2]
     diff = (got_q.int() - want_q.int()).abs()
     return {"codes_differ": float((diff > 0).float().mean()), "max_code_diff": int(diff.max()),
             "scale_rel_diff": float(((got_s.view(-1) - want_s.view(-1)).abs() / want_s.view(-1)).max())}
@@ -117,6 +146,16 @@ def inputs(name, m):
     r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     return {"norm": (r(m, HIDDEN), r(m, HIDDEN), r(HIDDEN)), "silu": (r(m, 2 * INTER),),
             "quant": (r(m, HIDDEN),)}[name]
+
+
+def silu_op_arm(v: str) -> tuple[str, int | None]:
+    """--silu-op's values: triton, cuda (a cluster of up to 8 CTAs a row) or cudaN (up to N)."""
+    if v == "triton":
+        return v, None
+    if v == "cuda" or (v.startswith("cuda") and v[4:] in ("1", "2", "4", "8")):
+        return "cuda", int(v[4:] or 8)
+    raise argparse.ArgumentTypeError(f"{v!r}: expected triton, cuda, or cudaN with N = 1, 2, 4 or 8 "
+                                     "(a row's CTAs at most)")
 
 
 def norm_op_arm(v: str) -> str | int:
@@ -192,6 +231,9 @@ def main() -> int:
     ap.add_argument("--norm-op", type=norm_op_arm, nargs="+", metavar="cuda|WARPS",
                     help="also mixprec::add_rms_norm_quantize_act, uncompiled: its csrc kernel (cuda), "
                          "its Triton kernel at each number of warps a program (0: its own choice)")
+    ap.add_argument("--silu-op", type=silu_op_arm, nargs="+", metavar="triton|cuda|cudaN",
+                    help="also mixprec::silu_mul_quantize_act, uncompiled: its csrc kernel (cuda: a row over "
+                         "a cluster of up to 8 CTAs; cudaN: up to N), its Triton kernel (triton)")
     ap.add_argument("--hidden", type=int, default=HIDDEN, help="the norm's row width (default: %(default)s)")
     ap.add_argument("--inter", type=int, default=INTER, help="SiLU-and-mul's output width (default: %(default)s)")
     args = ap.parse_args()
@@ -201,7 +243,7 @@ def main() -> int:
         raise SystemExit("bench_act_quant needs a CUDA GPU")
     variants = [("norm", None, "plain"), ("norm", quant_amax, "amax"), ("norm", quant_3reduce, "3-reduce"),
                 ("silu", None, "plain"), ("silu", quant_amax, "amax"), ("silu", quant_3reduce, "3-reduce"),
-                ("silu", quant_amax, "amax+pass"),
+                ("silu", quant_amax, "amax+pass"), ("silu", quant_op, "op"),
                 ("quant", quant_amax, "amax"), ("quant", quant_3reduce, "3-reduce")]
     rows = []
     for name, quant, form in variants:
@@ -245,6 +287,22 @@ def main() -> int:
                   f"{100 * row['codes_differ']:.3f} % (at most {row['max_code_diff']}), scales up to "
                   f"{row['scale_rel_diff']:.1e} apart", flush=True)
         kernels._NORM_QUANT_CUDA, tg.NORM_QUANT_WARPS = True, None
+    for arm in args.silu_op or ():
+        from vllm_mixprec import kernels
+        if arm[0] == "cuda" and not kernels._cuda.has_silu_quant():
+            raise SystemExit(f"--silu-op cuda: the csrc ops are not built ({kernels._cuda.load_error()})")
+        form = f"sop-{arm[0]}{arm[1] or ''}"
+        if arm[0] == "cuda" and kernels._cuda.silu_quant_plan(INTER, arm[1]) is None:
+            print(f"silu   {form:9s} skipped: rows of {INTER} do not fit {arm[1]} CTAs", flush=True)
+            continue
+        fn = silu_op(arm)
+        for m in args.ms:
+            row = {"pattern": "silu", "quant": form, "M": m, "max_cluster": arm[1],
+                   "dynamic_us": time_us(fn, inputs("silu", m)), **code_agreement(fn, m, "silu")}
+            rows.append(row)
+            print(f"silu   {form:9s} M={m:<5d} uncompiled {row['dynamic_us']:7.2f} us   codes differing "
+                  f"{100 * row['codes_differ']:.3f} % (at most {row['max_code_diff']}), scales up to "
+                  f"{row['scale_rel_diff']:.1e} apart", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_act_quant.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": HIDDEN, "inter": INTER,

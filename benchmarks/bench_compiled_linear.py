@@ -37,7 +37,10 @@ pass (compile_passes.DecodeQuantOps, the default since session 83: the quantizer
 for their batch, the ones after RMSNorm fused with it), over vLLM's IR norm as the served graph has
 it; with --silu-op, also both passes. The "mixprec" arm is then MIXPREC_DECODE_QUANT_OPS=0
 (Inductor's fused quantizers, the default before); "mixprec_decode_ops_triton_norm" is the
-default with the norm op's Triton kernel in place of its csrc one (session 84). --profile CALLS
+default with the norm op's Triton kernel in place of its csrc one (session 84);
+"mixprec_decode_ops_silu_op" the default with MIXPREC_DECODE_SILU_OP=1 (the SiLU-and-mul and its
+quantizer as one op, csrc where built; session 85) and "mixprec_decode_ops_triton_silu" that with
+the SiLU op's Triton kernel (the two Triton arms with --triton-ops). --profile CALLS
 adds every variant's kernels under the torch profiler: their device time a call, the GEMMs and the
 ops between them summed.
 
@@ -54,7 +57,7 @@ defaults).
   python benchmarks/bench_compiled_linear.py --out DIR [--ms 128 256 1024 4096] [--layers o_proj qkv_70b piece ...]
       [--code] [--vllm-inductor] [--input-fused] [--rule] [--rounds 3]
       [--compare order|w4ax|marlin [--w4ax-share 0.25] [--w4ax-rotation hadamard64] [--w4ax-split-blocks R]]
-      [--silu-op] [--decode-ops] [--profile CALLS]
+      [--silu-op] [--decode-ops [--triton-ops]] [--profile CALLS]
 """
 from __future__ import annotations
 
@@ -236,7 +239,7 @@ def compiled(fn, before: str, k: int, passes, code_path: str | None = None, opti
     options = {**(options or {}), compile_passes.HOOK: compile_passes.MixprecPostGrad(passes),
                "fx_graph_cache": False}
     # the traced quantizer, and the csrc norm op where built (the defaults)
-    modes = {"_FUSE_ACT_QUANT": True, "_NORM_QUANT_CUDA": True, **(modes or {})}
+    modes = {"_FUSE_ACT_QUANT": True, "_NORM_QUANT_CUDA": True, "_SILU_QUANT_CUDA": True, **(modes or {})}
 
     def set_modes():
         for name, value in modes.items():
@@ -337,16 +340,23 @@ def marlin_variants(name: str, gen: torch.Generator, args) -> tuple:
     if args.decode_ops:  # MIXPREC_DECODE_QUANT_OPS=1, over the IR norm the pass matches when served
         norms = {"piece": 2, "norm": 1}.get(before, 0)
         quantizers = 4 if before == "piece" else 1
-        arms = {"mixprec_decode_ops": ([], quantizers, {})}
-        if norms:  # the norm op's Triton kernel in place of the csrc one (the same where not built)
-            arms["mixprec_decode_ops_triton_norm"] = ([], quantizers, {"_NORM_QUANT_CUDA": False})
-        if args.silu_op:  # both, as install() orders them: the SiLU op takes its quantizer
-            arms["mixprec_decode_ops_silu"] = ([compile_passes.SiluMulQuantFusion()],
-                                               quantizers - extras["has_silu"], {})
+        silus = int(extras["has_silu"])
+        # arm: (passes before it, DecodeQuantOps' silu, its (quantizers, norms, silus), kernel modes)
+        arms = {"mixprec_decode_ops": ([], False, (quantizers, norms, 0), {})}
+        if silus:  # MIXPREC_DECODE_SILU_OP=1 (opt-in): the SiLU-and-mul and its quantizer as one op
+            arms["mixprec_decode_ops_silu_op"] = ([], True, (quantizers, norms, silus), {})
+        # --triton-ops: the SiLU and norm ops' Triton kernels in place of the csrc ones (the same where not built)
+        if silus and args.triton_ops:
+            arms["mixprec_decode_ops_triton_silu"] = ([], True, (quantizers, norms, silus), {"_SILU_QUANT_CUDA": False})
+        if norms and args.triton_ops:
+            arms["mixprec_decode_ops_triton_norm"] = ([], False, (quantizers, norms, 0), {"_NORM_QUANT_CUDA": False})
+        if args.silu_op:  # both passes, as install() orders them: SiluMulQuantFusion takes the SiLU's quantizer
+            arms["mixprec_decode_ops_silu"] = ([compile_passes.SiluMulQuantFusion()], False,
+                                               (quantizers - silus, norms, 0), {})
         extras["decode_ops"], extras["decode_ops_expected"] = {}, {}
-        for v, (before_ops, expected, modes) in arms.items():
-            ops = extras["decode_ops"][v] = compile_passes.DecodeQuantOps()
-            extras["decode_ops_expected"][v] = (expected, norms)
+        for v, (before_ops, silu, expected, modes) in arms.items():
+            ops = extras["decode_ops"][v] = compile_passes.DecodeQuantOps(silu=silu)
+            extras["decode_ops_expected"][v] = expected
             variants[v] = (fn_ir, [*before_ops, ops], modes, served)
     return before, n, k, variants, extras
 
@@ -366,7 +376,7 @@ def marlin_fields(row: dict, extras: dict, outs: dict) -> str:
                  f" (replaced {row['silu_op_matched']})")
     for v, ops in extras.get("decode_ops", {}).items():
         row[f"marlin_over_{v}"] = row["marlin_w4a16_us"] / row[f"{v}_us"]
-        row[f"{v}_replaced"] = list(ops.last)  # (quantizers, of them with their norm) in the last graph
+        row[f"{v}_replaced"] = list(ops.last)  # (quantizers, of them with their norm, with their SiLU) in the last graph
         row[f"{v}_expected"] = list(extras["decode_ops_expected"][v])
         text += f"  Marlin / {v} x{row[f'marlin_over_{v}']:.3f} (replaced {ops.last})"
     return text
@@ -378,7 +388,8 @@ def marlin_fields(row: dict, extras: dict, outs: dict) -> str:
 MARLIN_AGREEMENT = 0.5
 
 
-DECODE_OPS_ARMS = ("mixprec_decode_ops", "mixprec_decode_ops_triton_norm", "mixprec_decode_ops_silu")
+DECODE_OPS_ARMS = ("mixprec_decode_ops", "mixprec_decode_ops_silu_op", "mixprec_decode_ops_triton_silu",
+                   "mixprec_decode_ops_triton_norm", "mixprec_decode_ops_silu")
 
 
 def marlin_bad(row: dict) -> bool:
@@ -572,6 +583,9 @@ def main(argv=None) -> int:
                     help="--compare marlin: also mixprec with MIXPREC_DECODE_QUANT_OPS=1's pass "
                          "(mixprec::quantize_act and mixprec::add_rms_norm_quantize_act; with --silu-op "
                          "also both passes), over vLLM's IR norm as served")
+    ap.add_argument("--triton-ops", action="store_true",
+                    help="with --decode-ops: also the arms whose norm op and SiLU op take their Triton "
+                         "kernels in place of the csrc ones")
     ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
                     help="also each variant's kernels under the torch profiler over CALLS launches: "
                          "device time a call per kernel, GEMMs and the rest summed")
@@ -583,6 +597,8 @@ def main(argv=None) -> int:
     for flag in ("silu_op", "decode_ops"):
         if getattr(args, flag) and args.compare != "marlin":
             ap.error(f"--{flag.replace('_', '-')}: only with --compare marlin")
+    if args.triton_ops and not args.decode_ops:
+        ap.error("--triton-ops: only with --decode-ops")
     if args.silu_op and max(args.ms) > compile_passes.FUSE_MAX_TOKENS:
         ap.error(f"--ms {max(args.ms)} with --silu-op: expected at most {compile_passes.FUSE_MAX_TOKENS} tokens "
                  "(the pass is served in the graphs of at most that many)")

@@ -253,6 +253,61 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_quantize_act(
   return {q, scale, res_out};
 }
 
+// reference.silu_mul_quantize_act: gate_up [M, 2K] -> (codes [M, K] int8, scales [M] float32). A row
+// over a cluster of at most max_cluster CTAs (1 on GPUs before sm_90; kernels/cuda.py:silu_quant_supports).
+std::tuple<at::Tensor, at::Tensor> silu_mul_quantize_act(const at::Tensor& gate_up_in,
+                                                         const std::optional<at::Tensor>& smooth_in, int64_t max_cluster) {
+  constexpr const char* op = "mixprec_C::silu_mul_quantize_act: ";
+  TORCH_CHECK(gate_up_in.is_cuda(), op, "gate_up must be a CUDA tensor, got ", gate_up_in.device());
+  TORCH_CHECK(gate_up_in.dim() == 2 && gate_up_in.size(1) % 2 == 0, op, "gate_up must be 2-D [M, 2K], got shape ",
+              gate_up_in.sizes());
+  TORCH_CHECK(gate_up_in.scalar_type() == at::kHalf || gate_up_in.scalar_type() == at::kBFloat16, op,
+              "gate_up must be float16 or bfloat16, got ", gate_up_in.scalar_type());
+  const c10::cuda::CUDAGuard guard(gate_up_in.device());
+  const at::Tensor gate_up = gate_up_in.stride(1) == 1 ? gate_up_in : gate_up_in.contiguous();
+  const int64_t M = gate_up.size(0), K = gate_up.size(1) / 2;
+  TORCH_CHECK(max_cluster >= 1 && max_cluster <= kSiluQuantMaxCluster, op, "max_cluster must be 1 to ",
+              kSiluQuantMaxCluster, ", got ", max_cluster);
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, gate_up.device().index()));
+  const bool clusters = major >= 9;
+  SiluQuantPlan plan{};
+  TORCH_CHECK(M <= kSiluQuantMaxRows && K < (int64_t{1} << 31) &&
+                  silu_mul_quantize_act_plan(static_cast<int>(K), clusters ? static_cast<int>(max_cluster) : 1, &plan),
+              op, "rows of K % 8 == 0 outputs, at most ", (clusters ? max_cluster : 1) * kSiluQuantMaxThreads *
+              kSiluQuantMaxVecs * 8, " (", clusters ? "max_cluster" : "one CTA before sm_90", "), and at most ",
+              kSiluQuantMaxRows, " rows; got M = ", M, ", K = ", K);
+  at::Tensor smooth;
+  if (smooth_in.has_value()) {
+    smooth = smooth_in->contiguous();
+    check_cuda(smooth, gate_up, "smooth");
+    TORCH_CHECK(smooth.dim() == 1 && smooth.size(0) == K && smooth.scalar_type() == at::kFloat, op,
+                "smooth must be [", K, "] float32, got ", smooth.sizes(), " ", smooth.scalar_type());
+  }
+  at::Tensor q = at::empty({M, K}, gate_up.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({M}, gate_up.options().dtype(at::kFloat));
+  if (M == 0) return {q, scale};
+  const SiluQuantArgs args{gate_up.data_ptr(), gate_up.stride(0), smooth.defined() ? smooth.data_ptr<float>() : nullptr,
+                           q.data_ptr<int8_t>(), scale.data_ptr<float>(), static_cast<int>(M), static_cast<int>(K),
+                           kind_of(gate_up.scalar_type(), op)};
+  const cudaError_t err =
+      silu_mul_quantize_act_launch(args, plan, c10::cuda::getCurrentCUDAStream(gate_up.device().index()).stream());
+  TORCH_CHECK(err != cudaErrorInvalidValue, op, "gate_up's rows and smooth must start on 16-byte boundaries ",
+              "(gate_up row stride ", gate_up.stride(0), ")");
+  C10_CUDA_CHECK(err);
+  return {q, scale};
+}
+
+// silu_mul_quantize_act's plan for rows of K outputs: [ctas, threads, vectors a thread], or [] where
+// the row does not fit (kernels/cuda.py mirrors the rule; its tests compare the two).
+std::vector<int64_t> silu_mul_quantize_act_plan_of(int64_t K, int64_t max_cluster) {
+  SiluQuantPlan plan{};
+  if (K <= 0 || K >= (int64_t{1} << 31) ||
+      !silu_mul_quantize_act_plan(static_cast<int>(K), static_cast<int>(max_cluster), &plan))
+    return {};
+  return {plan.ctas, plan.threads, plan.vecs};
+}
+
 at::Tensor w4a8_gemm(const at::Tensor& xq_in, const at::Tensor& x_scale_in, const at::Tensor& qweight,
                      const at::Tensor& gparams, const at::Tensor& channel_scale_in,
                      const std::optional<at::Tensor>& bias_in, at::ScalarType out_dtype, int64_t kernel,
@@ -595,6 +650,8 @@ TORCH_LIBRARY(mixprec_C, m) {
   m.def("quantize_act(Tensor x, Tensor? smooth, bool wgmma_order=False) -> (Tensor, Tensor)");
   m.def("add_rms_norm_quantize_act(Tensor x, Tensor residual, Tensor? weight, float epsilon, Tensor? smooth) "
         "-> (Tensor, Tensor, Tensor)");
+  m.def("silu_mul_quantize_act(Tensor gate_up, Tensor? smooth, int max_cluster=8) -> (Tensor, Tensor)");
+  m.def("silu_mul_quantize_act_plan(int K, int max_cluster) -> int[]", &mixprec::silu_mul_quantize_act_plan_of);
   m.def(
       "w4a8_gemm(Tensor xq, Tensor x_scale, Tensor qweight, Tensor gparams, Tensor channel_scale, "
       // kernel_id, not kernel: Inductor's FallbackKernel.create() takes a `kernel` argument itself.
@@ -620,6 +677,7 @@ TORCH_LIBRARY(mixprec_C, m) {
 TORCH_LIBRARY_IMPL(mixprec_C, CUDA, m) {
   m.impl("quantize_act", &mixprec::quantize_act);
   m.impl("add_rms_norm_quantize_act", &mixprec::add_rms_norm_quantize_act);
+  m.impl("silu_mul_quantize_act", &mixprec::silu_mul_quantize_act);
   m.impl("w4a8_gemm", &mixprec::w4a8_gemm);
   m.impl("decode_kv4_pages", &mixprec::decode_kv4_pages);
 }

@@ -1378,7 +1378,8 @@ stage_served_marlin() {
 # Session 82: the ops between the decode GEMMs, alone (bench_act_quant.py) for the 8B and 70B widths,
 # with vLLM's add + RMSNorm + per-token int8 kernel beside Inductor's fused norm + quant
 # (NORM_QUANT_ARGS: more options, e.g. "--norm-op cuda 0 16" for the plugin's own op: its csrc
-# kernel (session 84) and its Triton kernel at its own and at 16 warps, session 83).
+# kernel (session 84) and its Triton kernel at its own and at 16 warps, session 83; "--patterns silu
+# --silu-op cuda cuda1 triton" for the SiLU op's kernels, session 85).
 stage_norm_quant_vllm() {
   local rc=0 widths name hidden inter
   for widths in 8b:4096:14336 70b:8192:28672; do
@@ -1390,11 +1391,12 @@ stage_norm_quant_vllm() {
   done
   return $rc
 }
-# Session 83: MIXPREC_DECODE_QUANT_OPS=1's ops and pass on the GPU, then served (does the pass match
-# vLLM's graph: its log line), then bench_compiled_linear's arm (served_marlin with --decode-ops).
+# Session 83: MIXPREC_DECODE_QUANT_OPS=1's ops and pass on the GPU (session 85: with the SiLU op),
+# then served (does the pass match vLLM's graph: its log line), then bench_compiled_linear's arm
+# (served_marlin with --decode-ops).
 stage_decode_ops_tests() {
   pytest_gpu pytest-gpu-decode-ops 300 tests/kernels/test_triton_gemm.py tests/kernels/test_cuda_gemm.py \
-    tests/test_compile_passes.py -k "add_rms_norm or decode_quant"
+    tests/test_compile_passes.py -k "add_rms_norm or silu_mul_quantize_act or decode_quant"
 }
 stage_decode_ops_serve() {
   log "end to end with MIXPREC_DECODE_QUANT_OPS=1: vllm serve --quantization mixprec (compiled), W4A8"

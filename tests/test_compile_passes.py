@@ -173,6 +173,23 @@ def test_act_quant_benchmark_norm_op_arms(repo_module):
             bench.norm_op_arm(bad)
 
 
+def test_act_quant_benchmark_silu_op_arms(seeded, repo_module, monkeypatch):
+    """--silu-op: triton, cuda or cudaN (N CTAs a row at most); anything else is refused with
+    what it takes. code_agreement's silu form compares with the two torch ops' reference (the
+    reference itself agrees with it on the CPU)."""
+    import argparse
+
+    bench = repo_module("benchmarks/bench_act_quant.py")
+    assert [bench.silu_op_arm(v) for v in ("triton", "cuda", "cuda1", "cuda4")] == [
+        ("triton", None), ("cuda", 8), ("cuda", 1), ("cuda", 4)]
+    for bad in ("cuda3", "cuda16", "csrc", "8"):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"'{bad}': expected triton, cuda, or cudaN"):
+            bench.silu_op_arm(bad)
+    monkeypatch.setattr(bench, "inputs", lambda name, m: (torch.randn(m, 64, generator=seeded).to(torch.bfloat16),))
+    assert bench.code_agreement(lambda gu: ref.silu_mul_quantize_act(gu, None), 3, "silu") == {
+        "codes_differ": 0.0, "max_code_diff": 0, "scale_rel_diff": 0.0}
+
+
 def test_install_with_the_wgmma_order(monkeypatch):
     """Where the GPU runs the wgmma kernels, install() puts WgmmaActOrder in the hook (with the
     fusion when that is asked for too) and splits the ranges after 64 tokens; the hook runs each
@@ -507,11 +524,11 @@ def test_compiled_linear_benchmark_flags_marlin_rows_and_refuses_prefill_batches
     silu = {"mixprec_silu_op_rel_err_vs_eager": 1e-3, "silu_op_matched": 1, "silu_op_expected": True}
     assert not bench.marlin_bad({**good, **silu})
     assert not bench.marlin_bad({**good, **silu, "silu_op_matched": 0, "silu_op_expected": False})
-    ops = {"mixprec_decode_ops_rel_err_vs_eager": 1e-3, "mixprec_decode_ops_replaced": [4, 2],
-           "mixprec_decode_ops_expected": [4, 2]}
+    ops = {"mixprec_decode_ops_rel_err_vs_eager": 1e-3, "mixprec_decode_ops_replaced": [4, 2, 1],
+           "mixprec_decode_ops_expected": [4, 2, 1]}
     assert not bench.marlin_bad({**good, **ops})
-    for change in ({"mixprec_decode_ops_replaced": [4, 0]}, {"mixprec_decode_ops_replaced": [0, 0]},
-                   {"mixprec_decode_ops_rel_err_vs_eager": 0.2}):
+    for change in ({"mixprec_decode_ops_replaced": [4, 0, 1]}, {"mixprec_decode_ops_replaced": [0, 0, 0]},
+                   {"mixprec_decode_ops_replaced": [4, 2, 0]}, {"mixprec_decode_ops_rel_err_vs_eager": 0.2}):
         assert bench.marlin_bad({**good, **ops, **change}), change
     for change in ({"mixprec_rel_err_vs_eager": 0.2}, {"marlin_w4a16_rel_err_vs_eager": 0.2},
                    {"mixprec_rel_err_vs_marlin": 1.4}, {"mixprec_rel_err_vs_marlin": float("nan")},
@@ -529,6 +546,7 @@ def test_compiled_linear_benchmark_flags_marlin_rows_and_refuses_prefill_batches
                           (["--compare", "marlin", "--silu-op", "--ms", "64"], "--ms 64 with --silu-op"),
                           (["--silu-op"], "--silu-op: only with --compare marlin"),
                           (["--decode-ops"], "--decode-ops: only with --compare marlin"),
+                          (["--compare", "marlin", "--triton-ops"], "--triton-ops: only with --decode-ops"),
                           (["--compare", "marlin", "--profile", "-1"], "--profile=-1")):
         with pytest.raises(SystemExit) as e:
             bench.main(["--out", str(tmp_path), *argv])
@@ -661,7 +679,7 @@ def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):
 @pytest.mark.parametrize("layers, extra", [(["qkv", "piece"], ["--input-fused", "--rule", "--rounds", "3"]),
                                           (["down"], ["--compare", "w4ax"]),
                                           (["qkv", "piece"], ["--compare", "marlin", "--ms", "5", "--silu-op",
-                                                              "--decode-ops", "--profile", "2"])])
+                                                              "--decode-ops", "--triton-ops", "--profile", "2"])])
 def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monkeypatch, tmp_path, layers, extra):
     """bench_compiled_linear's main() on the CPU at small shapes, its GPU parts stubbed (the
     reference GEMM, a 1 us timer): every variant compiles, runs, is compared and checked, and
@@ -695,13 +713,20 @@ def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monke
         assert all(r["M"] == 5 and 0.0 < r["mixprec_rel_err_vs_marlin"] < bench.MARLIN_AGREEMENT
                    and r["marlin_over_mixprec"] == r["marlin_over_mixprec_silu_op"] == 1.0 for r in rows), rows
         assert [r["silu_op_matched"] > 0 for r in rows] == [False, True]  # the piece has the SiLU-and-mul
-        # the decode ops replaced every quantizer, those after the two norms with them (with the
-        # SiLU op, the piece's third quantizer is that op's)
-        assert [(r["mixprec_decode_ops_replaced"], r["mixprec_decode_ops_silu_replaced"]) for r in rows] == [
-            ([1, 1], [1, 1]), ([4, 2], [3, 2])]
+        # the decode ops replaced every quantizer, those after the two norms with them, the SiLU's
+        # with it unless the arm says not (with SiluMulQuantFusion first, the SiLU's is that pass's);
+        # the SiLU arms only where there is a SiLU-and-mul
+        arms = [{v: r.get(f"{v}_replaced") for v in bench.DECODE_OPS_ARMS} for r in rows]
+        assert arms == [
+            {"mixprec_decode_ops": [1, 1, 0], "mixprec_decode_ops_silu_op": None, "mixprec_decode_ops_triton_silu": None,
+             "mixprec_decode_ops_triton_norm": [1, 1, 0], "mixprec_decode_ops_silu": [1, 1, 0]},
+            {"mixprec_decode_ops": [4, 2, 0], "mixprec_decode_ops_silu_op": [4, 2, 1],
+             "mixprec_decode_ops_triton_silu": [4, 2, 1], "mixprec_decode_ops_triton_norm": [4, 2, 0],
+             "mixprec_decode_ops_silu": [3, 2, 0]}], arms
         # the profiler saw each variant's ops (on the CPU: aten and mixprec ops, not kernels)
         assert all(r[f"{v}_kernels_us"] and r[f"{v}_other_kernels_us"] >= 0.0
-                   for r in rows for v in ("mixprec", "marlin_w4a16", "mixprec_silu_op", *bench.DECODE_OPS_ARMS)), rows
+                   for r in rows for v in ("mixprec", "marlin_w4a16", "mixprec_silu_op", *bench.DECODE_OPS_ARMS)
+                   if f"{v}_us" in r), rows
     else:
         # each variant compiled once, at the profiling run's size: none again at the timed M
         # (a reset before each compile used to drop the earlier variants' code: own_code)
@@ -714,14 +739,18 @@ def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monke
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("norm,silu_op", [("vllm_ir", False), ("vllm_ir", True), ("native", False)])
-def test_decode_quant_ops_on_a_decoder_piece(seeded, fused_act_quant, repo_module, norm, silu_op, device):
+@pytest.mark.parametrize("norm,silu", [("vllm_ir", "off"), ("vllm_ir", "decode_ops"), ("vllm_ir", "pass"),
+                                       ("native", "off"), ("native", "decode_ops")])
+def test_decode_quant_ops_on_a_decoder_piece(seeded, fused_act_quant, repo_module, norm, silu, device):
     """DecodeQuantOps on bench_compiled_linear's piece (o_proj, add + RMSNorm, gate_up, SiLU-and-mul,
-    down, add + RMSNorm, QKV): every traced quantizer becomes mixprec::quantize_act, and the two
-    after vLLM's IR norm become mixprec::add_rms_norm_quantize_act with it (none after the native
-    norm, which the pass does not match). With SiluMulQuantFusion first, the SiLU's quantizer is
-    that op's. The residual and the QKV output are within 5 % of eager's (Inductor's SiLU-and-mul
-    skips a bf16 rounding: a code may move by one, and the down projection with it). On CUDA the ops are the Triton kernels (the layers' GEMMs the Triton ones)."""
+    down, add + RMSNorm, QKV): every traced quantizer becomes an op, the two after vLLM's IR norm
+    mixprec::add_rms_norm_quantize_act with it (none after the native norm, which the pass does not
+    match), the SiLU's mixprec::silu_mul_quantize_act with the SiLU-and-mul where the pass's `silu`
+    is on (MIXPREC_DECODE_SILU_OP), and the rest mixprec::quantize_act. With SiluMulQuantFusion
+    first, the SiLU's quantizer is that pass's. The residual and the QKV output are within 5 % of
+    eager's (Inductor's SiLU-and-mul skips a bf16 rounding: a code may move by one, and the down
+    projection with it). On CUDA the GEMMs are the Triton ones and the ops the csrc kernels where
+    built (else Triton's)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     bench = repo_module("benchmarks/bench_compiled_linear.py")
@@ -731,14 +760,16 @@ def test_decode_quant_ops_on_a_decoder_piece(seeded, fused_act_quant, repo_modul
     fn = bench.piece_fn(*layers, **({"add_rms_norm": bench.ir_add_rms_norm} if norm == "vllm_ir" else {}))
     x = [(torch.randn(24, hidden, generator=seeded) * 2).to(torch.bfloat16).to(device) for _ in range(2)]
     w = [(torch.rand(hidden, generator=seeded) + 0.5).to(torch.bfloat16).to(device) for _ in range(2)]
-    ops, silu = cp.DecodeQuantOps(), cp.SiluMulQuantFusion()
+    ops, silu_pass = cp.DecodeQuantOps(silu=silu != "off"), cp.SiluMulQuantFusion()
     torch._dynamo.reset()
     for a in x:
         torch._dynamo.mark_dynamic(a, 0)
-    hook = cp.MixprecPostGrad([silu, ops] if silu_op else [ops])
+    hook = cp.MixprecPostGrad([silu_pass, ops] if silu == "pass" else [ops])
     out, res = torch.compile(fn, fullgraph=True, options={cp.HOOK: hook, "fx_graph_cache": False})(*x, *w)
     fused = 2 if norm == "vllm_ir" else 0
-    assert (silu.matched, ops.quantizers, ops.norms) == ((1, 3, fused) if silu_op else (0, 4, fused))
+    want = {"off": (0, 4, fused, 0), "decode_ops": (0, 4, fused, 1), "pass": (1, 3, fused, 0)}[silu]
+    assert (silu_pass.matched, ops.quantizers, ops.norms, ops.silus) == want
+    assert ops.last == want[1:]
     for got, want in zip((out, res), fn(*x, *w)):  # (0.5-2.1 % seen)
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.05
 
@@ -823,3 +854,16 @@ def test_install_decode_quant_ops(monkeypatch):
     monkeypatch.setenv("MIXPREC_DECODE_QUANT_OPS", "on")
     with pytest.raises(ValueError, match="MIXPREC_DECODE_QUANT_OPS='on': expected 1"):
         cp.install(SimpleNamespace(inductor_compile_config={}))
+
+
+def test_decode_silu_op_setting(monkeypatch):
+    """MIXPREC_DECODE_SILU_OP (off by default) sets DecodeQuantOps' `silu`, which is in its uuid
+    (vLLM's compile cache keeps one graph a setting); a bad value names the variable."""
+    monkeypatch.delenv("MIXPREC_DECODE_SILU_OP", raising=False)
+    assert not cp.decode_silu_op() and not cp.DecodeQuantOps().silu
+    monkeypatch.setenv("MIXPREC_DECODE_SILU_OP", "1")
+    assert cp.DecodeQuantOps().silu and not cp.DecodeQuantOps(silu=False).silu
+    assert cp.DecodeQuantOps().uuid() != cp.DecodeQuantOps(silu=False).uuid()
+    monkeypatch.setenv("MIXPREC_DECODE_SILU_OP", "yes")
+    with pytest.raises(ValueError, match="MIXPREC_DECODE_SILU_OP='yes': expected 0"):
+        cp.DecodeQuantOps()

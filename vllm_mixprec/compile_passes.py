@@ -1,8 +1,8 @@
 """The plugin's torch.compile passes: SiLU-and-mul + activation quantization in one kernel
-(SiluMulQuantFusion, opt-in), the decode graphs' quantizers as ops launched for their batch
-(DecodeQuantOps, on by default), and the activations in the wgmma k order for batches past 64 tokens
-(WgmmaActOrder, on where the GPU runs the wgmma kernels). All go in vLLM's one custom post-grad
-hook, as MixprecPostGrad.
+(SiluMulQuantFusion, opt-in), the decode graphs' quantizers as ops launched for their batch, the
+SiLU's with its SiLU-and-mul where opted in (DecodeQuantOps, on by default), and the activations
+in the wgmma k order for batches past 64 tokens (WgmmaActOrder, on where the GPU runs the wgmma
+kernels). All go in vLLM's one custom post-grad hook, as MixprecPostGrad.
 
 Under vLLM's compile a mixprec layer quantizes its input in traced torch ops (kernels/
 __init__.py) that Inductor fuses into the op before it. For the down projection that op is
@@ -198,6 +198,19 @@ def decode_quant_ops(environ=os.environ) -> bool:
     return v == "1"
 
 
+def decode_silu_op(environ=os.environ) -> bool:
+    """MIXPREC_DECODE_SILU_OP: 0 (the default: the down projection's SiLU-and-mul stays Inductor's,
+    its quantizer becomes mixprec::quantize_act) or 1 (DecodeQuantOps puts mixprec::silu_mul_quantize_act
+    in place of the pair). Off until measured on a GPU: the csrc kernel it takes was written in
+    session 85, which got no GPU."""
+    v = envs.get("MIXPREC_DECODE_SILU_OP", environ)
+    if v not in ("0", "1"):
+        raise ValueError(f"MIXPREC_DECODE_SILU_OP={v!r}: expected 0 (the default: with the decode ops, "
+                         "Inductor's SiLU-and-mul, then mixprec::quantize_act) or 1 (SiLU-and-mul + its "
+                         "quantizer as mixprec::silu_mul_quantize_act; see compile_passes.py)")
+    return v == "1"
+
+
 def _quantize(x):
     return ref.quantize_act(x, None)
 
@@ -293,45 +306,51 @@ def _fuse_norm_into(quant: torch.fx.Node, norm_op) -> bool:
 class DecodeQuantOps(_pass_base()):
     """Post-grad pass for graphs of at most DECODE_OPS_MAX_TOKENS tokens: each traced quantizer
     -> mixprec::quantize_act, and where that reads vLLM's fused_add_rms_norm, the pair ->
-    mixprec::add_rms_norm_quantize_act. Inductor tunes its fused quantizers for the size hint of
-    the batch dimension, and vLLM keeps the profiling run's (8192) for every compile range: on the
-    H100 the 70B piece's norm + quantizer kernels took 7.24 and 4.87 us at 16 tokens where vLLM's
-    norm alone takes 3.04 and 2.42 (docs/BENCHMARKS.md "Session 82"). These ops launch for the
-    batch they get, and both let the csrc decode GEMM after them (a programmatic dependent launch)
-    start while they run, which Inductor's kernels do not: most of what they save
-    (docs/BENCHMARKS.md "Session 83 (H100)"). Runs after SiluMulQuantFusion where both are on (that
-    one takes the SiLU's quantizer); otherwise the SiLU-and-mul before the down projection stays
-    Inductor's and its quantizer is the op."""
+    mixprec::add_rms_norm_quantize_act; with `silu` (MIXPREC_DECODE_SILU_OP=1, opt-in), first
+    SiLU-and-mul + its quantizer -> mixprec::silu_mul_quantize_act. Inductor tunes its fused
+    quantizers for the size hint of the batch dimension, and vLLM keeps the profiling run's (8192)
+    for every compile range: on the H100 the 70B piece's norm + quantizer kernels took 7.24 and
+    4.87 us at 16 tokens where vLLM's norm alone takes 3.04 and 2.42 (docs/BENCHMARKS.md "Session
+    82"). These ops launch for the batch they get, and all let the csrc decode GEMM after them (a
+    programmatic dependent launch) start while they run, which Inductor's kernels do not: most of
+    what they save (docs/BENCHMARKS.md "Session 83 (H100)"). Runs after SiluMulQuantFusion where
+    both are on (that one then takes the SiLU's quantizer)."""
 
-    def __init__(self):
+    def __init__(self, silu: bool | None = None):
         from . import kernels  # noqa: F401  (the ops, on a compile-cache hit too)
+        self.silu = decode_silu_op() if silu is None else silu
         self.quantizers = 0  # traced quantizers replaced, over every graph this pass has seen
         self.norms = 0  # of them, those fused with their RMSNorm
-        self.last = (0, 0)  # (quantizers, norms) in the last graph
-        self.seen: set[tuple[int, int]] = set()  # the (quantizers, norms) logged
+        self.silus = 0  # of them, those fused with their SiLU-and-mul
+        self.last = (0, 0, 0)  # (quantizers, norms, silus) in the last graph
+        self.seen: set[tuple[int, int, int]] = set()  # the (quantizers, norms, silus) logged
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        n = _quantizer_patterns().apply(graph)
+        silus = _patterns().apply(graph) if self.silu else 0
+        n = _quantizer_patterns().apply(graph) + silus
         norm_op = _vllm_add_rms_norm()
         fused = 0
         if n and norm_op is not None:
             for node in list(graph.nodes):
                 if node.target is torch.ops.mixprec.quantize_act.default:
                     fused += _fuse_norm_into(node, norm_op)
-        if n and (n, fused) not in self.seen:  # once a kind of graph: vLLM's pieces differ
-            self.seen.add((n, fused))
-            logger.info("vllm_mixprec: decode graphs (<= %d tokens): %d traced quantizers became "
-                        "mixprec::quantize_act, %d of them fused with their add + RMSNorm "
-                        "(mixprec::add_rms_norm_quantize_act), in a graph", DECODE_OPS_MAX_TOKENS, n, fused)
+        last = (n, fused, silus)
+        if n and last not in self.seen:  # once a kind of graph: vLLM's pieces differ
+            self.seen.add(last)
+            logger.info("vllm_mixprec: decode graphs (<= %d tokens): %d traced quantizers became ops in a "
+                        "graph: %d fused with their add + RMSNorm (mixprec::add_rms_norm_quantize_act), %d "
+                        "with their SiLU-and-mul (mixprec::silu_mul_quantize_act), the rest "
+                        "mixprec::quantize_act", DECODE_OPS_MAX_TOKENS, *last)
         self.quantizers += n
         self.norms += fused
-        self.last = (n, fused)
+        self.silus += silus
+        self.last = last
 
     def is_applicable_for_range(self, compile_range) -> bool:
         return compile_range.end <= DECODE_OPS_MAX_TOKENS
 
     def uuid(self) -> str:
-        return _source_hash()
+        return _source_hash(f"silu={self.silu}")
 
 
 def _codes_in_order(y):

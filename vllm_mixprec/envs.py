@@ -91,6 +91,12 @@ KNOBS: tuple[Knob, ...] = (
          "for the batch they get, which let the decode GEMM after them start at once (Inductor's "
          "fused quantizers are tuned for its 8192-token size hint). 0: Inductor's, as before "
          "session 83."),
+    Knob("MIXPREC_DECODE_SILU_OP", COMPILE, "0", "0 or 1",
+         "With MIXPREC_DECODE_QUANT_OPS=1: 1: in the same graphs, the down projection's "
+         "SiLU-and-mul and its quantizer become mixprec::silu_mul_quantize_act (one csrc kernel, a "
+         "row over a cluster of CTAs on sm_90). 0: the SiLU-and-mul stays Inductor's and its "
+         "quantizer is mixprec::quantize_act. Off until measured on a GPU (session 85 wrote the "
+         "kernel and got none)."),
     Knob("MIXPREC_FUSE_SILU_QUANT", COMPILE, "0", "0 or 1",
          "1: mixprec::silu_mul_quantize_act replaces the down projection's SiLU-and-mul + "
          "quantization in graphs for batches of at most 32 tokens (a post-grad pass); served TPOT "

@@ -162,6 +162,34 @@ struct NormQuantArgs {
 bool add_rms_norm_quantize_act_supports(int K);
 cudaError_t add_rms_norm_quantize_act_launch(const NormQuantArgs& args, cudaStream_t stream);
 
+// SiLU-and-mul + per-token int8 (csrc/quant/silu_mul_quantize_act.cu, reference.silu_mul_quantize_act).
+// gate_up [M, 2K] of `kind` (half or bf16; rows of 2K, row stride row_stride elements), smooth [K]
+// float32 or null; q [M, K], scale [M]. A row's K outputs go to a cluster of plan.ctas CTAs of
+// plan.threads threads, plan.vecs 8-element vectors a thread (clusters of more than one CTA need
+// sm_90). silu_mul_quantize_act_plan: about kSiluQuantCtaVecs vectors a CTA, at most max_cluster
+// CTAs (1 to kSiluQuantMaxCluster); false where K % 8 != 0 or the row does not fit. The launch
+// needs K % 8 == 0, 16-byte aligned rows and at most kSiluQuantMaxRows rows (else
+// cudaErrorInvalidValue).
+constexpr int kSiluQuantMaxCluster = 8;  // the portable cluster size
+constexpr int kSiluQuantCtaVecs = 512;
+constexpr int kSiluQuantMaxThreads = 1024;
+constexpr int kSiluQuantMaxVecs = 2;
+constexpr int kSiluQuantMaxRows = 65535;  // gridDim.y
+struct SiluQuantPlan {
+  int ctas, threads, vecs;
+};
+struct SiluQuantArgs {
+  const void* gate_up;
+  int64_t row_stride;
+  const float* smooth;
+  int8_t* q;
+  float* scale;
+  int M, K;
+  OutKind kind;
+};
+bool silu_mul_quantize_act_plan(int K, int max_cluster, SiluQuantPlan* plan);
+cudaError_t silu_mul_quantize_act_launch(const SiluQuantArgs& args, const SiluQuantPlan& plan, cudaStream_t stream);
+
 // The wgmma k order of int8 activations (formats.py wgmma_act_k_order): in every 64 k, 4-byte
 // unit 4a + b goes to unit 4b + a, the packing's k permutation, so that the wgmma kernels'
 // shared-memory B tile is a plain copy of the row (W4A8GemmArgs::x_wgmma_order). An involution.

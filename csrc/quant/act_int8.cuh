@@ -1,6 +1,6 @@
 // Device helpers of the per-token int8 activation kernels (reference.quantize_act's math):
 // 16-byte vector loads and conversions, the lean codes, the row reductions, the scale, the PDL
-// trigger. Shared by quantize_act_int8.cu and add_rms_norm_quantize_act.cu.
+// trigger. Shared by quantize_act_int8.cu, add_rms_norm_quantize_act.cu and silu_mul_quantize_act.cu.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -53,6 +53,21 @@ __device__ __forceinline__ void to_float8(const Raw8<T>& r, float (&v)[8]) {
     v[2 * i + 1] = f.y;
   }
 }
+// v rounded to T in place (the dtype roundings of torch's 16-bit ops); its 16 bytes returned.
+template <typename T>
+__device__ __forceinline__ uint4 round8(float (&v)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const typename Pair16<T>::type h = Pair16<T>::from_floats(v[2 * i], v[2 * i + 1]);
+    const float2 f = Pair16<T>::to_float2(h);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+    memcpy(&w[i], &h, 4);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 template <typename T>
 __device__ __forceinline__ Raw8<T> load_raw8(const T* p) {
   Raw8<T> r;
@@ -92,6 +107,21 @@ __device__ __forceinline__ float max_abs_nan(float a, float b) {
   return d;
 }
 __device__ __forceinline__ float nan_to_inf(float a) { return a == a ? a : __int_as_float(0x7f800000); }
+
+// v / smooth (IEEE division, as the reference) where has_smooth, then amax = max(amax, |v|) over
+// the 8 (max_abs_nan): the last steps of a fused kernel's row before its scale.
+__device__ __forceinline__ float smooth_then_amax8(float (&v)[8], const Raw8<float>& smooth, bool has_smooth,
+                                                   float amax) {
+  if (has_smooth) {
+    float s[8];
+    to_float8(smooth, s);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = __fdiv_rn(v[e], s[e]);
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) amax = max_abs_nan(amax, v[e]);
+  return amax;
+}
 
 // A CTA's reduction of one float a thread (0 is op's identity), the result in every thread.
 // s_red: 32 floats, which hold the result afterwards: a second reduction takes other ones.

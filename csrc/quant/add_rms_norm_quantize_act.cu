@@ -28,21 +28,6 @@ namespace {
 
 constexpr int kNormThreads = 1024;
 
-// v rounded to T in place (the dtype roundings of vLLM's native norm); its 16 bytes returned.
-template <typename T>
-__device__ __forceinline__ uint4 round8(float (&v)[8]) {
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const typename Pair16<T>::type h = Pair16<T>::from_floats(v[2 * i], v[2 * i + 1]);
-    const float2 f = Pair16<T>::to_float2(h);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-    memcpy(&w[i], &h, 4);
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 // kVecs: 16-byte vectors a thread (K <= kVecs * 8 * kNormThreads). weight (x's dtype) and
 // smooth (float32) may be null. K % 8 == 0 and 16-byte aligned rows (the launcher checks).
 template <typename T, int kVecs>
@@ -107,14 +92,7 @@ __global__ void __launch_bounds__(kNormThreads, 1) add_rms_norm_quantize_act_ker
         for (int e = 0; e < 8; ++e) v[j][e] *= w[e];
         round8<T>(v[j]);
       }
-      if (smooth != nullptr) {
-        float s[8];
-        to_float8(sa[j], s);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[j][e] = __fdiv_rn(v[j][e], s[e]);
-      }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) amax = max_abs_nan(amax, v[j][e]);
+      amax = smooth_then_amax8(v[j], sa[j], smooth != nullptr, amax);
     }
   }
   const float sc = scale_of_amax(block_reduce(nan_to_inf(amax), s_max, MaxOp{}));

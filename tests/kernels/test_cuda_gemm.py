@@ -410,23 +410,102 @@ def test_add_rms_norm_quantize_act_errors():
     assert (q.shape, s.shape, r.shape) == ((0, 72), (0,), (0, 72))
 
 
+# --- silu_mul_quantize_act -------------------------------------------------------------------
+
+def _silu_inputs(m, k, dtype, smooth, seed):
+    """gate_up [M, 2K] and float32 smoothing as served; row 1 holds a NaN in its up half."""
+    gen = _gen(seed)
+    gate_up = (torch.randn(m, 2 * k, generator=gen, device=DEV) * 2).to(dtype)
+    if m > 1:
+        gate_up[1, k + 5] = float("nan")
+    sm = torch.rand(k, generator=gen, device=DEV) + 0.5 if smooth else None
+    return gate_up, sm
+
+
+# Rows over clusters of 1-7 CTAs (K = 200: a partial warp; 11008: a short last CTA; 28672:
+# Llama-3-70B's), of one CTA (max_cluster 1: two vectors a thread past 8192), M up to 64.
+@pytest.mark.parametrize("m,k", [(1, 28672), (3, 14336), (16, 4096), (64, 8192), (5, 200), (2, 11008)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("smooth", [False, True])
+@pytest.mark.parametrize("max_cluster", [8, 2, 1])
+def test_silu_mul_quantize_act_matches_reference(m, k, dtype, smooth, max_cluster):
+    """Bit for bit the reference's two torch ops run on the GPU (ATen's silu there; codes through
+    the lean arithmetic), within a code of the CPU's; outputs poisoned; row 1's NaN gives it a NaN
+    scale and zero codes."""
+    plan = cuda.silu_quant_plan(k, max_cluster if torch.cuda.get_device_capability()[0] >= 9 else 1)
+    if plan is None:
+        pytest.skip(f"K = {k} does not fit one CTA (sm_80, or max_cluster 1)")
+    gate_up, sm = _silu_inputs(m, k, dtype, smooth, m * k + smooth + max_cluster)
+    for numel, out_dtype in ((m * k, torch.int8), (m, torch.float32)):
+        poison(numel, out_dtype)
+    q, s = cuda.silu_mul_quantize_act(gate_up, sm, max_cluster)
+    q_gpu, s_gpu = ref.silu_mul_quantize_act(gate_up, sm)
+    assert (q.dtype, q.shape, s.dtype, s.shape) == (torch.int8, (m, k), torch.float32, (m,))
+    assert m == 1 or (torch.isnan(s[1]) and (q[1] == 0).all())
+    assert torch.equal(s.nan_to_num(-1.0), s_gpu.nan_to_num(-1.0)) and torch.equal(q, q_gpu)
+    q_cpu, s_cpu = ref.silu_mul_quantize_act(gate_up.cpu(), None if sm is None else sm.cpu())
+    torch.testing.assert_close(s.cpu(), s_cpu, rtol=2.0 ** -7, atol=0, equal_nan=True)
+    assert int((q.cpu().int() - q_cpu.int()).abs().max()) <= 1
+
+
+def test_silu_mul_quantize_act_errors():
+    op = cuda.silu_mul_quantize_act
+    x = torch.randn(2, 152, device=DEV, dtype=torch.bfloat16)
+    gu = x[:, :144]  # K = 72
+    sm = torch.rand(80, device=DEV)
+    clusters = torch.cuda.get_device_capability()[0] >= 9
+    top = 8 * 1024 * 2 * 8 if clusters else 1024 * 2 * 8
+    for args, message in (
+            ((gu.float(),), "gate_up must be float16 or bfloat16, got Float"),
+            ((x[:, :143],), r"gate_up must be 2-D \[M, 2K\]"),
+            ((x[:, :120],), rf"rows of K % 8 == 0 outputs, at most {top} .*got M = 2, K = 60"),
+            ((gu, sm[:72].bfloat16()), r"smooth must be \[72\] float32, got \[72\] BFloat16"),
+            ((gu, None, 9), "max_cluster must be 1 to 8, got 9"),
+            ((gu, None, 0), "max_cluster must be 1 to 8, got 0"),
+            ((x[:, 4:148],), "gate_up's rows and smooth must start on 16-byte boundaries"),
+            ((gu, sm[1:73]), "gate_up's rows and smooth must start on 16-byte boundaries")):
+        with pytest.raises(RuntimeError, match=message):
+            op(*args)
+    big = torch.randn(1, 2 * (top + 8), device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=f"got M = 1, K = {top + 8}"):
+        op(big)
+    q, s = op(gu[:0])  # no rows: nothing launched
+    assert (q.shape, s.shape) == ((0, 72), (0,))
+
+
+def _fused_op_case(op_name, k):
+    """(input to replace, the op of it, the reference of it, the expected log key's tail, the
+    closeness check) of one of the decode graphs' fused quantizer ops on rows of k."""
+    if op_name == "add_rms_norm_quantize_act":
+        x, res, w, sm = _norm_inputs(4, k, torch.bfloat16, True, True, k)
+        return (x, lambda t: torch.ops.mixprec.add_rms_norm_quantize_act(t, res, w, 1e-5, sm),
+                lambda t: ref.add_rms_norm_quantize_act(t.cpu(), res.cpu(), w.cpu(), 1e-5, sm.cpu()),
+                (k, torch.bfloat16, torch.float32), assert_norm_quant_close)
+
+    def bit_exact(got, want):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1].nan_to_num(-1.0), want[1].nan_to_num(-1.0))
+    gate_up, sm = _silu_inputs(4, k, torch.bfloat16, True, k)
+    return (gate_up, lambda t: torch.ops.mixprec.silu_mul_quantize_act(t, sm),
+            lambda t: ref.silu_mul_quantize_act(t, sm), (2 * k, torch.float32), bit_exact)
+
+
 @pytest.mark.parametrize("use_cuda", [True, False])
-def test_add_rms_norm_quantize_act_op_picks_its_kernel(use_cuda, monkeypatch):
-    """mixprec::add_rms_norm_quantize_act takes the csrc kernel where it applies (unless the
-    benchmarks' switch says Triton), Triton's where it does not (K % 8 != 0), logs which, and
-    replays in a CUDA graph."""
+@pytest.mark.parametrize("op_name,switch,k", [("add_rms_norm_quantize_act", "_NORM_QUANT_CUDA", 4096),
+                                              ("silu_mul_quantize_act", "_SILU_QUANT_CUDA", 14336)])
+def test_fused_quant_op_picks_its_kernel(op_name, switch, k, use_cuda, monkeypatch):
+    """mixprec::add_rms_norm_quantize_act and mixprec::silu_mul_quantize_act take the csrc kernel
+    where it applies (unless the benchmarks' switch says Triton), Triton's where it does not
+    (K % 8 != 0), log which, and replay in a CUDA graph."""
     from vllm_mixprec import kernels
 
-    monkeypatch.setattr(kernels, "_NORM_QUANT_CUDA", use_cuda)
-    monkeypatch.setattr(kernels, "_NORM_QUANT_LOGGED", set())
-    for k, csrc in ((4096, use_cuda), (100, False)):
-        x, res, w, sm = _norm_inputs(4, k, torch.bfloat16, True, True, k)
-        op = lambda t: torch.ops.mixprec.add_rms_norm_quantize_act(t, res, w, 1e-5, sm)  # noqa: E731
+    monkeypatch.setattr(kernels, switch, use_cuda)
+    monkeypatch.setattr(kernels, "_KERNEL_CHOICES_LOGGED", set())
+    for k, csrc in ((k, use_cuda), (100, False)):
+        x, op, want_of, key, check = _fused_op_case(op_name, k)
         graph, out, _ = capture_after_warmup(op, x)
         for x_new in replays_with_new_inputs(graph, x, k, trials=2):
-            want = ref.add_rms_norm_quantize_act(x_new.cpu(), res.cpu(), w.cpu(), 1e-5, sm.cpu())
-            assert_norm_quant_close(out, want)
-        assert (csrc, torch.bfloat16, k, torch.bfloat16, torch.float32) in kernels._NORM_QUANT_LOGGED
+            check(out, want_of(x_new))
+        assert (op_name, csrc, torch.bfloat16, *key) in kernels._KERNEL_CHOICES_LOGGED
 
 
 # --- graphs, compile, the linear op -------------------------------------------------------

@@ -112,8 +112,51 @@ def test_norm_quant_csrc_takes_what_its_kernel_reads():
     assert int(re.search(r"constexpr int kNormMaxK = (\d+);", header).group(1)) == top == tg.NORM_QUANT_MAX_K
 
 
-def test_norm_quant_ops_trace_on_meta_tensors():
-    """Both ops' fakes (torch.compile traces them): the plugin op, and the csrc one where built."""
+def test_silu_quant_csrc_takes_what_its_kernel_reads():
+    """cuda.silu_quant_supports: the csrc silu_mul_quantize_act's 16-byte rows of [gate | up]
+    (fp16/bf16, K % 8 == 0, aligned), float32 smoothing, K within one cluster (one CTA without
+    clusters); the rest goes to Triton. cuda.silu_quant_plan's constants are the header's, and
+    its plan the launcher's where the extension is built."""
+    import re
+    from pathlib import Path
+
+    from vllm_mixprec.kernels import cuda
+
+    def ok(gate_up, smooth=None, clusters=True):
+        return cuda.silu_quant_supports(gate_up, smooth, clusters)
+
+    gu = torch.randn(3, 2 * 4096, dtype=torch.bfloat16)
+    assert ok(gu) and ok(gu.half(), torch.rand(4096)) and ok(gu, None, False)
+    assert not ok(gu.float()) and not ok(gu, torch.rand(4096).bfloat16()) and not ok(gu[0])
+    assert not ok(gu[:, :8190])  # odd halves
+    wide = torch.zeros(2, 2 * 4096 + 8, dtype=torch.bfloat16)
+    assert ok(wide[:, 8:]) and not ok(wide[:, 4:-4]) and not ok(wide[:, :2 * 4092])  # 16 bytes in; 8; K % 8
+    assert not ok(gu, torch.rand(4097)[1:])  # smoothing 4 bytes in
+    assert not ok(torch.zeros(cuda.SILU_QUANT_MAX_ROWS + 1, 16, dtype=torch.bfloat16))
+    # clusters of 8 CTAs of 1024 threads x 2 vectors of 8 outputs; one such CTA without clusters
+    top = cuda.SILU_QUANT_MAX_CLUSTER * cuda.SILU_QUANT_MAX_THREADS * cuda.SILU_QUANT_MAX_VECS * 8
+    assert ok(torch.zeros(1, 2 * top, dtype=torch.bfloat16)) and not ok(torch.zeros(1, 2 * top + 16, dtype=torch.bfloat16))
+    assert ok(torch.zeros(1, 2 * 16384, dtype=torch.bfloat16), None, False)
+    assert not ok(torch.zeros(1, 2 * 28672, dtype=torch.bfloat16), None, False)
+    # the served rows: Llama-3-8B's 14336 outputs over 4 CTAs, Llama-3-70B's 28672 over 7
+    assert cuda.silu_quant_plan(14336) == (4, 448, 1) and cuda.silu_quant_plan(28672) == (7, 512, 1)
+    assert cuda.silu_quant_plan(4096) == (1, 512, 1) and cuda.silu_quant_plan(14336, 1) == (1, 896, 2)
+    header = (Path(__file__).parents[2] / "csrc" / "gemm" / "w4a8_gemm.h").read_text()
+    for name in ("MAX_CLUSTER", "CTA_VECS", "MAX_THREADS", "MAX_VECS", "MAX_ROWS"):
+        camel = "".join(w.capitalize() for w in name.split("_"))
+        value = int(re.search(rf"constexpr int kSiluQuant{camel} = (\d+);", header).group(1))
+        assert value == getattr(cuda, f"SILU_QUANT_{name}"), name
+    if cuda.has_silu_quant():  # the launcher's own plan, where the extension is built
+        plan_of = torch.ops.mixprec_C.silu_mul_quantize_act_plan
+        for k in [*range(8, 40000, 8 * 37), 16384, 16392, 28672, top, top + 8, 100, 0]:
+            for max_cluster in range(0, 10):
+                want = cuda.silu_quant_plan(k, max_cluster)
+                assert plan_of(k, max_cluster) == (list(want) if want else []), (k, max_cluster)
+
+
+def test_norm_and_silu_quant_ops_trace_on_meta_tensors():
+    """Both ops' fakes (torch.compile traces them): the plugin op, and the csrc one where built;
+    the same for silu_mul_quantize_act."""
     from vllm_mixprec.kernels import cuda
 
     x = torch.empty(5, 4096, dtype=torch.bfloat16, device="meta")
@@ -125,4 +168,11 @@ def test_norm_quant_ops_trace_on_meta_tensors():
         q, s, r = op(x, x, w, 1e-5, sm)
         assert (q.shape, q.dtype, s.shape, s.dtype, r.shape, r.dtype) == (
             (5, 4096), torch.int8, (5,), torch.float32, (5, 4096), torch.bfloat16)
+    gate_up = torch.empty(5, 2 * 4096, dtype=torch.bfloat16, device="meta")
+    ops = [torch.ops.mixprec.silu_mul_quantize_act]
+    if cuda.has_silu_quant():
+        ops.append(torch.ops.mixprec_C.silu_mul_quantize_act)
+    for op in ops:
+        q, s = op(gate_up, sm)
+        assert (q.shape, q.dtype, s.shape, s.dtype) == ((5, 4096), torch.int8, (5,), torch.float32)
 

@@ -101,6 +101,10 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
         what="w4a8kv4 whose decode graphs (batches of at most 64 tokens) keep Inductor's fused "
              "quantizers instead of mixprec::quantize_act and mixprec::add_rms_norm_quantize_act "
              "(compile_passes.DecodeQuantOps): what the decode ops are worth served"),
+    _w4a8kv4_with("siluop", "MIXPREC_DECODE_SILU_OP", "1",
+        what="w4a8kv4 whose decode graphs take mixprec::silu_mul_quantize_act (one csrc kernel) in "
+             "place of Inductor's SiLU-and-mul + mixprec::quantize_act before the down projection "
+             "(compile_passes.DecodeQuantOps): what the SiLU op is worth served"),
     _w4a8kv4_with("naturalorder", "MIXPREC_X_WGMMA_ORDER", "0",
         what="w4a8kv4 whose compiled graphs quantize every layer's activations in the natural k "
              "order (compile_passes.WgmmaActOrder off): what the wgmma order is worth served"),

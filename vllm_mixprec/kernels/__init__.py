@@ -294,11 +294,19 @@ def _(x8, s8, x4, s4, qweight, group_scale, group_offset, channel_scale, bias, o
 @torch.library.custom_op("mixprec::silu_mul_quantize_act", mutates_args=())
 def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """reference.silu_mul_quantize_act in one Triton kernel (no csrc twin): what
-    compile_passes.SiluMulQuantFusion puts in place of SiluAndMul + the traced quantize_act.
-    CPU tensors (and MIXPREC_KERNEL=reference) take the reference."""
-    on_gpu = gate_up.device.type == "cuda" or _interpreting()
-    mod = _triton() if on_gpu and _FORCED != "reference" else ref
+    """reference.silu_mul_quantize_act in one kernel: what compile_passes puts in place of
+    SiluAndMul + the traced quantizer (DecodeQuantOps in decode graphs; SiluMulQuantFusion where
+    opted in). The csrc kernel where built and it takes the tensors (cuda.silu_quant_supports:
+    fp16/bf16, float32 smoothing, K % 8 == 0, a row's outputs over a cluster of CTAs on sm_90,
+    one CTA before), else Triton's (_log_kernel_choice logs which, once a kind). CPU tensors (and
+    MIXPREC_KERNEL=reference) take the reference."""
+    if gate_up.device.type == "cuda" and _FORCED != "reference":
+        use_cuda = (_SILU_QUANT_CUDA and _FORCED != "triton" and _cuda.has_silu_quant()
+                    and _cuda.supports_device(gate_up.device) and _cuda.silu_quant_supports(gate_up, smooth))
+        _log_kernel_choice("silu_mul_quantize_act", use_cuda, gate_up, smooth)
+        mod = _cuda if use_cuda else _triton()
+    else:
+        mod = _triton() if _interpreting() and _FORCED != "reference" else ref
     return mod.silu_mul_quantize_act(gate_up, smooth)
 
 
@@ -332,32 +340,33 @@ def add_rms_norm_quantize_act(x: torch.Tensor, residual: torch.Tensor, weight: t
     """reference.add_rms_norm_quantize_act in one kernel: what compile_passes.DecodeQuantOps puts in
     place of vLLM's fused_add_rms_norm + the traced quantizer in decode graphs. The csrc kernel
     where built and it takes the tensors (cuda.norm_quant_supports: fp16/bf16, weight in x's
-    dtype, float32 smoothing, K % 8 == 0 up to 16384), else Triton's (_log_norm_quant_choice
+    dtype, float32 smoothing, K % 8 == 0 up to 16384), else Triton's (_log_kernel_choice
     logs which, once a kind). CPU tensors (and MIXPREC_KERNEL=reference) take the reference."""
     if x.device.type == "cuda" and _FORCED != "reference":
         use_cuda = (_NORM_QUANT_CUDA and _FORCED != "triton" and _cuda.has_norm_quant()
                     and _cuda.supports_device(x.device) and _cuda.norm_quant_supports(x, residual, weight, smooth))
-        _log_norm_quant_choice(use_cuda, x, weight, smooth)
+        _log_kernel_choice("add_rms_norm_quantize_act", use_cuda, x, weight, smooth)
         mod = _cuda if use_cuda else _triton()
     else:
         mod = _triton() if _interpreting() and _FORCED != "reference" else ref
     return mod.add_rms_norm_quantize_act(x, residual, weight, epsilon, smooth)
 
 
-# False: add_rms_norm_quantize_act takes the Triton kernel even where the csrc one applies (the
-# benchmarks' A/B arm; not a user setting).
+# False: the op takes the Triton kernel even where the csrc one applies (the benchmarks' A/B
+# arms; not user settings).
 _NORM_QUANT_CUDA = True
-_NORM_QUANT_LOGGED: set = set()
+_SILU_QUANT_CUDA = True
+_KERNEL_CHOICES_LOGGED: set = set()
 
 
-def _log_norm_quant_choice(use_cuda: bool, x, weight, smooth) -> None:
-    """Debug log, once per kind of call, of the kernel add_rms_norm_quantize_act takes."""
-    key = (use_cuda, x.dtype, x.shape[-1], None if weight is None else weight.dtype,
-           None if smooth is None else smooth.dtype)
-    if key not in _NORM_QUANT_LOGGED:
-        _NORM_QUANT_LOGGED.add(key)
-        logger.debug("vllm_mixprec: add_rms_norm_quantize_act on %s rows of %d (weight %s, smooth %s): %s kernel",
-                     x.dtype, x.shape[-1], key[3], key[4], "csrc" if use_cuda else "Triton")
+def _log_kernel_choice(op: str, use_cuda: bool, x, *others) -> None:
+    """Debug log, once per kind of call, of the kernel an op (add_rms_norm_quantize_act,
+    silu_mul_quantize_act) takes: rows of x, and the dtypes of its other tensors (None: absent)."""
+    key = (op, use_cuda, x.dtype, x.shape[-1], *(None if t is None else t.dtype for t in others))
+    if key not in _KERNEL_CHOICES_LOGGED:
+        _KERNEL_CHOICES_LOGGED.add(key)
+        logger.debug("vllm_mixprec: %s on %s rows of %d (other tensors %s): %s kernel", op, x.dtype,
+                     x.shape[-1], key[4:], "csrc" if use_cuda else "Triton")
 
 
 @add_rms_norm_quantize_act.register_fake

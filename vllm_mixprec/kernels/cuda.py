@@ -59,6 +59,12 @@ def _register_fakes() -> None:
             return (x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0],), dtype=torch.float32),
                     x.new_empty(x.shape))
 
+    if hasattr(torch.ops.mixprec_C, "silu_mul_quantize_act"):
+        @torch.library.register_fake("mixprec_C::silu_mul_quantize_act")
+        def _silu_mul_quantize_act_fake(gate_up, smooth, max_cluster=SILU_QUANT_MAX_CLUSTER):
+            m, k = gate_up.shape[0], gate_up.shape[1] // 2
+            return gate_up.new_empty((m, k), dtype=torch.int8), gate_up.new_empty((m,), dtype=torch.float32)
+
     if hasattr(torch.ops.mixprec_C, "decode_kv4_pages"):  # (a build older than the op lacks it)
         @torch.library.register_fake("mixprec_C::decode_kv4_pages")
         def _decode_kv4_pages_fake(q, cache, block_table, seq_lens, query_start_loc, out, part_o,
@@ -421,6 +427,64 @@ def add_rms_norm_quantize_act(x: torch.Tensor, residual: torch.Tensor, weight: t
     """reference.add_rms_norm_quantize_act in one CUDA kernel (csrc/quant/add_rms_norm_quantize_act.cu)
     for the tensors norm_quant_supports takes: (int8 [M, K], float32 scale [M], residual [M, K])."""
     return torch.ops.mixprec_C.add_rms_norm_quantize_act(x, residual, weight, epsilon, smooth)
+
+
+# silu_mul_quantize_act's kernel (csrc/gemm/w4a8_gemm.h, kSiluQuant*): a row's K outputs over a
+# cluster of at most SILU_QUANT_MAX_CLUSTER CTAs (one before sm_90), about SILU_QUANT_CTA_VECS
+# 8-element vectors a CTA, at most SILU_QUANT_MAX_THREADS threads of SILU_QUANT_MAX_VECS vectors.
+SILU_QUANT_MAX_CLUSTER = 8
+SILU_QUANT_CTA_VECS = 512
+SILU_QUANT_MAX_THREADS = 1024
+SILU_QUANT_MAX_VECS = 2
+SILU_QUANT_MAX_ROWS = 65535
+
+
+def silu_quant_plan(k: int, max_cluster: int = SILU_QUANT_MAX_CLUSTER) -> tuple[int, int, int] | None:
+    """csrc silu_mul_quantize_act_plan: (CTAs a row, threads a CTA, vectors a thread) for rows of
+    k outputs, or None where the kernel does not take them."""
+    if k <= 0 or k % 8 or not 1 <= max_cluster <= SILU_QUANT_MAX_CLUSTER:
+        return None
+
+    def cdiv(a, b):
+        return -(-a // b)
+
+    vecs = k // 8
+    ctas = min(max_cluster, cdiv(vecs, SILU_QUANT_CTA_VECS))
+    per_cta = cdiv(vecs, ctas)
+    per_thread = cdiv(per_cta, SILU_QUANT_MAX_THREADS)
+    if per_thread > SILU_QUANT_MAX_VECS:
+        return None
+    return ctas, cdiv(cdiv(per_cta, per_thread), 32) * 32, per_thread
+
+
+def has_silu_quant() -> bool:
+    return available() and hasattr(torch.ops.mixprec_C, "silu_mul_quantize_act")
+
+
+def silu_quant_supports(gate_up: torch.Tensor, smooth: torch.Tensor | None,
+                        clusters: bool | None = None) -> bool:
+    """Whether silu_mul_quantize_act's csrc kernel takes these tensors: fp16/bf16 rows [M, 2K]
+    starting on 16-byte boundaries, at most SILU_QUANT_MAX_ROWS of them, whose K outputs fit one
+    cluster (silu_quant_plan; one CTA where not `clusters`, which defaults to gate_up's GPU being
+    sm_90 or later); smooth float32 (as served)."""
+    if not (gate_up.dim() == 2 and gate_up.dtype in (torch.float16, torch.bfloat16)
+            and gate_up.shape[0] <= SILU_QUANT_MAX_ROWS and gate_up.shape[1] % 2 == 0):
+        return False
+    if clusters is None:
+        clusters = torch.cuda.get_device_capability(gate_up.device)[0] >= 9
+    k = gate_up.shape[1] // 2
+    return (silu_quant_plan(k, SILU_QUANT_MAX_CLUSTER if clusters else 1) is not None
+            and gate_up.data_ptr() % 16 == 0 and gate_up.stride(1) == 1 and gate_up.stride(0) % 8 == 0
+            and (smooth is None or (smooth.dtype == torch.float32 and smooth.is_contiguous()
+                                    and smooth.data_ptr() % 16 == 0)))
+
+
+def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None = None,
+                          max_cluster: int = SILU_QUANT_MAX_CLUSTER) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.silu_mul_quantize_act in one CUDA kernel (csrc/quant/silu_mul_quantize_act.cu) for
+    the tensors silu_quant_supports takes: gate_up [M, 2K] -> (int8 [M, K], float32 scale [M]).
+    max_cluster: a row's CTAs at most (the benchmarks' A/B; 1 on GPUs before sm_90)."""
+    return torch.ops.mixprec_C.silu_mul_quantize_act(gate_up, smooth, max_cluster)
 
 
 def x_wgmma_order_for(m: int, n: int, k: int, device: torch.device | int | None = None) -> bool:
