@@ -128,7 +128,7 @@ def test_silu_quant_csrc_takes_what_its_kernel_reads():
     gu = torch.randn(3, 2 * 4096, dtype=torch.bfloat16)
     assert ok(gu) and ok(gu.half(), torch.rand(4096)) and ok(gu, None, False)
     assert not ok(gu.float()) and not ok(gu, torch.rand(4096).bfloat16()) and not ok(gu[0])
-    assert not ok(gu[:, :8190])  # odd halves
+    assert not ok(gu[:, :8190]) and not ok(gu[:, :8191])  # K % 8 != 0; an odd width
     wide = torch.zeros(2, 2 * 4096 + 8, dtype=torch.bfloat16)
     assert ok(wide[:, 8:]) and not ok(wide[:, 4:-4]) and not ok(wide[:, :2 * 4092])  # 16 bytes in; 8; K % 8
     assert not ok(gu, torch.rand(4097)[1:])  # smoothing 4 bytes in
