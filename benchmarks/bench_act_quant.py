@@ -29,13 +29,15 @@ warps a program ("op-wW" rows; 0: the Triton kernel's own choice).
 `--silu-op ARM...` adds the plugin's SiLU-and-mul + quantizer op (mixprec::silu_mul_quantize_act, what
 MIXPREC_DECODE_SILU_OP=1 serves), uncompiled, with the same code agreement against the reference of
 the two torch ops: ARM = cudaN is its csrc kernel with a row over at most N CTAs of a cluster ("sop-cudaN"
-rows; cuda: N = 8, what it takes where built), triton its Triton kernel ("sop-triton"). The "op" rows
+rows), cuda the same with the op's own N for the M rows (cuda.silu_quant_cluster_for: what it takes
+where built), cudaNvV with about V vectors of 8 outputs a CTA (512 otherwise), triton its Triton
+kernel ("sop-triton"). The "op" rows
 of the silu pattern are what MIXPREC_DECODE_SILU_OP=0 serves: Inductor's SiLU-and-mul, then the
 quantizer op (mixprec::quantize_act, the csrc kernel where built).
 `--hidden`/`--inter` set the row widths (default Llama-3-8B's; 8192 and 28672 for Llama-3-70B).
 
   python benchmarks/bench_act_quant.py --out DIR [--ms 1 8] [--static] [--inductor K=V ...]
-      [--vllm-norm-quant] [--norm-op cuda 0 4 8 16] [--silu-op cuda1 cuda8 triton] [--patterns norm silu quant]
+      [--vllm-norm-quant] [--norm-op cuda 0 4 8 16] [--silu-op cuda1 cuda8 cuda16v128 triton] [--patterns norm silu quant]
       [--hidden 4096] [--inter 14336]
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 
 import torch
@@ -114,15 +117,15 @@ def norm_op(x, res, w):
     return torch.ops.mixprec.add_rms_norm_quantize_act(x, res, w, EPS, None)
 
 
-def silu_op(arm: tuple[str, int | None]):
+def silu_op(arm: tuple[str, int | None, int | None]):
     """mixprec::silu_mul_quantize_act's kernel for a --silu-op arm (silu_op_arm), uncompiled:
     gate_up -> codes, scales."""
     from vllm_mixprec import kernels
     from vllm_mixprec.kernels.triton import gemm as tg
-    kind, max_cluster = arm
+    kind, max_cluster, cta_vecs = arm
     if kind == "triton":
         return lambda gu: tg.silu_mul_quantize_act(gu, None)
-    return lambda gu: kernels._cuda.silu_mul_quantize_act(gu, None, max_cluster)
+    return lambda gu: kernels._cuda.silu_mul_quantize_act(gu, None, max_cluster, cta_vecs)
 
 
 def code_agreement(fn, m: int, name: str = "norm") -> dict:
@@ -148,14 +151,21 @@ def inputs(name, m):
             "quant": (r(m, HIDDEN),)}[name]
 
 
-def silu_op_arm(v: str) -> tuple[str, int | None]:
-    """--silu-op's values: triton, cuda (a cluster of up to 8 CTAs a row) or cudaN (up to N)."""
+def silu_op_arm(v: str) -> tuple[str, int | None, int | None]:
+    """--silu-op's values: triton, cuda (the op's own cluster size for M rows), cudaN (up to N CTAs a
+    row) or cudaNvV (about V vectors a CTA): (kind, max_cluster or None, cta_vecs)."""
+    from vllm_mixprec.kernels import cuda
     if v == "triton":
-        return v, None
-    if v == "cuda" or (v.startswith("cuda") and v[4:] in ("1", "2", "4", "8")):
-        return "cuda", int(v[4:] or 8)
-    raise argparse.ArgumentTypeError(f"{v!r}: expected triton, cuda, or cudaN with N = 1, 2, 4 or 8 "
-                                     "(a row's CTAs at most)")
+        return v, None, None
+    got = re.fullmatch(r"cuda(\d+)?(?:v(\d+))?", v)
+    if got:
+        max_cluster, cta_vecs = int(got[1]) if got[1] else None, int(got[2] or cuda.SILU_QUANT_CTA_VECS)
+        if ((max_cluster is None or 1 <= max_cluster <= cuda.SILU_QUANT_MAX_CLUSTER)
+                and 1 <= cta_vecs <= cuda.SILU_QUANT_MAX_THREADS * cuda.SILU_QUANT_MAX_VECS):
+            return "cuda", max_cluster, cta_vecs
+    raise argparse.ArgumentTypeError(
+        f"{v!r}: expected triton, cuda, cudaN or cudaNvV with N = 1 to {cuda.SILU_QUANT_MAX_CLUSTER} (a row's "
+        f"CTAs at most) and V = 1 to {cuda.SILU_QUANT_MAX_THREADS * cuda.SILU_QUANT_MAX_VECS} (vectors a CTA)")
 
 
 def norm_op_arm(v: str) -> str | int:
@@ -226,14 +236,15 @@ def main() -> int:
                     metavar="KEY=VALUE", help="an Inductor config option for every compile")
     ap.add_argument("--vllm-norm-quant", action="store_true",
                     help="also vLLM's rms_norm_dynamic_per_token_quant kernel (module docstring)")
-    ap.add_argument("--patterns", nargs="+", choices=("norm", "silu", "quant"), default=("norm", "silu", "quant"),
-                    help="the compiled patterns to time (default: all three)")
+    ap.add_argument("--patterns", nargs="*", choices=("norm", "silu", "quant"), default=("norm", "silu", "quant"),
+                    help="the compiled patterns to time (default: all three; none: only the ops asked for)")
     ap.add_argument("--norm-op", type=norm_op_arm, nargs="+", metavar="cuda|WARPS",
                     help="also mixprec::add_rms_norm_quantize_act, uncompiled: its csrc kernel (cuda), "
                          "its Triton kernel at each number of warps a program (0: its own choice)")
-    ap.add_argument("--silu-op", type=silu_op_arm, nargs="+", metavar="triton|cuda|cudaN",
+    ap.add_argument("--silu-op", type=silu_op_arm, nargs="+", metavar="triton|cuda|cudaN|cudaNvV",
                     help="also mixprec::silu_mul_quantize_act, uncompiled: its csrc kernel (cuda: a row over "
-                         "a cluster of up to 8 CTAs; cudaN: up to N), its Triton kernel (triton)")
+                         "the op's own cluster size for M rows; cudaN: up to N CTAs; vV: about V vectors a "
+                         "CTA), its Triton kernel (triton)")
     ap.add_argument("--hidden", type=int, default=HIDDEN, help="the norm's row width (default: %(default)s)")
     ap.add_argument("--inter", type=int, default=INTER, help="SiLU-and-mul's output width (default: %(default)s)")
     args = ap.parse_args()
@@ -292,12 +303,16 @@ def main() -> int:
         if arm[0] == "cuda" and not kernels._cuda.has_silu_quant():
             raise SystemExit(f"--silu-op cuda: the csrc ops are not built ({kernels._cuda.load_error()})")
         form = f"sop-{arm[0]}{arm[1] or ''}"
-        if arm[0] == "cuda" and kernels._cuda.silu_quant_plan(INTER, arm[1]) is None:
+        if arm[0] == "cuda" and arm[2] != kernels._cuda.SILU_QUANT_CTA_VECS:
+            form += f"v{arm[2]}"
+        if arm[0] == "cuda" and arm[1] and kernels._cuda.silu_quant_plan(INTER, arm[1], arm[2]) is None:
             print(f"silu   {form:9s} skipped: rows of {INTER} do not fit {arm[1]} CTAs", flush=True)
             continue
         fn = silu_op(arm)
         for m in args.ms:
-            row = {"pattern": "silu", "quant": form, "M": m, "max_cluster": arm[1],
+            max_cluster = (arm[1] or kernels._cuda.silu_quant_cluster_for(m, INTER)) if arm[0] == "cuda" else None
+            plan = kernels._cuda.silu_quant_plan(INTER, max_cluster, arm[2]) if max_cluster else None
+            row = {"pattern": "silu", "quant": form, "M": m, "max_cluster": max_cluster, "cta_vecs": arm[2], "plan": plan,
                    "dynamic_us": time_us(fn, inputs("silu", m)), **code_agreement(fn, m, "silu")}
             rows.append(row)
             print(f"silu   {form:9s} M={m:<5d} uncompiled {row['dynamic_us']:7.2f} us   codes differing "

@@ -239,7 +239,8 @@ def compiled(fn, before: str, k: int, passes, code_path: str | None = None, opti
     options = {**(options or {}), compile_passes.HOOK: compile_passes.MixprecPostGrad(passes),
                "fx_graph_cache": False}
     # the traced quantizer, and the csrc norm op where built (the defaults)
-    modes = {"_FUSE_ACT_QUANT": True, "_NORM_QUANT_CUDA": True, "_SILU_QUANT_CUDA": True, **(modes or {})}
+    modes = {"_FUSE_ACT_QUANT": True, "_NORM_QUANT_CUDA": True, "_SILU_QUANT_CUDA": True, "_SILU_QUANT_PLAN": None,
+             **(modes or {})}
 
     def set_modes():
         for name, value in modes.items():
@@ -348,6 +349,9 @@ def marlin_variants(name: str, gen: torch.Generator, args) -> tuple:
         # --triton-ops: the SiLU and norm ops' Triton kernels in place of the csrc ones (the same where not built)
         if silus and args.triton_ops:
             arms["mixprec_decode_ops_triton_silu"] = ([], True, (quantizers, norms, silus), {"_SILU_QUANT_CUDA": False})
+        for max_cluster, cta_vecs in (args.silu_plans if silus else ()):  # the csrc SiLU op's other plans
+            arms[f"mixprec_decode_ops_silu_op_c{max_cluster}v{cta_vecs}"] = (
+                [], True, (quantizers, norms, silus), {"_SILU_QUANT_PLAN": (max_cluster, cta_vecs)})
         if norms and args.triton_ops:
             arms["mixprec_decode_ops_triton_norm"] = ([], False, (quantizers, norms, 0), {"_NORM_QUANT_CUDA": False})
         if args.silu_op:  # both passes, as install() orders them: SiluMulQuantFusion takes the SiLU's quantizer
@@ -397,12 +401,11 @@ def marlin_bad(row: dict) -> bool:
     two arms' outputs further apart than MARLIN_AGREEMENT, a SiLU-op arm whose pass replaced
     nothing where there is a SiLU-and-mul (or something where there is none), or a decode-ops arm
     whose last graph had other quantizers or norms replaced than the layer or piece has."""
-    arms = ("mixprec", "marlin_w4a16", "mixprec_silu_op", *DECODE_OPS_ARMS)
-    return (any(row.get(f"{v}_rel_err_vs_eager", 0.0) > 0.05 for v in arms)
+    decode_arms = [key.removesuffix("_replaced") for key in row if key.endswith("_replaced")]
+    return (any(value > 0.05 for key, value in row.items() if key.endswith("_rel_err_vs_eager"))
             or not row["mixprec_rel_err_vs_marlin"] < MARLIN_AGREEMENT
             or ("silu_op_matched" in row and (row["silu_op_matched"] > 0) != row["silu_op_expected"])
-            or any(row[f"{v}_replaced"] != row[f"{v}_expected"] for v in DECODE_OPS_ARMS
-                   if f"{v}_replaced" in row))
+            or any(row[f"{v}_replaced"] != row[f"{v}_expected"] for v in decode_arms))
 
 
 # Kernels that are a layer's GEMM (ours: the csrc w4a8_*_kernel; Marlin's: marlin::Marlin<...>; on
@@ -541,6 +544,18 @@ COMPARE = {"order": (order_variants, order_fields, order_bad),
            "marlin": (marlin_variants, marlin_fields, marlin_bad)}
 
 
+def silu_plan(v: str) -> tuple[int, int]:
+    """--silu-plans' values, N/V: (max_cluster, cta_vecs) of the csrc silu_mul_quantize_act."""
+    from vllm_mixprec.kernels import cuda
+    n, _, vecs = v.partition("/")
+    if (n.isdigit() and vecs.isdigit() and 1 <= int(n) <= cuda.SILU_QUANT_MAX_CLUSTER
+            and 1 <= int(vecs) <= cuda.SILU_QUANT_MAX_THREADS * cuda.SILU_QUANT_MAX_VECS):
+        return int(n), int(vecs)
+    raise argparse.ArgumentTypeError(
+        f"{v!r}: expected N/V, N = 1 to {cuda.SILU_QUANT_MAX_CLUSTER} CTAs a row and V = 1 to "
+        f"{cuda.SILU_QUANT_MAX_THREADS * cuda.SILU_QUANT_MAX_VECS} vectors a CTA")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out")
@@ -586,6 +601,9 @@ def main(argv=None) -> int:
     ap.add_argument("--triton-ops", action="store_true",
                     help="with --decode-ops: also the arms whose norm op and SiLU op take their Triton "
                          "kernels in place of the csrc ones")
+    ap.add_argument("--silu-plans", type=silu_plan, nargs="+", default=[], metavar="N/V",
+                    help="with --decode-ops: also the SiLU op's csrc kernel with a row over at most N CTAs "
+                         "of about V vectors of 8 outputs each (mixprec_decode_ops_silu_op_cNvV arms)")
     ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
                     help="also each variant's kernels under the torch profiler over CALLS launches: "
                          "device time a call per kernel, GEMMs and the rest summed")
@@ -597,8 +615,9 @@ def main(argv=None) -> int:
     for flag in ("silu_op", "decode_ops"):
         if getattr(args, flag) and args.compare != "marlin":
             ap.error(f"--{flag.replace('_', '-')}: only with --compare marlin")
-    if args.triton_ops and not args.decode_ops:
-        ap.error("--triton-ops: only with --decode-ops")
+    for flag in ("triton_ops", "silu_plans"):
+        if getattr(args, flag) and not args.decode_ops:
+            ap.error(f"--{flag.replace('_', '-')}: only with --decode-ops")
     if args.silu_op and max(args.ms) > compile_passes.FUSE_MAX_TOKENS:
         ap.error(f"--ms {max(args.ms)} with --silu-op: expected at most {compile_passes.FUSE_MAX_TOKENS} tokens "
                  "(the pass is served in the graphs of at most that many)")

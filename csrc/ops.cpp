@@ -254,9 +254,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_quantize_act(
 }
 
 // reference.silu_mul_quantize_act: gate_up [M, 2K] -> (codes [M, K] int8, scales [M] float32). A row
-// over a cluster of at most max_cluster CTAs (1 on GPUs before sm_90; kernels/cuda.py:silu_quant_supports).
+// over a cluster of at most max_cluster CTAs of about cta_vecs 8-element vectors each (one CTA on
+// GPUs before sm_90; kernels/cuda.py:silu_quant_supports).
 std::tuple<at::Tensor, at::Tensor> silu_mul_quantize_act(const at::Tensor& gate_up_in,
-                                                         const std::optional<at::Tensor>& smooth_in, int64_t max_cluster) {
+                                                         const std::optional<at::Tensor>& smooth_in, int64_t max_cluster,
+                                                         int64_t cta_vecs) {
   constexpr const char* op = "mixprec_C::silu_mul_quantize_act: ";
   TORCH_CHECK(gate_up_in.is_cuda(), op, "gate_up must be a CUDA tensor, got ", gate_up_in.device());
   TORCH_CHECK(gate_up_in.dim() == 2 && gate_up_in.size(1) % 2 == 0, op, "gate_up must be 2-D [M, 2K], got shape ",
@@ -268,12 +270,15 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_quantize_act(const at::Tensor& gate_
   const int64_t M = gate_up.size(0), K = gate_up.size(1) / 2;
   TORCH_CHECK(max_cluster >= 1 && max_cluster <= kSiluQuantMaxCluster, op, "max_cluster must be 1 to ",
               kSiluQuantMaxCluster, ", got ", max_cluster);
+  TORCH_CHECK(cta_vecs >= 1 && cta_vecs <= kSiluQuantMaxThreads * kSiluQuantMaxVecs, op, "cta_vecs must be 1 to ",
+              kSiluQuantMaxThreads * kSiluQuantMaxVecs, ", got ", cta_vecs);
   int major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, gate_up.device().index()));
   const bool clusters = major >= 9;
   SiluQuantPlan plan{};
   TORCH_CHECK(M <= kSiluQuantMaxRows && K < (int64_t{1} << 31) &&
-                  silu_mul_quantize_act_plan(static_cast<int>(K), clusters ? static_cast<int>(max_cluster) : 1, &plan),
+                  silu_mul_quantize_act_plan(static_cast<int>(K), clusters ? static_cast<int>(max_cluster) : 1,
+                                             static_cast<int>(cta_vecs), &plan),
               op, "rows of K % 8 == 0 outputs, at most ", (clusters ? max_cluster : 1) * kSiluQuantMaxThreads *
               kSiluQuantMaxVecs * 8, " (", clusters ? "max_cluster" : "one CTA before sm_90", "), and at most ",
               kSiluQuantMaxRows, " rows; got M = ", M, ", K = ", K);
@@ -299,11 +304,13 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_quantize_act(const at::Tensor& gate_
 }
 
 // silu_mul_quantize_act's plan for rows of K outputs: [ctas, threads, vectors a thread], or [] where
-// the row does not fit (kernels/cuda.py mirrors the rule; its tests compare the two).
-std::vector<int64_t> silu_mul_quantize_act_plan_of(int64_t K, int64_t max_cluster) {
+// the row does not fit or an argument is out of range (kernels/cuda.py mirrors the rule; its tests
+// compare the two).
+std::vector<int64_t> silu_mul_quantize_act_plan_of(int64_t K, int64_t max_cluster, int64_t cta_vecs) {
   SiluQuantPlan plan{};
-  if (K <= 0 || K >= (int64_t{1} << 31) ||
-      !silu_mul_quantize_act_plan(static_cast<int>(K), static_cast<int>(max_cluster), &plan))
+  const auto fits_int = [](int64_t v) { return v > 0 && v < (int64_t{1} << 31); };
+  if (!fits_int(K) || !fits_int(max_cluster) || !fits_int(cta_vecs) ||
+      !silu_mul_quantize_act_plan(static_cast<int>(K), static_cast<int>(max_cluster), static_cast<int>(cta_vecs), &plan))
     return {};
   return {plan.ctas, plan.threads, plan.vecs};
 }
@@ -650,8 +657,8 @@ TORCH_LIBRARY(mixprec_C, m) {
   m.def("quantize_act(Tensor x, Tensor? smooth, bool wgmma_order=False) -> (Tensor, Tensor)");
   m.def("add_rms_norm_quantize_act(Tensor x, Tensor residual, Tensor? weight, float epsilon, Tensor? smooth) "
         "-> (Tensor, Tensor, Tensor)");
-  m.def("silu_mul_quantize_act(Tensor gate_up, Tensor? smooth, int max_cluster=8) -> (Tensor, Tensor)");
-  m.def("silu_mul_quantize_act_plan(int K, int max_cluster) -> int[]", &mixprec::silu_mul_quantize_act_plan_of);
+  m.def("silu_mul_quantize_act(Tensor gate_up, Tensor? smooth, int max_cluster=8, int cta_vecs=512) -> (Tensor, Tensor)");
+  m.def("silu_mul_quantize_act_plan(int K, int max_cluster, int cta_vecs=512) -> int[]", &mixprec::silu_mul_quantize_act_plan_of);
   m.def(
       "w4a8_gemm(Tensor xq, Tensor x_scale, Tensor qweight, Tensor gparams, Tensor channel_scale, "
       // kernel_id, not kernel: Inductor's FallbackKernel.create() takes a `kernel` argument itself.

@@ -23,7 +23,7 @@
 # x_input_fused_piece w4ax_perm x_order_piece_aba triton_tiles triton_tiles_w4ax triton_mid_linear
 # test_triton_gemm triton_quant_rows quant_split quant_split_table triton_decode_linear
 # decode_chain_tests decode_chain_preload env_arms served_marlin norm_quant_vllm decode_ops_tests
-# decode_ops_serve
+# decode_ops_serve profile_silu
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -504,6 +504,7 @@ stage_profile() { OUT=$OUT timeout 400 bash scripts/profile_ncu.sh gemm attn 2>&
 stage_profile_decode_cold() { OUT=$OUT timeout 400 bash scripts/profile_ncu.sh decode-cold 2>&1 | tail -20; }
 stage_profile_decode_stalls() { OUT=$OUT timeout 400 bash scripts/profile_ncu.sh decode-stalls 2>&1 | tail -20; }
 stage_profile_decode_ceiling() { OUT=$OUT timeout 300 bash scripts/profile_ncu.sh decode-ceiling 2>&1 | tail -20; }
+stage_profile_silu() { OUT=$OUT timeout 240 bash scripts/profile_ncu.sh silu 2>&1 | tail -5; }
 stage_sanitize() { OUT=$OUT timeout 540 bash scripts/sanitize.sh cuda triton 2>&1 | tail -30; }
 
 stage_e2e() {

@@ -16,8 +16,12 @@
 #     SASS instruction (reports kept)
 #   decode-ceiling: the bandwidth a plain stream reaches, as decode-stalls measures: cuBLAS's
 #     bf16 GEMV of the same shape and torch's max over 1 GiB
+#   silu: silu_mul_quantize_act at M = 1 on Llama-3-70B's and 8B's rows (28672, 14336; bf16), warm
+#     L2 at application clocks (as served after gate_up): the csrc kernel at its plans
+#     (max_cluster/cta_vecs in SILU_PLANS, default "8/512 16/128 16/256 4/512") and Triton's two
+#     split-row kernels; each kernel's duration, stalls and launch, and a CSV of the durations
 # Usage (GPU host, extension built): OUT=... bash scripts/profile_ncu.sh [gemm] [gemm-u8] [gemm-c3] [gemm-u8-c3] [attn]
-#   [wgmma-m256] [wgmma-m1024] [quant-m1024] [decode-cold] [decode-stalls] [decode-ceiling]
+#   [wgmma-m256] [wgmma-m1024] [quant-m1024] [decode-cold] [decode-stalls] [decode-ceiling] [silu]
 set -u
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -131,7 +135,31 @@ for _ in range(4):
     b.max()
 torch.cuda.synchronize()" > "$OUT_DIR/$t-max-1GiB.txt" 2>&1
       ;;
-    *) echo "unknown target $t (gemm, gemm-u8, gemm-c3, gemm-u8-c3, attn, wgmma-m256, wgmma-m1024, quant-m1024, decode-cold, decode-stalls, decode-ceiling)"
+    silu)
+      rep="$OUT_DIR/silu-m1"
+      SILU_PLANS="${SILU_PLANS:-8/512 16/128 16/256 4/512}" "$NCU" --section SpeedOfLight --section LaunchStats \
+        --section WarpStateStats --section Occupancy --cache-control none --clock-control none \
+        -k "regex:silu_mul_quantize_act_kernel|_quant_act_chunk" -f -o "$rep" python3 - > "$rep-run.txt" 2>&1 <<'PY'
+import os
+import torch
+from vllm_mixprec.kernels import cuda
+from vllm_mixprec.kernels.triton import gemm as tg
+plans = [tuple(int(v) for v in p.split("/")) for p in os.environ["SILU_PLANS"].split()]
+for k in (28672, 14336):
+    gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
+    for plan in plans:  # 3 calls each, in this order: the report's kernels follow it
+        print("K", k, "plan", plan, cuda.silu_quant_plan(k, *plan), flush=True)
+        for _ in range(3):
+            cuda.silu_mul_quantize_act(gate_up, None, *plan)
+    print("K", k, "triton", flush=True)
+    for _ in range(3):
+        tg.silu_mul_quantize_act(gate_up, None)
+torch.cuda.synchronize()
+PY
+      "$NCU" --import "$rep.ncu-rep" --print-details all > "$rep.txt" 2>&1
+      "$NCU" --import "$rep.ncu-rep" --page raw --csv > "$rep-raw.csv" 2>&1
+      ;;
+    *) echo "unknown target $t (gemm, gemm-u8, gemm-c3, gemm-u8-c3, attn, wgmma-m256, wgmma-m1024, quant-m1024, decode-cold, decode-stalls, decode-ceiling, silu)"
        exit 2 ;;
   esac
   echo "== $t: $(grep -E 'Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy' "$OUT_DIR/$t"-[mk]*.txt | head -6 | tr -s ' ')"

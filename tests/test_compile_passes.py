@@ -174,16 +174,17 @@ def test_act_quant_benchmark_norm_op_arms(repo_module):
 
 
 def test_act_quant_benchmark_silu_op_arms(seeded, repo_module, monkeypatch):
-    """--silu-op: triton, cuda or cudaN (N CTAs a row at most); anything else is refused with
-    what it takes. code_agreement's silu form compares with the two torch ops' reference (the
+    """--silu-op: triton, cuda (the op's own cluster size), cudaN (N CTAs a row at most) or cudaNvV
+    (about V vectors a CTA); anything else is refused with what it takes. code_agreement's silu form compares with the two torch ops' reference (the
     reference itself agrees with it on the CPU)."""
     import argparse
 
     bench = repo_module("benchmarks/bench_act_quant.py")
-    assert [bench.silu_op_arm(v) for v in ("triton", "cuda", "cuda1", "cuda4")] == [
-        ("triton", None), ("cuda", 8), ("cuda", 1), ("cuda", 4)]
-    for bad in ("cuda3", "cuda16", "csrc", "8"):
-        with pytest.raises(argparse.ArgumentTypeError, match=rf"'{bad}': expected triton, cuda, or cudaN"):
+    assert [bench.silu_op_arm(v) for v in ("triton", "cuda", "cuda1", "cuda3", "cuda16v128", "cudav64")] == [
+        ("triton", None, None), ("cuda", None, 512), ("cuda", 1, 512), ("cuda", 3, 512), ("cuda", 16, 128),
+        ("cuda", None, 64)]
+    for bad in ("cuda17", "cuda0", "cuda8v0", "cuda8v2049", "cuda8v", "csrc", "8"):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"'{bad}': expected triton, cuda, cudaN or cudaNvV"):
             bench.silu_op_arm(bad)
     monkeypatch.setattr(bench, "inputs", lambda name, m: (torch.randn(m, 64, generator=seeded).to(torch.bfloat16),))
     assert bench.code_agreement(lambda gu: ref.silu_mul_quantize_act(gu, None), 3, "silu") == {
@@ -547,6 +548,9 @@ def test_compiled_linear_benchmark_flags_marlin_rows_and_refuses_prefill_batches
                           (["--silu-op"], "--silu-op: only with --compare marlin"),
                           (["--decode-ops"], "--decode-ops: only with --compare marlin"),
                           (["--compare", "marlin", "--triton-ops"], "--triton-ops: only with --decode-ops"),
+                          (["--compare", "marlin", "--silu-plans", "16/128"], "--silu-plans: only with --decode-ops"),
+                          (["--compare", "marlin", "--decode-ops", "--silu-plans", "17/128"], "'17/128': expected N/V"),
+                          (["--compare", "marlin", "--decode-ops", "--silu-plans", "8"], "'8': expected N/V"),
                           (["--compare", "marlin", "--profile", "-1"], "--profile=-1")):
         with pytest.raises(SystemExit) as e:
             bench.main(["--out", str(tmp_path), *argv])
@@ -652,6 +656,44 @@ def test_csrc_norm_op_and_served_decode_ops_on_the_h100(repo_module):
         assert len(tpot["w4a8kv4"]) == 2 and max(tpot["w4a8kv4"]) < min(tpot["w4a8kv4-inductorquant"]), conc
 
 
+def test_csrc_silu_op_on_the_h100(repo_module):
+    """Session 86's run of session 85's SiLU-and-mul + quantizer op, read from its files as
+    docs/BENCHMARKS.md "Session 86 (H100)" reads them. Its GPU tests passed (bit for bit the
+    reference's two torch ops). Alone, at every cluster size, it has the reference's codes; Triton's
+    split rows beat it at M = 1 and 16 on both widths, clusters of 2 beat Triton at M = 64; and
+    cuda.silu_quant_cluster_for's choice is within 0.05 us of the fastest cluster size at every
+    point (in sample: the rule was set from these rows). In the 70B piece it saves 0.8 us or more
+    at M = 1 and 4, and is within 0.5 us at 16."""
+    import json
+    import pathlib
+    import xml.etree.ElementTree as ET
+
+    from vllm_mixprec.kernels import cuda
+
+    run = pathlib.Path(__file__).resolve().parents[1] / "benchmarks/results/2026-12-07-s86"
+    cases = ET.parse(run / "run1-ops/pytest-gpu-decode-ops.xml").getroot().iter("testcase")
+    silu = [c for c in cases if "silu_mul_quantize_act" in c.get("name")]
+    passed = [c for c in silu if not any(c.find(t) is not None for t in ("failure", "error", "skipped"))]
+    assert len(passed) >= 60 and not any(c.find(t) is not None for c in silu for t in ("failure", "error"))
+    for width, k in (("8b", 14336), ("70b", 28672)):
+        rows = json.loads((run / f"run1-ops/act-quant-{width}/bench_act_quant.json").read_text())["rows"]
+        ops = [r for r in rows if r["quant"].startswith("sop-")]
+        assert ops and all(r["codes_differ"] == 0.0 and r["max_code_diff"] == 0 for r in ops)
+        triton = {r["M"]: r["dynamic_us"] for r in ops if r["quant"] == "sop-triton"}
+        by_cluster = {}
+        for r in ops:
+            if r["quant"] != "sop-triton":
+                by_cluster.setdefault(r["M"], {})[r["max_cluster"]] = r["dynamic_us"]
+        assert sorted(by_cluster) == [1, 16, 64] and sorted(triton) == [1, 16, 64]
+        for m, times in by_cluster.items():
+            assert (min(times.values()) > triton[m]) == (m <= 16), (width, m)
+            assert times[cuda.silu_quant_cluster_for(m, k)] <= min(times.values()) + 0.05, (width, m)
+    piece = json.loads((run / "run2-piece70b/served-marlin-70b/bench_compiled_marlin.json").read_text())["rows"]
+    saved = {r["M"]: r["mixprec_decode_ops_us"] - r["mixprec_decode_ops_silu_op_us"] for r in piece
+             if r["mixprec_decode_ops_silu_op_replaced"] == [4, 2, 1]}
+    assert sorted(saved) == [1, 4, 16] and min(saved[1], saved[4]) >= 0.8 and abs(saved[16]) < 0.5, saved
+
+
 def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):
     """bench_compiled_linear's order A/B (order_bad): a row is bad when a compile rewrote not every
     GEMM, moved not every quantizer, or ended further from the eager layer than the natural one."""
@@ -679,7 +721,8 @@ def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):
 @pytest.mark.parametrize("layers, extra", [(["qkv", "piece"], ["--input-fused", "--rule", "--rounds", "3"]),
                                           (["down"], ["--compare", "w4ax"]),
                                           (["qkv", "piece"], ["--compare", "marlin", "--ms", "5", "--silu-op",
-                                                              "--decode-ops", "--triton-ops", "--profile", "2"])])
+                                                              "--decode-ops", "--triton-ops", "--silu-plans", "16/128",
+                                                              "--profile", "2"])])
 def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monkeypatch, tmp_path, layers, extra):
     """bench_compiled_linear's main() on the CPU at small shapes, its GPU parts stubbed (the
     reference GEMM, a 1 us timer): every variant compiles, runs, is compared and checked, and
@@ -701,6 +744,8 @@ def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monke
     monkeypatch.setattr(cp, "WgmmaActOrder", functools.partial(cp.WgmmaActOrder, impls=("reference",)))
     monkeypatch.setattr(kernels, "_W4AX_QUANT", kernels._W4AX_QUANT)  # the W4Ax arms set these
     monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", kernels._FUSE_ACT_QUANT)
+    for mode in ("_NORM_QUANT_CUDA", "_SILU_QUANT_CUDA", "_SILU_QUANT_PLAN"):  # and the decode-ops arms these
+        monkeypatch.setattr(kernels, mode, getattr(kernels, mode))
     assert bench.main(["--out", str(tmp_path), "--ms", "80", "--layers", *layers, *extra]) == 0
     report = json.loads(next(tmp_path.glob("bench_compiled_*.json")).read_text())
     rows = report["rows"]
@@ -716,16 +761,18 @@ def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monke
         # the decode ops replaced every quantizer, those after the two norms with them, the SiLU's
         # with it unless the arm says not (with SiluMulQuantFusion first, the SiLU's is that pass's);
         # the SiLU arms only where there is a SiLU-and-mul
-        arms = [{v: r.get(f"{v}_replaced") for v in bench.DECODE_OPS_ARMS} for r in rows]
+        names = (*bench.DECODE_OPS_ARMS, "mixprec_decode_ops_silu_op_c16v128")
+        arms = [{v: r.get(f"{v}_replaced") for v in names} for r in rows]
         assert arms == [
             {"mixprec_decode_ops": [1, 1, 0], "mixprec_decode_ops_silu_op": None, "mixprec_decode_ops_triton_silu": None,
-             "mixprec_decode_ops_triton_norm": [1, 1, 0], "mixprec_decode_ops_silu": [1, 1, 0]},
+             "mixprec_decode_ops_triton_norm": [1, 1, 0], "mixprec_decode_ops_silu": [1, 1, 0],
+             "mixprec_decode_ops_silu_op_c16v128": None},
             {"mixprec_decode_ops": [4, 2, 0], "mixprec_decode_ops_silu_op": [4, 2, 1],
              "mixprec_decode_ops_triton_silu": [4, 2, 1], "mixprec_decode_ops_triton_norm": [4, 2, 0],
-             "mixprec_decode_ops_silu": [3, 2, 0]}], arms
+             "mixprec_decode_ops_silu": [3, 2, 0], "mixprec_decode_ops_silu_op_c16v128": [4, 2, 1]}], arms
         # the profiler saw each variant's ops (on the CPU: aten and mixprec ops, not kernels)
         assert all(r[f"{v}_kernels_us"] and r[f"{v}_other_kernels_us"] >= 0.0
-                   for r in rows for v in ("mixprec", "marlin_w4a16", "mixprec_silu_op", *bench.DECODE_OPS_ARMS)
+                   for r in rows for v in ("mixprec", "marlin_w4a16", "mixprec_silu_op", *names)
                    if f"{v}_us" in r), rows
     else:
         # each variant compiled once, at the profiling run's size: none again at the timed M

@@ -166,12 +166,14 @@ cudaError_t add_rms_norm_quantize_act_launch(const NormQuantArgs& args, cudaStre
 // gate_up [M, 2K] of `kind` (half or bf16; rows of 2K, row stride row_stride elements), smooth [K]
 // float32 or null; q [M, K], scale [M]. A row's K outputs go to a cluster of plan.ctas CTAs of
 // plan.threads threads, plan.vecs 8-element vectors a thread (clusters of more than one CTA need
-// sm_90). silu_mul_quantize_act_plan: about kSiluQuantCtaVecs vectors a CTA, at most max_cluster
-// CTAs (1 to kSiluQuantMaxCluster); false where K % 8 != 0 or the row does not fit. The launch
-// needs K % 8 == 0, 16-byte aligned rows and at most kSiluQuantMaxRows rows (else
-// cudaErrorInvalidValue).
-constexpr int kSiluQuantMaxCluster = 8;  // the portable cluster size
-constexpr int kSiluQuantCtaVecs = 512;
+// sm_90; more than 8, Hopper's non-portable sizes, which the launch opts in to).
+// silu_mul_quantize_act_plan: about cta_vecs vectors a CTA (1 to kSiluQuantMaxThreads *
+// kSiluQuantMaxVecs), at most max_cluster CTAs (1 to kSiluQuantMaxCluster); false where K % 8 != 0,
+// an argument is out of range or the row does not fit. The launch needs K % 8 == 0, 16-byte
+// aligned rows and at most kSiluQuantMaxRows rows (else cudaErrorInvalidValue).
+constexpr int kSiluQuantMaxCluster = 16;  // Hopper's non-portable cluster size
+constexpr int kSiluQuantCluster = 8;  // the op's default max_cluster
+constexpr int kSiluQuantCtaVecs = 512;  // the op's default cta_vecs
 constexpr int kSiluQuantMaxThreads = 1024;
 constexpr int kSiluQuantMaxVecs = 2;
 constexpr int kSiluQuantMaxRows = 65535;  // gridDim.y
@@ -187,7 +189,7 @@ struct SiluQuantArgs {
   int M, K;
   OutKind kind;
 };
-bool silu_mul_quantize_act_plan(int K, int max_cluster, SiluQuantPlan* plan);
+bool silu_mul_quantize_act_plan(int K, int max_cluster, int cta_vecs, SiluQuantPlan* plan);
 cudaError_t silu_mul_quantize_act_launch(const SiluQuantArgs& args, const SiluQuantPlan& plan, cudaStream_t stream);
 
 // The wgmma k order of int8 activations (formats.py wgmma_act_k_order): in every 64 k, 4-byte

@@ -1,12 +1,11 @@
 // SiLU-and-mul + per-token int8 (reference.silu_mul_quantize_act): the down projection's input,
 // which compile_passes.DecodeQuantOps puts in decode graphs in place of vLLM's SiluAndMul and the
-// quantizer after it where MIXPREC_DECODE_SILU_OP=1 (opt-in: written in session 85, which got no
-// GPU; not yet run on one).
+// quantizer after it where MIXPREC_DECODE_SILU_OP=1 (opt-in; csrc/gemm/NOTES.md "Session 86").
 //   y = silu(gate) rounded to the row's dtype, times up, rounded again (torch's two ops; silu in
 //   float32 as ATen computes it, g / (1 + expf(-g)), IEEE division),
 //   then reference.quantize_act(y, smooth): one scale a row, codes from the lean arithmetic.
-// A row's K outputs are split over a thread block cluster of up to 8 CTAs (silu_mul_quantize_act_plan:
-// about 4096 outputs a CTA), one or two 16-byte vectors of gate and of up a thread, every load issued
+// A row's K outputs are split over a thread block cluster of up to 16 CTAs (silu_mul_quantize_act_plan:
+// CTAs of about 4096 outputs by default; kernels/cuda.py picks at most 8 by the batch), one or two 16-byte vectors of gate and of up a thread, every load issued
 // first. Each CTA reduces its share's amax; the cluster exchanges them through distributed shared
 // memory, so y never reaches memory and the row is one launch. Why: served, the SiLU-and-mul (an
 // Inductor kernel) and the csrc quantizer were two launches over the 28672-wide row of Llama-3-70B,
@@ -124,10 +123,12 @@ cudaError_t launch_for(const SiluQuantArgs& a, const SiluQuantPlan& p, cudaStrea
 
 }  // namespace
 
-bool silu_mul_quantize_act_plan(int K, int max_cluster, SiluQuantPlan* plan) {
-  if (K <= 0 || K % 8 != 0 || max_cluster < 1 || max_cluster > kSiluQuantMaxCluster) return false;
+bool silu_mul_quantize_act_plan(int K, int max_cluster, int cta_vecs, SiluQuantPlan* plan) {
+  if (K <= 0 || K % 8 != 0 || max_cluster < 1 || max_cluster > kSiluQuantMaxCluster || cta_vecs < 1 ||
+      cta_vecs > kSiluQuantMaxThreads * kSiluQuantMaxVecs)
+    return false;
   const int vecs = K / 8;
-  const int ctas = std::min(max_cluster, ceil_div(vecs, kSiluQuantCtaVecs));
+  const int ctas = std::min(max_cluster, ceil_div(vecs, cta_vecs));
   const int per_cta = ceil_div(vecs, ctas);
   const int per_thread = ceil_div(per_cta, kSiluQuantMaxThreads);
   if (per_thread > kSiluQuantMaxVecs) return false;

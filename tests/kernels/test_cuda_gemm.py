@@ -423,22 +423,24 @@ def _silu_inputs(m, k, dtype, smooth, seed):
 
 
 # Rows over clusters of 1-7 CTAs (K = 200: a partial warp; 11008: a short last CTA; 28672:
-# Llama-3-70B's), of one CTA (max_cluster 1: two vectors a thread past 8192), M up to 64.
+# Llama-3-70B's), of one CTA (max_cluster 1: two vectors a thread past 8192), of up to 16 smaller
+# CTAs (Hopper's non-portable sizes), of the op's own cluster size for M rows (None), M up to 64.
 @pytest.mark.parametrize("m,k", [(1, 28672), (3, 14336), (16, 4096), (64, 8192), (5, 200), (2, 11008)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("smooth", [False, True])
-@pytest.mark.parametrize("max_cluster", [8, 2, 1])
-def test_silu_mul_quantize_act_matches_reference(m, k, dtype, smooth, max_cluster):
+@pytest.mark.parametrize("max_cluster,cta_vecs", [(8, 512), (2, 512), (1, 512), (16, 128), (None, 512)])
+def test_silu_mul_quantize_act_matches_reference(m, k, dtype, smooth, max_cluster, cta_vecs):
     """Bit for bit the reference's two torch ops run on the GPU (ATen's silu there; codes through
     the lean arithmetic), within a code of the CPU's; outputs poisoned; row 1's NaN gives it a NaN
     scale and zero codes."""
-    plan = cuda.silu_quant_plan(k, max_cluster if torch.cuda.get_device_capability()[0] >= 9 else 1)
+    clusters = max_cluster or cuda.silu_quant_cluster_for(m, k)
+    plan = cuda.silu_quant_plan(k, clusters if torch.cuda.get_device_capability()[0] >= 9 else 1, cta_vecs)
     if plan is None:
         pytest.skip(f"K = {k} does not fit one CTA (sm_80, or max_cluster 1)")
-    gate_up, sm = _silu_inputs(m, k, dtype, smooth, m * k + smooth + max_cluster)
+    gate_up, sm = _silu_inputs(m, k, dtype, smooth, m * k + smooth + clusters)
     for numel, out_dtype in ((m * k, torch.int8), (m, torch.float32)):
         poison(numel, out_dtype)
-    q, s = cuda.silu_mul_quantize_act(gate_up, sm, max_cluster)
+    q, s = cuda.silu_mul_quantize_act(gate_up, sm, max_cluster, cta_vecs)
     q_gpu, s_gpu = ref.silu_mul_quantize_act(gate_up, sm)
     assert (q.dtype, q.shape, s.dtype, s.shape) == (torch.int8, (m, k), torch.float32, (m,))
     assert m == 1 or (torch.isnan(s[1]) and (q[1] == 0).all())
@@ -460,8 +462,10 @@ def test_silu_mul_quantize_act_errors():
             ((x[:, :143],), r"gate_up must be 2-D \[M, 2K\]"),
             ((x[:, :120],), rf"rows of K % 8 == 0 outputs, at most {top} .*got M = 2, K = 60"),
             ((gu, sm[:72].bfloat16()), r"smooth must be \[72\] float32, got \[72\] BFloat16"),
-            ((gu, None, 9), "max_cluster must be 1 to 8, got 9"),
-            ((gu, None, 0), "max_cluster must be 1 to 8, got 0"),
+            ((gu, None, 17), "max_cluster must be 1 to 16, got 17"),
+            ((gu, None, 0), "max_cluster must be 1 to 16, got 0"),
+            ((gu, None, 8, 0), "cta_vecs must be 1 to 2048, got 0"),
+            ((gu, None, 8, 2049), "cta_vecs must be 1 to 2048, got 2049"),
             ((x[:, 4:148],), "gate_up's rows and smooth must start on 16-byte boundaries"),
             ((gu, sm[1:73]), "gate_up's rows and smooth must start on 16-byte boundaries")):
         with pytest.raises(RuntimeError, match=message):

@@ -133,25 +133,38 @@ def test_silu_quant_csrc_takes_what_its_kernel_reads():
     assert ok(wide[:, 8:]) and not ok(wide[:, 4:-4]) and not ok(wide[:, :2 * 4092])  # 16 bytes in; 8; K % 8
     assert not ok(gu, torch.rand(4097)[1:])  # smoothing 4 bytes in
     assert not ok(torch.zeros(cuda.SILU_QUANT_MAX_ROWS + 1, 16, dtype=torch.bfloat16))
-    # clusters of 8 CTAs of 1024 threads x 2 vectors of 8 outputs; one such CTA without clusters
-    top = cuda.SILU_QUANT_MAX_CLUSTER * cuda.SILU_QUANT_MAX_THREADS * cuda.SILU_QUANT_MAX_VECS * 8
+    # clusters of 8 CTAs (the default) of 1024 threads x 2 vectors of 8 outputs; one such CTA without clusters
+    top = cuda.SILU_QUANT_CLUSTER * cuda.SILU_QUANT_MAX_THREADS * cuda.SILU_QUANT_MAX_VECS * 8
     assert ok(torch.zeros(1, 2 * top, dtype=torch.bfloat16)) and not ok(torch.zeros(1, 2 * top + 16, dtype=torch.bfloat16))
     assert ok(torch.zeros(1, 2 * 16384, dtype=torch.bfloat16), None, False)
     assert not ok(torch.zeros(1, 2 * 28672, dtype=torch.bfloat16), None, False)
     # the served rows: Llama-3-8B's 14336 outputs over 4 CTAs, Llama-3-70B's 28672 over 7
     assert cuda.silu_quant_plan(14336) == (4, 448, 1) and cuda.silu_quant_plan(28672) == (7, 512, 1)
     assert cuda.silu_quant_plan(4096) == (1, 512, 1) and cuda.silu_quant_plan(14336, 1) == (1, 896, 2)
+    # Hopper's non-portable clusters of up to 16 CTAs, and smaller CTAs
+    assert cuda.silu_quant_plan(28672, 16, 128) == (16, 224, 1) and cuda.silu_quant_plan(14336, 16, 128) == (14, 128, 1)
+    assert cuda.silu_quant_plan(2 * top, 16) == (16, 1024, 2) and cuda.silu_quant_plan(2 * top + 8, 16) is None
+    for bad in ((4096, 17), (4096, 0), (4096, 8, 0), (4096, 8, 2049)):
+        assert cuda.silu_quant_plan(*bad) is None, bad
+    # the op's cluster size for M rows: about 64 CTAs in all, at least 2 and what the row needs
+    assert [cuda.silu_quant_cluster_for(m, 28672) for m in (1, 4, 8, 16, 32, 64, 512)] == [8, 8, 8, 4, 2, 2, 2]
+    assert [cuda.silu_quant_cluster_for(m, 14336) for m in (0, 1, 16, 64, 65)] == [8, 8, 4, 2, 2]
+    assert cuda.silu_quant_cluster_for(64, 8 * top) == 8  # fits no cluster: the default (the op says why)
     header = (Path(__file__).parents[2] / "csrc" / "gemm" / "w4a8_gemm.h").read_text()
-    for name in ("MAX_CLUSTER", "CTA_VECS", "MAX_THREADS", "MAX_VECS", "MAX_ROWS"):
+    for name in ("MAX_CLUSTER", "CLUSTER", "CTA_VECS", "MAX_THREADS", "MAX_VECS", "MAX_ROWS"):
         camel = "".join(w.capitalize() for w in name.split("_"))
         value = int(re.search(rf"constexpr int kSiluQuant{camel} = (\d+);", header).group(1))
         assert value == getattr(cuda, f"SILU_QUANT_{name}"), name
     if cuda.has_silu_quant():  # the launcher's own plan, where the extension is built
         plan_of = torch.ops.mixprec_C.silu_mul_quantize_act_plan
-        for k in [*range(8, 40000, 8 * 37), 16384, 16392, 28672, top, top + 8, 100, 0]:
-            for max_cluster in range(0, 10):
-                want = cuda.silu_quant_plan(k, max_cluster)
-                assert plan_of(k, max_cluster) == (list(want) if want else []), (k, max_cluster)
+        for k in [*range(8, 70000, 8 * 37), 16384, 16392, 28672, top, top + 8, 2 * top, 2 * top + 8, 100, 0]:
+            for max_cluster in range(0, 18):
+                for cta_vecs in (0, 1, 100, 128, 512, 2048, 2049):
+                    want = cuda.silu_quant_plan(k, max_cluster, cta_vecs)
+                    assert plan_of(k, max_cluster, cta_vecs) == (list(want) if want else []), (k, max_cluster, cta_vecs)
+        # the schema's defaults are cuda's
+        args = {a.name: a.default_value for a in torch.ops.mixprec_C.silu_mul_quantize_act.default._schema.arguments}
+        assert (args["max_cluster"], args["cta_vecs"]) == (cuda.SILU_QUANT_CLUSTER, cuda.SILU_QUANT_CTA_VECS)
 
 
 def test_norm_and_silu_quant_ops_trace_on_meta_tensors():

@@ -304,10 +304,10 @@ def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None
         use_cuda = (_SILU_QUANT_CUDA and _FORCED != "triton" and _cuda.has_silu_quant()
                     and _cuda.supports_device(gate_up.device) and _cuda.silu_quant_supports(gate_up, smooth))
         _log_kernel_choice("silu_mul_quantize_act", use_cuda, gate_up, smooth)
-        mod = _cuda if use_cuda else _triton()
-    else:
-        mod = _triton() if _interpreting() and _FORCED != "reference" else ref
-    return mod.silu_mul_quantize_act(gate_up, smooth)
+        if use_cuda:
+            return _cuda.silu_mul_quantize_act(gate_up, smooth, *(_SILU_QUANT_PLAN or ()))
+        return _triton().silu_mul_quantize_act(gate_up, smooth)
+    return (_triton() if _interpreting() and _FORCED != "reference" else ref).silu_mul_quantize_act(gate_up, smooth)
 
 
 @silu_mul_quantize_act.register_fake
@@ -356,6 +356,9 @@ def add_rms_norm_quantize_act(x: torch.Tensor, residual: torch.Tensor, weight: t
 # arms; not user settings).
 _NORM_QUANT_CUDA = True
 _SILU_QUANT_CUDA = True
+# (max_cluster, cta_vecs) for the csrc silu_mul_quantize_act; None: the op's own
+# (cuda.silu_quant_cluster_for, 512 vectors a CTA). Benchmark arms, not a user setting.
+_SILU_QUANT_PLAN: tuple[int, int] | None = None
 _KERNEL_CHOICES_LOGGED: set = set()
 
 

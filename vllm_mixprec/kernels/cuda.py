@@ -61,7 +61,7 @@ def _register_fakes() -> None:
 
     if hasattr(torch.ops.mixprec_C, "silu_mul_quantize_act"):
         @torch.library.register_fake("mixprec_C::silu_mul_quantize_act")
-        def _silu_mul_quantize_act_fake(gate_up, smooth, max_cluster=SILU_QUANT_MAX_CLUSTER):
+        def _silu_mul_quantize_act_fake(gate_up, smooth, max_cluster=SILU_QUANT_CLUSTER, cta_vecs=SILU_QUANT_CTA_VECS):
             m, k = gate_up.shape[0], gate_up.shape[1] // 2
             return gate_up.new_empty((m, k), dtype=torch.int8), gate_up.new_empty((m,), dtype=torch.float32)
 
@@ -430,31 +430,50 @@ def add_rms_norm_quantize_act(x: torch.Tensor, residual: torch.Tensor, weight: t
 
 
 # silu_mul_quantize_act's kernel (csrc/gemm/w4a8_gemm.h, kSiluQuant*): a row's K outputs over a
-# cluster of at most SILU_QUANT_MAX_CLUSTER CTAs (one before sm_90), about SILU_QUANT_CTA_VECS
-# 8-element vectors a CTA, at most SILU_QUANT_MAX_THREADS threads of SILU_QUANT_MAX_VECS vectors.
-SILU_QUANT_MAX_CLUSTER = 8
+# cluster of at most max_cluster CTAs (SILU_QUANT_CLUSTER by default, at most SILU_QUANT_MAX_CLUSTER;
+# one before sm_90), about cta_vecs 8-element vectors a CTA (SILU_QUANT_CTA_VECS by default), at
+# most SILU_QUANT_MAX_THREADS threads of SILU_QUANT_MAX_VECS vectors.
+SILU_QUANT_MAX_CLUSTER = 16
+SILU_QUANT_CLUSTER = 8
 SILU_QUANT_CTA_VECS = 512
 SILU_QUANT_MAX_THREADS = 1024
 SILU_QUANT_MAX_VECS = 2
 SILU_QUANT_MAX_ROWS = 65535
 
 
-def silu_quant_plan(k: int, max_cluster: int = SILU_QUANT_MAX_CLUSTER) -> tuple[int, int, int] | None:
+def silu_quant_plan(k: int, max_cluster: int = SILU_QUANT_CLUSTER,
+                    cta_vecs: int = SILU_QUANT_CTA_VECS) -> tuple[int, int, int] | None:
     """csrc silu_mul_quantize_act_plan: (CTAs a row, threads a CTA, vectors a thread) for rows of
-    k outputs, or None where the kernel does not take them."""
-    if k <= 0 or k % 8 or not 1 <= max_cluster <= SILU_QUANT_MAX_CLUSTER:
+    k outputs, or None where the kernel does not take them or an argument is out of range."""
+    if (k <= 0 or k % 8 or not 1 <= max_cluster <= SILU_QUANT_MAX_CLUSTER
+            or not 1 <= cta_vecs <= SILU_QUANT_MAX_THREADS * SILU_QUANT_MAX_VECS):
         return None
 
     def cdiv(a, b):
         return -(-a // b)
 
     vecs = k // 8
-    ctas = min(max_cluster, cdiv(vecs, SILU_QUANT_CTA_VECS))
+    ctas = min(max_cluster, cdiv(vecs, cta_vecs))
     per_cta = cdiv(vecs, ctas)
     per_thread = cdiv(per_cta, SILU_QUANT_MAX_THREADS)
     if per_thread > SILU_QUANT_MAX_VECS:
         return None
     return ctas, cdiv(cdiv(per_cta, per_thread), 32) * 32, per_thread
+
+
+# silu_quant_cluster_for's rule: about this many CTAs in all, at least 2 a row (H100, session 86,
+# bf16 rows of 14336 and 28672 outputs, no smoothing: of clusters of 1, 2, 4 and 8, those of 8 / 4 /
+# 2 were the fastest at M = 1 / 16 / 64, within 0.01 us; at M = 64 clusters of 8 took 8.4 and
+# 11.5 us, of 2 5.3 and 7.8).
+SILU_QUANT_TOTAL_CTAS = 64
+
+
+def silu_quant_cluster_for(m: int, k: int) -> int:
+    """max_cluster for M rows of k outputs: SILU_QUANT_TOTAL_CTAS // M CTAs a row (2 to
+    SILU_QUANT_CLUSTER), raised to the fewest whose plan takes the row."""
+    want = max(2, min(SILU_QUANT_CLUSTER, SILU_QUANT_TOTAL_CTAS // max(m, 1)))
+    return next((c for c in range(want, SILU_QUANT_CLUSTER + 1) if silu_quant_plan(k, c) is not None),
+                SILU_QUANT_CLUSTER)
 
 
 def has_silu_quant() -> bool:
@@ -473,18 +492,23 @@ def silu_quant_supports(gate_up: torch.Tensor, smooth: torch.Tensor | None,
     if clusters is None:
         clusters = torch.cuda.get_device_capability(gate_up.device)[0] >= 9
     k = gate_up.shape[1] // 2
-    return (silu_quant_plan(k, SILU_QUANT_MAX_CLUSTER if clusters else 1) is not None
+    return (silu_quant_plan(k, SILU_QUANT_CLUSTER if clusters else 1) is not None
             and gate_up.data_ptr() % 16 == 0 and gate_up.stride(1) == 1 and gate_up.stride(0) % 8 == 0
             and (smooth is None or (smooth.dtype == torch.float32 and smooth.is_contiguous()
                                     and smooth.data_ptr() % 16 == 0)))
 
 
 def silu_mul_quantize_act(gate_up: torch.Tensor, smooth: torch.Tensor | None = None,
-                          max_cluster: int = SILU_QUANT_MAX_CLUSTER) -> tuple[torch.Tensor, torch.Tensor]:
+                          max_cluster: int | None = None,
+                          cta_vecs: int = SILU_QUANT_CTA_VECS) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.silu_mul_quantize_act in one CUDA kernel (csrc/quant/silu_mul_quantize_act.cu) for
     the tensors silu_quant_supports takes: gate_up [M, 2K] -> (int8 [M, K], float32 scale [M]).
-    max_cluster: a row's CTAs at most (the benchmarks' A/B; 1 on GPUs before sm_90)."""
-    return torch.ops.mixprec_C.silu_mul_quantize_act(gate_up, smooth, max_cluster)
+    max_cluster: a row's CTAs at most (None: silu_quant_cluster_for's choice for the M rows);
+    cta_vecs: about that many 8-element vectors a CTA (the benchmarks' A/B). One CTA a row on GPUs
+    before sm_90."""
+    if max_cluster is None:
+        max_cluster = silu_quant_cluster_for(gate_up.shape[0], gate_up.shape[-1] // 2)
+    return torch.ops.mixprec_C.silu_mul_quantize_act(gate_up, smooth, max_cluster, cta_vecs)
 
 
 def x_wgmma_order_for(m: int, n: int, k: int, device: torch.device | int | None = None) -> bool:
