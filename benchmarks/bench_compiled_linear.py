@@ -392,10 +392,6 @@ def marlin_fields(row: dict, extras: dict, outs: dict) -> str:
 MARLIN_AGREEMENT = 0.5
 
 
-DECODE_OPS_ARMS = ("mixprec_decode_ops", "mixprec_decode_ops_silu_op", "mixprec_decode_ops_triton_silu",
-                   "mixprec_decode_ops_triton_norm", "mixprec_decode_ops_silu")
-
-
 def marlin_bad(row: dict) -> bool:
     """An arm further than 5 % from its eager function (the compiled norm rounds differently), the
     two arms' outputs further apart than MARLIN_AGREEMENT, a SiLU-op arm whose pass replaced

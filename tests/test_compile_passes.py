@@ -761,7 +761,8 @@ def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monke
         # the decode ops replaced every quantizer, those after the two norms with them, the SiLU's
         # with it unless the arm says not (with SiluMulQuantFusion first, the SiLU's is that pass's);
         # the SiLU arms only where there is a SiLU-and-mul
-        names = (*bench.DECODE_OPS_ARMS, "mixprec_decode_ops_silu_op_c16v128")
+        names = ("mixprec_decode_ops", "mixprec_decode_ops_silu_op", "mixprec_decode_ops_triton_silu",
+                 "mixprec_decode_ops_triton_norm", "mixprec_decode_ops_silu", "mixprec_decode_ops_silu_op_c16v128")
         arms = [{v: r.get(f"{v}_replaced") for v in names} for r in rows]
         assert arms == [
             {"mixprec_decode_ops": [1, 1, 0], "mixprec_decode_ops_silu_op": None, "mixprec_decode_ops_triton_silu": None,
