@@ -40,7 +40,10 @@ it; with --silu-op, also both passes. The "mixprec" arm is then MIXPREC_DECODE_Q
 default with the norm op's Triton kernel in place of its csrc one (session 84);
 "mixprec_decode_ops_silu_op" the default with MIXPREC_DECODE_SILU_OP=1 (the SiLU-and-mul and its
 quantizer as one op, csrc where built; session 85) and "mixprec_decode_ops_triton_silu" that with
-the SiLU op's Triton kernel (the two Triton arms with --triton-ops). --profile CALLS
+the SiLU op's Triton kernel (the two Triton arms with --triton-ops); --launch-arms OPTION=VALUE[,...] adds
+the default with csrc launch options changed while its graphs are captured
+("mixprec_decode_ops_decode_preload_max_m0": what the decode GEMM's weight preload hides in the
+piece; its launched time pays two more host calls). --profile CALLS
 adds every variant's kernels under the torch profiler: their device time a call, the GEMMs and the
 ops between them summed.
 
@@ -57,7 +60,7 @@ defaults).
   python benchmarks/bench_compiled_linear.py --out DIR [--ms 128 256 1024 4096] [--layers o_proj qkv_70b piece ...]
       [--code] [--vllm-inductor] [--input-fused] [--rule] [--rounds 3]
       [--compare order|w4ax|marlin [--w4ax-share 0.25] [--w4ax-rotation hadamard64] [--w4ax-split-blocks R]]
-      [--silu-op] [--decode-ops [--triton-ops]] [--profile CALLS]
+      [--silu-op] [--decode-ops [--triton-ops] [--launch-arms OPTION=VALUE[,...] ...]] [--profile CALLS]
 """
 from __future__ import annotations
 
@@ -242,6 +245,8 @@ def compiled(fn, before: str, k: int, passes, code_path: str | None = None, opti
     modes = {"_FUSE_ACT_QUANT": True, "_NORM_QUANT_CUDA": True, "_SILU_QUANT_CUDA": True, "_SILU_QUANT_PLAN": None,
              **(modes or {})}
 
+    launch = modes.pop("launch_options", None)  # csrc launch options: a CUDA graph keeps those it was captured with
+
     def set_modes():
         for name, value in modes.items():
             setattr(kernels, name, value)
@@ -256,7 +261,14 @@ def compiled(fn, before: str, k: int, passes, code_path: str | None = None, opti
 
     def call(*args):
         set_modes()
-        return f(*args)
+        if not launch:
+            return f(*args)
+        before = cuda.set_launch_options()  # it returns the options after the call: read them first
+        cuda.set_launch_options(**launch)
+        try:
+            return f(*args)
+        finally:
+            cuda.set_launch_options(**{name: before[name] for name in launch})
     return call
 
 
@@ -352,6 +364,9 @@ def marlin_variants(name: str, gen: torch.Generator, args) -> tuple:
         for max_cluster, cta_vecs in (args.silu_plans if silus else ()):  # the csrc SiLU op's other plans
             arms[f"mixprec_decode_ops_silu_op_c{max_cluster}v{cta_vecs}"] = (
                 [], True, (quantizers, norms, silus), {"_SILU_QUANT_PLAN": (max_cluster, cta_vecs)})
+        for launch in args.launch_arms:  # the default with csrc launch options changed
+            name = "_".join(f"{option}{value}" for option, value in launch.items())
+            arms[f"mixprec_decode_ops_{name}"] = ([], False, (quantizers, norms, 0), {"launch_options": launch})
         if norms and args.triton_ops:
             arms["mixprec_decode_ops_triton_norm"] = ([], False, (quantizers, norms, 0), {"_NORM_QUANT_CUDA": False})
         if args.silu_op:  # both passes, as install() orders them: SiluMulQuantFusion takes the SiLU's quantizer
@@ -552,6 +567,22 @@ def silu_plan(v: str) -> tuple[int, int]:
         f"{cuda.SILU_QUANT_MAX_THREADS * cuda.SILU_QUANT_MAX_VECS} vectors a CTA")
 
 
+def launch_arm(v: str) -> dict[str, int]:
+    """--launch-arms' values, OPTION=VALUE[,OPTION=VALUE...]: options of kernels.cuda.ENV_LAUNCH_OPTIONS
+    and values their variables allow."""
+    allowed = {name: values for _, name, values in cuda.ENV_LAUNCH_OPTIONS}
+    arm = {}
+    for item in v.split(","):
+        option, _, value = item.partition("=")
+        if option not in allowed:
+            raise argparse.ArgumentTypeError(f"{v!r}: expected OPTION=VALUE[,OPTION=VALUE...], OPTION one of "
+                                             f"{', '.join(allowed)}")
+        if cuda.launch_option_value(value, allowed[option]) is None:
+            raise argparse.ArgumentTypeError(f"{v!r}: {option} takes {cuda.allowed_text(allowed[option])}")
+        arm[option] = int(value)
+    return arm
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out")
@@ -600,6 +631,10 @@ def main(argv=None) -> int:
     ap.add_argument("--silu-plans", type=silu_plan, nargs="+", default=[], metavar="N/V",
                     help="with --decode-ops: also the SiLU op's csrc kernel with a row over at most N CTAs "
                          "of about V vectors of 8 outputs each (mixprec_decode_ops_silu_op_cNvV arms)")
+    ap.add_argument("--launch-arms", type=launch_arm, nargs="+", default=[], metavar="OPTION=VALUE[,...]",
+                    help="with --decode-ops: also the default with csrc launch options changed while "
+                         "its graphs are captured (mixprec_decode_ops_OPTIONVALUE arms), e.g. "
+                         "decode_preload_max_m=0 or gemm_pdl=0,decode_dp4a=0")
     ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
                     help="also each variant's kernels under the torch profiler over CALLS launches: "
                          "device time a call per kernel, GEMMs and the rest summed")
@@ -611,7 +646,7 @@ def main(argv=None) -> int:
     for flag in ("silu_op", "decode_ops"):
         if getattr(args, flag) and args.compare != "marlin":
             ap.error(f"--{flag.replace('_', '-')}: only with --compare marlin")
-    for flag in ("triton_ops", "silu_plans"):
+    for flag in ("triton_ops", "silu_plans", "launch_arms"):
         if getattr(args, flag) and not args.decode_ops:
             ap.error(f"--{flag.replace('_', '-')}: only with --decode-ops")
     if args.silu_op and max(args.ms) > compile_passes.FUSE_MAX_TOKENS:

@@ -551,6 +551,12 @@ def test_compiled_linear_benchmark_flags_marlin_rows_and_refuses_prefill_batches
                           (["--compare", "marlin", "--silu-plans", "16/128"], "--silu-plans: only with --decode-ops"),
                           (["--compare", "marlin", "--decode-ops", "--silu-plans", "17/128"], "'17/128': expected N/V"),
                           (["--compare", "marlin", "--decode-ops", "--silu-plans", "8"], "'8': expected N/V"),
+                          (["--compare", "marlin", "--launch-arms", "gemm_pdl=0"], "--launch-arms: only with --decode-ops"),
+                          (["--compare", "marlin", "--decode-ops", "--launch-arms", "decode_preload=0"],
+                           "OPTION one of gemm_pdl"),
+                          (["--compare", "marlin", "--decode-ops", "--launch-arms", "decode_preload_max_m=33"],
+                           "decode_preload_max_m takes an integer from 0 to 32"),
+                          (["--compare", "marlin", "--decode-ops", "--launch-arms", "gemm_pdl"], "gemm_pdl takes 0 or 1"),
                           (["--compare", "marlin", "--profile", "-1"], "--profile=-1")):
         with pytest.raises(SystemExit) as e:
             bench.main(["--out", str(tmp_path), *argv])
@@ -694,6 +700,53 @@ def test_csrc_silu_op_on_the_h100(repo_module):
     assert sorted(saved) == [1, 4, 16] and min(saved[1], saved[4]) >= 0.8 and abs(saved[16]) < 0.5, saved
 
 
+def test_piece_launch_options_and_silu_plans_on_the_h100():
+    """Session 87's two runs (benchmarks/results/2026-12-07-s87/), read as docs/BENCHMARKS.md
+    "Session 87 (H100)" reads them (each arm's mean over three rounds minus the default's). Run 1:
+    the SiLU op's 16-CTA plans launch and match the reference's codes; alone, Triton's split rows
+    still beat every csrc plan at M <= 16 on both widths; in the 70B piece the csrc op beats its
+    Triton kernels at M = 1 and the 16/128 plan gains nothing; the weight preload is worth over 3 us
+    at M = 1, under 1 at 16, where preloading in every build does not pay. Run 2 (steady rounds):
+    PDL is worth over 5 us a piece at M = 1 and 4 alike, with IDP.4A on or off at M = 1, and IDP.4A
+    about 2 us at M = 1; the default is within 1.18-1.19x Marlin at M = 4."""
+    import json
+    import pathlib
+    import statistics
+
+    run = pathlib.Path(__file__).resolve().parents[1] / "benchmarks/results/2026-12-07-s87"
+
+    def costs(path):
+        rows = json.loads((run / path / "served-marlin-70b/bench_compiled_marlin.json").read_text())["rows"]
+        assert all(v == [4, 2, int("silu" in k)] for r in rows for k, v in r.items() if k.endswith("_replaced"))
+        return {r["M"]: {v.removeprefix("mixprec_decode_ops_"): statistics.mean(r[f"{v}_us_rounds"])
+                         - statistics.mean(r["mixprec_decode_ops_us_rounds"])
+                         for v in (key.removesuffix("_us_rounds") for key in r if key.endswith("_us_rounds"))
+                         if v.startswith("mixprec_decode_ops_")} for r in rows}, {r["M"]: r for r in rows}
+
+    assert "119 passed" in (run / "run1/pytest-silu.log").read_text()
+    for width in ("8b", "70b"):
+        rows = json.loads((run / f"run1/act-quant-{width}/bench_act_quant.json").read_text())["rows"]
+        ops = [r for r in rows if r["quant"].startswith("sop-")]
+        assert ops and all(r["codes_differ"] == 0.0 and r["max_code_diff"] == 0 for r in ops)
+        assert any(r["quant"] == "sop-cuda16v128" for r in ops)
+        triton = {r["M"]: r["dynamic_us"] for r in ops if r["quant"] == "sop-triton"}
+        for m in (1, 4, 16):
+            assert min(r["dynamic_us"] for r in ops if r["M"] == m and r["quant"] != "sop-triton") > triton[m]
+        assert min(r["dynamic_us"] for r in ops if r["M"] == 64) < triton[64]
+    cost, _ = costs("run1")
+    assert sorted(cost) == [1, 4, 16]
+    assert cost[1]["triton_silu"] - cost[1]["silu_op"] > 1.5
+    assert all(cost[m]["silu_op_c16v128"] > cost[m]["silu_op"] - 0.3 for m in cost)
+    assert cost[1]["gemm_pdl0"] > 5.0 and cost[1]["decode_preload_max_m0"] > 3.0  # (its M = 4 row: noise)
+    assert 0.0 < cost[16]["decode_preload_max_m0"] < 1.0 and cost[16]["decode_preload_max_m32"] > 0.0
+    cost, rows = costs("run2")
+    assert sorted(cost) == [1, 4] and all(r["drift"] < 0.01 for m, r in rows.items() if m == 4)
+    assert min(cost[1]["gemm_pdl0"], cost[4]["gemm_pdl0"]) > 5.0
+    assert 1.5 < cost[1]["decode_dp4a0"] < 3.0 and cost[1]["gemm_pdl0_decode_dp4a0"] - cost[1]["gemm_pdl0"] > 1.0
+    assert 1.18 < rows[4]["marlin_w4a16_us"] / rows[4]["mixprec_decode_ops_us"] < 1.19
+    assert all(cost[m]["silu_op"] < -0.5 for m in cost)
+
+
 def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):
     """bench_compiled_linear's order A/B (order_bad): a row is bad when a compile rewrote not every
     GEMM, moved not every quantizer, or ended further from the eager layer than the natural one."""
@@ -722,6 +775,8 @@ def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):
                                           (["down"], ["--compare", "w4ax"]),
                                           (["qkv", "piece"], ["--compare", "marlin", "--ms", "5", "--silu-op",
                                                               "--decode-ops", "--triton-ops", "--silu-plans", "16/128",
+                                                              "--launch-arms", "decode_preload_max_m=0",
+                                                              "gemm_pdl=0,decode_preload_max_m=0",
                                                               "--profile", "2"])])
 def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monkeypatch, tmp_path, layers, extra):
     """bench_compiled_linear's main() on the CPU at small shapes, its GPU parts stubbed (the
@@ -746,6 +801,15 @@ def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monke
     monkeypatch.setattr(kernels, "_FUSE_ACT_QUANT", kernels._FUSE_ACT_QUANT)
     for mode in ("_NORM_QUANT_CUDA", "_SILU_QUANT_CUDA", "_SILU_QUANT_PLAN"):  # and the decode-ops arms these
         monkeypatch.setattr(kernels, mode, getattr(kernels, mode))
+    options = {"decode_preload_max_m": 16, "gemm_pdl": 1}  # csrc's launch options, as --launch-arms sees them
+    launches = []
+
+    def set_launch_options(**changed):
+        if changed:
+            launches.append(changed)
+        options.update(changed)
+        return dict(options)
+    monkeypatch.setattr(bench.cuda, "set_launch_options", set_launch_options)
     assert bench.main(["--out", str(tmp_path), "--ms", "80", "--layers", *layers, *extra]) == 0
     report = json.loads(next(tmp_path.glob("bench_compiled_*.json")).read_text())
     rows = report["rows"]
@@ -762,15 +826,25 @@ def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monke
         # with it unless the arm says not (with SiluMulQuantFusion first, the SiLU's is that pass's);
         # the SiLU arms only where there is a SiLU-and-mul
         names = ("mixprec_decode_ops", "mixprec_decode_ops_silu_op", "mixprec_decode_ops_triton_silu",
-                 "mixprec_decode_ops_triton_norm", "mixprec_decode_ops_silu", "mixprec_decode_ops_silu_op_c16v128")
+                 "mixprec_decode_ops_triton_norm", "mixprec_decode_ops_silu", "mixprec_decode_ops_silu_op_c16v128",
+                 "mixprec_decode_ops_decode_preload_max_m0", "mixprec_decode_ops_gemm_pdl0_decode_preload_max_m0")
         arms = [{v: r.get(f"{v}_replaced") for v in names} for r in rows]
         assert arms == [
             {"mixprec_decode_ops": [1, 1, 0], "mixprec_decode_ops_silu_op": None, "mixprec_decode_ops_triton_silu": None,
              "mixprec_decode_ops_triton_norm": [1, 1, 0], "mixprec_decode_ops_silu": [1, 1, 0],
-             "mixprec_decode_ops_silu_op_c16v128": None},
+             "mixprec_decode_ops_silu_op_c16v128": None, "mixprec_decode_ops_decode_preload_max_m0": [1, 1, 0],
+             "mixprec_decode_ops_gemm_pdl0_decode_preload_max_m0": [1, 1, 0]},
             {"mixprec_decode_ops": [4, 2, 0], "mixprec_decode_ops_silu_op": [4, 2, 1],
              "mixprec_decode_ops_triton_silu": [4, 2, 1], "mixprec_decode_ops_triton_norm": [4, 2, 0],
-             "mixprec_decode_ops_silu": [3, 2, 0], "mixprec_decode_ops_silu_op_c16v128": [4, 2, 1]}], arms
+             "mixprec_decode_ops_silu": [3, 2, 0], "mixprec_decode_ops_silu_op_c16v128": [4, 2, 1],
+             "mixprec_decode_ops_decode_preload_max_m0": [4, 2, 0],
+             "mixprec_decode_ops_gemm_pdl0_decode_preload_max_m0": [4, 2, 0]}], arms
+        # the launch-option arms ran every call under their options, and put the defaults back after each
+        assert launches and all(changed in ({"decode_preload_max_m": 0}, {"gemm_pdl": 0, "decode_preload_max_m": 0})
+                                if i % 2 == 0 else changed == {"decode_preload_max_m": 16, "gemm_pdl": 1}
+                                or changed == {"decode_preload_max_m": 16} for i, changed in enumerate(launches)), launches
+        assert {"gemm_pdl": 0, "decode_preload_max_m": 0} in launches
+        assert options == {"decode_preload_max_m": 16, "gemm_pdl": 1}
         # the profiler saw each variant's ops (on the CPU: aten and mixprec ops, not kernels)
         assert all(r[f"{v}_kernels_us"] and r[f"{v}_other_kernels_us"] >= 0.0
                    for r in rows for v in ("mixprec", "marlin_w4a16", "mixprec_silu_op", *names)

@@ -1,6 +1,7 @@
 // SiLU-and-mul + per-token int8 (reference.silu_mul_quantize_act): the down projection's input,
 // which compile_passes.DecodeQuantOps puts in decode graphs in place of vLLM's SiluAndMul and the
-// quantizer after it where MIXPREC_DECODE_SILU_OP=1 (opt-in; csrc/gemm/NOTES.md "Session 86").
+// quantizer after it where MIXPREC_DECODE_SILU_OP=1 (opt-in; csrc/gemm/NOTES.md "Session 86", "Session 87":
+// 16-CTA clusters and smaller CTAs are faster alone at M <= 4, not in the 70B piece).
 //   y = silu(gate) rounded to the row's dtype, times up, rounded again (torch's two ops; silu in
 //   float32 as ATen computes it, g / (1 + expf(-g)), IEEE division),
 //   then reference.quantize_act(y, smooth): one scale a row, codes from the lean arithmetic.

@@ -106,17 +106,26 @@ ENV_LAUNCH_OPTIONS = (("MIXPREC_GEMM_PDL", "gemm_pdl", range(2)),
                       ("MIXPREC_ACT_QUANT_SPLIT", "act_quant_split", (0, 1, 1024, 2048, 4096)))
 
 
+def launch_option_value(v: str, allowed) -> int | None:
+    """v as one of a launch option's allowed values (ENV_LAUNCH_OPTIONS), None if it is not one."""
+    return int(v) if v.isascii() and v.isdigit() and int(v) in allowed else None
+
+
+def allowed_text(allowed) -> str:
+    """A launch option's allowed values in words, for an error message."""
+    if isinstance(allowed, range) and len(allowed) > 4:
+        return f"an integer from {allowed[0]} to {allowed[-1]}"
+    return f"{', '.join(map(str, allowed[:-1]))} or {allowed[-1]}"
+
+
 def launch_options_from_env(environ) -> dict[str, int]:
     """The launch options that ENV_LAUNCH_OPTIONS' variables in environ ask for; a bad value raises."""
     options = {}
     for env, option, allowed in ENV_LAUNCH_OPTIONS:
         v = envs.explicit(env, environ)
         if v is not None:
-            if not (v.isascii() and v.isdigit() and int(v) in allowed):
-                span = isinstance(allowed, range) and len(allowed) > 4
-                expected = (f"an integer from {allowed[0]} to {allowed[-1]}" if span
-                            else f"{', '.join(map(str, allowed[:-1]))} or {allowed[-1]}")
-                raise ValueError(f"{env}={v!r}: expected {expected}")
+            if launch_option_value(v, allowed) is None:
+                raise ValueError(f"{env}={v!r}: expected {allowed_text(allowed)}")
             options[option] = int(v)
     return options
 
