@@ -160,12 +160,11 @@ def silu_op_arm(v: str) -> tuple[str, int | None, int | None]:
     got = re.fullmatch(r"cuda(\d+)?(?:v(\d+))?", v)
     if got:
         max_cluster, cta_vecs = int(got[1]) if got[1] else None, int(got[2] or cuda.SILU_QUANT_CTA_VECS)
-        if ((max_cluster is None or 1 <= max_cluster <= cuda.SILU_QUANT_MAX_CLUSTER)
-                and 1 <= cta_vecs <= cuda.SILU_QUANT_MAX_THREADS * cuda.SILU_QUANT_MAX_VECS):
+        if cuda.silu_quant_args_ok(1 if max_cluster is None else max_cluster, cta_vecs):
             return "cuda", max_cluster, cta_vecs
     raise argparse.ArgumentTypeError(
         f"{v!r}: expected triton, cuda, cudaN or cudaNvV with N = 1 to {cuda.SILU_QUANT_MAX_CLUSTER} (a row's "
-        f"CTAs at most) and V = 1 to {cuda.SILU_QUANT_MAX_THREADS * cuda.SILU_QUANT_MAX_VECS} (vectors a CTA)")
+        f"CTAs at most) and V = 1 to {cuda.SILU_QUANT_MAX_CTA_VECS} (vectors a CTA)")
 
 
 def norm_op_arm(v: str) -> str | int:

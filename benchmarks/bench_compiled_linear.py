@@ -557,14 +557,12 @@ COMPARE = {"order": (order_variants, order_fields, order_bad),
 
 def silu_plan(v: str) -> tuple[int, int]:
     """--silu-plans' values, N/V: (max_cluster, cta_vecs) of the csrc silu_mul_quantize_act."""
-    from vllm_mixprec.kernels import cuda
     n, _, vecs = v.partition("/")
-    if (n.isdigit() and vecs.isdigit() and 1 <= int(n) <= cuda.SILU_QUANT_MAX_CLUSTER
-            and 1 <= int(vecs) <= cuda.SILU_QUANT_MAX_THREADS * cuda.SILU_QUANT_MAX_VECS):
+    if n.isdigit() and vecs.isdigit() and cuda.silu_quant_args_ok(int(n), int(vecs)):
         return int(n), int(vecs)
     raise argparse.ArgumentTypeError(
         f"{v!r}: expected N/V, N = 1 to {cuda.SILU_QUANT_MAX_CLUSTER} CTAs a row and V = 1 to "
-        f"{cuda.SILU_QUANT_MAX_THREADS * cuda.SILU_QUANT_MAX_VECS} vectors a CTA")
+        f"{cuda.SILU_QUANT_MAX_CTA_VECS} vectors a CTA")
 
 
 def launch_arm(v: str) -> dict[str, int]:
@@ -577,9 +575,9 @@ def launch_arm(v: str) -> dict[str, int]:
         if option not in allowed:
             raise argparse.ArgumentTypeError(f"{v!r}: expected OPTION=VALUE[,OPTION=VALUE...], OPTION one of "
                                              f"{', '.join(allowed)}")
-        if cuda.launch_option_value(value, allowed[option]) is None:
+        arm[option] = cuda.launch_option_value(value, allowed[option])
+        if arm[option] is None:
             raise argparse.ArgumentTypeError(f"{v!r}: {option} takes {cuda.allowed_text(allowed[option])}")
-        arm[option] = int(value)
     return arm
 
 

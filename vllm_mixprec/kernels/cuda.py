@@ -124,9 +124,10 @@ def launch_options_from_env(environ) -> dict[str, int]:
     for env, option, allowed in ENV_LAUNCH_OPTIONS:
         v = envs.explicit(env, environ)
         if v is not None:
-            if launch_option_value(v, allowed) is None:
+            value = launch_option_value(v, allowed)
+            if value is None:
                 raise ValueError(f"{env}={v!r}: expected {allowed_text(allowed)}")
-            options[option] = int(v)
+            options[option] = value
     return options
 
 
@@ -447,15 +448,21 @@ SILU_QUANT_CLUSTER = 8
 SILU_QUANT_CTA_VECS = 512
 SILU_QUANT_MAX_THREADS = 1024
 SILU_QUANT_MAX_VECS = 2
+SILU_QUANT_MAX_CTA_VECS = SILU_QUANT_MAX_THREADS * SILU_QUANT_MAX_VECS
 SILU_QUANT_MAX_ROWS = 65535
+
+
+def silu_quant_args_ok(max_cluster: int, cta_vecs: int) -> bool:
+    """Whether the csrc op takes this max_cluster (1 to SILU_QUANT_MAX_CLUSTER) and cta_vecs (1 to
+    SILU_QUANT_MAX_CTA_VECS)."""
+    return 1 <= max_cluster <= SILU_QUANT_MAX_CLUSTER and 1 <= cta_vecs <= SILU_QUANT_MAX_CTA_VECS
 
 
 def silu_quant_plan(k: int, max_cluster: int = SILU_QUANT_CLUSTER,
                     cta_vecs: int = SILU_QUANT_CTA_VECS) -> tuple[int, int, int] | None:
     """csrc silu_mul_quantize_act_plan: (CTAs a row, threads a CTA, vectors a thread) for rows of
     k outputs, or None where the kernel does not take them or an argument is out of range."""
-    if (k <= 0 or k % 8 or not 1 <= max_cluster <= SILU_QUANT_MAX_CLUSTER
-            or not 1 <= cta_vecs <= SILU_QUANT_MAX_THREADS * SILU_QUANT_MAX_VECS):
+    if k <= 0 or k % 8 or not silu_quant_args_ok(max_cluster, cta_vecs):
         return None
 
     def cdiv(a, b):
