@@ -43,7 +43,8 @@ quantizer as one op, csrc where built; session 85) and "mixprec_decode_ops_trito
 the SiLU op's Triton kernel (the two Triton arms with --triton-ops); --launch-arms OPTION=VALUE[,...] adds
 the default with csrc launch options changed while its graphs are captured
 ("mixprec_decode_ops_decode_preload_max_m0": what the decode GEMM's weight preload hides in the
-piece; its launched time pays two more host calls). --profile CALLS
+piece; its launched time pays two more host calls), and --launch-arms-silu-op each of those with the
+SiLU op too ("mixprec_decode_ops_silu_op_quant_ops_pdl1"). --profile CALLS
 adds every variant's kernels under the torch profiler: their device time a call, the GEMMs and the
 ops between them summed.
 
@@ -364,9 +365,12 @@ def marlin_variants(name: str, gen: torch.Generator, args) -> tuple:
         for max_cluster, cta_vecs in (args.silu_plans if silus else ()):  # the csrc SiLU op's other plans
             arms[f"mixprec_decode_ops_silu_op_c{max_cluster}v{cta_vecs}"] = (
                 [], True, (quantizers, norms, silus), {"_SILU_QUANT_PLAN": (max_cluster, cta_vecs)})
-        for launch in args.launch_arms:  # the default with csrc launch options changed
+        for launch in args.launch_arms:  # the default (and the SiLU op) with csrc launch options changed
             name = "_".join(f"{option}{value}" for option, value in launch.items())
             arms[f"mixprec_decode_ops_{name}"] = ([], False, (quantizers, norms, 0), {"launch_options": launch})
+            if silus and args.launch_arms_silu_op:
+                arms[f"mixprec_decode_ops_silu_op_{name}"] = ([], True, (quantizers, norms, silus),
+                                                              {"launch_options": launch})
         if norms and args.triton_ops:
             arms["mixprec_decode_ops_triton_norm"] = ([], False, (quantizers, norms, 0), {"_NORM_QUANT_CUDA": False})
         if args.silu_op:  # both passes, as install() orders them: SiluMulQuantFusion takes the SiLU's quantizer
@@ -633,6 +637,9 @@ def main(argv=None) -> int:
                     help="with --decode-ops: also the default with csrc launch options changed while "
                          "its graphs are captured (mixprec_decode_ops_OPTIONVALUE arms), e.g. "
                          "decode_preload_max_m=0 or gemm_pdl=0,decode_dp4a=0")
+    ap.add_argument("--launch-arms-silu-op", action="store_true",
+                    help="with --launch-arms: each also with the SiLU op, where the layers have a "
+                         "SiLU-and-mul (mixprec_decode_ops_silu_op_OPTIONVALUE arms)")
     ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
                     help="also each variant's kernels under the torch profiler over CALLS launches: "
                          "device time a call per kernel, GEMMs and the rest summed")
@@ -647,6 +654,8 @@ def main(argv=None) -> int:
     for flag in ("triton_ops", "silu_plans", "launch_arms"):
         if getattr(args, flag) and not args.decode_ops:
             ap.error(f"--{flag.replace('_', '-')}: only with --decode-ops")
+    if args.launch_arms_silu_op and not args.launch_arms:
+        ap.error("--launch-arms-silu-op: only with --launch-arms")
     if args.silu_op and max(args.ms) > compile_passes.FUSE_MAX_TOKENS:
         ap.error(f"--ms {max(args.ms)} with --silu-op: expected at most {compile_passes.FUSE_MAX_TOKENS} tokens "
                  "(the pass is served in the graphs of at most that many)")

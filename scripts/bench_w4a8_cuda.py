@@ -44,7 +44,8 @@ OPTION_AB = {"decode_ctas_per_sm": ("c", (0, 2), 32, "gemm"),
              "gemm_cluster_pair": ("cp", (0, 1), None, "gemm"),
              "gemm_pdl": ("pdl", (0, 1), None, "gemm"),
              "decode_dp4a": ("d4", (0, 1, 0), 1, "gemm"),
-             "act_quant_split": ("qs", (0, 1024, 2048, 4096, 1, 0), 64, "quant")}
+             "act_quant_split": ("qs", (0, 1024, 2048, 4096, 1, 0), 64, "quant"),
+             "quant_ops_pdl": ("qp", (0, 1, 0), None, "quant")}
 
 
 def bench(fn):
@@ -104,7 +105,7 @@ def main():
                          "0 (never), 8, 16 (M = 9-16: the 3-CTA build only) and 32 (every M), M <= 32; "
                          "act_quant_one_pass 0 (the two-pass loop) and 1; act_quant_lean 0 (the one-pass "
                          "kernel's per-element division) and 1; decode_dp4a 0, 1, 0 again (IDP.4A on the codes), "
-                         "M = 1")
+                         "M = 1; quant_ops_pdl 0, 1, 0 again (the quantizer a programmatic dependent)")
     ap.add_argument("--cublas-gemv", action="store_true",
                     help="M <= 32: also cuBLAS bf16 on the same shape (the weight's N x K bf16, >= 2x the L2), "
                          "the HBM bandwidth a GEMV reaches on this GPU (cublas_bf16_TBps)")

@@ -23,7 +23,7 @@
 # x_input_fused_piece w4ax_perm x_order_piece_aba triton_tiles triton_tiles_w4ax triton_mid_linear
 # test_triton_gemm triton_quant_rows quant_split quant_split_table triton_decode_linear
 # decode_chain_tests decode_chain_preload env_arms served_marlin norm_quant_vllm decode_ops_tests
-# decode_ops_serve profile_silu
+# decode_ops_serve profile_silu quant_ops_pdl
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -1363,6 +1363,13 @@ stage_x_order_piece_aba() {
   run_bench bench_compiled_linear_order_aba 540 python3 benchmarks/bench_compiled_linear.py \
     --out "$OUT/order-aba" --layers ${X_ORDER_ABA_LAYERS:-piece piece_70b} --ms ${X_ORDER_ABA_MS:-256 1024 4096} \
     --vllm-inductor --input-fused --rule --rounds 3
+}
+# Session 88: quant_ops_pdl (the quantizer ops as programmatic dependents of the kernel before them; the
+# decode GEMM lets them launch once its CTAs are past their own wait): its GPU tests, the chain of
+# GEMMs and ops back to back and in a CUDA graph, and the ops against their references (it is on by default).
+stage_quant_ops_pdl() {
+  pytest_gpu pytest-gpu-quant-ops-pdl 240 tests/kernels/test_cuda_gemm.py \
+    -k "dependents_of_the_decode_gemm or launch_options_bit_identical or add_rms_norm or silu_mul_quantize_act or quantize_act or graph"
 }
 # Session 82: decode as served against Marlin W4A16 (issue #4's M <= 16 target as a served layer
 # pays it): the decoder pieces compiled as the plugin compiles batches of at most 64 tokens (the

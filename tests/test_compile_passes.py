@@ -557,6 +557,8 @@ def test_compiled_linear_benchmark_flags_marlin_rows_and_refuses_prefill_batches
                           (["--compare", "marlin", "--decode-ops", "--launch-arms", "decode_preload_max_m=33"],
                            "decode_preload_max_m takes an integer from 0 to 32"),
                           (["--compare", "marlin", "--decode-ops", "--launch-arms", "gemm_pdl"], "gemm_pdl takes 0 or 1"),
+                          (["--compare", "marlin", "--decode-ops", "--launch-arms-silu-op"],
+                           "--launch-arms-silu-op: only with --launch-arms"),
                           (["--compare", "marlin", "--profile", "-1"], "--profile=-1")):
         with pytest.raises(SystemExit) as e:
             bench.main(["--out", str(tmp_path), *argv])
@@ -747,6 +749,50 @@ def test_piece_launch_options_and_silu_plans_on_the_h100():
     assert all(cost[m]["silu_op"] < -0.5 for m in cost)
 
 
+def test_quant_ops_as_dependents_in_the_pieces_on_the_h100():
+    """Session 88's runs 2 and 3 (benchmarks/results/2026-12-07-s88/), read as docs/BENCHMARKS.md
+    "Session 88 (H100)" reads them: quant_ops_pdl (the quantizer ops as programmatic dependents of
+    the decode GEMM before them, which lets them launch once its CTAs are past their own wait) is
+    faster than the default of then in every round at every M of the 70B piece (1-64), by 1.6-9.9 us
+    a round, and on the 8B piece by 1.0-2.3 us on the mean at M = 1, 4, 16; its GPU tests passed and
+    memcheck found nothing, and each arm's error against the eager piece is the same with it; with
+    the SiLU op too the 70B piece is >= 1.2x Marlin at every M <= 16. So it is the default now."""
+    import json
+    import pathlib
+    import statistics
+
+    from vllm_mixprec.kernels import cuda
+
+    run = pathlib.Path(__file__).resolve().parents[1] / "benchmarks/results/2026-12-07-s88"
+    assert "346 passed" in (run / "run2-quant-ops-pdl/pytest-gpu-quant-ops-pdl.log").read_text()
+    assert "ERROR SUMMARY: 0 errors" in (run / "run2-quant-ops-pdl/sanitize/summary.txt").read_text()
+
+    def rows(path):
+        got = json.loads((run / path / "bench_compiled_marlin.json").read_text())["rows"]
+        assert all(v == [4, 2, int("silu" in k)] for r in got for k, v in r.items() if k.endswith("_replaced"))
+        return {r["M"]: r for r in got}
+
+    def gain(r, arm):  # the arm's rounds minus the default's, round by round
+        return [a - b for a, b in zip(r[f"mixprec_decode_ops_{arm}_us_rounds"], r["mixprec_decode_ops_us_rounds"])]
+
+    big = {**rows("run2-quant-ops-pdl/served-marlin-70b"), **rows("run3-quant-ops-pdl-more/served-marlin-70b")}
+    assert sorted(big) == [1, 2, 4, 8, 16, 32, 64]
+    for m, r in big.items():
+        assert max(gain(r, "quant_ops_pdl1")) < -1.5, m
+        for arm in ("", "_silu_op"):  # the same outputs: each arm's error against eager is unchanged
+            assert r[f"mixprec_decode_ops{arm}_quant_ops_pdl1_rel_err_vs_eager"] == pytest.approx(
+                r[f"mixprec_decode_ops{arm}_rel_err_vs_eager"], rel=1e-3, abs=1e-6), (m, arm)
+        if m <= 16:
+            both = statistics.mean(r["marlin_w4a16_us_rounds"]) / statistics.mean(
+                r["mixprec_decode_ops_silu_op_quant_ops_pdl1_us_rounds"])
+            assert both >= 1.2, (m, both)
+    small = rows("run3-quant-ops-pdl-more/served-marlin-8b")
+    assert sorted(small) == [1, 4, 16]
+    assert all(statistics.mean(gain(r, "quant_ops_pdl1")) < -0.9 for r in small.values())
+    if cuda.available():  # the built library's default
+        assert cuda.set_launch_options()["quant_ops_pdl"] == 1
+
+
 def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):
     """bench_compiled_linear's order A/B (order_bad): a row is bad when a compile rewrote not every
     GEMM, moved not every quantizer, or ended further from the eager layer than the natural one."""
@@ -777,7 +823,7 @@ def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):
                                                               "--decode-ops", "--triton-ops", "--silu-plans", "16/128",
                                                               "--launch-arms", "decode_preload_max_m=0",
                                                               "gemm_pdl=0,decode_preload_max_m=0",
-                                                              "--profile", "2"])])
+                                                              "--launch-arms-silu-op", "--profile", "2"])])
 def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monkeypatch, tmp_path, layers, extra):
     """bench_compiled_linear's main() on the CPU at small shapes, its GPU parts stubbed (the
     reference GEMM, a 1 us timer): every variant compiles, runs, is compared and checked, and
@@ -827,18 +873,24 @@ def test_compiled_linear_benchmark_runs_end_to_end_on_the_cpu(repo_module, monke
         # the SiLU arms only where there is a SiLU-and-mul
         names = ("mixprec_decode_ops", "mixprec_decode_ops_silu_op", "mixprec_decode_ops_triton_silu",
                  "mixprec_decode_ops_triton_norm", "mixprec_decode_ops_silu", "mixprec_decode_ops_silu_op_c16v128",
-                 "mixprec_decode_ops_decode_preload_max_m0", "mixprec_decode_ops_gemm_pdl0_decode_preload_max_m0")
+                 "mixprec_decode_ops_decode_preload_max_m0", "mixprec_decode_ops_gemm_pdl0_decode_preload_max_m0",
+                 "mixprec_decode_ops_silu_op_decode_preload_max_m0",
+                 "mixprec_decode_ops_silu_op_gemm_pdl0_decode_preload_max_m0")
         arms = [{v: r.get(f"{v}_replaced") for v in names} for r in rows]
         assert arms == [
             {"mixprec_decode_ops": [1, 1, 0], "mixprec_decode_ops_silu_op": None, "mixprec_decode_ops_triton_silu": None,
              "mixprec_decode_ops_triton_norm": [1, 1, 0], "mixprec_decode_ops_silu": [1, 1, 0],
              "mixprec_decode_ops_silu_op_c16v128": None, "mixprec_decode_ops_decode_preload_max_m0": [1, 1, 0],
-             "mixprec_decode_ops_gemm_pdl0_decode_preload_max_m0": [1, 1, 0]},
+             "mixprec_decode_ops_gemm_pdl0_decode_preload_max_m0": [1, 1, 0],
+             "mixprec_decode_ops_silu_op_decode_preload_max_m0": None,
+             "mixprec_decode_ops_silu_op_gemm_pdl0_decode_preload_max_m0": None},
             {"mixprec_decode_ops": [4, 2, 0], "mixprec_decode_ops_silu_op": [4, 2, 1],
              "mixprec_decode_ops_triton_silu": [4, 2, 1], "mixprec_decode_ops_triton_norm": [4, 2, 0],
              "mixprec_decode_ops_silu": [3, 2, 0], "mixprec_decode_ops_silu_op_c16v128": [4, 2, 1],
              "mixprec_decode_ops_decode_preload_max_m0": [4, 2, 0],
-             "mixprec_decode_ops_gemm_pdl0_decode_preload_max_m0": [4, 2, 0]}], arms
+             "mixprec_decode_ops_gemm_pdl0_decode_preload_max_m0": [4, 2, 0],
+             "mixprec_decode_ops_silu_op_decode_preload_max_m0": [4, 2, 1],
+             "mixprec_decode_ops_silu_op_gemm_pdl0_decode_preload_max_m0": [4, 2, 1]}], arms
         # each call of a launch-option arm set its options, then put back the defaults of those same options
         sets, restores = launches[0::2], launches[1::2]
         assert len(sets) == len(restores) and {str(c) for c in sets} == {str({"decode_preload_max_m": 0}),

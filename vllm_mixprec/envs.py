@@ -203,6 +203,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("MIXPREC_ACT_QUANT_SPLIT", LAUNCH, None, "0, 1, 1024, 2048 or 4096",
          "quantize_act splits long rows over CTAs: 0 never, 1 its rule, else that chunk at M <= 64.",
          unset="1"),
+    Knob("MIXPREC_QUANT_OPS_PDL", LAUNCH, None, "0 or 1",
+         "The quantizer ops are programmatic dependents of the kernel before them on sm_90 (the "
+         "decode GEMM lets them start during its last CTAs).", unset="on"),
     # --- tuning overrides ------------------------------------------------------------------
     Knob("MIXPREC_ATTN_DECODE_CFG", TUNING, None, "three comma-separated integers",
          "BLOCK_N,num_warps,num_stages of the Triton decode kernel.",

@@ -59,6 +59,13 @@ __device__ __forceinline__ void wait_prior_grids() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// Lets the grid launched after this one as a programmatic dependent start once every CTA of this
+// grid has issued it (or exited); the dependent still waits in wait_prior_grids for this grid to end.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 // Generic-proxy shared-memory writes (cp.async) before async-proxy reads of them (wgmma operands).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

@@ -52,6 +52,10 @@ struct W4A8GemmArgs {
   // previous kernel (PDL), so that batch's DRAM latency overlaps the quantizer (csrc/gemm/NOTES.md
   // "Decode preload"). The same sums.
   bool decode_preload = false;
+  // Decode kernels (0, 1), sm_90: each CTA issues griddepcontrol.launch_dependents once its
+  // griddepcontrol.wait returns, so a quantizer op launched after it as a programmatic dependent
+  // (quant_ops_pdl) is scheduled while its last CTAs run (csrc/gemm/NOTES.md "Session 88").
+  bool trigger_dependents = false;
   // wgmma kernels (4..8) only: xq is in the wgmma k order (formats.py wgmma_act_k_order: 4-byte
   // units transposed 4 x 4 in every 64 k), so one TMA a stage copies it (csrc/gemm/NOTES.md
   // "Session 63"). The other kernels read xq in its natural order only.
@@ -72,6 +76,7 @@ struct W4A8KernelParams {
   int bias_kind;
   int M, N, K;
   int group_shift;  // log2(group_size / 64): 64-k chunk c uses group c >> group_shift
+  bool trigger_dependents;
 };
 
 inline W4A8KernelParams w4a8_kernel_params(const W4A8GemmArgs& a) {
@@ -91,6 +96,7 @@ inline W4A8KernelParams w4a8_kernel_params(const W4A8GemmArgs& a) {
   p.K = a.K;
   p.group_shift = 0;
   while ((64 << p.group_shift) < a.group_size) ++p.group_shift;
+  p.trigger_dependents = a.trigger_dependents;
   return p;
 }
 
@@ -132,10 +138,12 @@ cudaError_t w4a8_gemm_launch(const W4A8GemmArgs& args, const W4A8Plan& plan, cud
 // never; 1 the rule (quantize_act_split_chunk); 1024, 2048 or 4096 that chunk wherever M <= 64 and
 // K >= 2 chunks (A/B timing).
 // wgmma_order: the codes go to their places in the wgmma k order (wgmma_act_k; K % 64 == 0).
+// pdl (sm_90; the caller checks): launched as a programmatic dependent of the kernel before it,
+// waiting for it before reading x (quant_ops_pdl; the same codes).
 cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_row_stride,
                                      const void* smooth, OutKind smooth_kind, int8_t* q,
                                      float* scale, int M, int K, bool one_pass, bool lean, int split,
-                                     bool wgmma_order, cudaStream_t stream);
+                                     bool wgmma_order, bool pdl, cudaStream_t stream);
 // The split kernel's chunk (elements; 0: no split) for M unsmoothed, aligned rows of K under option
 // `split`, as quantize_act_int8_launch takes it.
 int quantize_act_split_chunk(int split, int M, int K);
@@ -158,6 +166,7 @@ struct NormQuantArgs {
   int M, K;
   float epsilon;
   OutKind kind;
+  bool pdl = false;  // sm_90: a programmatic dependent launch, waiting before any load
 };
 bool add_rms_norm_quantize_act_supports(int K);
 cudaError_t add_rms_norm_quantize_act_launch(const NormQuantArgs& args, cudaStream_t stream);
@@ -188,6 +197,7 @@ struct SiluQuantArgs {
   float* scale;
   int M, K;
   OutKind kind;
+  bool pdl = false;  // sm_90: a programmatic dependent launch, waiting before any load
 };
 bool silu_mul_quantize_act_plan(int K, int max_cluster, int cta_vecs, SiluQuantPlan* plan);
 cudaError_t silu_mul_quantize_act_launch(const SiluQuantArgs& args, const SiluQuantPlan& plan, cudaStream_t stream);

@@ -1,6 +1,7 @@
 // Device helpers of the per-token int8 activation kernels (reference.quantize_act's math):
-// 16-byte vector loads and conversions, the lean codes, the row reductions, the scale, the PDL
-// trigger. Shared by quantize_act_int8.cu, add_rms_norm_quantize_act.cu and silu_mul_quantize_act.cu.
+// 16-byte vector loads and conversions, the lean codes, the row reductions, the scale (the PDL
+// trigger and wait: common/ptx.h). Shared by quantize_act_int8.cu, add_rms_norm_quantize_act.cu and
+// silu_mul_quantize_act.cu.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,6 +10,8 @@
 
 #include <cstdint>
 #include <cstring>
+
+#include "common/ptx.h"  // allow_dependent_launch, wait_prior_grids
 
 namespace mixprec {
 
@@ -148,12 +151,6 @@ __device__ __forceinline__ float block_reduce(float v, float* s_red, Op op) {
   return s_red[0];
 }
 __device__ __forceinline__ float block_max(float v, float* s_red) { return block_reduce(v, s_red, MaxOp{}); }
-
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 // A row's scale from its amax; NaN marks a non-finite row.
 __device__ __forceinline__ float scale_of_amax(float amax) {

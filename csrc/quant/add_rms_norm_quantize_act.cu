@@ -10,7 +10,8 @@
 // interpreter) and divides every code; alone it was 0.8-1.3 us faster on an H100
 // (csrc/gemm/NOTES.md "Session 84").
 // On sm_90 it lets the decode GEMM after it launch at once (allow_dependent_launch), as the
-// quantizer does.
+// quantizer does; with quant_ops_pdl it is itself a programmatic dependent of the GEMM before it
+// (NormQuantArgs::pdl).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -20,6 +21,7 @@
 #include <cstring>
 
 #include "common/device.h"
+#include "common/launch.h"
 #include "gemm/w4a8_gemm.h"
 #include "quant/act_int8.cuh"
 
@@ -41,6 +43,10 @@ __global__ void __launch_bounds__(kNormThreads, 1) add_rms_norm_quantize_act_ker
   const int vecs = K / 8;
   const T* xr = x + row * x_row_stride;
   const T* rr = residual + row * r_row_stride;
+
+  // (A programmatic dependent waits before any load: a compiled graph may compute the weight in
+  // the kernel just before, whose writes only the wait makes visible.)
+  wait_prior_grids();
 
   // Every load first: one memory latency for the row, the weight and the smoothing vector.
   Raw8<T> xa[kVecs], ra[kVecs], wa[kVecs];
@@ -105,20 +111,20 @@ __global__ void __launch_bounds__(kNormThreads, 1) add_rms_norm_quantize_act_ker
   }
 }
 
+template <auto kKernel, typename T>
+cudaError_t launch_kernel_for(const NormQuantArgs& a, int threads, cudaStream_t stream) {
+  return launch_kernel<kKernel>(dim3(a.M), dim3(threads), 0, a.pdl, stream, static_cast<const T*>(a.x),
+                                a.x_row_stride, static_cast<const T*>(a.residual), a.residual_row_stride,
+                                static_cast<const T*>(a.weight), a.smooth, a.q, a.scale, static_cast<T*>(a.res_out),
+                                a.K, a.epsilon);
+}
+
 template <typename T>
 cudaError_t launch_for(const NormQuantArgs& a, cudaStream_t stream) {
   const int vecs = a.K / 8;
   const int threads = vecs <= kNormThreads ? ((vecs + 31) / 32) * 32 : kNormThreads;
-  const auto launch = [&](auto kernel) {
-    kernel<<<a.M, threads, 0, stream>>>(
-        static_cast<const T*>(a.x), a.x_row_stride, static_cast<const T*>(a.residual), a.residual_row_stride,
-        static_cast<const T*>(a.weight), a.smooth, a.q, a.scale, static_cast<T*>(a.res_out), a.K, a.epsilon);
-  };
-  if (vecs <= kNormThreads)
-    launch(add_rms_norm_quantize_act_kernel<T, 1>);
-  else
-    launch(add_rms_norm_quantize_act_kernel<T, 2>);
-  return cudaGetLastError();
+  if (vecs <= kNormThreads) return launch_kernel_for<add_rms_norm_quantize_act_kernel<T, 1>, T>(a, threads, stream);
+  return launch_kernel_for<add_rms_norm_quantize_act_kernel<T, 2>, T>(a, threads, stream);
 }
 
 }  // namespace

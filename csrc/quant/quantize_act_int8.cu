@@ -13,7 +13,8 @@
 // On sm_90 the kernels let the next grid launch at once (griddepcontrol.launch_dependents):
 // the decode GEMM, launched as a programmatic dependent, sets up meanwhile and waits for this
 // grid before it reads the codes. (Splitting a row over a cluster of CTAs was measured too:
-// csrc/gemm/NOTES.md, "PDL".)
+// csrc/gemm/NOTES.md, "PDL".) With quant_ops_pdl they are programmatic dependents themselves
+// (QuantPaths::pdl), waiting for the grid before them ahead of any load.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -23,6 +24,7 @@
 #include <cstring>
 
 #include "common/device.h"
+#include "common/launch.h"
 #include "gemm/w4a8_gemm.h"
 #include "quant/act_int8.cuh"
 
@@ -89,7 +91,7 @@ __device__ __forceinline__ void store_codes8(int8_t* qr, int i, uint2 codes, boo
 }
 
 // What a CTA works on: its row of x, of the codes and of the scales. Every quantizer kernel
-// first lets the dependent GEMM launch (see the top of this file).
+// first lets the dependent GEMM launch, then waits for the grid before it (see the top of this file).
 template <typename T>
 struct QuantRow {
   int64_t row;
@@ -100,6 +102,7 @@ template <typename T>
 __device__ __forceinline__ QuantRow<T> begin_row(const T* x, int64_t x_row_stride, int8_t* q, int K,
                                                  int64_t row) {
   allow_dependent_launch();
+  wait_prior_grids();
   return {row, x + row * x_row_stride, q + row * K};
 }
 
@@ -279,29 +282,35 @@ __global__ void __launch_bounds__(kSplitMaxThreads) quantize_act_int8_split_kern
 struct QuantPaths {
   bool vec, one_pass, lean, wgmma_order;
   int split_chunk;  // quantize_act_split_chunk(): 0, or the split kernel's chunk
+  bool pdl;         // a programmatic dependent launch (quant_ops_pdl)
 };
+
+// A row kernel: grid (M) or (chunks, M), every kernel's arguments.
+template <auto kKernel, typename T, typename S>
+cudaError_t launch_rows(dim3 grid, int threads, const T* x, int64_t stride, const S* smooth, int8_t* q, float* scale,
+                        int K, const QuantPaths& paths, cudaStream_t stream) {
+  return launch_kernel<kKernel>(grid, dim3(threads), 0, paths.pdl, stream, x, stride, smooth, q, scale, K,
+                                paths.wgmma_order);
+}
 
 template <typename T, typename S, bool kLean>
 cudaError_t launch_regs_kernel(const T* x, int64_t stride, const S* smooth, int8_t* q, float* scale, int M, int K,
-                               bool wgmma_order, cudaStream_t stream) {
+                               const QuantPaths& paths, cudaStream_t stream) {
   const int vecs = K / 8;
   int p = 1;  // vectors a thread: the fewest that hold the row
   while (p * kRegsThreads < vecs) p *= 2;
   const int threads = ((ceil_div(vecs, p) + 31) / 32) * 32;
   switch (p) {
     case 1:
-      quantize_act_int8_regs_kernel<T, S, 1, kLean><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K,
-                                                                                      wgmma_order);
-      break;
+      return launch_rows<quantize_act_int8_regs_kernel<T, S, 1, kLean>>(dim3(M), threads, x, stride, smooth, q, scale,
+                                                                        K, paths, stream);
     case 2:
-      quantize_act_int8_regs_kernel<T, S, 2, kLean><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K,
-                                                                                      wgmma_order);
-      break;
+      return launch_rows<quantize_act_int8_regs_kernel<T, S, 2, kLean>>(dim3(M), threads, x, stride, smooth, q, scale,
+                                                                        K, paths, stream);
     default:
-      quantize_act_int8_regs_kernel<T, S, kRegsMaxVecs, kLean><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K,
-                                                                                      wgmma_order);
+      return launch_rows<quantize_act_int8_regs_kernel<T, S, kRegsMaxVecs, kLean>>(dim3(M), threads, x, stride, smooth,
+                                                                                   q, scale, K, paths, stream);
   }
-  return cudaGetLastError();
 }
 
 template <typename T, typename S>
@@ -311,22 +320,21 @@ cudaError_t launch_row_kernel(const T* x, int64_t stride, const S* smooth, int8_
   const bool vec = paths.vec, one_pass = paths.one_pass;
   if (paths.split_chunk > 0 && vec && smooth == nullptr) {
     const int threads = paths.split_chunk / 8;
-    quantize_act_int8_split_kernel<T><<<dim3(ceil_div(vecs, threads), M), threads, 0, stream>>>(
-        x, stride, q, scale, K, paths.wgmma_order);
-    return cudaGetLastError();
+    return launch_kernel<quantize_act_int8_split_kernel<T>>(dim3(ceil_div(vecs, threads), M), dim3(threads), 0,
+                                                            paths.pdl, stream, x, stride, q, scale, K,
+                                                            paths.wgmma_order);
   }
   if (one_pass && vec && vecs <= kRegsThreads * kRegsMaxVecs && (vecs <= kRegsThreads || M <= kRegsMaxRowsMultiVec))
-    return paths.lean ? launch_regs_kernel<T, S, true>(x, stride, smooth, q, scale, M, K, paths.wgmma_order, stream)
-                      : launch_regs_kernel<T, S, false>(x, stride, smooth, q, scale, M, K, paths.wgmma_order, stream);
+    return paths.lean ? launch_regs_kernel<T, S, true>(x, stride, smooth, q, scale, M, K, paths, stream)
+                      : launch_regs_kernel<T, S, false>(x, stride, smooth, q, scale, M, K, paths, stream);
   const int work = vec ? (K + 7) / 8 : K;
   int threads = ((work + 31) / 32) * 32;
   threads = threads < 32 ? 32 : (threads > 512 ? 512 : threads);
   if (vec)
-    quantize_act_int8_kernel<T, S, true><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K, paths.wgmma_order);
-  else
-    quantize_act_int8_kernel<T, S, false><<<M, threads, 0, stream>>>(x, stride, smooth, q, scale, K,
-                                                                      paths.wgmma_order);
-  return cudaGetLastError();
+    return launch_rows<quantize_act_int8_kernel<T, S, true>>(dim3(M), threads, x, stride, smooth, q, scale, K, paths,
+                                                             stream);
+  return launch_rows<quantize_act_int8_kernel<T, S, false>>(dim3(M), threads, x, stride, smooth, q, scale, K, paths,
+                                                            stream);
 }
 
 template <typename T>
@@ -364,7 +372,7 @@ int quantize_act_split_chunk(int split, int M, int K) {
 
 cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_row_stride, const void* smooth,
                                      OutKind smooth_kind, int8_t* q, float* scale, int M, int K,
-                                     bool one_pass, bool lean, int split, bool wgmma_order,
+                                     bool one_pass, bool lean, int split, bool wgmma_order, bool pdl,
                                      cudaStream_t stream) {
   if (M == 0) return cudaSuccess;
   if (wgmma_order && K % 64 != 0) return cudaErrorInvalidValue;  // the order permutes whole 64-k chunks
@@ -372,7 +380,7 @@ cudaError_t quantize_act_int8_launch(const void* x, OutKind x_kind, int64_t x_ro
   const bool vec = K % 8 == 0 && (x_row_stride % 8) == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                    (smooth == nullptr || reinterpret_cast<uintptr_t>(smooth) % 16 == 0) &&
                    reinterpret_cast<uintptr_t>(q) % 8 == 0;
-  const QuantPaths paths{vec, one_pass, lean, wgmma_order, quantize_act_split_chunk(split, M, K)};
+  const QuantPaths paths{vec, one_pass, lean, wgmma_order, quantize_act_split_chunk(split, M, K), pdl};
   switch (x_kind) {
     case OutKind::kHalf:
       return launch_for_x<__half>(x, x_row_stride, smooth, smooth_kind, q, scale, M, K, paths, stream);

@@ -13,7 +13,8 @@
 // and the quantizer coded it on one SM (4.9 us at M = 1 on an H100, csrc/gemm/NOTES.md "Session 84").
 // On sm_80 (no clusters) a row is one CTA: rows of at most 16384 outputs.
 // On sm_90 it lets the decode GEMM after it launch at once (allow_dependent_launch), as the quantizer
-// does.
+// does; with quant_ops_pdl it is itself a programmatic dependent of the GEMM before it
+// (SiluQuantArgs::pdl).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -50,6 +51,7 @@ __global__ void __launch_bounds__(kSiluQuantMaxThreads, 1) silu_mul_quantize_act
     float* __restrict__ scale, int K) {
   __shared__ float s_max[32];
   allow_dependent_launch();
+  wait_prior_grids();
   const int64_t row = blockIdx.y;
   const int vecs = K / 8;
   const int first = blockIdx.x * blockDim.x * kVecs + threadIdx.x;
@@ -116,9 +118,9 @@ cudaError_t launch_for(const SiluQuantArgs& a, const SiluQuantPlan& p, cudaStrea
   const dim3 grid(p.ctas, a.M), block(p.threads), cluster(p.ctas, 1, 1);
   const T* gate_up = static_cast<const T*>(a.gate_up);
   if (p.vecs == 1)
-    return launch_kernel_clustered<silu_mul_quantize_act_kernel<T, 1>>(grid, block, 0, false, cluster, stream, gate_up,
+    return launch_kernel_clustered<silu_mul_quantize_act_kernel<T, 1>>(grid, block, 0, a.pdl, cluster, stream, gate_up,
                                                                        a.row_stride, a.smooth, a.q, a.scale, a.K);
-  return launch_kernel_clustered<silu_mul_quantize_act_kernel<T, 2>>(grid, block, 0, false, cluster, stream, gate_up,
+  return launch_kernel_clustered<silu_mul_quantize_act_kernel<T, 2>>(grid, block, 0, a.pdl, cluster, stream, gate_up,
                                                                      a.row_stride, a.smooth, a.q, a.scale, a.K);
 }
 

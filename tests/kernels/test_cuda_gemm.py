@@ -293,7 +293,7 @@ def test_quantize_act_split_rows_skip_what_they_cannot_take(launch_options):
                                    (1024, 6144, 4096)])
 def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
     """The decode kernels (M <= 32), s8 or u8 weights (decode_u8) or IDP.4A at M = 1 (decode_dp4a),
-    the 2- or 3-CTA build or the
+    the quantizer a programmatic dependent too (quant_ops_pdl), the 2- or 3-CTA build or the
     planner's, with the first weights preloaded at no M, M <= 8, M <= 16 (the default: M = 9-16 in
     the 3-CTA build only) or every M, the quantizer's rows split (act_quant_split) or not, and on
     an H100/H200 the wgmma kernels (M = 200-1024; M = 64 takes the decode kernel), as programmatic dependent launches (sm_90) after
@@ -304,23 +304,77 @@ def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
     layer, _ = _prepared_layer(n, k, 64, gen)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
     outs = []
-    for pdl, one_pass, u8, ctas, pre, dp4a, split in (
-            (0, 0, 0, 2, 0, 0, 0), (1, 0, 0, 2, 0, 0, 0), (1, 1, 0, 2, 0, 0, 0), (0, 1, 0, 2, 0, 0, 0),
-            (1, 1, 1, 2, 0, 0, 0), (0, 0, 1, 2, 0, 0, 0), (1, 1, 0, 3, 0, 0, 0), (1, 1, 1, 3, 0, 0, 0),
-            (1, 1, 0, 0, 0, 0, 0), (1, 1, 0, 0, 32, 0, 0), (0, 0, 0, 2, 32, 0, 0), (1, 1, 1, 3, 32, 0, 0),
-            (1, 1, 0, 0, 8, 0, 0), (1, 1, 0, 0, 16, 0, 0), (1, 1, 1, 3, 16, 0, 0), (0, 0, 0, 2, 0, 1, 0),
-            (1, 1, 0, 0, 16, 1, 0), (1, 1, 0, 3, 0, 1, 0), (1, 1, 1, 3, 32, 1, 0), (1, 1, 0, 0, 16, 1, 1),
-            (0, 1, 0, 0, 16, 1, 1), (1, 1, 0, 0, 16, 1, 1024), (1, 1, 0, 3, 32, 0, 4096)):
+    for pdl, one_pass, u8, ctas, pre, dp4a, split, qpdl in (
+            (0, 0, 0, 2, 0, 0, 0, 0), (1, 0, 0, 2, 0, 0, 0, 0), (1, 1, 0, 2, 0, 0, 0, 0), (0, 1, 0, 2, 0, 0, 0, 0),
+            (1, 1, 1, 2, 0, 0, 0, 0), (0, 0, 1, 2, 0, 0, 0, 0), (1, 1, 0, 3, 0, 0, 0, 0), (1, 1, 1, 3, 0, 0, 0, 0),
+            (1, 1, 0, 0, 0, 0, 0, 0), (1, 1, 0, 0, 32, 0, 0, 0), (0, 0, 0, 2, 32, 0, 0, 0), (1, 1, 1, 3, 32, 0, 0, 0),
+            (1, 1, 0, 0, 8, 0, 0, 0), (1, 1, 0, 0, 16, 0, 0, 0), (1, 1, 1, 3, 16, 0, 0, 0), (0, 0, 0, 2, 0, 1, 0, 0),
+            (1, 1, 0, 0, 16, 1, 0, 0), (1, 1, 0, 3, 0, 1, 0, 0), (1, 1, 1, 3, 32, 1, 0, 0), (1, 1, 0, 0, 16, 1, 1, 0),
+            (0, 1, 0, 0, 16, 1, 1, 0), (1, 1, 0, 0, 16, 1, 1024, 0), (1, 1, 0, 3, 32, 0, 4096, 0),
+            (1, 1, 0, 0, 16, 1, 1, 1), (1, 1, 0, 0, 16, 0, 1, 1), (0, 0, 0, 3, 32, 0, 0, 1), (1, 1, 0, 2, 0, 0, 0, 1)):
         launch_options(gemm_pdl=pdl, act_quant_one_pass=one_pass, decode_u8=u8, decode_ctas_per_sm=ctas,
-                       decode_preload_max_m=pre, decode_dp4a=dp4a, act_quant_split=split)
+                       decode_preload_max_m=pre, decode_dp4a=dp4a, act_quant_split=split, quant_ops_pdl=qpdl)
         for _ in range(3):  # back to back, so a dependent can start before its producer ends
             poison(m * n, torch.bfloat16)
             y = torch.ops.mixprec.w4a8_linear(x, layer.qweight, layer.group_scale, layer.group_offset,
                                               layer.channel_scale, None, None, "cuda")
-            outs.append(((pdl, one_pass, u8, ctas, pre, dp4a, split), y))
+            outs.append(((pdl, one_pass, u8, ctas, pre, dp4a, split, qpdl), y))
     torch.cuda.synchronize()
     for opts, y in outs[1:]:
         assert torch.equal(y, outs[0][1]), opts
+
+
+def _decoder_chain(layers, xq, xs, residual, weight):
+    """A decoder layer's decode ops as the compiled graphs chain them: GEMM, add + RMSNorm +
+    quantizer, GEMM, SiLU-and-mul + quantizer, GEMM, quantizer; every op reads the one before."""
+    gemm = torch.ops.mixprec_C.w4a8_gemm
+    (pq1, gp1, cs1), (pq2, gp2, cs2), (pq3, gp3, cs3) = layers
+    y1 = gemm(xq, xs, pq1, gp1, cs1, None, torch.bfloat16)
+    q1, s1, r1 = cuda.add_rms_norm_quantize_act(y1, residual, weight, 1e-5, None)
+    y2 = gemm(q1, s1, pq2, gp2, cs2, None, torch.bfloat16)
+    q2, s2 = cuda.silu_mul_quantize_act(y2)
+    y3 = gemm(q2, s2, pq3, gp3, cs3, None, torch.bfloat16)
+    q3, s3 = cuda.quantize_act(y3)
+    return y1, q1, s1, r1, y2, q2, s2, y3, q3, s3
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 40])
+def test_quant_ops_as_dependents_of_the_decode_gemm(m, launch_options):
+    """quant_ops_pdl: the three quantizer ops launched as programmatic dependents of the decode GEMM
+    whose output they read (which lets them launch once its CTAs are past their own wait). Four
+    steps back to back on inputs that change every step, eagerly and replayed from one CUDA graph
+    captured with the option on, give the plain launches' outputs bit for bit; an op that read its
+    input before the GEMM had written it would read the step before's."""
+    hidden, inter = 2048, 4096
+    gen = _gen(7100 + m)
+    layers = []
+    for n, k in ((hidden, hidden), (2 * inter, hidden), (hidden, inter)):
+        qw, gs, go, cs = random_lqq(n, k, 128, gen)
+        layers.append((*cuda.repack_w4a8(qw, gs, go), cs))
+    weight = (torch.rand(hidden, generator=gen, device=DEV) + 0.5).to(torch.bfloat16)
+    steps = [(*random_act(m, hidden, gen), torch.randn(m, hidden, generator=gen, device=DEV).to(torch.bfloat16))
+             for _ in range(4)]
+    runs = {}
+    for quant_ops_pdl in (0, 1):
+        launch_options(quant_ops_pdl=quant_ops_pdl)
+        runs[quant_ops_pdl] = [_decoder_chain(layers, *step, weight) for step in steps]  # no sync between steps
+        torch.cuda.synchronize()
+    for step, (plain, dependent) in enumerate(zip(runs[0], runs[1])):
+        for i, (a, b) in enumerate(zip(plain, dependent)):
+            assert torch.equal(a, b), (step, i)
+    y1, q1, s1, r1 = runs[0][-1][:4]
+    assert_norm_quant_close((q1, s1, r1), ref.add_rms_norm_quantize_act(y1, steps[-1][2], weight, 1e-5))
+
+    launch_options(quant_ops_pdl=1)
+    static = [t.clone() for t in steps[0]]
+    graph, outs, _ = capture_after_warmup(lambda st: _decoder_chain(layers, *st, weight), static)
+    for step, inputs in enumerate(steps):
+        for dst, src in zip(static, inputs):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (a, b) in enumerate(zip(runs[0][step], outs)):
+            assert torch.equal(a, b), (step, i)
 
 
 @pytest.mark.parametrize("k", [4096, 40000])  # one-pass, two-pass

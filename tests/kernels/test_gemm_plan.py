@@ -35,6 +35,7 @@ DECODE_U8_DEFAULT = 0  # set_launch_options' decode_u8: off until timed on a GPU
 DECODE_DP4A_DEFAULT = 1  # set_launch_options' decode_dp4a: on since its GPU tests and timing (session 56)
 DECODE_CTAS_PER_SM_DEFAULT = 0  # set_launch_options' decode_ctas_per_sm: the planner picks (session 36)
 ACT_QUANT_SPLIT_DEFAULT = 1  # set_launch_options' act_quant_split: quantize_act's rule (session 80)
+QUANT_OPS_PDL_DEFAULT = 1  # quant_ops_pdl: on since the Llama decoder pieces on an H100 (session 88)
 DECODE_PRELOAD_MAX_M_DEFAULT = 16  # set_launch_options' decode_preload_max_m (M = 9-16: 3-CTA build only; session 39)
 # Session 36 (H200): the decode kernels x builds (2 or 3 CTAs per SM) x splits
 S36 = os.path.join(RESULTS, "2026-11-29-s36", "decode-options")
@@ -454,13 +455,14 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
                                 "decode_u8": DECODE_U8_DEFAULT, "decode_ctas_per_sm": DECODE_CTAS_PER_SM_DEFAULT,
                                 "decode_preload_max_m": DECODE_PRELOAD_MAX_M_DEFAULT, "act_quant_lean": 1,
                                 "gemm_cluster_pair": CLUSTER_PAIR_DEFAULT, "decode_dp4a": DECODE_DP4A_DEFAULT,
-                                "act_quant_split": ACT_QUANT_SPLIT_DEFAULT}
+                                "act_quant_split": ACT_QUANT_SPLIT_DEFAULT,
+                                "quant_ops_pdl": QUANT_OPS_PDL_DEFAULT}
     saved = cuda.set_launch_options()
     try:
         assert set(saved) == set(cuda.LAUNCH_OPTIONS)
         want = dict(saved)
         for option in ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "act_quant_lean",
-                       "gemm_cluster_pair", "decode_dp4a", "gemm_pdl"):
+                       "gemm_cluster_pair", "decode_dp4a", "quant_ops_pdl", "gemm_pdl"):
             want[option] = 1 - want[option]
             assert cuda.set_launch_options(**{option: want[option]}) == want, option
         for ctas in (3, 2, 0, 3):
@@ -496,6 +498,8 @@ def test_launch_options_round_trip_and_errors(_classic_planner):
             with pytest.raises(RuntimeError, match=r"act_quant_split takes 0 \(never\), 1 \(the rule\), 1024, 2048, "
                                                    rf"4096 \(that chunk at every M <= 64\) or -1 \(keep\); got {bad}$"):
                 cuda.set_launch_options(act_quant_split=bad)
+        with pytest.raises(RuntimeError, match=r"quant_ops_pdl takes 0, 1 or -1 \(keep\); got 2"):
+            cuda.set_launch_options(quant_ops_pdl=2)
         assert cuda.set_launch_options() == want  # a refused call changes nothing
     finally:
         cuda.set_launch_options(**saved)
@@ -579,15 +583,43 @@ def test_decode_chain_options_lost_on_the_h100():
     assert "decode_prefetch_chunks" not in cuda.LAUNCH_OPTIONS
 
 
+S88 = os.path.join(RESULTS, "2026-12-07-s88")
+
+
+def test_decode_acc_split_lost_on_the_h100():
+    """Session 88's two accumulator sets in the decode kernels' s8 MMA form (a chunk's two k32
+    steps in two sets, so no mma.sync waits on the one just issued; the retired
+    decode_acc_split.patch): off-on-off on the 7 Llama rows, the GEMM alone is nowhere 1.5 % faster
+    than both off arms at M = 4 and slower by over 3 % on four rows at M = 16; in the 70B decoder
+    piece it gains nothing at M = 4 and 8 and costs 4.4 us at 16 (M = 1 runs the IDP.4A form either
+    way: the A/A control). The MMA chain's latency is hidden by the other warps, so it is no option."""
+    with open(os.path.join(S88, "run1-acc-split", "decode_acc_split.json")) as f:
+        rows = json.load(f)
+    slower = 0
+    for r in rows:
+        on, off = r["gemm_auto_as1_us"], min(r["gemm_auto_as0_us"], r["gemm_auto_as0_again_us"])
+        if r["M"] == 4:
+            assert on > 0.985 * off, r
+        elif on > 1.03 * max(r["gemm_auto_as0_us"], r["gemm_auto_as0_again_us"]):
+            slower += 1
+    assert len(rows) == 14 and slower == 4
+    with open(os.path.join(S88, "run1-acc-split", "served-marlin-70b", "bench_compiled_marlin.json")) as f:
+        piece = {r["M"]: r["mixprec_decode_ops_decode_acc_split1_us"] - r["mixprec_decode_ops_us"]
+                 for r in json.load(f)["rows"]}
+    assert abs(piece[1]) < 0.1 and 0.0 < piece[4] < 1.0 and 0.0 < piece[8] < 1.0 and piece[16] > 4.0, piece
+    assert "decode_acc_split" not in cuda.LAUNCH_OPTIONS
+
+
 def test_launch_options_from_env():
-    """The MIXPREC_GEMM_* (and MIXPREC_ACT_QUANT_SPLIT) variables read at load: each names its option; a bad
-    value names the variable."""
+    """The MIXPREC_GEMM_* (and MIXPREC_ACT_QUANT_SPLIT, MIXPREC_QUANT_OPS_PDL) variables read at load:
+    each names its option; a bad value names the variable."""
     env = {"MIXPREC_GEMM_PDL": "0", "MIXPREC_GEMM_DECODE_U8": " 1", "MIXPREC_GEMM_DECODE_CTAS_PER_SM": "3",
            "MIXPREC_GEMM_DECODE_PRELOAD_MAX_M": "16", "MIXPREC_GEMM_CLUSTER_PAIR": "0",
-           "MIXPREC_GEMM_DECODE_DP4A": "1", "MIXPREC_ACT_QUANT_SPLIT": "4096", "UNRELATED": "x"}
+           "MIXPREC_GEMM_DECODE_DP4A": "1", "MIXPREC_ACT_QUANT_SPLIT": "4096", "MIXPREC_QUANT_OPS_PDL": "1",
+           "UNRELATED": "x"}
     assert cuda.launch_options_from_env(env) == {"gemm_pdl": 0, "decode_u8": 1, "decode_ctas_per_sm": 3,
                                                  "decode_preload_max_m": 16, "gemm_cluster_pair": 0,
-                                                 "decode_dp4a": 1, "act_quant_split": 4096}
+                                                 "decode_dp4a": 1, "act_quant_split": 4096, "quant_ops_pdl": 1}
     assert cuda.launch_options_from_env({}) == {}
     with pytest.raises(ValueError, match=r"MIXPREC_ACT_QUANT_SPLIT='512': expected 0, 1, 1024, 2048 or 4096"):
         cuda.launch_options_from_env({"MIXPREC_ACT_QUANT_SPLIT": "512"})

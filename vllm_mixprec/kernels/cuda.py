@@ -103,7 +103,8 @@ ENV_LAUNCH_OPTIONS = (("MIXPREC_GEMM_PDL", "gemm_pdl", range(2)),
                       ("MIXPREC_GEMM_DECODE_CTAS_PER_SM", "decode_ctas_per_sm", (0, 2, 3)),
                       ("MIXPREC_GEMM_DECODE_PRELOAD_MAX_M", "decode_preload_max_m", range(33)),
                       ("MIXPREC_GEMM_DECODE_DP4A", "decode_dp4a", range(2)),
-                      ("MIXPREC_ACT_QUANT_SPLIT", "act_quant_split", (0, 1, 1024, 2048, 4096)))
+                      ("MIXPREC_ACT_QUANT_SPLIT", "act_quant_split", (0, 1, 1024, 2048, 4096)),
+                      ("MIXPREC_QUANT_OPS_PDL", "quant_ops_pdl", range(2)))
 
 
 def launch_option_value(v: str, allowed) -> int | None:
@@ -132,14 +133,15 @@ def launch_options_from_env(environ) -> dict[str, int]:
 
 
 LAUNCH_OPTIONS = ("gemm_pdl", "act_quant_one_pass", "gemm_stream_k", "decode_u8", "decode_ctas_per_sm",
-                  "decode_preload_max_m", "act_quant_lean", "gemm_cluster_pair", "decode_dp4a", "act_quant_split")
+                  "decode_preload_max_m", "act_quant_lean", "gemm_cluster_pair", "decode_dp4a", "act_quant_split",
+                  "quant_ops_pdl")
 
 
 def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_stream_k: int = -1,
                        decode_u8: int = -1, decode_ctas_per_sm: int = -1,
                        decode_preload_max_m: int = -1, act_quant_lean: int = -1,
                        gemm_cluster_pair: int = -1, decode_dp4a: int = -1,
-                       act_quant_split: int = -1) -> dict[str, int]:
+                       act_quant_split: int = -1, quant_ops_pdl: int = -1) -> dict[str, int]:
     """Set the csrc launch options (-1 keeps one) and return them all.
 
     gemm_pdl: on sm_90 the decode GEMM (M <= 64) and the wgmma GEMMs are programmatic dependent
@@ -171,13 +173,18 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
     long rows over CTAs of one chunk each, every CTA taking the row's amax itself (unsmoothed,
     aligned rows; the same codes): 0 never, 1 the rule (the default: 4096 elements a CTA at M =
     9-32 where K >= 8192; quantize_act_split_chunk), 1024, 2048 or 4096 that chunk wherever M <= 64
-    and the row makes two (A/B timing; MIXPREC_ACT_QUANT_SPLIT at load). Defaults: csrc/gemm/NOTES.md, "PDL",
+    and the row makes two (A/B timing; MIXPREC_ACT_QUANT_SPLIT at load). quant_ops_pdl: on sm_90 the
+    quantizer ops (quantize_act, add_rms_norm_quantize_act, silu_mul_quantize_act) are
+    programmatic dependent launches, and the decode GEMM lets them launch once its CTAs are past
+    their own wait, so an op after a GEMM is scheduled during the GEMM's last CTAs; they read only
+    their weight and smoothing vectors before waiting for the kernel before them; the same
+    outputs (on; MIXPREC_QUANT_OPS_PDL=0 turns it off at load). Defaults: csrc/gemm/NOTES.md, "PDL",
     "Stream-K", "Decode u8", "Decode occupancy", "Decode preload", "quantize_act", "Session 47",
-    "Session 48", "Session 55", "Session 56" and "Session 80".
+    "Session 48", "Session 55", "Session 56", "Session 80" and "Session 88".
     A CUDA graph keeps the options it was captured with."""
     got = torch.ops.mixprec_C.set_launch_options(gemm_pdl, act_quant_one_pass, gemm_stream_k, decode_u8,
                                                  decode_ctas_per_sm, decode_preload_max_m, act_quant_lean,
-                                                 gemm_cluster_pair, decode_dp4a, act_quant_split)
+                                                 gemm_cluster_pair, decode_dp4a, act_quant_split, quant_ops_pdl)
     return dict(zip(LAUNCH_OPTIONS, got))
 
 

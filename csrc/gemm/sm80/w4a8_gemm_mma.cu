@@ -400,6 +400,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kMinCtas) w4a8_decode_kernel(c
     if (preloaded) load_weights<kPre>(wptr, pptr, c_lo, p.group_shift, wv0, pv0);
   }
   wait_prior_grids();
+  // (Not before the wait: dependents then start only once every grid before this one is done.)
+  if (p.trigger_dependents) allow_dependent_launch();
 
   const int8_t* xptr[kTokTiles];
 #pragma unroll
