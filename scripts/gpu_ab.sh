@@ -13,7 +13,7 @@
 #   bash scripts/gpu_ab.sh report                       # the table and the targets so far
 #   bash scripts/gpu_ab.sh aba throughput A B           # A, then B, then A again on this host, and their table
 # Arms: bf16 marlin machete fp8 w4a8 w4a8kv4 (default: all six), marlin-int8, and the w4a8kv4-*
-# arms that change one default each (docs/AB.md): -unfused -siluquant -inductorquant -siluop -cachedprefill
+# arms that change one default each (docs/AB.md): -unfused -siluquant -inductorquant -siluop -noquantpdl -cachedprefill
 # -tritonchunk -mergectx -pdl -tailprog -naturalorder -inputorder -codesorder.
 # A workload stage resumes: what ab.jsonl already has as ok is skipped, so the same command can be
 # repeated after a call ran out of time. Results accumulate in $AB_RESULTS on the host and are

@@ -285,7 +285,7 @@ struct QuantPaths {
   bool pdl;         // a programmatic dependent launch (quant_ops_pdl)
 };
 
-// A row kernel: grid (M) or (chunks, M), every kernel's arguments.
+// A kernel of one CTA a row (grid M) with the row kernels' arguments, PDL as paths asks.
 template <auto kKernel, typename T, typename S>
 cudaError_t launch_rows(dim3 grid, int threads, const T* x, int64_t stride, const S* smooth, int8_t* q, float* scale,
                         int K, const QuantPaths& paths, cudaStream_t stream) {

@@ -47,6 +47,7 @@ def test_arm_table():
     assert dict(a["w4a8kv4-siluquant"].env) == {"MIXPREC_FUSE_SILU_QUANT": "1"}
     assert dict(a["w4a8kv4-inductorquant"].env) == {"MIXPREC_DECODE_QUANT_OPS": "0"}
     assert dict(a["w4a8kv4-siluop"].env) == {"MIXPREC_DECODE_SILU_OP": "1"}
+    assert dict(a["w4a8kv4-noquantpdl"].env) == {"MIXPREC_QUANT_OPS_PDL": "0"}
     assert a["w4a8kv4-naturalorder"].flags == a["w4a8kv4"].flags
     assert dict(a["w4a8kv4-naturalorder"].env) == {"MIXPREC_X_WGMMA_ORDER": "0"}
     assert dict(a["w4a8kv4-inputorder"].env) == {"MIXPREC_X_WGMMA_ORDER": "input"}

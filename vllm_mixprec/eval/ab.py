@@ -105,6 +105,10 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
         what="w4a8kv4 whose decode graphs take mixprec::silu_mul_quantize_act (one csrc kernel) in "
              "place of Inductor's SiLU-and-mul + mixprec::quantize_act before the down projection "
              "(compile_passes.DecodeQuantOps): what the SiLU op is worth served"),
+    _w4a8kv4_with("noquantpdl", "MIXPREC_QUANT_OPS_PDL", "0",
+        what="w4a8kv4 whose quantizer ops are plain launches, started only once the decode GEMM "
+             "before them has ended (not programmatic dependents of it): what quant_ops_pdl is "
+             "worth served"),
     _w4a8kv4_with("naturalorder", "MIXPREC_X_WGMMA_ORDER", "0",
         what="w4a8kv4 whose compiled graphs quantize every layer's activations in the natural k "
              "order (compile_passes.WgmmaActOrder off): what the wgmma order is worth served"),
