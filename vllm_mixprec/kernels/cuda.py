@@ -176,9 +176,9 @@ def set_launch_options(gemm_pdl: int = -1, act_quant_one_pass: int = -1, gemm_st
     and the row makes two (A/B timing; MIXPREC_ACT_QUANT_SPLIT at load). quant_ops_pdl: on sm_90 the
     quantizer ops (quantize_act, add_rms_norm_quantize_act, silu_mul_quantize_act) are
     programmatic dependent launches, and the decode GEMM lets them launch once its CTAs are past
-    their own wait, so an op after a GEMM is scheduled during the GEMM's last CTAs; they read only
-    their weight and smoothing vectors before waiting for the kernel before them; the same
-    outputs (on; MIXPREC_QUANT_OPS_PDL=0 turns it off at load). Defaults: csrc/gemm/NOTES.md, "PDL",
+    their own wait, so an op after a GEMM is scheduled during the GEMM's last CTAs; they read
+    nothing before waiting for the kernel before them; the same outputs (on;
+    MIXPREC_QUANT_OPS_PDL=0 turns it off at load). Defaults: csrc/gemm/NOTES.md, "PDL",
     "Stream-K", "Decode u8", "Decode occupancy", "Decode preload", "quantize_act", "Session 47",
     "Session 48", "Session 55", "Session 56", "Session 80" and "Session 88".
     A CUDA graph keeps the options it was captured with."""
