@@ -23,7 +23,7 @@
 # x_input_fused_piece w4ax_perm x_order_piece_aba triton_tiles triton_tiles_w4ax triton_mid_linear
 # test_triton_gemm triton_quant_rows quant_split quant_split_table triton_decode_linear
 # decode_chain_tests decode_chain_preload env_arms served_marlin norm_quant_vllm decode_ops_tests
-# decode_ops_serve profile_silu quant_ops_pdl
+# decode_ops_serve profile_silu quant_ops_pdl closeout
 # Each stage writes its logs, JSON and PNG to $OUT (./out when $OUT is unset). A call of the
 # device tool is limited to 10 minutes, so long sessions run the stages in separate calls on
 # the same warm host: the built extension and /tmp/mixprec-site survive between them.
@@ -1370,6 +1370,20 @@ stage_x_order_piece_aba() {
 stage_quant_ops_pdl() {
   pytest_gpu pytest-gpu-quant-ops-pdl 240 tests/kernels/test_cuda_gemm.py \
     -k "dependents_of_the_decode_gemm or launch_options_bit_identical or add_rms_norm or silu_mul_quantize_act or quantize_act or graph"
+}
+# Session 89: issue #4's evidence on one tree in one call (~6.5 min after `env build`): the csrc
+# GEMM tests, every csrc kernel under the four sanitizers (the decode ops' cases included), the
+# table (issue_table), and the 70B and 8B decoder pieces against Marlin with the defaults.
+stage_closeout() {
+  local rc=0
+  stage_test_csrc || rc=1
+  stage_sanitize_cuda || rc=1
+  stage_issue_table || rc=1
+  SERVED_MARLIN_LAYERS=piece_70b SERVED_MARLIN_NAME=70b SERVED_MARLIN_MS="1 2 4 8 16" \
+    SERVED_MARLIN_ARGS="--decode-ops --profile 20" stage_served_marlin || rc=1
+  SERVED_MARLIN_LAYERS=piece SERVED_MARLIN_NAME=8b SERVED_MARLIN_MS="1 4 16" \
+    SERVED_MARLIN_ARGS="--decode-ops" stage_served_marlin || rc=1
+  return $rc
 }
 # Session 82: decode as served against Marlin W4A16 (issue #4's M <= 16 target as a served layer
 # pays it): the decoder pieces compiled as the plugin compiles batches of at most 64 tokens (the

@@ -3,8 +3,9 @@
 # Usage (GPU host, repo root, extension built): scripts/sanitize.sh [cuda] [triton]
 #   SANITIZE_TOOLS="racecheck" runs a subset of the four tools; SANITIZE_TRITON_K replaces the
 #   triton target's pytest -k selection; SANITIZE_CUDA_ARGS=quantize limits the cuda target to
-#   quantize_act.
-#   cuda:   scripts/sanitize_cuda_driver.py, every csrc kernel (mma.sync, wgmma, quantize_act)
+#   quantize_act, SANITIZE_CUDA_ARGS=ops to the decode ops (norm op, SiLU op, both after the GEMM).
+#   cuda:   scripts/sanitize_cuda_driver.py, every csrc kernel (mma.sync, wgmma, quantize_act, the
+#           norm and SiLU ops)
 #   triton: a pytest -m gpu selection that launches every Triton kernel (W4A8/W4Ax GEMM and
 #           activation quantizers, KV quantize-and-store, paged decode/prefill attention, the
 #           exact-prefill context workspace)
@@ -47,7 +48,7 @@ status=0
 for target in "${targets[@]}"; do
   case $target in
     cuda) cmd=("$PY" scripts/sanitize_cuda_driver.py ${SANITIZE_CUDA_ARGS:-}); exclude=()
-          ours_re="w4a8_(decode|tiled|wgmma)[a-z_]*kernel|quantize_act_int8_[a-z_]*kernel" ;;
+          ours_re="w4a8_(decode|tiled|wgmma)[a-z_]*kernel|quantize_act_int8_[a-z_]*kernel|(add_rms_norm|silu_mul)_quantize_act_kernel" ;;
     triton) cmd=("$PY" -m pytest -q -p no:cacheprovider -x "${TRITON_TESTS[@]}"
                  -k "$TRITON_K")
           fa3=${SANITIZE_EXCLUDE-kns=FlashAttnFwdSm90}

@@ -1,8 +1,10 @@
 """Small driver for compute-sanitizer: every csrc W4A8 kernel variant (on the wgmma kernels, x in
-either k order) and quantize_act (either order, its rows split over CTAs or not) once.
+either k order), quantize_act (either order, its rows split over CTAs or not) and the decode
+graphs' norm and SiLU ops (alone and as dependents of the decode GEMM) once.
 
 Run by scripts/sanitize.sh; it exits non-zero if a result is wrong, so the sanitizer
-log and the exit code both count. `sanitize_cuda_driver.py quantize` runs quantize_act's cases only.
+log and the exit code both count. `sanitize_cuda_driver.py quantize` runs quantize_act's cases only,
+`sanitize_cuda_driver.py ops` the decode ops' only.
 """
 import os
 import sys
@@ -30,8 +32,13 @@ def main() -> int:
         print("csrc ops not built:", cuda.load_error())
         return 2
     gen = torch.Generator(device=DEV).manual_seed(0)
-    failures = 0 if sys.argv[1:] == ["quantize"] else gemm_cases(gen)
-    failures += quantize_cases(gen)
+    only = sys.argv[1:]  # [] (every case), ["quantize"] (quantize_act), ["ops"] (the decode ops)
+    if only not in ([], ["quantize"], ["ops"]):
+        print(f"usage: {sys.argv[0]} [quantize | ops], not {' '.join(only)}")
+        return 2
+    failures = gemm_cases(gen) if not only else 0
+    failures += quantize_cases(gen) if only != ["ops"] else 0
+    failures += decode_ops_cases(gen) if only != ["quantize"] else 0
     torch.cuda.synchronize()
     print("failures:", failures)
     return 1 if failures else 0
@@ -120,6 +127,63 @@ def quantize_cases(gen) -> int:
                 ok = ok and torch.equal(q_wgmma, ref.to_wgmma_act_order(q0))
             failures += not ok
             print(f"quantize_act split={split} {dtype} M={m} K={k}: {'ok' if ok else 'FAIL'}")
+    cuda.set_launch_options(**defaults)
+    return failures
+
+
+def codes_close(got, want) -> bool:
+    """A fused quantizer against its reference: scales within 2^-7 (the fused kernel sums in
+    another order, which can move a value by one rounding of its dtype), codes within one."""
+    (q, s), (q_ref, s_ref) = got, want
+    return (int((q.int() - q_ref.int()).abs().max()) <= 1
+            and torch.allclose(s, s_ref, rtol=2.0 ** -7, atol=0, equal_nan=True))
+
+
+def decode_ops_cases(gen) -> int:
+    """The decode graphs' ops: add + RMSNorm + quantizer (one CTA a row), SiLU-and-mul + quantizer
+    (a row over a cluster of CTAs), and both as programmatic dependents of the decode GEMM
+    (quant_ops_pdl), which reads its weights before its wait and lets them launch after it."""
+    failures = 0
+    for dtype, m, k, weighted, smoothed in ((torch.bfloat16, 1, 8192, True, False),
+                                            (torch.float16, 5, 4096, False, True),
+                                            (torch.bfloat16, 64, 16384, True, True)):
+        x, res = (torch.randn(m, k, generator=gen, device=DEV).to(dtype) for _ in range(2))
+        w = (torch.rand(k, generator=gen, device=DEV) + 0.5).to(dtype) if weighted else None
+        sm = torch.rand(k, generator=gen, device=DEV) + 0.5 if smoothed else None
+        q, s, r = cuda.add_rms_norm_quantize_act(x, res, w, 1e-5, sm)
+        q_ref, s_ref, r_ref = ref.add_rms_norm_quantize_act(x, res, w, 1e-5, sm)
+        ok = torch.equal(r, r_ref) and codes_close((q, s), (q_ref, s_ref))
+        failures += not ok
+        print(f"add_rms_norm_quantize_act {dtype} M={m} K={k} weight={weighted} smooth={smoothed}: "
+              f"{'ok' if ok else 'FAIL'}")
+    for dtype, m, k, cluster in ((torch.bfloat16, 1, 28672, None), (torch.float16, 3, 14336, 1),
+                                 (torch.bfloat16, 16, 14344, 2), (torch.bfloat16, 40, 28672, 16)):
+        gate_up = torch.randn(m, 2 * k, generator=gen, device=DEV).to(dtype)
+        q, s = cuda.silu_mul_quantize_act(gate_up, None, cluster)
+        ok = codes_close((q, s), ref.silu_mul_quantize_act(gate_up))
+        failures += not ok
+        print(f"silu_mul_quantize_act {dtype} M={m} K={k} max_cluster={cluster}: {'ok' if ok else 'FAIL'}")
+    defaults = cuda.set_launch_options()
+    for m in (1, 16, 40):  # GEMM -> norm op -> GEMM -> SiLU op -> GEMM -> quantize_act, dependents
+        hidden, inter = 1024, 2048
+        layers = [(*cuda.repack_w4a8(*lqq(n, k, 128, gen)),
+                   torch.rand(n, generator=gen, device=DEV) * 1e-3 + 1e-4)
+                  for n, k in ((hidden, hidden), (2 * inter, hidden), (hidden, inter))]
+        xq, xs = cuda.quantize_act(torch.randn(m, hidden, generator=gen, device=DEV, dtype=torch.bfloat16))
+        res = torch.randn(m, hidden, generator=gen, device=DEV).to(torch.bfloat16)
+        outs = []
+        for pdl in (0, 1):
+            cuda.set_launch_options(quant_ops_pdl=pdl)
+            (p1, g1, c1), (p2, g2, c2), (p3, g3, c3) = layers
+            y1 = torch.ops.mixprec_C.w4a8_gemm(xq, xs, p1, g1, c1, None, torch.bfloat16)
+            q1, s1, _ = cuda.add_rms_norm_quantize_act(y1, res, None, 1e-5)
+            y2 = torch.ops.mixprec_C.w4a8_gemm(q1, s1, p2, g2, c2, None, torch.bfloat16)
+            q2, s2 = cuda.silu_mul_quantize_act(y2)
+            y3 = torch.ops.mixprec_C.w4a8_gemm(q2, s2, p3, g3, c3, None, torch.bfloat16)
+            outs.append((y1, q1, y2, q2, y3, *cuda.quantize_act(y3)))
+        ok = all(torch.equal(a, b) for a, b in zip(*outs))
+        failures += not ok
+        print(f"decode chain M={m}, quant_ops_pdl 0 against 1: {'ok' if ok else 'FAIL'}")
     cuda.set_launch_options(**defaults)
     return failures
 

@@ -793,6 +793,62 @@ def test_quant_ops_as_dependents_in_the_pieces_on_the_h100():
         assert cuda.set_launch_options()["quant_ops_pdl"] == 1
 
 
+def test_default_pieces_and_the_silu_op_served_on_the_h100():
+    """Session 89's runs (benchmarks/results/2026-12-07-s89/), read as docs/BENCHMARKS.md
+    "Session 89 (H100)" reads them. With session 88's default compiled in, the csrc GEMM tests, the
+    decode ops' tests and the compile passes' GPU tests passed. The default is >= 1.2x Marlin W4A16
+    at every M <= 16 on the 70B piece (means of three rounds; M = 2, 4 again in a second run), and
+    turning quant_ops_pdl off is slower in every round. The SiLU op is 0.3-2.3 us faster on the
+    70B piece, 0.1-0.7 us slower on the 8B piece, and served (8B shape, A-B-A) it ties the
+    default within the A rounds' drift: it stays opt-in."""
+    import json
+    import pathlib
+    import statistics
+
+    run = pathlib.Path(__file__).resolve().parents[1] / "benchmarks/results/2026-12-07-s89"
+    tests = run / "run1-tests-pieces"
+    assert "2604 passed" in (tests / "pytest-gpu-csrc.log").read_text()
+    assert "169 passed" in (tests / "pytest-gpu-decode-ops.log").read_text()
+    assert "13 passed" in (tests / "pytest-gpu-compile-passes.log").read_text()
+    for log in tests.glob("pytest-gpu-*.log"):
+        assert " failed" not in log.read_text(), log.name
+
+    def rows(path):
+        got = json.loads((run / path / "bench_compiled_marlin.json").read_text())["rows"]
+        assert all(v == [4, 2, int("silu" in k)] for r in got for k, v in r.items() if k.endswith("_replaced"))
+        return {r["M"]: r for r in got}
+
+    def mean(r, arm):
+        return statistics.mean(r[f"{arm}_us_rounds"])
+
+    for path, ms in (("run1-tests-pieces/served-marlin-70b", [1, 2, 4, 8, 16]),
+                     ("run2-pieces-again/served-marlin-70b-again", [2, 4])):
+        big = rows(path)
+        assert sorted(big) == ms
+        for m, r in big.items():
+            assert mean(r, "marlin_w4a16") / mean(r, "mixprec_decode_ops") >= 1.2, (path, m)
+            assert min(a - b for a, b in zip(r["mixprec_decode_ops_quant_ops_pdl0_us_rounds"],
+                                             r["mixprec_decode_ops_us_rounds"])) > 0.8, (path, m)
+            assert mean(r, "mixprec_decode_ops_silu_op") < mean(r, "mixprec_decode_ops"), (path, m)
+    small = rows("run2-pieces-again/served-marlin-8b")
+    assert sorted(small) == [1, 4, 16]
+    assert all(mean(r, "mixprec_decode_ops_silu_op") > mean(r, "mixprec_decode_ops") for r in small.values())
+
+    served = {}  # (round, concurrency) -> (arm, output tokens/s)
+    for i in (1, 2, 3):
+        for line in (run / f"serve-aba/results/aba-{i}/ab.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            assert rec["status"] == "ok" and rec["metrics"]["failed"] == 0
+            served[i, rec["concurrency"]] = (rec["arm"], rec["metrics"]["output_throughput"])
+    assert sorted(served) == [(i, c) for i in (1, 2, 3) for c in (1, 8)]
+    for c in (1, 8):
+        a = [served[i, c][1] for i in (1, 3)]
+        assert served[1, c][0] == served[3, c][0] == "w4a8kv4" and served[2, c][0] == "w4a8kv4-siluop"
+        drift = (max(a) - min(a)) / statistics.mean(a)
+        assert abs(served[2, c][1] / statistics.mean(a) - 1) <= drift, c  # a tie: within the A rounds' drift
+    assert not cp.decode_silu_op({})  # so the default stays off
+
+
 def test_compiled_linear_benchmark_flags_orders_not_timed_as_meant(repo_module):
     """bench_compiled_linear's order A/B (order_bad): a row is bad when a compile rewrote not every
     GEMM, moved not every quantizer, or ended further from the eager layer than the natural one."""

@@ -201,9 +201,9 @@ def decode_quant_ops(environ=os.environ) -> bool:
 def decode_silu_op(environ=os.environ) -> bool:
     """MIXPREC_DECODE_SILU_OP: 0 (the default: the down projection's SiLU-and-mul stays Inductor's,
     its quantizer becomes mixprec::quantize_act) or 1 (DecodeQuantOps puts mixprec::silu_mul_quantize_act
-    in place of the pair). Opt-in: on an H100 (session 86) the op is bit-exact, and the 70B
-    decoder piece was 1.5 / 0.8 us faster with it at 1 / 4 tokens and 0.4 us slower at 16 (one
-    run), too little to flip without a served A/B."""
+    in place of the pair). Opt-in: on an H100 the op is bit-exact; with it the 70B decoder piece
+    is 0.3-3.0 us faster at 1-16 tokens and the 8B piece 0.1-0.7 us slower, and served (8B
+    shape, A-B-A, session 89) it tied the default within the A rounds' drift."""
     v = envs.get("MIXPREC_DECODE_SILU_OP", environ)
     if v not in ("0", "1"):
         raise ValueError(f"MIXPREC_DECODE_SILU_OP={v!r}: expected 0 (the default: with the decode ops, "
