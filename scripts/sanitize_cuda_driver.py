@@ -156,13 +156,20 @@ def decode_ops_cases(gen) -> int:
         failures += not ok
         print(f"add_rms_norm_quantize_act {dtype} M={m} K={k} weight={weighted} smooth={smoothed}: "
               f"{'ok' if ok else 'FAIL'}")
-    for dtype, m, k, cluster in ((torch.bfloat16, 1, 28672, None), (torch.float16, 3, 14336, 1),
-                                 (torch.bfloat16, 16, 14344, 2), (torch.bfloat16, 40, 28672, 16)):
+    # (max_cluster, cta_vecs): the batch's rule; one CTA a row; 2 CTAs; 16 CTAs of 128 vectors
+    # (28672 outputs make 7 CTAs of the default 512 vectors, so 16 needs the smaller CTAs)
+    for dtype, m, k, cluster, cta_vecs, smoothed in (
+            (torch.bfloat16, 1, 28672, None, cuda.SILU_QUANT_CTA_VECS, False),
+            (torch.float16, 3, 14336, 1, cuda.SILU_QUANT_CTA_VECS, True),
+            (torch.bfloat16, 16, 14344, 2, cuda.SILU_QUANT_CTA_VECS, False),
+            (torch.bfloat16, 40, 28672, 16, 128, True)):
         gate_up = torch.randn(m, 2 * k, generator=gen, device=DEV).to(dtype)
-        q, s = cuda.silu_mul_quantize_act(gate_up, None, cluster)
-        ok = codes_close((q, s), ref.silu_mul_quantize_act(gate_up))
+        sm = torch.rand(k, generator=gen, device=DEV) + 0.5 if smoothed else None
+        q, s = cuda.silu_mul_quantize_act(gate_up, sm, cluster, cta_vecs)
+        ok = codes_close((q, s), ref.silu_mul_quantize_act(gate_up, sm))
         failures += not ok
-        print(f"silu_mul_quantize_act {dtype} M={m} K={k} max_cluster={cluster}: {'ok' if ok else 'FAIL'}")
+        print(f"silu_mul_quantize_act {dtype} M={m} K={k} max_cluster={cluster} cta_vecs={cta_vecs} "
+              f"smooth={smoothed}: {'ok' if ok else 'FAIL'}")
     defaults = cuda.set_launch_options()
     for m in (1, 16, 40):  # GEMM -> norm op -> GEMM -> SiLU op -> GEMM -> quantize_act, dependents
         hidden, inter = 1024, 2048
