@@ -11,10 +11,13 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "kernels")]  # the checkout; the GPU tests' helpers
 
 from vllm_mixprec import reference as ref
 from vllm_mixprec.kernels import cuda
+
+from cuda_gemm_helpers import decoder_chain
 
 DEV = "cuda"
 
@@ -181,13 +184,7 @@ def decode_ops_cases(gen) -> int:
         outs = []
         for pdl in (0, 1):
             cuda.set_launch_options(quant_ops_pdl=pdl)
-            (p1, g1, c1), (p2, g2, c2), (p3, g3, c3) = layers
-            y1 = torch.ops.mixprec_C.w4a8_gemm(xq, xs, p1, g1, c1, None, torch.bfloat16)
-            q1, s1, _ = cuda.add_rms_norm_quantize_act(y1, res, None, 1e-5)
-            y2 = torch.ops.mixprec_C.w4a8_gemm(q1, s1, p2, g2, c2, None, torch.bfloat16)
-            q2, s2 = cuda.silu_mul_quantize_act(y2)
-            y3 = torch.ops.mixprec_C.w4a8_gemm(q2, s2, p3, g3, c3, None, torch.bfloat16)
-            outs.append((y1, q1, y2, q2, y3, *cuda.quantize_act(y3)))
+            outs.append(decoder_chain(layers, xq, xs, res, None))
         ok = all(torch.equal(a, b) for a, b in zip(*outs))
         failures += not ok
         print(f"decode chain M={m}, quant_ops_pdl 0 against 1: {'ok' if ok else 'FAIL'}")

@@ -749,6 +749,16 @@ def test_piece_launch_options_and_silu_plans_on_the_h100():
     assert all(cost[m]["silu_op"] < -0.5 for m in cost)
 
 
+def _piece_rows(folder):
+    """A bench_compiled_linear --compare marlin run's rows by M, each arm's pass having replaced the
+    piece's 4 quantizers, 2 norms and (SiLU-op arms) 1 SiLU-and-mul."""
+    import json
+
+    got = json.loads((folder / "bench_compiled_marlin.json").read_text())["rows"]
+    assert all(v == [4, 2, int("silu" in k)] for r in got for k, v in r.items() if k.endswith("_replaced"))
+    return {r["M"]: r for r in got}
+
+
 def test_quant_ops_as_dependents_in_the_pieces_on_the_h100():
     """Session 88's runs 2 and 3 (benchmarks/results/2026-12-07-s88/), read as docs/BENCHMARKS.md
     "Session 88 (H100)" reads them: quant_ops_pdl (the quantizer ops as programmatic dependents of
@@ -757,7 +767,6 @@ def test_quant_ops_as_dependents_in_the_pieces_on_the_h100():
     a round, and on the 8B piece by 1.0-2.3 us on the mean at M = 1, 4, 16; its GPU tests passed and
     memcheck found nothing, and each arm's error against the eager piece is the same with it; with
     the SiLU op too the 70B piece is >= 1.2x Marlin at every M <= 16. So it is the default now."""
-    import json
     import pathlib
     import statistics
 
@@ -767,15 +776,11 @@ def test_quant_ops_as_dependents_in_the_pieces_on_the_h100():
     assert "346 passed" in (run / "run2-quant-ops-pdl/pytest-gpu-quant-ops-pdl.log").read_text()
     assert "ERROR SUMMARY: 0 errors" in (run / "run2-quant-ops-pdl/sanitize/summary.txt").read_text()
 
-    def rows(path):
-        got = json.loads((run / path / "bench_compiled_marlin.json").read_text())["rows"]
-        assert all(v == [4, 2, int("silu" in k)] for r in got for k, v in r.items() if k.endswith("_replaced"))
-        return {r["M"]: r for r in got}
-
     def gain(r, arm):  # the arm's rounds minus the default's, round by round
         return [a - b for a, b in zip(r[f"mixprec_decode_ops_{arm}_us_rounds"], r["mixprec_decode_ops_us_rounds"])]
 
-    big = {**rows("run2-quant-ops-pdl/served-marlin-70b"), **rows("run3-quant-ops-pdl-more/served-marlin-70b")}
+    big = {**_piece_rows(run / "run2-quant-ops-pdl/served-marlin-70b"),
+           **_piece_rows(run / "run3-quant-ops-pdl-more/served-marlin-70b")}
     assert sorted(big) == [1, 2, 4, 8, 16, 32, 64]
     for m, r in big.items():
         assert max(gain(r, "quant_ops_pdl1")) < -1.5, m
@@ -786,7 +791,7 @@ def test_quant_ops_as_dependents_in_the_pieces_on_the_h100():
             both = statistics.mean(r["marlin_w4a16_us_rounds"]) / statistics.mean(
                 r["mixprec_decode_ops_silu_op_quant_ops_pdl1_us_rounds"])
             assert both >= 1.2, (m, both)
-    small = rows("run3-quant-ops-pdl-more/served-marlin-8b")
+    small = _piece_rows(run / "run3-quant-ops-pdl-more/served-marlin-8b")
     assert sorted(small) == [1, 4, 16]
     assert all(statistics.mean(gain(r, "quant_ops_pdl1")) < -0.9 for r in small.values())
     if cuda.available():  # the built library's default
@@ -813,24 +818,19 @@ def test_default_pieces_and_the_silu_op_served_on_the_h100():
     for log in tests.glob("pytest-gpu-*.log"):
         assert " failed" not in log.read_text(), log.name
 
-    def rows(path):
-        got = json.loads((run / path / "bench_compiled_marlin.json").read_text())["rows"]
-        assert all(v == [4, 2, int("silu" in k)] for r in got for k, v in r.items() if k.endswith("_replaced"))
-        return {r["M"]: r for r in got}
-
     def mean(r, arm):
         return statistics.mean(r[f"{arm}_us_rounds"])
 
     for path, ms in (("run1-tests-pieces/served-marlin-70b", [1, 2, 4, 8, 16]),
                      ("run2-pieces-again/served-marlin-70b-again", [2, 4])):
-        big = rows(path)
+        big = _piece_rows(run / path)
         assert sorted(big) == ms
         for m, r in big.items():
             assert mean(r, "marlin_w4a16") / mean(r, "mixprec_decode_ops") >= 1.2, (path, m)
             assert min(a - b for a, b in zip(r["mixprec_decode_ops_quant_ops_pdl0_us_rounds"],
                                              r["mixprec_decode_ops_us_rounds"])) > 0.8, (path, m)
             assert mean(r, "mixprec_decode_ops_silu_op") < mean(r, "mixprec_decode_ops"), (path, m)
-    small = rows("run2-pieces-again/served-marlin-8b")
+    small = _piece_rows(run / "run2-pieces-again/served-marlin-8b")
     assert sorted(small) == [1, 4, 16]
     assert all(mean(r, "mixprec_decode_ops_silu_op") > mean(r, "mixprec_decode_ops") for r in small.values())
 

@@ -1,5 +1,5 @@
-"""Shared helpers of the csrc GEMM GPU tests (test_cuda_gemm.py, test_cuda_gemm_wgmma.py) and of the
-add_rms_norm_quantize_act tests (test_triton_gemm.py)."""
+"""Shared helpers of the csrc GEMM GPU tests (test_cuda_gemm.py, test_cuda_gemm_wgmma.py), of the
+add_rms_norm_quantize_act tests (test_triton_gemm.py) and of scripts/sanitize_cuda_driver.py."""
 import torch
 
 DEV = "cuda"
@@ -96,3 +96,19 @@ def assert_norm_quant_close(got, want):
     torch.testing.assert_close(s, s_ref, rtol=2.0 ** -7, atol=0, equal_nan=True)
     diff = (q.int() - q_ref.int()).abs()
     assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01
+
+
+def decoder_chain(layers, xq, xs, residual, weight):
+    """A decoder layer's decode ops as the compiled graphs chain them: GEMM, add + RMSNorm +
+    quantizer, GEMM, SiLU-and-mul + quantizer, GEMM, quantizer; every op reads the one before."""
+    from vllm_mixprec.kernels import cuda
+
+    gemm = torch.ops.mixprec_C.w4a8_gemm
+    (pq1, gp1, cs1), (pq2, gp2, cs2), (pq3, gp3, cs3) = layers
+    y1 = gemm(xq, xs, pq1, gp1, cs1, None, torch.bfloat16)
+    q1, s1, r1 = cuda.add_rms_norm_quantize_act(y1, residual, weight, 1e-5, None)
+    y2 = gemm(q1, s1, pq2, gp2, cs2, None, torch.bfloat16)
+    q2, s2 = cuda.silu_mul_quantize_act(y2)
+    y3 = gemm(q2, s2, pq3, gp3, cs3, None, torch.bfloat16)
+    q3, s3 = cuda.quantize_act(y3)
+    return y1, q1, s1, r1, y2, q2, s2, y3, q3, s3

@@ -14,8 +14,8 @@ from vllm_mixprec import formats as F
 from vllm_mixprec import reference as ref
 from vllm_mixprec.kernels import cuda
 
-from cuda_gemm_helpers import (DEV, _gen, assert_norm_quant_close, capture_after_warmup, check_close, poison,
-                               random_act, random_lqq, replays_with_new_inputs, skip_without_csrc_ops)
+from cuda_gemm_helpers import (DEV, _gen, assert_norm_quant_close, capture_after_warmup, check_close, decoder_chain,
+                               poison, random_act, random_lqq, replays_with_new_inputs, skip_without_csrc_ops)
 
 pytestmark = pytest.mark.gpu
 
@@ -324,20 +324,6 @@ def test_gemm_launch_options_bit_identical(m, n, k, launch_options):
         assert torch.equal(y, outs[0][1]), opts
 
 
-def _decoder_chain(layers, xq, xs, residual, weight):
-    """A decoder layer's decode ops as the compiled graphs chain them: GEMM, add + RMSNorm +
-    quantizer, GEMM, SiLU-and-mul + quantizer, GEMM, quantizer; every op reads the one before."""
-    gemm = torch.ops.mixprec_C.w4a8_gemm
-    (pq1, gp1, cs1), (pq2, gp2, cs2), (pq3, gp3, cs3) = layers
-    y1 = gemm(xq, xs, pq1, gp1, cs1, None, torch.bfloat16)
-    q1, s1, r1 = cuda.add_rms_norm_quantize_act(y1, residual, weight, 1e-5, None)
-    y2 = gemm(q1, s1, pq2, gp2, cs2, None, torch.bfloat16)
-    q2, s2 = cuda.silu_mul_quantize_act(y2)
-    y3 = gemm(q2, s2, pq3, gp3, cs3, None, torch.bfloat16)
-    q3, s3 = cuda.quantize_act(y3)
-    return y1, q1, s1, r1, y2, q2, s2, y3, q3, s3
-
-
 @pytest.mark.parametrize("m", [1, 5, 16, 40])
 def test_quant_ops_as_dependents_of_the_decode_gemm(m, launch_options):
     """quant_ops_pdl: the three quantizer ops launched as programmatic dependents of the decode GEMM
@@ -357,7 +343,7 @@ def test_quant_ops_as_dependents_of_the_decode_gemm(m, launch_options):
     runs = {}
     for quant_ops_pdl in (0, 1):
         launch_options(quant_ops_pdl=quant_ops_pdl)
-        runs[quant_ops_pdl] = [_decoder_chain(layers, *step, weight) for step in steps]  # no sync between steps
+        runs[quant_ops_pdl] = [decoder_chain(layers, *step, weight) for step in steps]  # no sync between steps
         torch.cuda.synchronize()
     for step, (plain, dependent) in enumerate(zip(runs[0], runs[1])):
         for i, (a, b) in enumerate(zip(plain, dependent)):
@@ -367,7 +353,7 @@ def test_quant_ops_as_dependents_of_the_decode_gemm(m, launch_options):
 
     launch_options(quant_ops_pdl=1)
     static = [t.clone() for t in steps[0]]
-    graph, outs, _ = capture_after_warmup(lambda st: _decoder_chain(layers, *st, weight), static)
+    graph, outs, _ = capture_after_warmup(lambda st: decoder_chain(layers, *st, weight), static)
     for step, inputs in enumerate(steps):
         for dst, src in zip(static, inputs):
             dst.copy_(src)
