@@ -1371,7 +1371,8 @@ stage_quant_ops_pdl() {
   pytest_gpu pytest-gpu-quant-ops-pdl 240 tests/kernels/test_cuda_gemm.py \
     -k "dependents_of_the_decode_gemm or launch_options_bit_identical or add_rms_norm or silu_mul_quantize_act or quantize_act or graph"
 }
-# Session 89: issue #4's evidence on one tree in one call (~6.5 min after `env build`): the csrc
+# Session 89: issue #4's evidence on one tree in one call (~6 min after `env build`; session 90
+# timed its sanitizers at 2.0 min and the table at 1.8, docs/GPU_HOST.md): the csrc
 # GEMM tests, every csrc kernel under the four sanitizers (the decode ops' cases included), the
 # table (issue_table), and the 70B and 8B decoder pieces against Marlin with the defaults.
 stage_closeout() {

@@ -174,8 +174,8 @@ def decode_ops_cases(gen) -> int:
         print(f"silu_mul_quantize_act {dtype} M={m} K={k} max_cluster={cluster} cta_vecs={cta_vecs} "
               f"smooth={smoothed}: {'ok' if ok else 'FAIL'}")
     defaults = cuda.set_launch_options()
+    hidden, inter = 1024, 2048
     for m in (1, 16, 40):  # GEMM -> norm op -> GEMM -> SiLU op -> GEMM -> quantize_act, dependents
-        hidden, inter = 1024, 2048
         layers = [(*cuda.repack_w4a8(*lqq(n, k, 128, gen)),
                    torch.rand(n, generator=gen, device=DEV) * 1e-3 + 1e-4)
                   for n, k in ((hidden, hidden), (2 * inter, hidden), (hidden, inter))]
